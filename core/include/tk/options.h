@@ -1,0 +1,86 @@
+#pragma once
+/// Typed, documented options: how plugins and built-in components declare what a recipe may set.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "tk/error.h"
+
+namespace tk {
+
+enum class OptionType { Bool, Int, Float, String, IntList, FloatList };
+
+/// Name of a type as shown in errors and docs ("integer", "float", ...).
+const char* to_string(OptionType t) noexcept;
+
+using OptionValue =
+    std::variant<bool, int64_t, double, std::string, std::vector<int64_t>, std::vector<double>>;
+
+/// One option: name, type, default, one-line doc; `choices` restricts a string option.
+struct OptionSpec {
+  std::string name;
+  OptionType type = OptionType::String;
+  OptionValue default_value;
+  std::string doc;
+  std::vector<std::string> choices = {};
+  bool required = false;
+};
+
+using OptionSpecs = std::vector<OptionSpec>;
+
+/// Builders that keep declarations short and typed.
+OptionSpec opt_bool(std::string name, bool def, std::string doc);
+OptionSpec opt_int(std::string name, int64_t def, std::string doc);
+OptionSpec opt_float(std::string name, double def, std::string doc);
+OptionSpec opt_string(std::string name, std::string def, std::string doc,
+                      std::vector<std::string> choices = {});
+OptionSpec opt_ints(std::string name, std::vector<int64_t> def, std::string doc);
+OptionSpec opt_floats(std::string name, std::vector<double> def, std::string doc);
+
+/// Resolved option values (defaults filled in), each with where it was set.
+class Options {
+ public:
+  Options() = default;
+
+  void set(const std::string& name, OptionValue v, SourceLoc where = {});
+  bool has(const std::string& name) const { return values_.count(name) != 0; }
+
+  bool get_bool(const std::string& name) const;
+  int64_t get_int(const std::string& name) const;
+  double get_float(const std::string& name) const;
+  const std::string& get_string(const std::string& name) const;
+  const std::vector<int64_t>& get_ints(const std::string& name) const;
+  const std::vector<double>& get_floats(const std::string& name) const;
+
+  /// Where `name` was set (the recipe position, or empty when it is a default).
+  SourceLoc where(const std::string& name) const;
+
+  /// An error at the place `name` was set: "file:line:col: <context>.<name>: what".
+  [[noreturn]] void fail(const std::string& name, const std::string& what) const;
+
+  /// The section these options came from, e.g. "optimizer" or "plugins.grad_accum".
+  const std::string& context() const noexcept { return context_; }
+  void set_context(std::string c) { context_ = std::move(c); }
+  const SourceLoc& section_loc() const noexcept { return section_loc_; }
+  void set_section_loc(SourceLoc l) { section_loc_ = std::move(l); }
+
+  const std::map<std::string, OptionValue>& values() const noexcept { return values_; }
+
+ private:
+  const OptionValue& at(const std::string& name, OptionType t) const;
+
+  std::map<std::string, OptionValue> values_;
+  std::map<std::string, SourceLoc> where_;
+  std::string context_;
+  SourceLoc section_loc_;
+};
+
+/// Text of a value as it would be written in TOML ("0.1", "\"mean\"", "[1, 2]").
+std::string to_toml(const OptionValue& v);
+
+/// Options filled with the specs' defaults only (for tests and for plugins built in code).
+Options defaults_of(const OptionSpecs& specs);
+
+}  // namespace tk

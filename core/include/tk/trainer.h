@@ -1,0 +1,77 @@
+#pragma once
+/// The training loop: builds a run from a recipe, dispatches events to plugins, writes the outputs.
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tk/builtins.h"
+#include "tk/loader.h"
+#include "tk/output.h"
+#include "tk/plan.h"
+#include "tk/plugin.h"
+#include "tk/recipe.h"
+
+namespace tk {
+
+/// One dispatch: which plugin handled which event, at which step.
+struct TraceEntry {
+  std::string plugin;
+  Event event;
+  int64_t step;
+  int64_t micro_step;
+};
+
+/// How a run is driven, beyond the recipe.
+struct TrainerOptions {
+  bool write_outputs = true;                    ///< write the output folder (off for in-memory runs)
+  ProgressMode progress = ProgressMode::Auto;
+  std::optional<std::vector<std::filesystem::path>> plugin_dirs;  ///< replaces the default search path
+};
+
+/// What a finished run reports.
+struct FitResult {
+  int64_t steps = 0;
+  int64_t micro_steps = 0;
+  int64_t skipped_steps = 0;
+  double seconds = 0.0;
+  std::vector<double> window_losses;  ///< the true loss of every optimizer step, in order
+  std::vector<double> validation_losses;
+  std::filesystem::path output_dir;   ///< empty when outputs were off
+};
+
+class Trainer {
+ public:
+  /// Builds model, data, loss, optimizer, schedule and plugins from `recipe`; every error names
+  /// the recipe position or plugin file at fault.
+  explicit Trainer(const Recipe& recipe, TrainerOptions opts = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  /// Adds a plugin made in code (not from a library) after the recipe's ones; before fit().
+  void add_plugin(std::shared_ptr<Plugin> plugin, const Options& opts);
+
+  /// The resolved plan as text: what `tk-run --dry-run` prints.
+  std::string describe();
+  /// Trains. Throws PluginRuntimeError / Error; the output folder keeps what was written.
+  FitResult fit();
+
+  Model& model();
+  torch::optim::Optimizer& optimizer();
+  const RunPlan& plan();
+  const DataSplits& data() const;
+  /// Plugin names in dispatch order.
+  std::vector<std::string> plugin_order();
+  /// Every dispatch so far (when `run.trace` is on, or always for in-memory runs).
+  const std::vector<TraceEntry>& trace() const;
+  /// Warnings the run issued (also logged).
+  const std::vector<std::string>& warnings() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tk

@@ -1,0 +1,150 @@
+#include "tk/options.h"
+
+#include <cstdio>
+#include <sstream>
+
+namespace tk {
+
+std::string SourceLoc::str() const {
+  std::string s = file.empty() ? "<unknown>" : file;
+  if (line > 0) s += ":" + std::to_string(line);
+  if (line > 0 && column > 0) s += ":" + std::to_string(column);
+  return s;
+}
+
+RecipeError::RecipeError(const SourceLoc& where, const std::string& what)
+    : Error(where.str() + ": " + what), where_(where) {}
+
+std::string join(const std::string* begin, const std::string* end, const char* sep) {
+  std::string out;
+  for (auto it = begin; it != end; ++it) {
+    if (it != begin) out += sep;
+    out += *it;
+  }
+  return out;
+}
+
+const char* to_string(OptionType t) noexcept {
+  switch (t) {
+    case OptionType::Bool: return "boolean";
+    case OptionType::Int: return "integer";
+    case OptionType::Float: return "float";
+    case OptionType::String: return "string";
+    case OptionType::IntList: return "array of integers";
+    case OptionType::FloatList: return "array of floats";
+  }
+  return "?";
+}
+
+OptionSpec opt_bool(std::string name, bool def, std::string doc) {
+  return {std::move(name), OptionType::Bool, def, std::move(doc)};
+}
+OptionSpec opt_int(std::string name, int64_t def, std::string doc) {
+  return {std::move(name), OptionType::Int, def, std::move(doc)};
+}
+OptionSpec opt_float(std::string name, double def, std::string doc) {
+  return {std::move(name), OptionType::Float, def, std::move(doc)};
+}
+OptionSpec opt_string(std::string name, std::string def, std::string doc,
+                      std::vector<std::string> choices) {
+  return {std::move(name), OptionType::String, std::move(def), std::move(doc), std::move(choices)};
+}
+OptionSpec opt_ints(std::string name, std::vector<int64_t> def, std::string doc) {
+  return {std::move(name), OptionType::IntList, std::move(def), std::move(doc)};
+}
+OptionSpec opt_floats(std::string name, std::vector<double> def, std::string doc) {
+  return {std::move(name), OptionType::FloatList, std::move(def), std::move(doc)};
+}
+
+void Options::set(const std::string& name, OptionValue v, SourceLoc where) {
+  values_[name] = std::move(v);
+  where_[name] = std::move(where);
+}
+
+const OptionValue& Options::at(const std::string& name, OptionType t) const {
+  auto it = values_.find(name);
+  if (it == values_.end())
+    throw Error("option '" + name + "' is not declared in " + (context_.empty() ? "options" : context_));
+  static constexpr OptionType kIndexType[] = {OptionType::Bool,   OptionType::Int,
+                                              OptionType::Float,  OptionType::String,
+                                              OptionType::IntList, OptionType::FloatList};
+  if (kIndexType[it->second.index()] != t)
+    throw Error("option '" + name + "' of " + context_ + " is a " +
+                to_string(kIndexType[it->second.index()]) + ", read as a " + to_string(t));
+  return it->second;
+}
+
+bool Options::get_bool(const std::string& n) const { return std::get<bool>(at(n, OptionType::Bool)); }
+int64_t Options::get_int(const std::string& n) const { return std::get<int64_t>(at(n, OptionType::Int)); }
+double Options::get_float(const std::string& n) const { return std::get<double>(at(n, OptionType::Float)); }
+const std::string& Options::get_string(const std::string& n) const {
+  return std::get<std::string>(at(n, OptionType::String));
+}
+const std::vector<int64_t>& Options::get_ints(const std::string& n) const {
+  return std::get<std::vector<int64_t>>(at(n, OptionType::IntList));
+}
+const std::vector<double>& Options::get_floats(const std::string& n) const {
+  return std::get<std::vector<double>>(at(n, OptionType::FloatList));
+}
+
+SourceLoc Options::where(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it != where_.end() && !it->second.file.empty()) return it->second;
+  return section_loc_;
+}
+
+void Options::fail(const std::string& name, const std::string& what) const {
+  std::string key = context_.empty() ? name : context_ + "." + name;
+  throw RecipeError(where(name), key + ": " + what);
+}
+
+static std::string format_double(double d) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", d);
+  std::string s = buf;
+  // Shortest representation that round-trips.
+  for (int prec = 1; prec < 17; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, d);
+    if (std::stod(buf) == d) {
+      s = buf;
+      break;
+    }
+  }
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string to_toml(const OptionValue& v) {
+  struct Visitor {
+    std::string operator()(bool b) const { return b ? "true" : "false"; }
+    std::string operator()(int64_t i) const { return std::to_string(i); }
+    std::string operator()(double d) const { return format_double(d); }
+    std::string operator()(const std::string& s) const {
+      std::string out = "\"";
+      for (char c : s) {
+        if (c == '"' || c == '\\') out += '\\';
+        out += c;
+      }
+      return out + "\"";
+    }
+    std::string operator()(const std::vector<int64_t>& xs) const {
+      std::string out = "[";
+      for (size_t i = 0; i < xs.size(); ++i) out += (i ? ", " : "") + std::to_string(xs[i]);
+      return out + "]";
+    }
+    std::string operator()(const std::vector<double>& xs) const {
+      std::string out = "[";
+      for (size_t i = 0; i < xs.size(); ++i) out += (i ? ", " : "") + format_double(xs[i]);
+      return out + "]";
+    }
+  };
+  return std::visit(Visitor{}, v);
+}
+
+Options defaults_of(const OptionSpecs& specs) {
+  Options o;
+  for (const auto& s : specs) o.set(s.name, s.default_value);
+  return o;
+}
+
+}  // namespace tk

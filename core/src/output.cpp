@@ -1,0 +1,125 @@
+#include "tk/output.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "tk/error.h"
+
+namespace tk {
+
+std::string json_quote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+void JsonLine::key(const std::string& k) {
+  if (!body_.empty()) body_ += ", ";
+  body_ += json_quote(k) + ": ";
+}
+
+JsonLine& JsonLine::add(const std::string& k, double v) {
+  key(k);
+  if (std::isfinite(v)) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.10g", v);
+    body_ += buf;
+  } else {
+    body_ += "null";  // JSON has no NaN or infinity
+  }
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& k, int64_t v) {
+  key(k);
+  body_ += std::to_string(v);
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& k, const std::string& v) {
+  key(k);
+  body_ += json_quote(v);
+  return *this;
+}
+
+void write_atomic(const std::filesystem::path& file, const std::string& data) {
+  auto tmp = file;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error("cannot write '" + tmp.string() + "'");
+    out.write(data.data(), static_cast<std::streamsize>(data.size()));
+    out.flush();
+    if (!out) throw Error("cannot write '" + tmp.string() + "' (disk full?)");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, file, ec);
+  if (ec) throw Error("cannot move '" + tmp.string() + "' to '" + file.string() + "': " + ec.message());
+}
+
+std::string format_duration(double s) {
+  char buf[32];
+  if (!std::isfinite(s) || s < 0) return "?";
+  if (s < 60) std::snprintf(buf, sizeof buf, "%.1fs", s);
+  else if (s < 3600) std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
+  else std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s) / 3600, (static_cast<int>(s) % 3600) / 60);
+  return buf;
+}
+
+Progress::Progress(ProgressMode mode, int64_t total_steps, int64_t every)
+    : total_(total_steps), every_(std::max<int64_t>(1, every)) {
+  if (mode == ProgressMode::Auto) mode = isatty(STDERR_FILENO) ? ProgressMode::Bar : ProgressMode::Plain;
+  live_ = mode == ProgressMode::Bar;
+  quiet_ = mode == ProgressMode::None;
+}
+
+void Progress::update(int64_t step, int64_t epoch, double loss, double lr, double samples_per_s, double elapsed) {
+  if (quiet_) return;
+  const bool last = step == total_;
+  if (!live_ && step % every_ != 0 && !last && step != 1) return;
+  const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0.0;
+  char line[256];
+  std::snprintf(line, sizeof line, "step %lld/%lld  epoch %lld  loss %.4f  lr %.3g  %.0f samples/s  %s  eta %s",
+                static_cast<long long>(step), static_cast<long long>(total_), static_cast<long long>(epoch + 1), loss,
+                lr, samples_per_s, format_duration(elapsed).c_str(), format_duration(eta).c_str());
+  if (live_) {
+    std::fprintf(stderr, "\r\033[K%s", line);
+    open_ = true;
+  } else {
+    std::fprintf(stderr, "%s\n", line);
+  }
+  std::fflush(stderr);
+}
+
+void Progress::note(const std::string& line) {
+  if (quiet_) return;
+  if (open_) std::fprintf(stderr, "\r\033[K");
+  std::fprintf(stderr, "%s\n", line.c_str());
+  open_ = false;
+  std::fflush(stderr);
+}
+
+void Progress::finish() {
+  if (open_) std::fprintf(stderr, "\n");
+  open_ = false;
+}
+
+}  // namespace tk

@@ -1,0 +1,4 @@
+#pragma once
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>

@@ -1,0 +1,361 @@
+#include "tk/recipe.h"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <toml++/toml.h>
+
+namespace tk {
+namespace {
+
+SourceLoc loc_of(const toml::source_region& r, const std::string& fallback_file) {
+  SourceLoc l;
+  l.file = r.path ? *r.path : fallback_file;
+  l.line = static_cast<int>(r.begin.line);
+  l.column = static_cast<int>(r.begin.column);
+  return l;
+}
+
+const char* type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::table: return "table";
+    case toml::node_type::array: return "array";
+    case toml::node_type::string: return "string";
+    case toml::node_type::integer: return "integer";
+    case toml::node_type::floating_point: return "float";
+    case toml::node_type::boolean: return "boolean";
+    case toml::node_type::date: return "date";
+    case toml::node_type::time: return "time";
+    case toml::node_type::date_time: return "date-time";
+    default: return "nothing";
+  }
+}
+
+std::string names_of(const OptionSpecs& specs, bool named) {
+  std::vector<std::string> names;
+  if (named) names.push_back("name");
+  for (const auto& s : specs) names.push_back(s.name);
+  return join(names.data(), names.data() + names.size());
+}
+
+std::string list(const std::vector<std::string>& v) { return join(v.data(), v.data() + v.size()); }
+
+/// Converts one TOML value to the spec's type, or explains what was expected.
+OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::string& key,
+                    const SourceLoc& where) {
+  auto wrong = [&]() -> RecipeError {
+    return RecipeError(where, key + ": expected " + to_string(spec.type) + ", got " + type_name(n));
+  };
+  switch (spec.type) {
+    case OptionType::Bool:
+      if (auto v = n.as_boolean()) return v->get();
+      throw wrong();
+    case OptionType::Int:
+      if (auto v = n.as_integer()) return v->get();
+      throw wrong();
+    case OptionType::Float:
+      if (auto v = n.as_floating_point()) return v->get();
+      if (auto v = n.as_integer()) return static_cast<double>(v->get());
+      throw wrong();
+    case OptionType::String: {
+      auto v = n.as_string();
+      if (!v) throw wrong();
+      std::string s = v->get();
+      if (!spec.choices.empty() &&
+          std::find(spec.choices.begin(), spec.choices.end(), s) == spec.choices.end())
+        throw RecipeError(where, key + ": expected one of " + list(spec.choices) + ", got \"" + s + "\"");
+      return s;
+    }
+    case OptionType::IntList: {
+      auto arr = n.as_array();
+      if (!arr) throw wrong();
+      std::vector<int64_t> out;
+      for (const auto& e : *arr) {
+        auto v = e.as_integer();
+        if (!v) throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got an element of type " + type_name(e));
+        out.push_back(v->get());
+      }
+      return out;
+    }
+    case OptionType::FloatList: {
+      auto arr = n.as_array();
+      if (!arr) throw wrong();
+      std::vector<double> out;
+      for (const auto& e : *arr) {
+        if (auto v = e.as_floating_point()) out.push_back(v->get());
+        else if (auto i = e.as_integer()) out.push_back(static_cast<double>(i->get()));
+        else throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got an element of type " + type_name(e));
+      }
+      return out;
+    }
+  }
+  throw wrong();
+}
+
+/// Checks `table` (may be null: all defaults) against `specs`.
+Options resolve_table(const toml::table* table, const OptionSpecs& specs, const std::string& context,
+                      const SourceLoc& section_loc, const std::vector<std::string>& skip,
+                      const std::string& file) {
+  Options out;
+  out.set_context(context);
+  out.set_section_loc(section_loc);
+  for (const auto& spec : specs) out.set(spec.name, spec.default_value);
+  if (table) {
+    for (const auto& [k, node] : *table) {
+      std::string key(k.str());
+      if (std::find(skip.begin(), skip.end(), key) != skip.end()) continue;
+      SourceLoc where = loc_of(node.source(), file);
+      auto spec = std::find_if(specs.begin(), specs.end(), [&](const OptionSpec& s) { return s.name == key; });
+      if (spec == specs.end()) {
+        std::string valid = names_of(specs, std::find(skip.begin(), skip.end(), "name") != skip.end());
+        throw RecipeError(where, "unknown key '" + key + "' in [" + context + "]; valid keys: " +
+                                     (valid.empty() ? "(none)" : valid));
+      }
+      out.set(key, convert(node, *spec, context + "." + key, where), where);
+    }
+  }
+  for (const auto& spec : specs) {
+    if (spec.required && !(table && table->contains(spec.name)))
+      throw RecipeError(section_loc, "[" + context + "] is missing required key '" + spec.name + "' (" +
+                                         to_string(spec.type) + ": " + spec.doc + ")");
+  }
+  return out;
+}
+
+struct Resolved {
+  std::string header;
+  bool array = false;
+  std::string name;  // the component or plugin name, written first
+  Options options;
+};
+
+}  // namespace
+
+struct Recipe::Impl {
+  toml::table root;
+  std::string source;
+  std::filesystem::path dir;
+  mutable std::vector<Resolved> resolved;
+
+  const toml::table* section(const std::string& name) const { return root[name].as_table(); }
+  SourceLoc section_loc(const std::string& name) const {
+    if (auto n = root.get(name)) return loc_of(n->source(), source);
+    return SourceLoc{source, 0, 0};
+  }
+  void record(Resolved r) const {
+    for (auto& e : resolved)
+      if (e.header == r.header && e.array == r.array && e.name == r.name && !r.array) {
+        e = std::move(r);
+        return;
+      }
+    resolved.push_back(std::move(r));
+  }
+};
+
+Recipe::Recipe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Recipe::Recipe(Recipe&&) noexcept = default;
+Recipe& Recipe::operator=(Recipe&&) noexcept = default;
+Recipe::~Recipe() = default;
+
+static toml::table parse_text(const std::string& text, const std::string& name) {
+  try {
+    return toml::parse(text, name);
+  } catch (const toml::parse_error& e) {
+    throw RecipeError(loc_of(e.source(), name), "TOML syntax error: " + std::string(e.description()));
+  }
+}
+
+Recipe Recipe::from_file(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error("cannot read recipe '" + file.string() + "': no such file or not readable");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto impl = std::make_unique<Impl>();
+  impl->root = parse_text(ss.str(), file.string());
+  impl->source = file.string();
+  impl->dir = std::filesystem::absolute(file).parent_path();
+  return Recipe(std::move(impl));
+}
+
+Recipe Recipe::from_string(const std::string& text, const std::string& source_name) {
+  auto impl = std::make_unique<Impl>();
+  impl->root = parse_text(text, source_name);
+  impl->source = source_name;
+  impl->dir = std::filesystem::current_path();
+  return Recipe(std::move(impl));
+}
+
+void Recipe::apply_override(const std::string& assignment) {
+  const std::string origin = "--set " + assignment;
+  auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw RecipeError({origin}, "expected key=value, e.g. optimizer.lr=0.01");
+  std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
+  std::vector<std::string> path;
+  std::stringstream ks(key);
+  for (std::string part; std::getline(ks, part, '.');) {
+    if (part.empty()) throw RecipeError({origin}, "empty component in key '" + key + "'");
+    path.push_back(part);
+  }
+  // The value in TOML syntax; anything that is not valid TOML is taken as a bare string.
+  toml::table parsed;
+  try {
+    parsed = toml::parse("value = " + text, origin);
+  } catch (const toml::parse_error&) {
+    parsed = toml::table{};
+    parsed.insert("value", text);
+  }
+  toml::node* value = parsed.get("value");
+
+  toml::table* t = &impl_->root;
+  size_t i = 0;
+  if (path[0] == "plugins") {
+    if (path.size() != 3)
+      throw RecipeError({origin}, "plugin options are set as plugins.<name or index>.<key>=value");
+    auto arr = impl_->root["plugins"].as_array();
+    toml::table* entry = nullptr;
+    if (arr) {
+      bool numeric = std::all_of(path[1].begin(), path[1].end(), ::isdigit);
+      for (size_t j = 0; j < arr->size(); ++j) {
+        auto pt = (*arr)[j].as_table();
+        if (!pt) continue;
+        auto n = (*pt)["name"].value<std::string>();
+        if ((numeric && std::stoul(path[1]) == j) || (!numeric && n && *n == path[1])) {
+          entry = pt;
+          break;
+        }
+      }
+    }
+    if (!entry) throw RecipeError({origin}, "the recipe has no plugin '" + path[1] + "' in [[plugins]]");
+    t = entry;
+    i = 2;
+  }
+  for (; i + 1 < path.size(); ++i) {
+    toml::node* n = t->get(path[i]);
+    if (!n) {
+      t->insert(path[i], toml::table{});
+      n = t->get(path[i]);
+    }
+    if (!n->is_table())
+      throw RecipeError({origin}, "'" + path[i] + "' is a " + type_name(*n) + ", not a section");
+    t = n->as_table();
+  }
+  t->insert_or_assign(path.back(), *value);
+}
+
+void Recipe::check_sections(const std::vector<std::string>& known) const {
+  for (const auto& [k, node] : impl_->root) {
+    std::string key(k.str());
+    SourceLoc where = loc_of(node.source(), impl_->source);
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      throw RecipeError(where, "unknown section [" + key + "]; known sections: " + list(known));
+    if (key == "plugins") {
+      if (!node.is_array_of_tables())
+        throw RecipeError(where, "plugins: expected [[plugins]] entries (an array of tables), got " +
+                                     std::string(type_name(node)));
+    } else if (!node.is_table()) {
+      throw RecipeError(where, key + ": expected a section [" + key + "], got " + type_name(node));
+    }
+  }
+}
+
+std::string Recipe::component(const std::string& section, const std::string& fallback,
+                              const std::vector<std::string>& known) const {
+  const toml::table* t = impl_->section(section);
+  const toml::node* n = t ? t->get("name") : nullptr;
+  if (!n) {
+    if (!fallback.empty()) return fallback;
+    throw RecipeError(impl_->section_loc(section),
+                      t ? "[" + section + "] needs a name; one of: " + list(known)
+                        : "missing section [" + section + "] (its name is one of: " + list(known) + ")");
+  }
+  SourceLoc where = loc_of(n->source(), impl_->source);
+  auto s = n->value<std::string>();
+  if (!s) throw RecipeError(where, section + ".name: expected string, got " + type_name(*n));
+  if (std::find(known.begin(), known.end(), *s) == known.end())
+    throw RecipeError(where, "unknown " + section + " '" + *s + "'; known: " + list(known));
+  return *s;
+}
+
+Options Recipe::options(const std::string& section, const OptionSpecs& specs, bool named) const {
+  std::vector<std::string> skip;
+  if (named) skip.push_back("name");
+  Options o = resolve_table(impl_->section(section), specs, section, impl_->section_loc(section), skip,
+                            impl_->source);
+  std::string name;
+  if (named) {
+    if (auto t = impl_->section(section)) name = (*t)["name"].value_or(std::string{});
+  }
+  impl_->record({section, false, name, o});
+  return o;
+}
+
+std::vector<PluginEntry> Recipe::plugins() const {
+  std::vector<PluginEntry> out;
+  auto arr = impl_->root["plugins"].as_array();
+  if (!arr) return out;
+  for (const auto& n : *arr) {
+    SourceLoc where = loc_of(n.source(), impl_->source);
+    auto t = n.as_table();
+    if (!t) throw RecipeError(where, "plugins: each entry must be a table ([[plugins]])");
+    PluginEntry e;
+    e.where = where;
+    auto name = (*t)["name"];
+    auto path = (*t)["path"];
+    if (name && !name.is_string())
+      throw RecipeError(loc_of(name.node()->source(), impl_->source),
+                        std::string("plugins.name: expected string, got ") + type_name(*name.node()));
+    if (path && !path.is_string())
+      throw RecipeError(loc_of(path.node()->source(), impl_->source),
+                        std::string("plugins.path: expected string, got ") + type_name(*path.node()));
+    e.name = name.value_or(std::string{});
+    if (path) e.path = resolve_path(*path.value<std::string>());
+    if (e.name.empty() && e.path.empty())
+      throw RecipeError(where, "a [[plugins]] entry needs a name (found on the plugin path) or a path");
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+Options Recipe::plugin_options(size_t i, const OptionSpecs& specs) const {
+  auto arr = impl_->root["plugins"].as_array();
+  if (!arr || i >= arr->size()) throw Error("plugin entry " + std::to_string(i) + " does not exist");
+  const toml::table* t = (*arr)[i].as_table();
+  std::string name = (*t)["name"].value_or(std::string{});
+  std::string context = "plugins." + (name.empty() ? std::to_string(i) : name);
+  Options o = resolve_table(t, specs, context, loc_of((*arr)[i].source(), impl_->source),
+                            {"name", "path"}, impl_->source);
+  impl_->record({"plugins", true, name, o});
+  return o;
+}
+
+std::string Recipe::resolved() const {
+  std::ostringstream out;
+  out << "# resolved from " << impl_->source << " (defaults filled in, overrides applied)\n";
+  for (const auto& r : impl_->resolved) {
+    out << "\n" << (r.array ? "[[" + r.header + "]]" : "[" + r.header + "]") << "\n";
+    if (!r.name.empty()) out << "name = " << to_toml(r.name) << "\n";
+    for (const auto& [k, v] : r.options.values()) out << k << " = " << to_toml(v) << "\n";
+  }
+  return out.str();
+}
+
+const std::string& Recipe::source() const noexcept { return impl_->source; }
+std::filesystem::path Recipe::dir() const { return impl_->dir; }
+std::filesystem::path Recipe::resolve_path(const std::string& p) const {
+  std::filesystem::path path(p);
+  return path.is_absolute() ? path : impl_->dir / path;
+}
+
+Options parse_options(const std::string& toml_text, const OptionSpecs& specs, const std::string& context) {
+  toml::table t;
+  try {
+    t = toml::parse(toml_text, context);
+  } catch (const toml::parse_error& e) {
+    throw RecipeError(loc_of(e.source(), context), "TOML syntax error: " + std::string(e.description()));
+  }
+  return resolve_table(&t, specs, context, SourceLoc{context, 0, 0}, {}, context);
+}
+
+}  // namespace tk

@@ -1,0 +1,509 @@
+#include "tk/trainer.h"
+
+#include <ATen/Parallel.h>
+#include <spdlog/spdlog.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace tk {
+
+void Context::veto_step(const std::string& reason) {
+  if (veto_reason.empty()) {
+    veto_reason = reason.empty() ? std::string("(no reason given)") : reason;
+    vetoed_by = current_plugin;
+  }
+}
+void Context::info(const std::string& msg) const {
+  if (log_sink) log_sink(0, msg);
+}
+void Context::warn(const std::string& msg) const {
+  if (log_sink) log_sink(1, msg);
+}
+
+namespace {
+
+const std::vector<std::string> kSections = {"run", "model", "data", "loss", "optimizer", "schedule", "plugins"};
+
+OptionSpecs run_specs() {
+  return {opt_string("name", "run", "name of the run"),
+          opt_int("seed", 0, "seed of initialization, data order and synthetic data"),
+          opt_int("epochs", 0, "epochs to train (give epochs or steps)"),
+          opt_int("steps", 0, "optimizer steps to train (give epochs or steps)"),
+          opt_string("output", "", "output folder (default runs/<name>)"),
+          opt_string("dtype", "float32", "parameter and data type", {"float32", "float64"}),
+          opt_int("log_every", 10, "optimizer steps between plain progress lines"),
+          opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
+          opt_int("threads", 0, "intra-op CPU threads (0: LibTorch's default)"),
+          opt_bool("trace", false, "record every plugin dispatch in trace.jsonl")};
+}
+
+OptionSpecs loader_specs() {
+  return {opt_int("micro_batch", 32, "examples per micro-batch"),
+          opt_bool("shuffle", true, "shuffle every epoch (a pure function of seed and epoch)"),
+          opt_bool("drop_last", false, "drop an epoch's last, smaller micro-batch")};
+}
+
+template <class Fn>
+const Component<Fn>& pick(const Recipe& r, const std::string& section, const std::string& fallback,
+                          const std::vector<Component<Fn>>& list) {
+  return *find_component(list, r.component(section, fallback, component_names(list)));
+}
+
+struct Slot {
+  std::shared_ptr<Plugin> plugin;
+  std::string name, version, file;
+  Options options;
+  EventSet events;
+};
+
+class Sink : public MetricsSink {
+ public:
+  void put(const std::string& name, double v) override {
+    for (auto& [k, old] : values)
+      if (k == name) {
+        old = v;
+        return;
+      }
+    values.emplace_back(name, v);
+  }
+  std::vector<std::pair<std::string, double>> values;
+};
+
+}  // namespace
+
+struct Trainer::Impl {
+  const Recipe& recipe;
+  TrainerOptions topts;
+  Options run, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
+  std::string model_name, data_name, loss_name, opt_name, sched_name;
+  at::ScalarType dtype = at::kFloat;
+  DataSplits data;
+  ModelPtr model;
+  std::unique_ptr<LossFn> loss;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<LrSchedule> schedule;
+  double base_lr = 0.0;
+  std::vector<Slot> slots;
+  std::vector<size_t> order;
+  RunPlan plan;
+  bool prepared = false;
+  int64_t batches_per_epoch = 0, total_steps = 0;
+  std::unique_ptr<WindowSchedule> windows;
+  std::vector<TraceEntry> trace;
+  std::vector<std::string> warnings;
+  bool fitted = false;
+
+  Impl(const Recipe& r, TrainerOptions o) : recipe(r), topts(std::move(o)) {}
+
+  void warn(const std::string& msg) {
+    warnings.push_back(msg);
+    spdlog::warn("{}", msg);
+  }
+
+  void build();
+  void prepare();
+  void emit(Event e, Context& ctx);
+  Batch fetch(const Dataset& ds, const torch::Tensor& idx) const;
+  std::pair<double, double> validate(Context& ctx);
+  void save_weights(const fs::path& file) const;
+};
+
+void Trainer::Impl::build() {
+  recipe.check_sections(kSections);
+  run = recipe.options("run", run_specs());
+  if (run.get_int("epochs") < 0) run.fail("epochs", "must be >= 0");
+  if (run.get_int("steps") < 0) run.fail("steps", "must be >= 0");
+  if (run.get_int("epochs") > 0 && run.get_int("steps") > 0)
+    run.fail("steps", "give either epochs or steps, not both");
+  if (run.get_int("log_every") < 1) run.fail("log_every", "must be >= 1");
+  if (run.get_int("validate_every") < 0) run.fail("validate_every", "must be >= 0");
+  if (run.get_int("threads") > 0) at::set_num_threads(static_cast<int>(run.get_int("threads")));
+  dtype = run.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
+  const uint64_t seed = static_cast<uint64_t>(run.get_int("seed"));
+
+  const auto& dc = pick(recipe, "data", "", datasets());
+  OptionSpecs dspecs = loader_specs();
+  dspecs.insert(dspecs.end(), dc.specs.begin(), dc.specs.end());
+  data_name = dc.name;
+  data_opts = recipe.options("data", dspecs, true);
+  if (data_opts.get_int("micro_batch") < 1) data_opts.fail("micro_batch", "must be >= 1");
+  data = dc.make(data_opts, seed);
+
+  const auto& mc = pick(recipe, "model", "", models());
+  model_name = mc.name;
+  model_opts = recipe.options("model", mc.specs, true);
+  torch::manual_seed(seed);
+  model = mc.make(model_opts, data.info);
+  model->to(dtype);
+  model->train();
+
+  const auto& lc = pick(recipe, "loss", data.info.classification ? "cross_entropy" : "mse", losses());
+  loss_name = lc.name;
+  loss_opts = recipe.options("loss", lc.specs, true);
+  loss = lc.make(loss_opts);
+
+  const auto& oc = pick(recipe, "optimizer", "", optimizers());
+  opt_name = oc.name;
+  opt_opts = recipe.options("optimizer", oc.specs, true);
+  optimizer = oc.make(opt_opts, model->parameters());
+  base_lr = opt_opts.get_float("lr");
+
+  const auto& sc = pick(recipe, "schedule", "constant", schedules());
+  sched_name = sc.name;
+  sched_opts = recipe.options("schedule", sc.specs, true);
+  schedule = sc.make(sched_opts, base_lr);
+
+  PluginLoader loader(topts.plugin_dirs ? *topts.plugin_dirs : PluginLoader::default_dirs(recipe.dir()));
+  auto entries = recipe.plugins();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    LoadedPlugin lp;
+    try {
+      lp = e.path.empty() ? loader.load_by_name(e.name) : loader.load(e.path);
+    } catch (const PluginLoadError& err) {
+      throw PluginLoadError(e.where.str() + ": " + err.what());
+    }
+    if (!e.name.empty() && lp.name != e.name)
+      throw PluginLoadError(e.where.str() + ": " + lp.file.string() + " is plugin '" + lp.name +
+                            "', but the recipe asks for '" + e.name + "'");
+    Options o = recipe.plugin_options(i, lp.plugin->option_specs());
+    Slot s{lp.plugin, lp.name, lp.version, lp.file.string(), o, {}};
+    try {
+      s.plugin->init(o);
+      s.events = s.plugin->events();
+    } catch (const RecipeError&) {
+      throw;
+    } catch (const std::exception& err) {
+      throw PluginLoadError(e.where.str() + ": plugin '" + lp.name + "' (" + s.file + ") rejected its options: " + err.what());
+    }
+    slots.push_back(std::move(s));
+  }
+}
+
+void Trainer::Impl::prepare() {
+  if (prepared) return;
+  plan = RunPlan{};
+  plan.micro_batch = data_opts.get_int("micro_batch");
+  plan.loss_reduction = to_string(loss->reduction());
+  std::vector<PluginDecl> decls;
+  for (auto& s : slots) {
+    try {
+      s.plugin->configure(plan);
+      decls.push_back({s.name, s.plugin->contract()});
+    } catch (const std::exception& err) {
+      throw Error("plugin '" + s.name + "' (" + s.file + "): " + err.what());
+    }
+  }
+  order = order_plugins(decls);
+
+  const int64_t n = data.train->size(), m = plan.micro_batch;
+  batches_per_epoch = data_opts.get_bool("drop_last") ? n / m : (n + m - 1) / m;
+  if (batches_per_epoch < 1)
+    data_opts.fail("micro_batch", "is larger than the data set (" + std::to_string(n) +
+                                      " examples) and drop_last is on: an epoch has no micro-batch");
+  const int64_t epochs = run.get_int("epochs"), steps = run.get_int("steps");
+  windows = std::make_unique<WindowSchedule>(batches_per_epoch, plan.accumulation, plan.last_window,
+                                             steps > 0 ? 0 : std::max<int64_t>(1, epochs));
+  total_steps = steps > 0 ? steps : windows->steps_in(std::max<int64_t>(1, epochs));
+  if (total_steps < 1) throw Error("the run would take no optimizer step");
+  if (plan.accumulation > 1 && has_batchnorm(*model))
+    warn("the model has BatchNorm and accumulates " + std::to_string(plan.accumulation) +
+         " micro-batches per step: its statistics are computed per micro-batch of " + std::to_string(m) +
+         " examples, not per window of " + std::to_string(m * plan.accumulation));
+  prepared = true;
+}
+
+void Trainer::Impl::emit(Event e, Context& ctx) {
+  const bool tracing = run.get_bool("trace");
+  for (size_t i : order) {
+    Slot& s = slots[i];
+    if (!s.events.contains(e)) continue;
+    ctx.current_plugin = s.name;
+    if (tracing) trace.push_back({s.name, e, ctx.counters.step, ctx.counters.micro_step});
+    try {
+      s.plugin->on_event(e, ctx);
+    } catch (const std::exception& err) {
+      throw PluginRuntimeError("plugin '" + s.name + "' failed in event " + to_string(e) + " at step " +
+                               std::to_string(ctx.counters.step) + " (micro-batch " +
+                               std::to_string(ctx.counters.micro_step) + "): " + err.what());
+    } catch (...) {
+      throw PluginRuntimeError("plugin '" + s.name + "' failed in event " + to_string(e) + " at step " +
+                               std::to_string(ctx.counters.step) + " with an unknown exception");
+    }
+  }
+  ctx.current_plugin.clear();
+}
+
+Batch Trainer::Impl::fetch(const Dataset& ds, const torch::Tensor& idx) const {
+  Batch b = ds.get(idx);
+  if (at::isFloatingType(b.input.scalar_type()) && b.input.scalar_type() != dtype) b.input = b.input.to(dtype);
+  if (at::isFloatingType(b.target.scalar_type()) && b.target.scalar_type() != dtype) b.target = b.target.to(dtype);
+  return b;
+}
+
+/// Loss (item-weighted) and accuracy over the validation split.
+std::pair<double, double> Trainer::Impl::validate(Context& ctx) {
+  emit(Event::ValidationStart, ctx);
+  model->eval();
+  double loss_sum = 0.0;
+  int64_t items = 0, correct = 0;
+  {
+    torch::NoGradGuard no_grad;
+    const int64_t n = data.validation->size(), m = plan.micro_batch;
+    for (int64_t start = 0; start < n; start += m) {
+      Batch b = fetch(*data.validation, at::arange(start, std::min(n, start + m), at::kLong));
+      auto out = model->forward(b.input);
+      double l = (*loss)(out, b).item<double>();
+      loss_sum += loss->reduction() == Reduction::Mean ? l * static_cast<double>(b.tokens) : l;
+      items += b.tokens;
+      if (data.info.classification) correct += (out.argmax(-1) == b.target).sum().item<int64_t>();
+    }
+  }
+  model->train();
+  const double vloss = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
+  ctx.validation_loss = vloss;
+  emit(Event::ValidationEnd, ctx);
+  return {vloss, items > 0 && data.info.classification ? static_cast<double>(correct) / static_cast<double>(items)
+                                                       : std::nan("")};
+}
+
+void Trainer::Impl::save_weights(const fs::path& file) const {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& p : model->named_parameters()) dict.insert(p.key(), p.value().detach());
+  for (const auto& b : model->named_buffers()) dict.insert(b.key(), b.value().detach());
+  auto bytes = torch::jit::pickle_save(c10::IValue(dict));
+  write_atomic(file, std::string(bytes.begin(), bytes.end()));
+}
+
+Trainer::Trainer(const Recipe& recipe, TrainerOptions opts) : impl_(std::make_unique<Impl>(recipe, std::move(opts))) {
+  impl_->build();
+}
+Trainer::~Trainer() = default;
+
+void Trainer::add_plugin(std::shared_ptr<Plugin> plugin, const Options& opts) {
+  if (impl_->prepared) throw Error("add_plugin() must come before fit() or describe()");
+  if (plugin->name().empty()) throw Error("a plugin added in code needs a name (Plugin::set_name)");
+  plugin->init(opts);
+  Slot s{plugin, plugin->name(), "(in-process)", "(in-process)", opts, plugin->events()};
+  impl_->slots.push_back(std::move(s));
+}
+
+Model& Trainer::model() { return *impl_->model; }
+torch::optim::Optimizer& Trainer::optimizer() { return *impl_->optimizer; }
+const RunPlan& Trainer::plan() {
+  impl_->prepare();
+  return impl_->plan;
+}
+const DataSplits& Trainer::data() const { return impl_->data; }
+const std::vector<TraceEntry>& Trainer::trace() const { return impl_->trace; }
+const std::vector<std::string>& Trainer::warnings() const { return impl_->warnings; }
+std::vector<std::string> Trainer::plugin_order() {
+  impl_->prepare();
+  std::vector<std::string> out;
+  for (size_t i : impl_->order) out.push_back(impl_->slots[i].name);
+  return out;
+}
+
+std::string Trainer::describe() {
+  Impl& d = *impl_;
+  d.prepare();
+  std::ostringstream out;
+  int64_t params = 0;
+  for (const auto& p : d.model->parameters()) params += p.numel();
+  const auto& p = d.plan;
+  const int64_t epochs = d.run.get_int("epochs"), steps = d.run.get_int("steps");
+  out << "recipe        " << d.recipe.source() << "\n"
+      << "model         " << d.model_name << " (" << params << " parameters, " << d.run.get_string("dtype") << ")\n"
+      << "data          " << d.data_name << ": " << d.data.train->size() << " training examples";
+  if (d.data.validation) out << ", " << d.data.validation->size() << " validation";
+  out << "\n"
+      << "loss          " << d.loss_name << " (reduction " << p.loss_reduction << ")\n"
+      << "optimizer     " << d.opt_name << " (lr " << to_toml(d.base_lr) << ")\n"
+      << "schedule      " << d.sched_name << ", advanced once per optimizer step\n"
+      << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " per epoch\n"
+      << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
+      << (p.window_owner.empty() ? "" : ", set by " + p.window_owner) << ")\n"
+      << "world size    " << p.world_size << (p.world_owner.empty() ? "" : " (set by " + p.world_owner + ")") << "\n"
+      << "effective     " << p.effective_batch() << " examples per optimizer step (" << p.micro_batch << " x "
+      << p.accumulation << " x " << p.world_size << ")\n"
+      << "steps         " << d.total_steps << " optimizer steps"
+      << (steps > 0 ? "" : " (" + std::to_string(std::max<int64_t>(1, epochs)) + " epochs)") << "\n"
+      << "plugins       " << (d.slots.empty() ? "(none)" : "in dispatch order:") << "\n";
+  int i = 1;
+  for (size_t idx : d.order) {
+    const Slot& s = d.slots[idx];
+    out << "  " << i++ << ". " << s.name << " " << s.version << "  " << s.file << "\n";
+    for (const auto& [k, v] : s.options.values()) out << "       " << k << " = " << to_toml(v) << "\n";
+  }
+  for (const auto& w : d.warnings) out << "warning       " << w << "\n";
+  return out.str();
+}
+
+FitResult Trainer::fit() {
+  Impl& d = *impl_;
+  if (d.fitted) throw Error("fit() can run once per Trainer");
+  d.fitted = true;
+  d.prepare();
+  FitResult result;
+
+  fs::path outdir;
+  std::ofstream metrics_file, trace_file;
+  if (d.topts.write_outputs) {
+    std::string o = d.run.get_string("output");
+    outdir = o.empty() ? fs::path("runs") / d.run.get_string("name") : fs::path(o);
+    std::error_code ec;
+    fs::create_directories(outdir, ec);
+    if (ec) throw Error("cannot create output folder '" + outdir.string() + "': " + ec.message());
+    write_atomic(outdir / "recipe.toml", d.recipe.resolved());
+    metrics_file.open(outdir / "metrics.jsonl", std::ios::trunc);
+    if (!metrics_file) throw Error("cannot write '" + (outdir / "metrics.jsonl").string() + "'");
+    result.output_dir = outdir;
+  }
+
+  Sink sink;
+  Context ctx(*d.model, *d.optimizer, d.plan, sink, d.loss->reduction());
+  ctx.counters.total_steps = d.total_steps;
+  ctx.log_sink = [&d, &ctx](int level, const std::string& msg) {
+    std::string line = ctx.current_plugin.empty() ? msg : ctx.current_plugin + ": " + msg;
+    if (level > 0) d.warn(line);
+    else spdlog::info("{}", line);
+  };
+  Progress progress(d.topts.progress, d.total_steps, d.run.get_int("log_every"));
+
+  const uint64_t seed = static_cast<uint64_t>(d.run.get_int("seed"));
+  const int64_t n = d.data.train->size(), m = d.plan.micro_batch;
+  const int64_t steps_target = d.total_steps;
+  const int64_t epochs = d.run.get_int("steps") > 0 ? -1 : std::max<int64_t>(1, d.run.get_int("epochs"));
+  const int64_t validate_every = d.run.get_int("validate_every");
+  const bool shuffle = d.data_opts.get_bool("shuffle");
+  auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  double last_validation_step = -1;
+
+  auto record_validation = [&](JsonLine& line) {
+    auto [vloss, acc] = d.validate(ctx);
+    result.validation_losses.push_back(vloss);
+    line.add("validation_loss", vloss);
+    std::string note = "validation  step " + std::to_string(ctx.counters.step) + "  loss " + std::to_string(vloss);
+    if (!std::isnan(acc)) {
+      line.add("validation_accuracy", acc);
+      note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
+    }
+    progress.note(note);
+    last_validation_step = static_cast<double>(ctx.counters.step);
+  };
+
+  try {
+    d.emit(Event::FitStart, ctx);
+    d.optimizer->zero_grad();
+    bool done = false;
+    for (int64_t epoch = 0; !done && (epochs < 0 || epoch < epochs); ++epoch) {
+      const torch::Tensor order = epoch_order(n, seed, epoch, shuffle);
+      ctx.counters.epoch = epoch;
+      d.emit(Event::EpochStart, ctx);
+      for (int64_t b = 0; b < d.batches_per_epoch && !done; ++b) {
+        auto w = d.windows->at(epoch, b);
+        if (!w) break;  // the policy drops the rest of this epoch
+        Batch batch = d.fetch(*d.data.train, order.slice(0, b * m, std::min(n, (b + 1) * m)));
+        ctx.window = *w;
+        ctx.batch = &batch;
+        ctx.counters.batch_in_epoch = b;
+        if (w->is_first()) ctx.totals = WindowTotals{};
+        d.emit(Event::MicroBatch, ctx);
+
+        torch::Tensor out = d.model->forward(batch.input);
+        ctx.loss = (*d.loss)(out, batch);
+        ctx.loss_value = ctx.loss.item<double>();
+        d.emit(Event::Loss, ctx);
+        ctx.loss.backward();
+        ctx.loss = torch::Tensor();
+        ++ctx.counters.micro_step;
+        ctx.counters.samples_seen += batch.samples;
+        ctx.counters.tokens_seen += batch.tokens;
+        ctx.totals.micro_batches += 1;
+        ctx.totals.samples += batch.samples;
+        ctx.totals.tokens += batch.tokens;
+        ctx.totals.loss_sum += d.loss->reduction() == Reduction::Mean
+                                   ? ctx.loss_value * static_cast<double>(batch.tokens)
+                                   : ctx.loss_value;
+        d.emit(Event::Backward, ctx);
+        ctx.batch = nullptr;
+        if (!w->is_last()) continue;
+
+        // The window is complete: one optimizer step.
+        ctx.window_loss = ctx.totals.tokens > 0 ? ctx.totals.loss_sum / static_cast<double>(ctx.totals.tokens) : 0.0;
+        ctx.lr = d.schedule->lr(ctx.counters.step, d.total_steps);
+        set_lr(*d.optimizer, ctx.lr);
+        ctx.veto_reason.clear();
+        ctx.vetoed_by.clear();
+        sink.values.clear();
+        d.emit(Event::Boundary, ctx);
+        const bool skipped = ctx.step_vetoed();
+        if (!skipped && !std::isfinite(ctx.window_loss))
+          throw Error("the loss is " + std::to_string(ctx.window_loss) + " at step " +
+                      std::to_string(ctx.counters.step + 1) +
+                      ": training diverged; nothing was stepped (lower the learning rate?)");
+        if (!skipped) d.optimizer->step();
+        else ++ctx.counters.skipped_steps;
+        d.optimizer->zero_grad();
+        ++ctx.counters.step;
+        d.emit(Event::StepEnd, ctx);
+        result.window_losses.push_back(ctx.window_loss);
+
+        const double t = elapsed();
+        JsonLine line;
+        line.add("step", ctx.counters.step)
+            .add("epoch", epoch)
+            .add("loss", ctx.window_loss)
+            .add("lr", ctx.lr)
+            .add("micro_batches", ctx.totals.micro_batches)
+            .add("samples", ctx.counters.samples_seen)
+            .add("tokens", ctx.counters.tokens_seen)
+            .add("wall_time", t);
+        if (skipped) line.add("skipped", ctx.vetoed_by + ": " + ctx.veto_reason);
+        for (const auto& [k, v] : sink.values) line.add(k, v);
+        if (ctx.counters.step >= steps_target) done = true;
+        if (d.data.validation && ((validate_every > 0 && ctx.counters.step % validate_every == 0) ||
+                                  (done && validate_every >= 0)))
+          record_validation(line);
+        if (metrics_file.is_open()) metrics_file << line.str() << std::endl;
+        progress.update(ctx.counters.step, epoch, ctx.window_loss, ctx.lr,
+                        static_cast<double>(ctx.counters.samples_seen) / std::max(t, 1e-9), t);
+      }
+      d.emit(Event::EpochEnd, ctx);
+    }
+    if (d.data.validation && last_validation_step != static_cast<double>(ctx.counters.step)) {
+      JsonLine line;
+      line.add("step", ctx.counters.step);
+      record_validation(line);
+      if (metrics_file.is_open()) metrics_file << line.str() << std::endl;
+    }
+    d.emit(Event::FitEnd, ctx);
+  } catch (...) {
+    progress.finish();
+    if (metrics_file.is_open()) metrics_file.flush();
+    throw;
+  }
+  progress.finish();
+  if (!outdir.empty()) d.save_weights(outdir / "weights.pt");
+  if (!outdir.empty() && d.run.get_bool("trace")) {
+    std::string text;
+    for (const auto& e : d.trace)
+      text += JsonLine().add("plugin", e.plugin).add("event", std::string(to_string(e.event)))
+                  .add("step", e.step).add("micro_step", e.micro_step).str() + "\n";
+    write_atomic(outdir / "trace.jsonl", text);
+  }
+  result.steps = ctx.counters.step;
+  result.micro_steps = ctx.counters.micro_step;
+  result.skipped_steps = ctx.counters.skipped_steps;
+  result.seconds = elapsed();
+  return result;
+}
+
+}  // namespace tk

@@ -1,0 +1,169 @@
+// tk-run: trains what a recipe describes.
+//
+//   tk-run recipe.toml [--set key=value]... [--dry-run] [--log-level LEVEL] [--progress MODE]
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+#include <tk/abi.h>
+#include <tk/trainer.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kExitFailed = 1;  // the run started and failed
+constexpr int kExitUsage = 2;   // bad command line, recipe or plugin: nothing was trained
+
+const char* kUsage = R"(usage: tk-run RECIPE.toml [options]
+
+Trains the run a TOML recipe describes and writes it to the recipe's output folder.
+
+options:
+  --set KEY=VALUE     override a recipe value (repeatable), e.g. --set optimizer.lr=0.01,
+                      --set plugins.grad_accum.steps=8; VALUE is TOML (strings may be bare)
+  --dry-run           validate the recipe, load the plugins, print the resolved plan; no training
+  --log-level LEVEL   trace, debug, info (default), warn, error or off
+  --progress MODE     auto (default: a live line on a terminal), bar, plain or none
+  --list              list built-in components and the plugins found, with their options
+  --version           print versions and exit
+  -h, --help          this help
+)";
+
+void print_specs(const tk::OptionSpecs& specs) {
+  for (const auto& s : specs) {
+    std::printf("      %-20s %-18s default %s\n", s.name.c_str(), tk::to_string(s.type),
+                tk::to_toml(s.default_value).c_str());
+    std::printf("      %-20s %s\n", "", s.doc.c_str());
+  }
+}
+
+template <class Fn>
+void list_components(const char* section, const std::vector<tk::Component<Fn>>& list) {
+  std::printf("[%s]\n", section);
+  for (const auto& c : list) {
+    std::printf("  name = \"%s\"  %s\n", c.name.c_str(), c.doc.c_str());
+    print_specs(c.specs);
+  }
+}
+
+int list_all() {
+  list_components("model", tk::models());
+  list_components("data", tk::datasets());
+  list_components("loss", tk::losses());
+  list_components("optimizer", tk::optimizers());
+  list_components("schedule", tk::schedules());
+  tk::PluginLoader loader(tk::PluginLoader::default_dirs());
+  std::printf("[[plugins]]\n");
+  for (const auto& name : loader.available()) {
+    try {
+      auto lp = loader.load_by_name(name);
+      std::printf("  name = \"%s\"  version %s  (%s)\n", lp.name.c_str(), lp.version.c_str(), lp.file.c_str());
+      print_specs(lp.plugin->option_specs());
+    } catch (const std::exception& e) {
+      std::printf("  %s: cannot load: %s\n", name.c_str(), e.what());
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string recipe_path;
+  std::vector<std::string> overrides;
+  bool dry_run = false;
+  std::string level = "info";
+  tk::TrainerOptions topts;
+
+  auto die_usage = [](const std::string& msg) {
+    std::fprintf(stderr, "tk-run: %s\n\n%s", msg.c_str(), kUsage);
+    return kExitUsage;
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const char* flag) -> const char* {
+      if (i + 1 >= argc) return nullptr;
+      (void)flag;
+      return argv[++i];
+    };
+    if (a == "-h" || a == "--help") {
+      std::printf("%s", kUsage);
+      return 0;
+    } else if (a == "--version") {
+      std::printf("tk-run %s (LibTorch %s, plugin ABI %u)\n", TK_VERSION_STRING, TORCH_VERSION, TK_PLUGIN_ABI_VERSION);
+      return 0;
+    } else if (a == "--list") {
+      return list_all();
+    } else if (a == "--dry-run") {
+      dry_run = true;
+    } else if (a == "--set" || a.rfind("--set=", 0) == 0) {
+      const char* v = a == "--set" ? value("--set") : argv[i] + 6;
+      if (!v) return die_usage("--set needs KEY=VALUE");
+      overrides.emplace_back(v);
+    } else if (a == "--log-level") {
+      const char* v = value("--log-level");
+      if (!v) return die_usage("--log-level needs a level");
+      level = v;
+    } else if (a == "--progress") {
+      const char* v = value("--progress");
+      std::string m = v ? v : "";
+      if (m == "auto") topts.progress = tk::ProgressMode::Auto;
+      else if (m == "bar") topts.progress = tk::ProgressMode::Bar;
+      else if (m == "plain") topts.progress = tk::ProgressMode::Plain;
+      else if (m == "none") topts.progress = tk::ProgressMode::None;
+      else return die_usage("--progress expects auto, bar, plain or none, got '" + m + "'");
+    } else if (!a.empty() && a[0] == '-') {
+      return die_usage("unknown option '" + a + "'");
+    } else if (recipe_path.empty()) {
+      recipe_path = a;
+    } else {
+      return die_usage("more than one recipe given ('" + recipe_path + "' and '" + a + "')");
+    }
+  }
+  if (recipe_path.empty()) return die_usage("no recipe given");
+
+  auto logger = spdlog::stderr_color_mt("tk");
+  logger->set_pattern("[%H:%M:%S] [%^%l%$] %v");
+  spdlog::set_default_logger(logger);
+  auto lvl = spdlog::level::from_str(level);
+  if (lvl == spdlog::level::off && level != "off")
+    return die_usage("--log-level expects trace, debug, info, warn, error or off, got '" + level + "'");
+  spdlog::set_level(lvl);
+
+  std::unique_ptr<tk::Trainer> trainer;
+  try {
+    auto recipe = std::make_unique<tk::Recipe>(tk::Recipe::from_file(recipe_path));
+    for (const auto& o : overrides) recipe->apply_override(o);
+    trainer = std::make_unique<tk::Trainer>(*recipe, topts);
+    const std::string plan = trainer->describe();
+    if (dry_run) {
+      std::printf("%s", plan.c_str());
+      std::printf("dry run: the recipe is valid and every plugin loaded; nothing was trained\n");
+      return 0;
+    }
+    spdlog::info("plan:\n{}", plan);
+    try {
+      tk::FitResult r = trainer->fit();
+      std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps),
+                  static_cast<long long>(r.micro_steps), tk::format_duration(r.seconds).c_str());
+      if (!r.window_losses.empty())
+        std::printf("; loss %.4f -> %.4f", r.window_losses.front(), r.window_losses.back());
+      if (!r.validation_losses.empty()) std::printf("; validation loss %.4f", r.validation_losses.back());
+      if (r.skipped_steps) std::printf("; %lld steps skipped", static_cast<long long>(r.skipped_steps));
+      std::printf("\n");
+      if (!r.output_dir.empty()) std::printf("wrote %s/{recipe.toml,metrics.jsonl,weights.pt}\n", r.output_dir.c_str());
+    } catch (const std::exception& e) {
+      spdlog::error("{}", e.what());
+      std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in its output folder\n");
+      return kExitFailed;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+    return kExitUsage;
+  }
+  return 0;
+}
