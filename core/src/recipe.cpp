@@ -94,9 +94,19 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
 }
 
 /// Checks `table` (may be null: all defaults) against `specs`.
+using OverrideLocs = std::map<std::string, SourceLoc>;
+
+/// Where a value was set: its position in the file, or the `--set` that put it there.
+SourceLoc where_set(const toml::node& n, const std::string& dotted, const std::string& file,
+                    const OverrideLocs& overrides) {
+  auto it = overrides.find(dotted);
+  if (it != overrides.end()) return it->second;
+  return loc_of(n.source(), file);
+}
+
 Options resolve_table(const toml::table* table, const OptionSpecs& specs, const std::string& context,
                       const SourceLoc& section_loc, const std::vector<std::string>& skip,
-                      const std::string& file) {
+                      const std::string& file, const OverrideLocs& overrides = {}) {
   Options out;
   out.set_context(context);
   out.set_section_loc(section_loc);
@@ -105,9 +115,10 @@ Options resolve_table(const toml::table* table, const OptionSpecs& specs, const 
     for (const auto& [k, node] : *table) {
       std::string key(k.str());
       if (std::find(skip.begin(), skip.end(), key) != skip.end()) continue;
-      SourceLoc where = loc_of(node.source(), file);
+      SourceLoc where = where_set(node, context + "." + key, file, overrides);
       auto spec = std::find_if(specs.begin(), specs.end(), [&](const OptionSpec& s) { return s.name == key; });
       if (spec == specs.end()) {
+        if (!overrides.count(context + "." + key)) where = loc_of(k.source(), file);
         std::string valid = names_of(specs, std::find(skip.begin(), skip.end(), "name") != skip.end());
         throw RecipeError(where, "unknown key '" + key + "' in [" + context + "]; valid keys: " +
                                      (valid.empty() ? "(none)" : valid));
@@ -137,6 +148,7 @@ struct Recipe::Impl {
   std::string source;
   std::filesystem::path dir;
   mutable std::vector<Resolved> resolved;
+  OverrideLocs overrides;  // dotted key -> the --set that gave it its value
 
   const toml::table* section(const std::string& name) const { return root[name].as_table(); }
   SourceLoc section_loc(const std::string& name) const {
@@ -210,6 +222,7 @@ void Recipe::apply_override(const std::string& assignment) {
 
   toml::table* t = &impl_->root;
   size_t i = 0;
+  std::string dotted_prefix;
   if (path[0] == "plugins") {
     if (path.size() != 3)
       throw RecipeError({origin}, "plugin options are set as plugins.<name or index>.<key>=value");
@@ -230,24 +243,30 @@ void Recipe::apply_override(const std::string& assignment) {
     if (!entry) throw RecipeError({origin}, "the recipe has no plugin '" + path[1] + "' in [[plugins]]");
     t = entry;
     i = 2;
+    auto n = (*entry)["name"].value<std::string>();
+    dotted_prefix = "plugins." + (n ? *n : path[1]) + ".";
   }
   for (; i + 1 < path.size(); ++i) {
     toml::node* n = t->get(path[i]);
     if (!n) {
-      t->insert(path[i], toml::table{});
+      t->insert(toml::key(path[i], value->source()), toml::table{});
       n = t->get(path[i]);
     }
     if (!n->is_table())
       throw RecipeError({origin}, "'" + path[i] + "' is a " + type_name(*n) + ", not a section");
     t = n->as_table();
   }
-  t->insert_or_assign(path.back(), *value);
+  t->insert_or_assign(toml::key(path.back(), value->source()), *value);
+  const size_t first = dotted_prefix.empty() ? 0 : 2;
+  std::string dotted = dotted_prefix;
+  for (size_t j = first; j < path.size(); ++j) dotted += (j > first ? "." : "") + path[j];
+  impl_->overrides[dotted] = SourceLoc{origin, 0, 0};
 }
 
 void Recipe::check_sections(const std::vector<std::string>& known) const {
   for (const auto& [k, node] : impl_->root) {
     std::string key(k.str());
-    SourceLoc where = loc_of(node.source(), impl_->source);
+    SourceLoc where = loc_of(k.source(), impl_->source);
     if (std::find(known.begin(), known.end(), key) == known.end())
       throw RecipeError(where, "unknown section [" + key + "]; known sections: " + list(known));
     if (key == "plugins") {
@@ -282,7 +301,7 @@ Options Recipe::options(const std::string& section, const OptionSpecs& specs, bo
   std::vector<std::string> skip;
   if (named) skip.push_back("name");
   Options o = resolve_table(impl_->section(section), specs, section, impl_->section_loc(section), skip,
-                            impl_->source);
+                            impl_->source, impl_->overrides);
   std::string name;
   if (named) {
     if (auto t = impl_->section(section)) name = (*t)["name"].value_or(std::string{});
@@ -325,7 +344,7 @@ Options Recipe::plugin_options(size_t i, const OptionSpecs& specs) const {
   std::string name = (*t)["name"].value_or(std::string{});
   std::string context = "plugins." + (name.empty() ? std::to_string(i) : name);
   Options o = resolve_table(t, specs, context, loc_of((*arr)[i].source(), impl_->source),
-                            {"name", "path"}, impl_->source);
+                            {"name", "path"}, impl_->source, impl_->overrides);
   impl_->record({"plugins", true, name, o});
   return o;
 }

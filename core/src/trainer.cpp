@@ -196,6 +196,8 @@ void Trainer::Impl::prepare() {
     try {
       s.plugin->configure(plan);
       decls.push_back({s.name, s.plugin->contract()});
+    } catch (const RecipeError&) {
+      throw;
     } catch (const std::exception& err) {
       throw Error("plugin '" + s.name + "' (" + s.file + "): " + err.what());
     }

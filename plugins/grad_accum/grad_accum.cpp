@@ -32,7 +32,7 @@ class GradAccum final : public tk::Plugin {
     normalize_ = o.get_string("normalize");
     const auto& lw = o.get_string("last_window");
     policy_ = lw == "drop" ? tk::LastWindow::Drop : lw == "carry" ? tk::LastWindow::Carry : tk::LastWindow::Step;
-    normalize_where_ = o.where("normalize").str();
+    options_ = o;
   }
 
   tk::Contract contract() const override {
@@ -45,8 +45,8 @@ class GradAccum final : public tk::Plugin {
   void configure(tk::RunPlan& plan) override {
     const std::string want = normalize_ == "mean" ? "mean" : "sum";
     if (plan.loss_reduction != want)
-      throw tk::Error(normalize_where_ + ": normalize = \"" + normalize_ + "\" needs a loss with reduction = \"" +
-                      want + "\", but the recipe's loss uses \"" + plan.loss_reduction + "\"");
+      options_.fail("normalize", "\"" + normalize_ + "\" needs a loss with reduction = \"" + want +
+                                     "\", but the recipe's loss uses \"" + plan.loss_reduction + "\"");
     plan.set_window(steps_, policy_, name());
   }
 
@@ -80,7 +80,7 @@ class GradAccum final : public tk::Plugin {
  private:
   int64_t steps_ = 1;
   std::string normalize_ = "mean";
-  std::string normalize_where_;
+  tk::Options options_;
   tk::LastWindow policy_ = tk::LastWindow::Step;
   int64_t windows_ = 0, short_windows_ = 0;
 };

@@ -1,0 +1,106 @@
+// The plugin loader against well-formed and broken fixture libraries.
+#include <dlfcn.h>
+#include <tk/abi.h>
+
+#include <cstdlib>
+
+#include "support.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kFixtures = TK_TEST_PLUGIN_DIR;
+
+std::string load_error(const fs::path& file) {
+  tk::PluginLoader loader({kFixtures});
+  try {
+    loader.load(file);
+  } catch (const tk::PluginLoadError& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+bool is_loaded(const fs::path& file) {
+  void* h = dlopen(file.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (h) dlclose(h);
+  return h != nullptr;
+}
+
+}  // namespace
+
+TEST_SUITE("loader") {
+  TEST_CASE("a well-formed plugin loads with its name, version and options") {
+    tk::PluginLoader loader({kFixtures});
+    auto lp = loader.load_by_name("probe");
+    CHECK(lp.name == "probe");
+    CHECK(lp.version == "1.0.0");
+    CHECK(lp.file == kFixtures / "tk_probe.so");
+    CHECK(lp.plugin->name() == "probe");
+    CHECK(lp.plugin->option_specs().size() == 3);
+  }
+
+  TEST_CASE("each broken library is refused with the file and expected vs found") {
+    const fs::path bad_abi = kFixtures / "tk_bad_abi.so";
+    CHECK(load_error(bad_abi) == bad_abi.string() + ": plugin ABI version mismatch: expected " +
+                                     std::to_string(TK_PLUGIN_ABI_VERSION) +
+                                     ", got 999 (rebuild the plugin against this trainkit)");
+    const fs::path no_entry = kFixtures / "tk_no_entry.so";
+    CHECK(load_error(no_entry) == no_entry.string() +
+                                      ": not a trainkit plugin: it does not export the entry point 'tk_plugin_entry' "
+                                      "(define it with TK_PLUGIN(...))");
+    const fs::path old_torch = kFixtures / "tk_old_torch.so";
+    CHECK(load_error(old_torch) == old_torch.string() +
+                                       ": plugin 'old_torch' was built against LibTorch 0.4.1, expected " +
+                                       TORCH_VERSION + " (the LibTorch this trainkit uses)");
+    const fs::path null_factory = kFixtures / "tk_null_factory.so";
+    CHECK(load_error(null_factory) == null_factory.string() + ": plugin 'null_factory' factory returned null");
+    const fs::path no_create = kFixtures / "tk_no_create.so";
+    CHECK(load_error(no_create) == no_create.string() + ": plugin 'no_create' has a null create function");
+    CHECK(load_error(kFixtures / "tk_missing.so") == (kFixtures / "tk_missing.so").string() +
+                                                          ": plugin file does not exist");
+    const fs::path not_a_library = fs::path(TK_SOURCE_DIR) / "tests/fixtures/bad_key.toml";
+    CHECK(load_error(not_a_library).find(not_a_library.string() + ": cannot load shared library") == 0);
+  }
+
+  TEST_CASE("a plugin not on the search path is reported with the folders searched and what exists") {
+    tk::PluginLoader loader({"/nonexistent/dir", kFixtures});
+    try {
+      loader.find("nope");
+      FAIL("found a plugin that does not exist");
+    } catch (const tk::PluginLoadError& e) {
+      std::string m = e.what();
+      CHECK(m.find("plugin 'nope' not found: no tk_nope.so in\n  /nonexistent/dir\n  " + kFixtures.string()) == 0);
+      CHECK(m.find("available plugins: bad_abi, cycle_a") != std::string::npos);
+    }
+  }
+
+  TEST_CASE("the search path has the recipe folder first and honours TK_PLUGIN_PATH") {
+    setenv("TK_PLUGIN_PATH", "/opt/a:/opt/b", 1);
+    auto dirs = tk::PluginLoader::default_dirs("/recipes");
+    unsetenv("TK_PLUGIN_PATH");
+    REQUIRE(dirs.size() >= 4);
+    CHECK(dirs[0] == fs::path("/recipes/plugins"));
+    CHECK(dirs[1] == fs::path("/opt/a"));
+    CHECK(dirs[2] == fs::path("/opt/b"));
+    CHECK(dirs[3] == fs::path(TK_PLUGIN_DIR));
+  }
+
+  TEST_CASE("an instance keeps its library loaded for as long as it lives") {
+    const fs::path file = kFixtures / "tk_fake_clip2.so";
+    REQUIRE_FALSE(is_loaded(file));
+    std::shared_ptr<tk::Plugin> plugin;
+    {
+      tk::PluginLoader loader({kFixtures});
+      plugin = loader.load(file).plugin;
+    }
+    CHECK(is_loaded(file));
+    CHECK(plugin->option_specs().size() == 3);  // code of the library still runs
+    auto copy = plugin;
+    plugin.reset();
+    CHECK(is_loaded(file));
+    copy.reset();
+    CHECK_FALSE(is_loaded(file));
+  }
+}

@@ -1,0 +1,133 @@
+// Window planning and plugin ordering: pure logic, no training.
+#include <algorithm>
+
+#include "support.h"
+
+using tk::LastWindow;
+using tk::WindowSchedule;
+
+namespace {
+
+/// (index, size) of every micro-batch of `epochs` epochs; (-1, -1) where it is dropped.
+std::vector<std::pair<int64_t, int64_t>> layout(const WindowSchedule& s, int64_t m, int64_t epochs) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t e = 0; e < epochs; ++e)
+    for (int64_t b = 0; b < m; ++b) {
+      auto w = s.at(e, b);
+      out.emplace_back(w ? w->index : -1, w ? w->size : -1);
+    }
+  return out;
+}
+
+tk::PluginDecl decl(std::string name, std::vector<std::string> provides, std::vector<std::string> after = {}) {
+  tk::PluginDecl d;
+  d.name = std::move(name);
+  d.contract.provides = std::move(provides);
+  d.contract.after = std::move(after);
+  return d;
+}
+
+}  // namespace
+
+TEST_SUITE("plan") {
+  TEST_CASE("step policy: the short last window of each epoch has its actual size") {
+    WindowSchedule s(10, 4, LastWindow::Step, 2);
+    auto l = layout(s, 10, 1);
+    std::vector<std::pair<int64_t, int64_t>> expect = {{0, 4}, {1, 4}, {2, 4}, {3, 4}, {0, 4},
+                                                       {1, 4}, {2, 4}, {3, 4}, {0, 2}, {1, 2}};
+    CHECK(l == expect);
+    CHECK(s.steps_in(2) == 6);
+    auto w = s.at(1, 9);
+    CHECK(w->is_last());
+    CHECK(w->is_short());
+  }
+
+  TEST_CASE("drop policy: the tail of each epoch is skipped") {
+    WindowSchedule s(10, 4, LastWindow::Drop, 2);
+    auto l = layout(s, 10, 1);
+    CHECK(l[7] == std::make_pair<int64_t, int64_t>(3, 4));
+    CHECK(l[8] == std::make_pair<int64_t, int64_t>(-1, -1));
+    CHECK(l[9] == std::make_pair<int64_t, int64_t>(-1, -1));
+    CHECK(s.steps_in(2) == 4);
+    CHECK_THROWS_WITH_AS(WindowSchedule(3, 4, LastWindow::Drop, 1), doctest::Contains("no window would ever complete"),
+                         tk::Error);
+  }
+
+  TEST_CASE("carry policy: windows run across epochs; only the run's last one may be short") {
+    WindowSchedule s(10, 4, LastWindow::Carry, 3);  // 30 micro-batches: 7 windows of 4 and one of 2
+    auto l = layout(s, 10, 3);
+    CHECK(l[8] == std::make_pair<int64_t, int64_t>(0, 4));   // epoch 0, b 8 opens a window ...
+    CHECK(l[11] == std::make_pair<int64_t, int64_t>(3, 4));  // ... closed in epoch 1
+    CHECK(l[28] == std::make_pair<int64_t, int64_t>(0, 2));
+    CHECK(l[29] == std::make_pair<int64_t, int64_t>(1, 2));
+    CHECK(s.steps_in(3) == 8);
+    WindowSchedule unbounded(10, 4, LastWindow::Carry, 0);  // bounded by steps: never short
+    CHECK(unbounded.at(2, 9)->size == 4);
+  }
+
+  TEST_CASE("without accumulation every micro-batch is its own window") {
+    WindowSchedule s(5, 1, LastWindow::Step, 1);
+    for (int64_t b = 0; b < 5; ++b) {
+      CHECK(s.at(0, b)->size == 1);
+      CHECK(s.at(0, b)->is_last());
+    }
+    CHECK(s.steps_in(3) == 15);
+  }
+
+  TEST_CASE("boundary order follows contracts, whatever the listing order") {
+    std::vector<tk::PluginDecl> ds = {
+        decl("clip", {tk::cap::kGradsClipped}, {tk::cap::kGradsSynced, tk::cap::kGradsNormalized, tk::cap::kGradsUnscaled}),
+        decl("accum", {tk::cap::kWindow, tk::cap::kGradsNormalized}, {tk::cap::kGradsSynced}),
+        decl("amp", {tk::cap::kGradsUnscaled}, {tk::cap::kGradsSynced, tk::cap::kGradsNormalized}),
+        decl("ddp", {tk::cap::kGradsSynced}),
+    };
+    std::vector<size_t> perm = {0, 1, 2, 3};
+    int permutations = 0;
+    do {
+      std::vector<tk::PluginDecl> listed;
+      for (size_t i : perm) listed.push_back(ds[i]);
+      std::vector<std::string> names;
+      for (size_t i : tk::order_plugins(listed)) names.push_back(listed[i].name);
+      CHECK(names == std::vector<std::string>{"ddp", "accum", "amp", "clip"});
+      ++permutations;
+    } while (std::next_permutation(perm.begin(), perm.end()));
+    CHECK(permutations == 24);
+  }
+
+  TEST_CASE("unrelated plugins keep their recipe order") {
+    auto order = tk::order_plugins({decl("b", {}), decl("a", {}), decl("c", {"x"}, {})});
+    CHECK(order == std::vector<size_t>{0, 1, 2});
+  }
+
+  TEST_CASE("impossible combinations are refused, naming both plugins") {
+    CHECK_THROWS_WITH(tk::order_plugins({decl("clip", {"grads.clipped"}), decl("clip_value", {"grads.clipped"})}),
+                      "plugins 'clip' and 'clip_value' both provide 'grads.clipped'; a run can have only one of them");
+    CHECK_THROWS_WITH(tk::order_plugins({decl("a", {"x"}, {"y"}), decl("b", {"y"}, {"x"})}),
+                      doctest::Contains("each need to run after the other"));
+    tk::PluginDecl needs = decl("ddp_hook", {});
+    needs.contract.requires_ = {"grads.synced"};
+    CHECK_THROWS_WITH(tk::order_plugins({needs}), doctest::Contains("'ddp_hook' requires 'grads.synced'"));
+    tk::PluginDecl conflict = decl("fp8", {});
+    conflict.contract.conflicts = {"autocast"};
+    CHECK_THROWS_WITH(tk::order_plugins({decl("amp", {"autocast"}), conflict}),
+                      "plugins 'fp8' and 'amp' cannot be combined: 'fp8' conflicts with 'autocast'");
+  }
+
+  TEST_CASE("only one plugin may shape the window") {
+    tk::RunPlan p;
+    p.set_window(4, LastWindow::Step, "grad_accum");
+    CHECK_THROWS_WITH(p.set_window(2, LastWindow::Drop, "other"),
+                      "plugins 'grad_accum' and 'other' both set the accumulation window; keep one of them");
+    p.micro_batch = 8;
+    CHECK(p.effective_batch() == 32);
+  }
+
+  TEST_CASE("the data order is a pure function of seed and epoch") {
+    auto a = tk::epoch_order(100, 5, 2, true), b = tk::epoch_order(100, 5, 2, true);
+    CHECK(torch::equal(a, b));
+    CHECK_FALSE(torch::equal(a, tk::epoch_order(100, 5, 3, true)));
+    CHECK_FALSE(torch::equal(a, tk::epoch_order(100, 6, 2, true)));
+    CHECK(torch::equal(std::get<0>(a.sort()), torch::arange(100)));
+    CHECK(torch::equal(tk::epoch_order(10, 5, 0, false), torch::arange(10)));
+  }
+}

@@ -1,0 +1,183 @@
+// The loop: training without plugins, event order and tracing, failures, vetoes, outputs.
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "support.h"
+
+namespace fs = std::filesystem;
+using tk::Event;
+
+namespace {
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("tk-test-" + std::to_string(getpid()) + "-" + name);
+  fs::remove_all(d);
+  return d;
+}
+
+std::vector<std::string> lines_of(const fs::path& file) {
+  std::ifstream in(file);
+  std::vector<std::string> out;
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+std::string with_plugins(const std::string& plugins) { return std::string(tkt::kTinyRecipe) + plugins; }
+
+}  // namespace
+
+TEST_SUITE("trainer") {
+  TEST_CASE("without plugins the loop trains with a window of one") {
+    auto r = tkt::recipe({"run.steps=0", "run.epochs=8"});
+    tk::Trainer t(r, tkt::quiet());
+    CHECK(t.plan().accumulation == 1);
+    auto res = t.fit();
+    CHECK(res.steps == 256);
+    CHECK(res.micro_steps == 256);
+    REQUIRE(res.window_losses.size() == 256);
+    auto mean = [&](size_t from) {
+      double s = 0;
+      for (size_t i = from; i < from + 32; ++i) s += res.window_losses[i];
+      return s / 32;
+    };
+    CHECK(mean(224) < 0.6 * mean(0));
+  }
+
+  TEST_CASE("the trace of a run with several plugins follows contracts and the documented event order") {
+    // Listed clip, accumulation, sync; dispatched sync -> accumulation -> clip.
+    auto text = with_plugins(R"(
+[[plugins]]
+name = "fake_clip"
+[[plugins]]
+name = "grad_accum"
+steps = 2
+[[plugins]]
+name = "fake_sync"
+)");
+    auto r = tkt::recipe({"run.steps=1", "run.trace=true"}, text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    CHECK(t.plugin_order() == std::vector<std::string>{"fake_sync", "grad_accum", "fake_clip"});
+    t.fit();
+    std::vector<std::string> got;
+    for (const auto& e : t.trace())
+      got.push_back(e.plugin + "@" + tk::to_string(e.event) + ":" + std::to_string(e.step) + "/" +
+                    std::to_string(e.micro_step));
+    auto both = [](const char* ev, const char* at) {
+      return std::vector<std::string>{std::string("fake_sync@") + ev + ":" + at, std::string("fake_clip@") + ev + ":" + at};
+    };
+    std::vector<std::string> expect;
+    for (auto part : {both("fit_start", "0/0"), both("epoch_start", "0/0"), both("micro_batch", "0/0"),
+                      both("loss", "0/0"), both("backward", "0/1"), both("micro_batch", "0/1"), both("loss", "0/1"),
+                      both("backward", "0/2")})
+      expect.insert(expect.end(), part.begin(), part.end());
+    expect.insert(expect.end(), {"fake_sync@boundary:0/2", "grad_accum@boundary:0/2", "fake_clip@boundary:0/2"});
+    for (auto part : {both("step_end", "1/2"), both("epoch_end", "1/2"), both("fit_end", "1/2")})
+      expect.insert(expect.end(), part.begin(), part.end());
+    CHECK(got == expect);
+  }
+
+  TEST_CASE("validation events wrap a validation pass") {
+    auto text = with_plugins("[[plugins]]\nname = \"probe\"\n");
+    auto r = tkt::recipe({"run.steps=4", "run.trace=true", "run.validate_every=2", "data.validation_samples=32"},
+                         text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    auto res = t.fit();
+    CHECK(res.validation_losses.size() == 2);
+    int starts = 0, ends = 0;
+    for (const auto& e : t.trace()) {
+      starts += e.event == Event::ValidationStart;
+      ends += e.event == Event::ValidationEnd;
+    }
+    CHECK(starts == 2);
+    CHECK(ends == 2);
+  }
+
+  TEST_CASE("two plugins that provide the same thing are refused at load, naming both") {
+    auto text = with_plugins("[[plugins]]\nname = \"fake_clip\"\n[[plugins]]\nname = \"fake_clip2\"\n");
+    auto r = tkt::recipe({}, text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    CHECK_THROWS_WITH(t.describe(), "plugins 'fake_clip' and 'fake_clip2' both provide 'grads.clipped'; a run can "
+                                    "have only one of them");
+    auto cyc = with_plugins("[[plugins]]\nname = \"cycle_a\"\n[[plugins]]\nname = \"cycle_b\"\n");
+    auto r2 = tkt::recipe({}, cyc.c_str());
+    tk::Trainer t2(r2, tkt::quiet());
+    CHECK_THROWS_WITH(t2.describe(), doctest::Contains("plugins 'cycle_a' and 'cycle_b' each need to run after the other"));
+  }
+
+  TEST_CASE("a plugin that throws stops the run with plugin, event and step; outputs so far are kept") {
+    const fs::path out = temp_dir("throw");
+    auto text = with_plugins("[[plugins]]\nname = \"probe\"\nthrow_at_step = 2\nthrow_in = \"backward\"\n");
+    auto r = tkt::recipe({"run.output=\"" + out.string() + "\""}, text.c_str());
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer t(r, opts);
+    CHECK_THROWS_WITH_AS(t.fit(), "plugin 'probe' failed in event backward at step 2 (micro-batch 3): injected failure",
+                         tk::PluginRuntimeError);
+    CHECK(lines_of(out / "metrics.jsonl").size() == 2);
+    CHECK(fs::exists(out / "recipe.toml"));
+    fs::remove_all(out);
+  }
+
+  TEST_CASE("a veto skips the optimizer step and is counted") {
+    auto one = tkt::recipe({"run.steps=1"});
+    tk::Trainer reference(one, tkt::quiet());
+    reference.fit();
+
+    auto text = with_plugins("[[plugins]]\nname = \"probe\"\nveto_at_step = 1\n");
+    auto two = tkt::recipe({"run.steps=2"}, text.c_str());
+    tk::Trainer vetoed(two, tkt::quiet());
+    auto res = vetoed.fit();
+    CHECK(res.skipped_steps == 1);
+    CHECK(res.steps == 2);
+    CHECK(torch::equal(tkt::flat_params(vetoed.model()), tkt::flat_params(reference.model())));
+  }
+
+  TEST_CASE("BatchNorm with accumulation is warned about") {
+    auto text = with_plugins("[[plugins]]\nname = \"grad_accum\"\nsteps = 4\n");
+    auto r = tkt::recipe({"model.batchnorm=true"}, text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    t.describe();
+    REQUIRE(t.warnings().size() == 1);
+    CHECK(t.warnings()[0].find("the model has BatchNorm and accumulates 4 micro-batches per step: its statistics are "
+                               "computed per micro-batch of 8 examples, not per window of 32") == 0);
+    auto r1 = tkt::recipe({"model.batchnorm=true"});
+    tk::Trainer t1(r1, tkt::quiet());
+    t1.describe();
+    CHECK(t1.warnings().empty());
+  }
+
+  TEST_CASE("a run writes its resolved recipe, one metrics record per step, weights and trace") {
+    const fs::path out = temp_dir("outputs");
+    auto text = with_plugins("[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n");
+    auto r = tkt::recipe({"run.output=\"" + out.string() + "\"", "run.steps=5", "run.trace=true",
+                          "data.validation_samples=16"},
+                         text.c_str());
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer t(r, opts);
+    auto res = t.fit();
+    auto metrics = lines_of(out / "metrics.jsonl");
+    REQUIRE(metrics.size() == 5);
+    CHECK(metrics[0].find("{\"step\": 1, \"epoch\": 0, \"loss\": ") == 0);
+    CHECK(metrics[4].find("\"samples\": 120, \"tokens\": 120") != std::string::npos);
+    CHECK(metrics[4].find("\"validation_loss\": ") != std::string::npos);
+    CHECK(metrics[4].find("\"validation_accuracy\": ") != std::string::npos);
+    CHECK(metrics[2].find("\"accum_divisor\": 3") != std::string::npos);
+
+    std::ifstream in(out / "weights.pt", std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto dict = torch::jit::pickle_load(bytes).toGenericDict();
+    auto params = t.model().named_parameters();
+    CHECK(dict.size() == params.size());
+    for (const auto& p : params) CHECK(torch::equal(dict.at(p.key()).toTensor(), p.value()));
+
+    auto recipe_text = lines_of(out / "recipe.toml");
+    CHECK(std::find(recipe_text.begin(), recipe_text.end(), "steps = 3") != recipe_text.end());
+    CHECK(lines_of(out / "trace.jsonl").size() == t.trace().size());
+    CHECK(res.output_dir == out);
+    fs::remove_all(out);
+  }
+}

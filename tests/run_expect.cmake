@@ -1,0 +1,22 @@
+# Runs EXE RECIPE ARGS..., checks the exit code and that the output matches EXPECT (a regex);
+# optionally runs PYTHON_CHECK on RUN_DIR with Debian's python3 when it has torch.
+execute_process(COMMAND ${EXE} ${RECIPE} ${ARGS}
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+set(all "${out}${err}")
+if(NOT rc EQUAL EXPECT_RC)
+  message(FATAL_ERROR "exit code ${rc}, expected ${EXPECT_RC}; output:\n${all}")
+endif()
+if(NOT all MATCHES "${EXPECT}")
+  message(FATAL_ERROR "output does not match '${EXPECT}':\n${all}")
+endif()
+if(PYTHON_CHECK)
+  execute_process(COMMAND /usr/bin/python3 -c "import torch" RESULT_VARIABLE has_torch OUTPUT_QUIET ERROR_QUIET)
+  if(NOT has_torch EQUAL 0)
+    message(FATAL_ERROR "python3-torch is needed to check the run's outputs (tools/setup.sh installs it)")
+  endif()
+  execute_process(COMMAND /usr/bin/python3 ${PYTHON_CHECK} ${RUN_DIR} RESULT_VARIABLE prc OUTPUT_VARIABLE pout ERROR_VARIABLE perr)
+  if(NOT prc EQUAL 0)
+    message(FATAL_ERROR "${PYTHON_CHECK} failed:\n${pout}${perr}")
+  endif()
+  message(STATUS "${pout}")
+endif()

@@ -1,0 +1,109 @@
+#pragma once
+// Helpers shared by the test suites: recipes, in-process probes and tensor comparisons.
+#include <tk/trainer.h>
+#include <torch/types.h>
+
+#include <string>
+#include <vector>
+
+// Debian's LibTorch logs through glog, whose CHECK macros collide with doctest's: doctest wins.
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LT
+#undef CHECK_LE
+#undef CHECK_GT
+#undef CHECK_GE
+#undef CHECK_NOTNULL
+#include <doctest/doctest.h>
+
+namespace tkt {
+
+/// A small, fast recipe; tests adjust it with Recipe::apply_override.
+inline const char* kTinyRecipe = R"(
+[run]
+seed = 3
+steps = 6
+dtype = "float64"
+
+[model]
+name = "mlp"
+hidden = [16]
+activation = "tanh"
+
+[data]
+name = "synthetic-classification"
+samples = 256
+validation_samples = 0
+features = 8
+classes = 4
+micro_batch = 8
+
+[optimizer]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+)";
+
+/// Recipe from text plus `--set`-style overrides.
+inline tk::Recipe recipe(const std::vector<std::string>& overrides = {}, const char* text = kTinyRecipe) {
+  auto r = tk::Recipe::from_string(text, "test.toml");
+  for (const auto& o : overrides) r.apply_override(o);
+  return r;
+}
+
+/// Trainer options for in-memory runs that find the project's and the fixture plugins.
+inline tk::TrainerOptions quiet() {
+  tk::TrainerOptions o;
+  o.write_outputs = false;
+  o.progress = tk::ProgressMode::None;
+  o.plugin_dirs = std::vector<std::filesystem::path>{TK_PLUGIN_DIR, TK_TEST_PLUGIN_DIR};
+  return o;
+}
+
+/// All parameters (or their gradients) of a model as one flat float64 vector.
+inline torch::Tensor flat_params(torch::nn::Module& m) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& p : m.parameters()) parts.push_back(p.detach().reshape({-1}).to(torch::kDouble));
+  return torch::cat(parts);
+}
+inline torch::Tensor flat_grads(torch::nn::Module& m) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& p : m.parameters())
+    parts.push_back(p.grad().defined() ? p.grad().detach().reshape({-1}).to(torch::kDouble)
+                                       : torch::zeros({p.numel()}, torch::kDouble));
+  return torch::cat(parts);
+}
+
+/// max |a - b| / (1 + max |b|): a relative distance that is robust near zero.
+inline double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  REQUIRE(a.sizes() == b.sizes());
+  return (a - b).abs().max().item<double>() / (1.0 + b.abs().max().item<double>());
+}
+
+/// An in-process plugin that records, at each boundary after all gradient work, the gradients,
+/// the learning rate, the window and its true loss.
+class Capture : public tk::Plugin {
+ public:
+  Capture() { set_name("capture"); }
+  tk::Contract contract() const override {
+    return {{}, {tk::cap::kGradsSynced, tk::cap::kGradsNormalized, tk::cap::kGradsUnscaled, tk::cap::kGradsClipped}};
+  }
+  tk::EventSet events() const override { return {tk::Event::Boundary, tk::Event::MicroBatch}; }
+  void on_event(tk::Event e, tk::Context& ctx) override {
+    if (e == tk::Event::MicroBatch) {
+      windows.push_back(ctx.window);
+      return;
+    }
+    grads.push_back(flat_grads(ctx.model));
+    lrs.push_back(ctx.lr);
+    window_losses.push_back(ctx.window_loss);
+    window_sizes.push_back(ctx.totals.micro_batches);
+  }
+  std::vector<torch::Tensor> grads;
+  std::vector<double> lrs, window_losses;
+  std::vector<int64_t> window_sizes;
+  std::vector<tk::Window> windows;
+};
+
+}  // namespace tkt
