@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs what is needed, builds, and runs every test suite.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="${BUILD_DIR:-$root/build}"
+start=$(date +%s)
+bash "$root/tools/build.sh"
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)"
+echo "tools/test.sh: build and tests took $(( $(date +%s) - start ))s"
