@@ -7,7 +7,11 @@ import sys
 import torch
 
 run = pathlib.Path(sys.argv[1])
-weights = torch.load(run / "weights.pt")
+# A plain torch.load, as safe as it gets: weights_only where this torch has it.
+try:
+    weights = torch.load(run / "weights.pt", weights_only=True)
+except TypeError:  # torch < 1.13 has no weights_only
+    weights = torch.load(run / "weights.pt")
 assert isinstance(weights, dict) and weights, "weights.pt is not a non-empty dict"
 for name, t in weights.items():
     assert isinstance(t, torch.Tensor), f"{name} is not a tensor"

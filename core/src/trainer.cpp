@@ -1,8 +1,10 @@
 #include "tk/trainer.h"
 
+#include "tk/tensor_io.h"
+
 #include <ATen/Parallel.h>
+#include <sys/resource.h>
 #include <spdlog/spdlog.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <chrono>
 #include <cmath>
@@ -53,6 +55,13 @@ template <class Fn>
 const Component<Fn>& pick(const Recipe& r, const std::string& section, const std::string& fallback,
                           const std::vector<Component<Fn>>& list) {
   return *find_component(list, r.component(section, fallback, component_names(list)));
+}
+
+/// Peak resident memory of this process so far, in MiB.
+double peak_rss_mib() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;
 }
 
 struct Slot {
@@ -276,11 +285,10 @@ std::pair<double, double> Trainer::Impl::validate(Context& ctx) {
 }
 
 void Trainer::Impl::save_weights(const fs::path& file) const {
-  c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& p : model->named_parameters()) dict.insert(p.key(), p.value().detach());
-  for (const auto& b : model->named_buffers()) dict.insert(b.key(), b.value().detach());
-  auto bytes = torch::jit::pickle_save(c10::IValue(dict));
-  write_atomic(file, std::string(bytes.begin(), bytes.end()));
+  NamedTensors tensors;
+  for (const auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value());
+  for (const auto& b : model->named_buffers()) tensors.emplace_back(b.key(), b.value());
+  save_tensor_dict(file, tensors);
 }
 
 Trainer::Trainer(const Recipe& recipe, TrainerOptions opts) : impl_(std::make_unique<Impl>(recipe, std::move(opts))) {
@@ -467,7 +475,8 @@ FitResult Trainer::fit() {
             .add("micro_batches", ctx.totals.micro_batches)
             .add("samples", ctx.counters.samples_seen)
             .add("tokens", ctx.counters.tokens_seen)
-            .add("wall_time", t);
+            .add("wall_time", t)
+            .add("peak_rss_mib", peak_rss_mib());
         if (skipped) line.add("skipped", ctx.vetoed_by + ": " + ctx.veto_reason);
         for (const auto& [k, v] : sink.values) line.add(k, v);
         if (ctx.counters.step >= steps_target) done = true;
@@ -505,6 +514,7 @@ FitResult Trainer::fit() {
   result.micro_steps = ctx.counters.micro_step;
   result.skipped_steps = ctx.counters.skipped_steps;
   result.seconds = elapsed();
+  result.peak_rss_mib = peak_rss_mib();
   return result;
 }
 

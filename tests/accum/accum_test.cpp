@@ -214,6 +214,18 @@ TEST_SUITE("accumulation") {
     CHECK(tkt::rel_diff(naive.capture->grads[0], big.capture->grads[0]) > 1e-3);
   }
 
+  TEST_CASE("regression with a summed MSE, normalized by samples, equals the mean-MSE big batch") {
+    std::string base = kAccumRecipe;
+    base.replace(base.find("classes = 5"), 11, "outputs = 1");
+    const std::vector<std::string> reg = {"data.name=synthetic-regression", "data.samples=200", "loss.name=mse"};
+    Run accum = train(reg + std::vector<std::string>{"loss.reduction=sum"}, "steps = 4\nnormalize = \"samples\"",
+                      base.c_str());
+    Run big = train(reg + std::vector<std::string>{"data.micro_batch=32"}, "", base.c_str());
+    check_same_steps(accum, big, 1e-12);
+    for (size_t i = 0; i < big.result.window_losses.size(); ++i)
+      CHECK(std::abs(accum.result.window_losses[i] - big.result.window_losses[i]) < 1e-12);
+  }
+
   TEST_CASE("the short last window is normalized by its actual size (last_window = step)") {
     // 80 examples in micro-batches of 4: 20 per epoch, windows of 6 -> 6, 6, 6, 2.
     std::vector<std::string> sets = {"data.samples=80", "run.steps=0", "run.epochs=2"};

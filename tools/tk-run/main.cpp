@@ -154,6 +154,7 @@ int main(int argc, char** argv) {
         std::printf("; loss %.4f -> %.4f", r.window_losses.front(), r.window_losses.back());
       if (!r.validation_losses.empty()) std::printf("; validation loss %.4f", r.validation_losses.back());
       if (r.skipped_steps) std::printf("; %lld steps skipped", static_cast<long long>(r.skipped_steps));
+      std::printf("; peak memory %.0f MiB", r.peak_rss_mib);
       std::printf("\n");
       if (!r.output_dir.empty()) std::printf("wrote %s/{recipe.toml,metrics.jsonl,weights.pt}\n", r.output_dir.c_str());
     } catch (const std::exception& e) {

@@ -36,6 +36,7 @@ struct FitResult {
   int64_t micro_steps = 0;
   int64_t skipped_steps = 0;
   double seconds = 0.0;
+  double peak_rss_mib = 0.0;          ///< peak resident memory of the process at the end
   std::vector<double> window_losses;  ///< the true loss of every optimizer step, in order
   std::vector<double> validation_losses;
   std::filesystem::path output_dir;   ///< empty when outputs were off

@@ -1,0 +1,22 @@
+#pragma once
+/// Tensor files that Python reads with a plain `torch.load` (weights_only included).
+#include <torch/types.h>
+
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tk {
+
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+/// Bytes of a name -> tensor dict in torch.save's zip format, without TorchScript type tags, so
+/// that `torch.load(f)` reads it as a plain dict, also under `weights_only=True`.
+std::string save_tensor_dict(const NamedTensors& tensors);
+/// Writes save_tensor_dict() to `file` atomically.
+void save_tensor_dict(const std::filesystem::path& file, const NamedTensors& tensors);
+/// Reads a file written by save_tensor_dict() or by Python's torch.save of a dict of tensors.
+NamedTensors load_tensor_dict(const std::filesystem::path& file);
+
+}  // namespace tk
