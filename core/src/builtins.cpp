@@ -93,7 +93,7 @@ DataSplits classification(const Options& o, uint64_t run_seed) {
   auto logits = at::tanh(x.matmul(teacher1)).matmul(teacher2) + o.get_float("noise") * at::randn({n + nv, c}, gen);
   auto y = logits.argmax(1);
   DataSplits d;
-  d.info = {f, c, true};
+  d.info = {f, c, true, std::nullopt};
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n), y.slice(0, 0, n));
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n), y.slice(0, n));
   return d;
@@ -109,7 +109,7 @@ DataSplits regression(const Options& o, uint64_t run_seed) {
   auto x = at::randn({n + nv, f}, gen);
   auto y = at::tanh(x.matmul(w1)).matmul(w2) + o.get_float("noise") * at::randn({n + nv, k}, gen);
   DataSplits d;
-  d.info = {f, k, false};
+  d.info = {f, k, false, std::nullopt};
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n), y.slice(0, 0, n));
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n), y.slice(0, n));
   return d;
@@ -132,7 +132,7 @@ DataSplits tokens(const Options& o, uint64_t run_seed) {
   x = x.masked_fill(pad.unsqueeze(2), 0.0);
   y = y.masked_fill(pad, ignore);
   DataSplits d;
-  d.info = {f, c, true};
+  d.info = {f, c, true, ignore};
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n), y.slice(0, 0, n), ignore);
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n), y.slice(0, n), ignore);
   return d;

@@ -156,6 +156,15 @@ void Trainer::Impl::build() {
   loss_name = lc.name;
   loss_opts = recipe.options("loss", lc.specs, true);
   loss = lc.make(loss_opts);
+  if (data.info.ignore_index && loss_opts.has("ignore_index") &&
+      loss_opts.get_int("ignore_index") != *data.info.ignore_index)
+    loss_opts.fail("ignore_index", "is " + std::to_string(loss_opts.get_int("ignore_index")) +
+                                       ", but the data marks padding with " + std::to_string(*data.info.ignore_index) +
+                                       " (data.ignore_index): padding would count toward the loss");
+  if (data.info.classification != (loss_name == "cross_entropy"))
+    throw RecipeError(loss_opts.section_loc(), "loss '" + loss_name + "' does not fit data '" + data_name + "' (" +
+                                              (data.info.classification ? "class labels" : "real-valued targets") +
+                                              "); use " + (data.info.classification ? "cross_entropy" : "mse"));
 
   const auto& oc = pick(recipe, "optimizer", "", optimizers());
   opt_name = oc.name;

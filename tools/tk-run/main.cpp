@@ -38,6 +38,8 @@ void print_specs(const tk::OptionSpecs& specs) {
     std::printf("      %-20s %-18s default %s\n", s.name.c_str(), tk::to_string(s.type),
                 tk::to_toml(s.default_value).c_str());
     std::printf("      %-20s %s\n", "", s.doc.c_str());
+    if (!s.choices.empty())
+      std::printf("      %-20s one of: %s\n", "", tk::join(s.choices.data(), s.choices.data() + s.choices.size()).c_str());
   }
 }
 

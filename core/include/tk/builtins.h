@@ -4,6 +4,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -20,6 +21,7 @@ struct DataInfo {
   int64_t input_dim = 0;   ///< features per example (or per position, for sequences)
   int64_t output_dim = 0;  ///< classes, or regression targets
   bool classification = true;
+  std::optional<int64_t> ignore_index;  ///< target value of items that do not count, if any
 };
 
 /// An in-memory data set indexed by example.
