@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   auto arg = [&](int i) { return std::atoll(argv[i]); };
   const int64_t f = arg(1), h = arg(2), layers = arg(3), c = arg(4), n = arg(5), m = arg(6), k = arg(7);
   const int64_t steps = arg(8), warmup = arg(9);
-  at::set_num_threads(static_cast<int>(arg(10)));
+  if (arg(10) > 0) at::set_num_threads(static_cast<int>(arg(10)));  // 0: LibTorch's default
   torch::manual_seed(0);
 
   auto x = torch::randn({n, f});

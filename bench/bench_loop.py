@@ -11,7 +11,8 @@ import torch
 
 def main() -> None:
     f, h, layers, c, n, m, k, steps, warmup, threads = (int(a) for a in sys.argv[1:11])
-    torch.set_num_threads(threads)
+    if threads > 0:  # 0: torch's default
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     x = torch.randn(n, f)
     y = torch.tanh(x @ (torch.randn(f, 4 * c) / math.sqrt(f))) @ torch.randn(4 * c, c)
