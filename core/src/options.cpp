@@ -87,6 +87,11 @@ const std::vector<double>& Options::get_floats(const std::string& n) const {
   return std::get<std::vector<double>>(at(n, OptionType::FloatList));
 }
 
+bool Options::is_set(const std::string& name) const {
+  auto it = where_.find(name);
+  return it != where_.end() && !it->second.file.empty();
+}
+
 SourceLoc Options::where(const std::string& name) const {
   auto it = where_.find(name);
   if (it != where_.end() && !it->second.file.empty()) return it->second;

@@ -3,6 +3,7 @@
 #include "tk/tensor_io.h"
 
 #include <ATen/Parallel.h>
+#include <torch/cuda.h>
 #include <sys/resource.h>
 #include <spdlog/spdlog.h>
 
@@ -15,10 +16,11 @@ namespace fs = std::filesystem;
 
 namespace tk {
 
-void Context::veto_step(const std::string& reason) {
+void Context::veto_step(const std::string& reason, bool advance_schedule) {
   if (veto_reason.empty()) {
     veto_reason = reason.empty() ? std::string("(no reason given)") : reason;
     vetoed_by = current_plugin;
+    veto_advances_schedule = advance_schedule;
   }
 }
 void Context::info(const std::string& msg) const {
@@ -39,6 +41,7 @@ OptionSpecs run_specs() {
           opt_int("steps", 0, "optimizer steps to train (give epochs or steps)"),
           opt_string("output", "", "output folder (default runs/<name>)"),
           opt_string("dtype", "float32", "parameter and data type", {"float32", "float64"}),
+          opt_string("device", "auto", "where to train (auto: CUDA when available)", {"auto", "cpu", "cuda"}),
           opt_int("log_every", 10, "optimizer steps between plain progress lines"),
           opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
           opt_int("threads", 0, "intra-op CPU threads (0: LibTorch's default)"),
@@ -92,6 +95,7 @@ struct Trainer::Impl {
   Options run, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
   std::string model_name, data_name, loss_name, opt_name, sched_name;
   at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
   DataSplits data;
   ModelPtr model;
   std::unique_ptr<LossFn> loss;
@@ -134,6 +138,11 @@ void Trainer::Impl::build() {
   if (run.get_int("validate_every") < 0) run.fail("validate_every", "must be >= 0");
   if (run.get_int("threads") > 0) at::set_num_threads(static_cast<int>(run.get_int("threads")));
   dtype = run.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
+  const std::string& dev = run.get_string("device");
+  const bool cuda = torch::cuda::is_available();
+  if (dev == "cuda" && !cuda)
+    run.fail("device", "CUDA is not available (this LibTorch has no CUDA, or no GPU is visible)");
+  device = (dev == "cuda" || (dev == "auto" && cuda)) ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   const uint64_t seed = static_cast<uint64_t>(run.get_int("seed"));
 
   const auto& dc = pick(recipe, "data", "", datasets());
@@ -149,7 +158,7 @@ void Trainer::Impl::build() {
   model_opts = recipe.options("model", mc.specs, true);
   torch::manual_seed(seed);
   model = mc.make(model_opts, data.info);
-  model->to(dtype);
+  model->to(device, dtype);
   model->train();
 
   const auto& lc = pick(recipe, "loss", data.info.classification ? "cross_entropy" : "mse", losses());
@@ -209,6 +218,7 @@ void Trainer::Impl::prepare() {
   plan = RunPlan{};
   plan.micro_batch = data_opts.get_int("micro_batch");
   plan.loss_reduction = to_string(loss->reduction());
+  plan.device = device.type();
   std::vector<PluginDecl> decls;
   for (auto& s : slots) {
     try {
@@ -262,8 +272,11 @@ void Trainer::Impl::emit(Event e, Context& ctx) {
 
 Batch Trainer::Impl::fetch(const Dataset& ds, const torch::Tensor& idx) const {
   Batch b = ds.get(idx);
-  if (at::isFloatingType(b.input.scalar_type()) && b.input.scalar_type() != dtype) b.input = b.input.to(dtype);
-  if (at::isFloatingType(b.target.scalar_type()) && b.target.scalar_type() != dtype) b.target = b.target.to(dtype);
+  auto place = [&](const torch::Tensor& t) {
+    return at::isFloatingType(t.scalar_type()) ? t.to(device, dtype) : t.to(device);
+  };
+  b.input = place(b.input);
+  b.target = place(b.target);
   return b;
 }
 
@@ -338,7 +351,8 @@ std::string Trainer::describe() {
   const auto& p = d.plan;
   const int64_t epochs = d.run.get_int("epochs"), steps = d.run.get_int("steps");
   out << "recipe        " << d.recipe.source() << "\n"
-      << "model         " << d.model_name << " (" << params << " parameters, " << d.run.get_string("dtype") << ")\n"
+      << "model         " << d.model_name << " (" << params << " parameters, " << d.run.get_string("dtype") << ", on "
+      << d.device.str() << ")\n"
       << "data          " << d.data_name << ": " << d.data.train->size() << " training examples";
   if (d.data.validation) out << ", " << d.data.validation->size() << " validation";
   out << "\n"
@@ -457,10 +471,11 @@ FitResult Trainer::fit() {
 
         // The window is complete: one optimizer step.
         ctx.window_loss = ctx.totals.tokens > 0 ? ctx.totals.loss_sum / static_cast<double>(ctx.totals.tokens) : 0.0;
-        ctx.lr = d.schedule->lr(ctx.counters.step, d.total_steps);
+        ctx.lr = d.schedule->lr(ctx.counters.schedule_step, d.total_steps);
         set_lr(*d.optimizer, ctx.lr);
         ctx.veto_reason.clear();
         ctx.vetoed_by.clear();
+        ctx.veto_advances_schedule = false;
         sink.values.clear();
         d.emit(Event::Boundary, ctx);
         const bool skipped = ctx.step_vetoed();
@@ -472,6 +487,7 @@ FitResult Trainer::fit() {
         else ++ctx.counters.skipped_steps;
         d.optimizer->zero_grad();
         ++ctx.counters.step;
+        if (!skipped || ctx.veto_advances_schedule) ++ctx.counters.schedule_step;
         d.emit(Event::StepEnd, ctx);
         result.window_losses.push_back(ctx.window_loss);
 
@@ -508,6 +524,15 @@ FitResult Trainer::fit() {
   } catch (...) {
     progress.finish();
     if (metrics_file.is_open()) metrics_file.flush();
+    // Give every plugin its chance to clean up (leave autocast, close files); the first error stands.
+    for (size_t i : d.order) {
+      if (!d.slots[i].events.contains(Event::FitEnd)) continue;
+      try {
+        ctx.current_plugin = d.slots[i].name;
+        d.slots[i].plugin->on_event(Event::FitEnd, ctx);
+      } catch (...) {
+      }
+    }
     throw;
   }
   progress.finish();

@@ -1,6 +1,46 @@
 #pragma once
 /// Differences between LibTorch versions live here and only here.
+#include <ATen/autocast_mode.h>
 #include <torch/version.h>
 
 #define TK_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace tk::compat {
+
+/// Turns autocast on or off for `device` (CPU or CUDA) with the given lower-precision dtype.
+/// LibTorch 2.4 made the autocast API device-generic; 1.x has one function pair per device.
+inline void set_autocast(at::DeviceType device, bool enabled, at::ScalarType dtype) {
+#if TK_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_dtype(device, dtype);
+  at::autocast::set_autocast_enabled(device, enabled);
+#else
+  if (device == at::kCUDA) {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+    at::autocast::set_enabled(enabled);
+  } else {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+    at::autocast::set_cpu_enabled(enabled);
+  }
+#endif
+}
+
+/// Whether autocast is on for `device`.
+inline bool autocast_enabled(at::DeviceType device) {
+#if TK_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(device);
+#else
+  return device == at::kCUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+#endif
+}
+
+/// The autocast dtype currently set for `device`.
+inline at::ScalarType autocast_dtype(at::DeviceType device) {
+#if TK_TORCH_AT_LEAST(2, 4)
+  return at::autocast::get_autocast_dtype(device);
+#else
+  return device == at::kCUDA ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+
+}  // namespace tk::compat

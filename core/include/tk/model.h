@@ -43,6 +43,7 @@ struct RunPlan {
   int world_size = 1;           ///< processes that train together
   int rank = 0;
   std::string loss_reduction = "mean";  ///< "mean" or "sum", of the recipe's loss
+  at::DeviceType device = at::kCPU;     ///< where the model and the batches live
   std::string window_owner;     ///< plugin that set the window, for error messages
   std::string world_owner;      ///< plugin that set the world, for error messages
 

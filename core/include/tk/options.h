@@ -46,6 +46,8 @@ class Options {
 
   void set(const std::string& name, OptionValue v, SourceLoc where = {});
   bool has(const std::string& name) const { return values_.count(name) != 0; }
+  /// True when the value was given (in a recipe or override), false when it is the default.
+  bool is_set(const std::string& name) const;
 
   bool get_bool(const std::string& name) const;
   int64_t get_int(const std::string& name) const;

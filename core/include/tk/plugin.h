@@ -32,6 +32,7 @@ struct Counters {
   int64_t samples_seen = 0;   ///< examples that went through forward and backward
   int64_t tokens_seen = 0;    ///< target items that counted toward the loss
   int64_t skipped_steps = 0;  ///< optimizer steps vetoed by a plugin
+  int64_t schedule_step = 0;  ///< steps the LR schedule has advanced (a vetoed step may not advance it)
   int64_t total_steps = 0;    ///< optimizer steps the run will take (known before it starts)
 };
 
@@ -76,8 +77,9 @@ struct Context {
   double validation_loss = 0.0;///< set for validation_end
   double lr = 0.0;             ///< learning rate of the step being taken
 
-  /// Votes against the optimizer step of this window; the core skips it and counts it.
-  void veto_step(const std::string& reason);
+  /// Votes against the optimizer step of this window; the core skips it and counts it. The LR
+  /// schedule stays where it is unless `advance_schedule`.
+  void veto_step(const std::string& reason, bool advance_schedule = false);
   bool step_vetoed() const noexcept { return !veto_reason.empty(); }
 
   /// Messages through the run's log, prefixed with the current plugin's name.
@@ -88,6 +90,7 @@ struct Context {
   std::string current_plugin;
   std::string veto_reason;
   std::string vetoed_by;
+  bool veto_advances_schedule = false;
   std::function<void(int level, const std::string&)> log_sink;
 };
 

@@ -1,0 +1,82 @@
+// Gradient clipping at the optimizer-step boundary: by total norm (any p, or inf) or by value.
+//
+// Runs once per optimizer step, after gradient sync, normalization and unscaling (its contract
+// says so), never per micro-batch; with accumulation the norm is that of the whole window's
+// gradient. The total norm before clipping goes to metrics.jsonl as `grad_norm` every step.
+// The arithmetic follows torch.nn.utils.clip_grad_norm_ / clip_grad_value_.
+#include <tk/abi.h>
+
+#include <cmath>
+#include <limits>
+
+namespace {
+
+class Clip final : public tk::Plugin {
+ public:
+  tk::OptionSpecs option_specs() const override {
+    return {tk::opt_float("max_norm", 1.0, "clip the total gradient norm to this (0: no norm clipping)"),
+            tk::opt_float("norm_type", 2.0, "p of the p-norm, > 0; inf for the max-norm"),
+            tk::opt_float("max_value", 0.0, "clip each gradient element to [-max_value, max_value] (0: off)")};
+  }
+
+  void init(const tk::Options& o) override {
+    max_norm_ = o.get_float("max_norm");
+    norm_type_ = o.get_float("norm_type");
+    max_value_ = o.get_float("max_value");
+    if (max_norm_ < 0 || std::isnan(max_norm_)) o.fail("max_norm", "must be >= 0");
+    if (max_value_ < 0 || std::isnan(max_value_)) o.fail("max_value", "must be >= 0");
+    if (!(norm_type_ > 0)) o.fail("norm_type", "must be > 0 (or inf)");
+    if (max_norm_ > 0 && max_value_ > 0 && o.is_set("max_norm"))
+      o.fail("max_value", "give max_norm or max_value, not both");
+    if (max_value_ > 0) max_norm_ = 0;  // clipping by value replaces the default norm clipping
+    if (max_norm_ == 0 && max_value_ == 0) o.fail("max_norm", "one of max_norm and max_value must be > 0");
+  }
+
+  tk::Contract contract() const override {
+    tk::Contract c;
+    c.provides = {tk::cap::kGradsClipped};
+    c.after = {tk::cap::kGradsSynced, tk::cap::kGradsNormalized, tk::cap::kGradsUnscaled};
+    return c;
+  }
+
+  tk::EventSet events() const override { return {tk::Event::Boundary}; }
+
+  void on_event(tk::Event, tk::Context& ctx) override {
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : ctx.model.parameters())
+      if (p.grad().defined()) grads.push_back(p.grad());
+    if (grads.empty()) return;
+    const double norm = total_norm(grads);
+    ctx.metrics.put("grad_norm", norm);
+    if (ctx.step_vetoed()) return;  // the step will not be taken (e.g. an fp16 overflow)
+    torch::NoGradGuard no_grad;
+    if (max_value_ > 0) {
+      for (auto& g : grads) g.clamp_(-max_value_, max_value_);
+    } else {
+      const double coef = max_norm_ / (norm + 1e-6);
+      if (coef >= 1.0) return;  // multiplying by the clamped 1.0 would change nothing
+      ++clipped_steps_;
+      for (auto& g : grads) g.mul_(coef);
+    }
+  }
+
+  tk::StateDict state() const override { return {{"clipped_steps", torch::tensor(clipped_steps_)}}; }
+  void load_state(const tk::StateDict& s) override { clipped_steps_ = s.at("clipped_steps").item<int64_t>(); }
+
+ private:
+  double total_norm(const std::vector<torch::Tensor>& grads) const {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> norms;
+    norms.reserve(grads.size());
+    for (const auto& g : grads) norms.push_back(at::linalg_vector_norm(g, norm_type_).to(at::kDouble));
+    auto all = at::stack(norms);
+    return (std::isinf(norm_type_) ? all.max() : at::linalg_vector_norm(all, norm_type_)).item<double>();
+  }
+
+  double max_norm_ = 1.0, norm_type_ = 2.0, max_value_ = 0.0;
+  int64_t clipped_steps_ = 0;
+};
+
+}  // namespace
+
+TK_PLUGIN(Clip, "clip", "0.1.0")

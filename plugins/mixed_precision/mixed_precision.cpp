@@ -1,0 +1,211 @@
+// Mixed precision: autocast around forward and loss (bf16 or fp16, on CPU or CUDA), and for fp16 a
+// dynamic loss scaler with PyTorch GradScaler's semantics.
+//
+// The loss scaler is on for fp16 (loss_scale = "auto"), and can be forced on or off.
+// fp16: the loss is multiplied by the scale before backward. At the boundary, after gradient sync
+// and normalization and before clipping (its contract says so), gradients are unscaled once and
+// checked; a non-finite gradient vetoes the step, the scale backs off and the skip is counted.
+// After `growth_interval` clean steps in a row the scale grows. The scale changes only after
+// unscaling. bf16 needs no scaler.
+#include <tk/abi.h>
+#include <tk/compat.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace {
+
+const char* kScalerKeys[] = {"init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                             "check_every_micro_batch", "advance_schedule_on_skip"};
+
+/// Whether this LibTorch has Half matrix kernels on `device` (CPU ones came with LibTorch 2.x).
+bool half_matmul_works(at::DeviceType device) {
+  try {
+    auto a = at::ones({2, 2}, at::TensorOptions().dtype(at::kHalf).device(device));
+    at::mm(a, a);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+class MixedPrecision final : public tk::Plugin {
+ public:
+  tk::OptionSpecs option_specs() const override {
+    return {tk::opt_string("dtype", "bf16", "lower precision of autocast", {"bf16", "fp16"}),
+            tk::opt_string("loss_scale", "auto", "dynamic loss scaling: auto (on for fp16), dynamic or none",
+                           {"auto", "dynamic", "none"}),
+            tk::opt_float("init_scale", 65536.0, "fp16: initial loss scale"),
+            tk::opt_float("growth_factor", 2.0, "fp16: scale multiplier after growth_interval clean steps"),
+            tk::opt_float("backoff_factor", 0.5, "fp16: scale multiplier after an overflow"),
+            tk::opt_int("growth_interval", 2000, "fp16: clean steps in a row before the scale grows"),
+            tk::opt_bool("check_every_micro_batch", false, "fp16: look for overflow after every backward, not only at the boundary"),
+            tk::opt_bool("advance_schedule_on_skip", false, "fp16: whether a skipped step advances the LR schedule")};
+  }
+
+  void init(const tk::Options& o) override {
+    fp16_ = o.get_string("dtype") == "fp16";
+    const std::string& ls = o.get_string("loss_scale");
+    scaling_ = ls == "dynamic" || (ls == "auto" && fp16_);
+    scale_ = o.get_float("init_scale");
+    growth_ = o.get_float("growth_factor");
+    backoff_ = o.get_float("backoff_factor");
+    interval_ = o.get_int("growth_interval");
+    check_each_ = o.get_bool("check_every_micro_batch");
+    advance_on_skip_ = o.get_bool("advance_schedule_on_skip");
+    if (!(scale_ > 0) || std::isinf(scale_)) o.fail("init_scale", "must be a positive finite number");
+    if (!(growth_ > 1.0)) o.fail("growth_factor", "must be > 1");
+    if (!(backoff_ > 0.0 && backoff_ < 1.0)) o.fail("backoff_factor", "must be in (0, 1)");
+    if (interval_ < 1) o.fail("growth_interval", "must be >= 1");
+    if (!fp16_ && ls == "dynamic")
+      notes_.push_back("dtype = \"bf16\" needs no loss scaler; using one because loss_scale = \"dynamic\" (" +
+                       o.where("loss_scale").str() + ")");
+    if (fp16_ && ls == "none")
+      notes_.push_back("fp16 without a loss scaler: small gradients may underflow to zero");
+    if (!scaling_)
+      for (const char* k : kScalerKeys)
+        if (o.is_set(k))
+          notes_.push_back(std::string(fp16_ ? "loss_scale = \"none\"" : "dtype = \"bf16\" needs no loss scaler") +
+                           "; ignoring " + k + " (" + o.where(k).str() + ")");
+    options_ = o;
+  }
+
+  void configure(tk::RunPlan& plan) override {
+    device_ = plan.device;
+    if (device_ != at::kCPU && device_ != at::kCUDA)
+      options_.fail("dtype", std::string("autocast works on CPU and CUDA, not ") + c10::DeviceTypeName(device_));
+    if (fp16_ && !half_matmul_works(device_))
+      options_.fail("dtype", std::string("fp16 needs Half kernels on ") + c10::DeviceTypeName(device_, true) +
+                                 ", which LibTorch " TORCH_VERSION " lacks (CPU ones came with LibTorch 2.x); use "
+                                 "dtype = \"bf16\" here, or fp16 on CUDA");
+  }
+
+  tk::Contract contract() const override {
+    tk::Contract c;
+    c.provides = {tk::cap::kAutocast};
+    if (scaling_) {
+      c.provides.push_back(tk::cap::kLossScale);
+      c.provides.push_back(tk::cap::kGradsUnscaled);
+    }
+    c.after = {tk::cap::kGradsSynced, tk::cap::kGradsNormalized};
+    return c;
+  }
+
+  tk::EventSet events() const override {
+    return {tk::Event::FitStart, tk::Event::MicroBatch, tk::Event::Loss, tk::Event::Backward, tk::Event::Boundary,
+            tk::Event::ValidationStart, tk::Event::ValidationEnd, tk::Event::FitEnd};
+  }
+
+  void on_event(tk::Event e, tk::Context& ctx) override {
+    switch (e) {
+      case tk::Event::FitStart: start(ctx); break;
+      case tk::Event::MicroBatch:
+      case tk::Event::ValidationStart: enter(); break;
+      case tk::Event::Loss:
+        leave();
+        if (scaling_) ctx.loss = ctx.loss * scale_;
+        break;
+      case tk::Event::ValidationEnd:
+      case tk::Event::FitEnd: leave(); break;
+      case tk::Event::Backward:
+        if (scaling_ && check_each_ && !overflow_ && !all_finite(ctx)) {
+          overflow_ = true;
+          ctx.info("gradient overflow at micro-batch " + std::to_string(ctx.window.index + 1) + " of " +
+                   std::to_string(ctx.window.size) + " (step " + std::to_string(ctx.counters.step + 1) + ")");
+        }
+        break;
+      case tk::Event::Boundary:
+        if (scaling_) boundary(ctx);
+        break;
+      default: break;
+    }
+  }
+
+  tk::StateDict state() const override {
+    return {{"scale", torch::tensor(scale_, torch::kDouble)},
+            {"growth_tracker", torch::tensor(tracker_)},
+            {"skipped", torch::tensor(skipped_)}};
+  }
+  void load_state(const tk::StateDict& s) override {
+    scale_ = s.at("scale").item<double>();
+    tracker_ = s.at("growth_tracker").item<int64_t>();
+    skipped_ = s.at("skipped").item<int64_t>();
+  }
+
+ private:
+  void start(tk::Context& ctx) {
+    for (const auto& n : notes_) ctx.warn(n);
+    notes_.clear();
+    dtype_ = fp16_ ? at::kHalf : at::kBFloat16;
+    for (const auto& p : ctx.model.parameters())
+      if (p.scalar_type() != at::kFloat)
+        throw std::runtime_error("autocast needs float32 parameters, found " + std::string(c10::toString(p.scalar_type())) +
+                                 " (set run.dtype = \"float32\")");
+  }
+
+  void enter() {
+    if (active_) return;
+    prev_enabled_ = tk::compat::autocast_enabled(device_);
+    prev_dtype_ = tk::compat::autocast_dtype(device_);
+    tk::compat::set_autocast(device_, true, dtype_);
+    at::autocast::increment_nesting();
+    active_ = true;
+  }
+
+  void leave() {
+    if (!active_) return;
+    // Casts of the weights are cached inside an autocast region; they are stale after a step.
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    tk::compat::set_autocast(device_, prev_enabled_, prev_dtype_);
+    active_ = false;
+  }
+
+  bool all_finite(tk::Context& ctx) const {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : ctx.model.parameters())
+      if (p.grad().defined() && !at::isfinite(p.grad()).all().item<bool>()) return false;
+    return true;
+  }
+
+  void boundary(tk::Context& ctx) {
+    const double used = scale_;
+    bool found_inf = overflow_;
+    if (!found_inf) {
+      torch::NoGradGuard no_grad;
+      const double inv = 1.0 / scale_;
+      for (const auto& p : ctx.model.parameters())
+        if (p.grad().defined()) p.mutable_grad().mul_(inv);
+      found_inf = !all_finite(ctx);
+    }
+    overflow_ = false;
+    ctx.metrics.put("loss_scale", used);
+    if (found_inf) {
+      scale_ *= backoff_;
+      tracker_ = 0;
+      ++skipped_;
+      std::ostringstream why;
+      why << "fp16 gradient overflow; loss scale " << used << " -> " << scale_;
+      ctx.veto_step(why.str(), advance_on_skip_);
+      ctx.info("step " + std::to_string(ctx.counters.step + 1) + " skipped: " + why.str());
+    } else if (++tracker_ == interval_) {
+      scale_ *= growth_;
+      tracker_ = 0;
+    }
+    ctx.metrics.put("amp_skipped_steps", static_cast<double>(skipped_));
+  }
+
+  bool fp16_ = false, scaling_ = false, check_each_ = false, advance_on_skip_ = false;
+  tk::Options options_;
+  double scale_ = 65536.0, growth_ = 2.0, backoff_ = 0.5;
+  int64_t interval_ = 2000, tracker_ = 0, skipped_ = 0;
+  bool overflow_ = false;
+  std::vector<std::string> notes_;
+  at::DeviceType device_ = at::kCPU;
+  at::ScalarType dtype_ = at::kBFloat16;
+  bool active_ = false, prev_enabled_ = false;
+  at::ScalarType prev_dtype_ = at::kBFloat16;
+};
+
+}  // namespace
+
+TK_PLUGIN(MixedPrecision, "mixed_precision", "0.1.0")
