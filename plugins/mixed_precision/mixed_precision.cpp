@@ -184,7 +184,7 @@ class MixedPrecision final : public tk::Plugin {
       tracker_ = 0;
       ++skipped_;
       std::ostringstream why;
-      why << "fp16 gradient overflow; loss scale " << used << " -> " << scale_;
+      why << "gradient overflow; loss scale " << used << " -> " << scale_;
       ctx.veto_step(why.str(), advance_on_skip_);
       ctx.info("step " + std::to_string(ctx.counters.step + 1) + " skipped: " + why.str());
     } else if (++tracker_ == interval_) {

@@ -1,0 +1,381 @@
+// Mixed precision and clipping, alone and composed with accumulation.
+//
+// Clipping is checked against golden values from PyTorch's clip_grad_norm_ / clip_grad_value_
+// (tests/golden/make_clip_golden.py). The loss scaler is checked against sequences written out by
+// hand from GradScaler's documented rule. fp16 runs where this LibTorch has Half kernels for the
+// device (LibTorch 2.x on CPU); everywhere, the same scaler runs under bf16 with
+// loss_scale = "dynamic".
+#include <tk/tensor_io.h>
+#include <torch/optim/sgd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+
+#include "support.h"
+
+namespace fs = std::filesystem;
+using torch::Tensor;
+
+namespace {
+
+/// A model that is nothing but parameters of given shapes (for applying a plugin to set gradients).
+class ParamBag : public tk::Model {
+ public:
+  explicit ParamBag(const std::vector<Tensor>& shapes_like) {
+    for (size_t i = 0; i < shapes_like.size(); ++i)
+      register_parameter("p" + std::to_string(i), torch::zeros_like(shapes_like[i]));
+  }
+  Tensor forward(const Tensor& x) override { return x; }
+};
+
+struct Sink : tk::MetricsSink {
+  void put(const std::string& k, double v) override { values[k] = v; }
+  std::map<std::string, double> values;
+};
+
+std::shared_ptr<tk::Plugin> load_plugin(const std::string& name, const std::string& options) {
+  tk::PluginLoader loader({TK_PLUGIN_DIR});
+  auto p = loader.load_by_name(name).plugin;
+  p->init(tk::parse_options(options, p->option_specs(), "plugins." + name));
+  return p;
+}
+
+/// Changes one gradient element to `value` after the backward of chosen optimizer steps, and
+/// records the parameters after every step.
+class Inject : public tk::Plugin {
+ public:
+  Inject(std::map<int64_t, double> at_steps, int64_t micro_index = -1)
+      : at_(std::move(at_steps)), micro_(micro_index) {
+    set_name("inject");
+  }
+  tk::EventSet events() const override { return {tk::Event::Backward, tk::Event::StepEnd}; }
+  void on_event(tk::Event e, tk::Context& ctx) override {
+    if (e == tk::Event::StepEnd) {
+      after_step.push_back(tkt::flat_params(ctx.model));
+      return;
+    }
+    auto it = at_.find(ctx.counters.step);
+    const bool here = micro_ < 0 ? ctx.window.is_last() : ctx.window.index == micro_;
+    if (it == at_.end() || !here) return;
+    torch::NoGradGuard no_grad;
+    ctx.model.parameters()[0].mutable_grad().view({-1})[0].fill_(it->second);
+  }
+  std::vector<Tensor> after_step;
+
+ private:
+  std::map<int64_t, double> at_;
+  int64_t micro_;
+};
+
+const char* kRecipe = R"(
+[run]
+seed = 4
+steps = 6
+dtype = "float32"
+
+[model]
+name = "mlp"
+hidden = [16]
+
+[data]
+name = "synthetic-classification"
+samples = 512
+validation_samples = 0
+features = 8
+classes = 4
+micro_batch = 8
+
+[optimizer]
+name = "sgd"
+lr = 0.05
+momentum = 0.9
+)";
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("tk-strat-" + std::to_string(getpid()) + "-" + name);
+  fs::remove_all(d);
+  return d;
+}
+
+/// Values of `key` in every line of a metrics.jsonl (NaN where absent or null).
+std::vector<double> metric(const fs::path& file, const std::string& key) {
+  std::ifstream in(file);
+  std::vector<double> out;
+  const std::string pat = "\"" + key + "\": ";
+  for (std::string line; std::getline(in, line);) {
+    auto pos = line.find(pat);
+    if (pos == std::string::npos || line.compare(pos + pat.size(), 4, "null") == 0) {
+      out.push_back(std::nan(""));
+      continue;
+    }
+    out.push_back(std::stod(line.substr(pos + pat.size())));
+  }
+  return out;
+}
+std::vector<bool> skipped(const fs::path& file) {
+  std::ifstream in(file);
+  std::vector<bool> out;
+  for (std::string line; std::getline(in, line);) out.push_back(line.find("\"skipped\": ") != std::string::npos);
+  return out;
+}
+
+struct Result {
+  Tensor params;
+  tk::FitResult fit;
+  fs::path dir;
+  std::vector<std::string> order, warnings;
+};
+
+/// Trains kRecipe + plugins text + overrides; in-process plugins are added after the recipe's.
+Result run(const std::string& plugins, const std::vector<std::string>& sets = {},
+           std::vector<std::shared_ptr<tk::Plugin>> extra = {}, const std::string& tag = "run") {
+  std::string text = std::string(kRecipe) + plugins;
+  Result r;
+  r.dir = temp_dir(tag);
+  auto sets_all = sets;
+  sets_all.push_back("run.output=\"" + r.dir.string() + "\"");
+  auto recipe = tkt::recipe(sets_all, text.c_str());
+  auto opts = tkt::quiet();
+  opts.write_outputs = true;
+  tk::Trainer t(recipe, opts);
+  for (auto& p : extra) t.add_plugin(p, {});
+  r.order = t.plugin_order();
+  r.fit = t.fit();
+  r.params = tkt::flat_params(t.model());
+  r.warnings = t.warnings();
+  return r;
+}
+
+const std::string kAccum4 = "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\n";
+const std::string kClip = "[[plugins]]\nname = \"clip\"\nmax_norm = 0.5\n";
+std::string scaler(const std::string& dtype, const std::string& extra = "") {
+  return "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"" + dtype +
+         "\"\nloss_scale = \"dynamic\"\ninit_scale = 1024.0\ngrowth_interval = 3\n" + extra;
+}
+
+bool fp16_available() {
+  try {
+    auto a = torch::ones({2, 2}, torch::kHalf);
+    torch::mm(a, a);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("clip") {
+  TEST_CASE("clip by norm and by value match PyTorch's clip_grad_norm_ / clip_grad_value_") {
+    auto golden_list = tk::load_tensor_dict(fs::path(TK_SOURCE_DIR) / "tests/golden/clip_golden.pt");
+    std::map<std::string, Tensor> golden(golden_list.begin(), golden_list.end());
+    for (std::string name : {"l2_clipped", "l2_untouched", "l1_clipped", "p3_clipped", "inf_clipped", "value"}) {
+      CAPTURE(name);
+      std::vector<Tensor> in, expect;
+      for (int i = 0; golden.count(name + ".in." + std::to_string(i)); ++i) {
+        in.push_back(golden.at(name + ".in." + std::to_string(i)));
+        expect.push_back(golden.at(name + ".out." + std::to_string(i)));
+      }
+      REQUIRE(in.size() == 3);
+      auto bag = std::make_shared<ParamBag>(in);
+      auto params = bag->parameters();
+      for (size_t i = 0; i < in.size(); ++i) params[i].mutable_grad() = in[i].clone();
+      torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+      tk::RunPlan plan;
+      Sink sink;
+      tk::Context ctx(*bag, opt, plan, sink, tk::Reduction::Mean);
+      std::string options;
+      if (name == "value") {
+        options = "max_value = " + tk::to_toml(golden.at("value.max_value").item<double>());
+      } else {
+        const double nt = golden.at(name + ".norm_type").item<double>();
+        options = "max_norm = " + tk::to_toml(golden.at(name + ".max_norm").item<double>()) +
+                  "\nnorm_type = " + (std::isinf(nt) ? std::string("inf") : tk::to_toml(nt));
+      }
+      auto clip = load_plugin("clip", options);
+      clip->on_event(tk::Event::Boundary, ctx);
+      for (size_t i = 0; i < in.size(); ++i) CHECK(tkt::rel_diff(params[i].grad(), expect[i]) < 1e-12);
+      if (name != "value") {
+        CHECK(sink.values.at("grad_norm") ==
+              doctest::Approx(golden.at(name + ".total_norm").item<double>()).epsilon(1e-12));
+        if (name == "l2_untouched")
+          for (size_t i = 0; i < in.size(); ++i) CHECK(torch::equal(params[i].grad(), in[i]));
+      }
+    }
+  }
+
+  TEST_CASE("options are checked") {
+    std::string text = std::string(kRecipe) + "[[plugins]]\nname = \"clip\"\nmax_norm = 1.0\nmax_value = 0.5\n";
+    auto r = tkt::recipe({}, text.c_str());
+    CHECK_THROWS_WITH(tk::Trainer(r, tkt::quiet()), doctest::Contains("plugins.clip.max_value: give max_norm or max_value, not both"));
+    text = std::string(kRecipe) + "[[plugins]]\nname = \"clip\"\nnorm_type = -1.0\n";
+    auto r2 = tkt::recipe({}, text.c_str());
+    CHECK_THROWS_WITH(tk::Trainer(r2, tkt::quiet()), doctest::Contains("test.toml:25:13: plugins.clip.norm_type: must be > 0"));
+  }
+
+  TEST_CASE("with accumulation it clips once per step, on the whole window's gradient") {
+    auto accum = run(kAccum4 + kClip, {"run.trace=true"}, {}, "clip-accum");
+    auto big = run(kClip, {"data.micro_batch=32"}, {}, "clip-big");
+    CHECK(tkt::rel_diff(accum.params, big.params) < 1e-5);
+    auto na = metric(accum.dir / "metrics.jsonl", "grad_norm"), nb = metric(big.dir / "metrics.jsonl", "grad_norm");
+    REQUIRE(na.size() == 6);
+    REQUIRE(nb.size() == 6);
+    for (size_t i = 0; i < na.size(); ++i) CHECK(na[i] == doctest::Approx(nb[i]).epsilon(1e-5));
+    CHECK(na[0] > 0.5);  // the clip really acted
+    fs::remove_all(accum.dir);
+    fs::remove_all(big.dir);
+  }
+}
+
+TEST_SUITE("mixed precision") {
+  TEST_CASE("the loss scaler follows GradScaler's rule: skip and back off on overflow, grow after clean runs") {
+    // init 1024, growth_interval 3; inf at step 1, nan at step 2, inf at step 6 (0-based).
+    auto inject = std::make_shared<Inject>(std::map<int64_t, double>{{1, INFINITY}, {2, NAN}, {6, INFINITY}});
+    auto r = run(kAccum4 + scaler("bf16"), {"run.steps=11"}, {inject}, "scaler");
+    // Written from the rule, step by step: the scale used at each step, and which steps are skipped.
+    const std::vector<double> scale = {1024, 1024, 512, 256, 256, 256, 512, 256, 256, 256, 512};
+    const std::vector<bool> skip = {false, true, true, false, false, false, true, false, false, false, false};
+    CHECK(metric(r.dir / "metrics.jsonl", "loss_scale") == scale);
+    CHECK(skipped(r.dir / "metrics.jsonl") == skip);
+    CHECK(r.fit.skipped_steps == 3);
+    CHECK(r.fit.steps == 11);
+    CHECK(metric(r.dir / "metrics.jsonl", "amp_skipped_steps").back() == 3);
+    fs::remove_all(r.dir);
+  }
+
+  TEST_CASE("a skipped step leaves the parameters and, by default, the LR schedule where they were") {
+    const std::vector<std::string> warm = {"schedule.name=warmup_cosine", "schedule.warmup_steps=5", "run.steps=4"};
+    auto inject = std::make_shared<Inject>(std::map<int64_t, double>{{1, INFINITY}});
+    auto r = run(scaler("bf16"), warm, {inject}, "hold");
+    auto lr = metric(r.dir / "metrics.jsonl", "lr");
+    CHECK(lr == std::vector<double>{0.01, 0.02, 0.02, 0.03});
+    auto inject2 = std::make_shared<Inject>(std::map<int64_t, double>{{1, INFINITY}});
+    auto r2 = run(scaler("bf16", "advance_schedule_on_skip = true\n"), warm, {inject2}, "advance");
+    CHECK(metric(r2.dir / "metrics.jsonl", "lr") == std::vector<double>{0.01, 0.02, 0.03, 0.04});
+    CHECK(r.fit.skipped_steps == 1);
+    REQUIRE(inject->after_step.size() == 4);
+    CHECK(torch::equal(inject->after_step[1], inject->after_step[0]));  // the skipped step
+    CHECK_FALSE(torch::equal(inject->after_step[2], inject->after_step[1]));
+    fs::remove_all(r.dir);
+    fs::remove_all(r2.dir);
+  }
+
+  TEST_CASE("check_every_micro_batch finds the overflow at its micro-batch; the decisions are the same") {
+    auto early = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}}, 0);
+    auto a = run(kAccum4 + scaler("bf16", "check_every_micro_batch = true\n"), {}, {early}, "each");
+    auto late = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}}, 0);
+    auto b = run(kAccum4 + scaler("bf16"), {}, {late}, "boundary");
+    CHECK(skipped(a.dir / "metrics.jsonl") == skipped(b.dir / "metrics.jsonl"));
+    CHECK(metric(a.dir / "metrics.jsonl", "loss_scale") == metric(b.dir / "metrics.jsonl", "loss_scale"));
+    CHECK(torch::equal(a.params, b.params));
+    CHECK(a.fit.skipped_steps == 1);
+    fs::remove_all(a.dir);
+    fs::remove_all(b.dir);
+  }
+
+  TEST_CASE("bf16 says so when a loss scaler is configured for it") {
+    auto r = run("[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\ninit_scale = 128.0\n", {"run.steps=1"}, {},
+                 "bf16-note");
+    REQUIRE(r.warnings.size() == 1);
+    CHECK(r.warnings[0].find("mixed_precision: dtype = \"bf16\" needs no loss scaler; ignoring init_scale (test.toml:") ==
+          0);
+    fs::remove_all(r.dir);
+  }
+
+  TEST_CASE("bf16 and fp16 runs of the quickstart recipe train and stay close to fp32") {
+    std::ifstream in(fs::path(TK_SOURCE_DIR) / "recipes/quickstart.toml");
+    const std::string quickstart((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto train = [&](const std::string& extra) {
+      auto r = tk::Recipe::from_string(quickstart + extra, "quickstart.toml");
+      r.apply_override("run.epochs=2");
+      tk::Trainer t(r, tkt::quiet());
+      return t.fit();
+    };
+    const double fp32 = train("").validation_losses.back();
+    std::vector<std::string> dtypes = {"bf16"};
+    if (fp16_available()) dtypes.push_back("fp16");
+    else MESSAGE("fp16: this LibTorch has no Half kernels on CPU; checked where it has them (LibTorch 2.x)");
+    for (const auto& dt : dtypes) {
+      CAPTURE(dt);
+      auto res = train("[[plugins]]\nname = \"mixed_precision\"\ndtype = \"" + dt + "\"\n");
+      CHECK(res.window_losses.back() < 0.5 * res.window_losses.front());
+      CHECK(std::abs(res.validation_losses.back() - fp32) < 0.05 * fp32);
+    }
+  }
+}
+
+TEST_SUITE("composition") {
+  TEST_CASE("every listing order of accumulation, mixed precision and clipping gives bit-identical parameters") {
+    std::vector<std::string> parts = {"[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n", scaler("bf16"), kClip};
+    std::vector<size_t> perm = {0, 1, 2};
+    Tensor first;
+    std::vector<std::string> first_order;
+    int n = 0;
+    do {
+      std::string plugins;
+      for (size_t i : perm) plugins += parts[i];
+      auto inject = std::make_shared<Inject>(std::map<int64_t, double>{{3, INFINITY}});
+      auto r = run(plugins, {}, {inject}, "perm" + std::to_string(n));
+      CHECK(r.fit.skipped_steps == 1);
+      if (n == 0) {
+        first = r.params;
+        first_order = r.order;
+        CHECK(first_order == std::vector<std::string>{"grad_accum", "mixed_precision", "clip", "inject"});
+      } else {
+        CHECK(torch::equal(r.params, first));
+        CHECK(r.order == first_order);
+      }
+      fs::remove_all(r.dir);
+      ++n;
+    } while (std::next_permutation(perm.begin(), perm.end()));
+    CHECK(n == 6);
+  }
+
+  TEST_CASE("k = 4 with the loss scaler and clipping equals the big batch with them: same scales, skips and norms") {
+    std::vector<std::string> dtypes = {"bf16"};
+    if (fp16_available()) dtypes.push_back("fp16");
+    for (const auto& dt : dtypes) {
+      CAPTURE(dt);
+      // A tolerance for the lower precision: one bf16 ulp is 2^-8, one fp16 ulp 2^-11.
+      const double tol = dt == "bf16" ? 2e-2 : 3e-3;
+      auto ia = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}});
+      auto ib = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}});
+      auto a = run(kAccum4 + scaler(dt) + kClip, {"run.steps=8"}, {ia}, "mix-accum-" + dt);
+      auto b = run(scaler(dt) + kClip, {"run.steps=8", "data.micro_batch=32"}, {ib}, "mix-big-" + dt);
+      CHECK(skipped(a.dir / "metrics.jsonl") == skipped(b.dir / "metrics.jsonl"));
+      CHECK(metric(a.dir / "metrics.jsonl", "loss_scale") == metric(b.dir / "metrics.jsonl", "loss_scale"));
+      auto na = metric(a.dir / "metrics.jsonl", "grad_norm"), nb = metric(b.dir / "metrics.jsonl", "grad_norm");
+      REQUIRE(na.size() == nb.size());
+      for (size_t i = 0; i < na.size(); ++i) {
+        if (std::isnan(nb[i])) {
+          CHECK(std::isnan(na[i]));  // the overflowing step: no finite norm in either
+          continue;
+        }
+        CHECK(na[i] == doctest::Approx(nb[i]).epsilon(tol));
+      }
+      CHECK(tkt::rel_diff(a.params, b.params) < tol);
+      fs::remove_all(a.dir);
+      fs::remove_all(b.dir);
+    }
+  }
+
+  TEST_CASE("a combination that cannot be correct is refused at load, naming both plugins") {
+    auto text = std::string(kRecipe) + kClip + "[[plugins]]\nname = \"fake_clip\"\n";
+    auto r = tkt::recipe({}, text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    CHECK_THROWS_WITH(t.describe(), "plugins 'clip' and 'fake_clip' both provide 'grads.clipped'; a run can have only "
+                                    "one of them");
+  }
+
+  TEST_CASE("fp16 where this LibTorch cannot run it is refused before training, with the way out") {
+    if (fp16_available()) return;
+    auto text = std::string(kRecipe) + "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"fp16\"\n";
+    auto r = tkt::recipe({}, text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    CHECK_THROWS_WITH(t.describe(), doctest::Contains("test.toml:25:9: plugins.mixed_precision.dtype: fp16 needs Half "
+                                                      "kernels on cpu"));
+  }
+}
