@@ -3,6 +3,9 @@
 #include <tk/trainer.h>
 #include <torch/types.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -50,6 +53,13 @@ inline tk::Recipe recipe(const std::vector<std::string>& overrides = {}, const c
   auto r = tk::Recipe::from_string(text, "test.toml");
   for (const auto& o : overrides) r.apply_override(o);
   return r;
+}
+
+/// A fresh, empty temporary folder path for one test (unique per process and name).
+inline std::filesystem::path temp_dir(const std::string& name) {
+  auto d = std::filesystem::temp_directory_path() / ("tk-test-" + std::to_string(getpid()) + "-" + name);
+  std::filesystem::remove_all(d);
+  return d;
 }
 
 /// Trainer options for in-memory runs that find the project's and the fixture plugins.

@@ -1,6 +1,5 @@
 // The loop: training without plugins, event order and tracing, failures, vetoes, outputs.
 #include <tk/tensor_io.h>
-#include <unistd.h>
 
 #include <fstream>
 #include <sstream>
@@ -11,12 +10,6 @@ namespace fs = std::filesystem;
 using tk::Event;
 
 namespace {
-
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("tk-test-" + std::to_string(getpid()) + "-" + name);
-  fs::remove_all(d);
-  return d;
-}
 
 std::vector<std::string> lines_of(const fs::path& file) {
   std::ifstream in(file);
@@ -108,7 +101,7 @@ name = "fake_sync"
   }
 
   TEST_CASE("a plugin that throws stops the run with plugin, event and step; outputs so far are kept") {
-    const fs::path out = temp_dir("throw");
+    const fs::path out = tkt::temp_dir("throw");
     auto text = with_plugins("[[plugins]]\nname = \"probe\"\nthrow_at_step = 2\nthrow_in = \"backward\"\n");
     auto r = tkt::recipe({"run.output=\"" + out.string() + "\""}, text.c_str());
     auto opts = tkt::quiet();
@@ -150,7 +143,7 @@ name = "fake_sync"
   }
 
   TEST_CASE("a run writes its resolved recipe, one metrics record per step, weights and trace") {
-    const fs::path out = temp_dir("outputs");
+    const fs::path out = tkt::temp_dir("outputs");
     auto text = with_plugins("[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n");
     auto r = tkt::recipe({"run.output=\"" + out.string() + "\"", "run.steps=5", "run.trace=true",
                           "data.validation_samples=16"},

@@ -7,7 +7,6 @@
 // loss_scale = "dynamic".
 #include <tk/tensor_io.h>
 #include <torch/optim/sgd.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -94,12 +93,6 @@ lr = 0.05
 momentum = 0.9
 )";
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("tk-strat-" + std::to_string(getpid()) + "-" + name);
-  fs::remove_all(d);
-  return d;
-}
-
 /// Values of `key` in every line of a metrics.jsonl (NaN where absent or null).
 std::vector<double> metric(const fs::path& file, const std::string& key) {
   std::ifstream in(file);
@@ -134,7 +127,7 @@ Result run(const std::string& plugins, const std::vector<std::string>& sets = {}
            std::vector<std::shared_ptr<tk::Plugin>> extra = {}, const std::string& tag = "run") {
   std::string text = std::string(kRecipe) + plugins;
   Result r;
-  r.dir = temp_dir(tag);
+  r.dir = tkt::temp_dir(tag);
   auto sets_all = sets;
   sets_all.push_back("run.output=\"" + r.dir.string() + "\"");
   auto recipe = tkt::recipe(sets_all, text.c_str());
