@@ -123,6 +123,16 @@ struct Trainer::Impl {
   void prepare();
   void emit(Event e, Context& ctx);
   Batch fetch(const Dataset& ds, const torch::Tensor& idx) const;
+  /// Examples this rank sees per epoch: all of them alone; with several ranks, an equal share
+  /// (the remainder of the division, under world_size examples, is left out of that epoch).
+  int64_t shard_size() const { return data.train->size() / plan.world_size; }
+  /// This rank's examples of `epoch`, in order: the same seeded shuffle on every rank, strided by rank.
+  torch::Tensor shard_order(int64_t epoch) const {
+    const torch::Tensor all = epoch_order(data.train->size(), static_cast<uint64_t>(run.get_int("seed")), epoch,
+                                          data_opts.get_bool("shuffle"));
+    if (plan.world_size == 1) return all;
+    return all.slice(0, plan.rank, shard_size() * plan.world_size, plan.world_size);
+  }
   std::pair<double, double> validate(Context& ctx);
   void save_weights(const fs::path& file) const;
 };
@@ -219,6 +229,8 @@ void Trainer::Impl::prepare() {
   plan.micro_batch = data_opts.get_int("micro_batch");
   plan.loss_reduction = to_string(loss->reduction());
   plan.device = device.type();
+  for (auto& s : slots)
+    for (const auto& cap : s.plugin->contract().provides) plan.capabilities.insert(cap);
   std::vector<PluginDecl> decls;
   for (auto& s : slots) {
     try {
@@ -232,11 +244,12 @@ void Trainer::Impl::prepare() {
   }
   order = order_plugins(decls);
 
-  const int64_t n = data.train->size(), m = plan.micro_batch;
+  const int64_t n = shard_size(), m = plan.micro_batch;
   batches_per_epoch = data_opts.get_bool("drop_last") ? n / m : (n + m - 1) / m;
   if (batches_per_epoch < 1)
-    data_opts.fail("micro_batch", "is larger than the data set (" + std::to_string(n) +
-                                      " examples) and drop_last is on: an epoch has no micro-batch");
+    data_opts.fail("micro_batch", "is larger than the " + std::string(plan.world_size > 1 ? "rank's share of the " : "") +
+                                      "data set (" + std::to_string(n) + " examples) and drop_last is on: an epoch "
+                                      "has no micro-batch");
   const int64_t epochs = run.get_int("epochs"), steps = run.get_int("steps");
   windows = std::make_unique<WindowSchedule>(batches_per_epoch, plan.accumulation, plan.last_window,
                                              steps > 0 ? 0 : std::max<int64_t>(1, epochs));
@@ -359,12 +372,15 @@ std::string Trainer::describe() {
       << "loss          " << d.loss_name << " (reduction " << p.loss_reduction << ")\n"
       << "optimizer     " << d.opt_name << " (lr " << to_toml(d.base_lr) << ")\n"
       << "schedule      " << d.sched_name << ", advanced once per optimizer step\n"
-      << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " per epoch\n"
+      << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " per epoch"
+      << (p.world_size > 1 ? " (each rank reads " + std::to_string(d.shard_size()) + " examples per epoch)" : "")
+      << "\n"
       << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
       << (p.window_owner.empty() ? "" : ", set by " + p.window_owner) << ")\n"
       << "world size    " << p.world_size << (p.world_owner.empty() ? "" : " (set by " + p.world_owner + ")") << "\n"
       << "effective     " << p.effective_batch() << " examples per optimizer step (" << p.micro_batch << " x "
-      << p.accumulation << " x " << p.world_size << ")\n"
+      << p.accumulation << " x " << p.world_size << ")"
+      << (p.world_size > 1 ? "; " + std::to_string(p.micro_batch * p.accumulation) + " per rank" : "") << "\n"
       << "steps         " << d.total_steps << " optimizer steps"
       << (steps > 0 ? "" : " (" + std::to_string(std::max<int64_t>(1, epochs)) + " epochs)") << "\n"
       << "plugins       " << (d.slots.empty() ? "(none)" : "in dispatch order:") << "\n";
@@ -387,7 +403,7 @@ FitResult Trainer::fit() {
 
   fs::path outdir;
   std::ofstream metrics_file, trace_file;
-  if (d.topts.write_outputs) {
+  if (d.topts.write_outputs && d.plan.rank == 0) {  // one rank writes for the world
     std::string o = d.run.get_string("output");
     outdir = o.empty() ? fs::path("runs") / d.run.get_string("name") : fs::path(o);
     std::error_code ec;
@@ -407,14 +423,13 @@ FitResult Trainer::fit() {
     if (level > 0) d.warn(line);
     else spdlog::info("{}", line);
   };
-  Progress progress(d.topts.progress, d.total_steps, d.run.get_int("log_every"));
+  Progress progress(d.plan.rank == 0 ? d.topts.progress : ProgressMode::None, d.total_steps,
+                    d.run.get_int("log_every"));
 
-  const uint64_t seed = static_cast<uint64_t>(d.run.get_int("seed"));
-  const int64_t n = d.data.train->size(), m = d.plan.micro_batch;
+  const int64_t n = d.shard_size(), m = d.plan.micro_batch;
   const int64_t steps_target = d.total_steps;
   const int64_t epochs = d.run.get_int("steps") > 0 ? -1 : std::max<int64_t>(1, d.run.get_int("epochs"));
   const int64_t validate_every = d.run.get_int("validate_every");
-  const bool shuffle = d.data_opts.get_bool("shuffle");
   auto t0 = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   double last_validation_step = -1;
@@ -437,7 +452,7 @@ FitResult Trainer::fit() {
     d.optimizer->zero_grad();
     bool done = false;
     for (int64_t epoch = 0; !done && (epochs < 0 || epoch < epochs); ++epoch) {
-      const torch::Tensor order = epoch_order(n, seed, epoch, shuffle);
+      const torch::Tensor order = d.shard_order(epoch);
       ctx.counters.epoch = epoch;
       d.emit(Event::EpochStart, ctx);
       for (int64_t b = 0; b < d.batches_per_epoch && !done; ++b) {
@@ -470,7 +485,6 @@ FitResult Trainer::fit() {
         if (!w->is_last()) continue;
 
         // The window is complete: one optimizer step.
-        ctx.window_loss = ctx.totals.tokens > 0 ? ctx.totals.loss_sum / static_cast<double>(ctx.totals.tokens) : 0.0;
         ctx.lr = d.schedule->lr(ctx.counters.schedule_step, d.total_steps);
         set_lr(*d.optimizer, ctx.lr);
         ctx.veto_reason.clear();
@@ -478,6 +492,8 @@ FitResult Trainer::fit() {
         ctx.veto_advances_schedule = false;
         sink.values.clear();
         d.emit(Event::Boundary, ctx);
+        // After the boundary: a sync plugin may have replaced the totals with sums over all ranks.
+        ctx.window_loss = ctx.totals.tokens > 0 ? ctx.totals.loss_sum / static_cast<double>(ctx.totals.tokens) : 0.0;
         const bool skipped = ctx.step_vetoed();
         if (!skipped && !std::isfinite(ctx.window_loss))
           throw Error("the loss is " + std::to_string(ctx.window_loss) + " at step " +

@@ -4,6 +4,8 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <tk/abi.h>
+
+#include "launch.h"
 #include <tk/trainer.h>
 
 #include <cmath>
@@ -26,6 +28,9 @@ options:
   --set KEY=VALUE     override a recipe value (repeatable), e.g. --set optimizer.lr=0.01,
                       --set plugins.grad_accum.steps=8; VALUE is TOML (strings may be bare)
   --dry-run           validate the recipe, load the plugins, print the resolved plan; no training
+  --nproc N           train with N processes on this machine (needs the ddp plugin in the recipe);
+                      each worker's output is prefixed with its rank; one failing stops them all
+  --master-port PORT  rendezvous port for --nproc (default: a free one)
   --log-level LEVEL   trace, debug, info (default), warn, error or off
   --progress MODE     auto (default: a live line on a terminal), bar, plain or none
   --list              list built-in components and the plugins found, with their options
@@ -80,6 +85,8 @@ int main(int argc, char** argv) {
   bool dry_run = false;
   std::string level = "info";
   tk::TrainerOptions topts;
+  tk::LaunchOptions launch;
+  std::vector<std::string> worker_argv = {argv[0]};
 
   auto die_usage = [](const std::string& msg) {
     std::fprintf(stderr, "tk-run: %s\n\n%s", msg.c_str(), kUsage);
@@ -90,8 +97,19 @@ int main(int argc, char** argv) {
     auto value = [&](const char* flag) -> const char* {
       if (i + 1 >= argc) return nullptr;
       (void)flag;
-      return argv[++i];
+      ++i;
+      if (std::strcmp(flag, "--nproc") != 0 && std::strcmp(flag, "--master-port") != 0) worker_argv.push_back(argv[i]);
+      return argv[i];
     };
+    if (a == "--nproc" || a == "--master-port") {
+      const char* v = value(a.c_str());
+      char* end = nullptr;
+      long x = v ? std::strtol(v, &end, 10) : 0;
+      if (!v || *end != '\0' || x < 1 || x > 65535) return die_usage(a + " expects a positive number");
+      (a == "--nproc" ? launch.nproc : launch.master_port) = static_cast<int>(x);
+      continue;
+    }
+    worker_argv.push_back(a);
     if (a == "-h" || a == "--help") {
       std::printf("%s", kUsage);
       return 0;
@@ -127,9 +145,28 @@ int main(int argc, char** argv) {
     }
   }
   if (recipe_path.empty()) return die_usage("no recipe given");
+  if (launch.nproc > 1 && std::getenv("TK_WORKER")) return die_usage("--nproc inside a worker");
+  if (launch.nproc > 1 && !dry_run) {
+    setenv("TK_WORKER", "1", 1);
+    try {
+      return tk::launch_local(worker_argv, launch);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tk-run: cannot start the workers: %s\n", e.what());
+      return kExitFailed;
+    }
+  }
+  if (launch.nproc > 1) {  // a dry run shows the plan of rank 0 of that world
+    setenv("WORLD_SIZE", std::to_string(launch.nproc).c_str(), 1);
+    setenv("RANK", "0", 1);
+  }
 
   auto logger = spdlog::stderr_color_mt("tk");
-  logger->set_pattern("[%H:%M:%S] [%^%l%$] %v");
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank && world && std::strcmp(world, "1") != 0 && !dry_run && !std::getenv("TK_WORKER"))
+    logger->set_pattern(std::string("[%H:%M:%S] [rank ") + rank + "] [%^%l%$] %v");
+  else
+    logger->set_pattern("[%H:%M:%S] [%^%l%$] %v");
   spdlog::set_default_logger(logger);
   auto lvl = spdlog::level::from_str(level);
   if (lvl == spdlog::level::off && level != "off")

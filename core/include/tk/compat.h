@@ -6,7 +6,20 @@
 #define TK_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+namespace c10d {
+class ProcessGroup;
+class Backend;
+}  // namespace c10d
+
 namespace tk::compat {
+
+/// The base class of c10d's process groups (ProcessGroupGloo, ProcessGroupNCCL): LibTorch 2.0
+/// split ProcessGroup into a dispatching front and per-device Backends.
+#if TK_TORCH_AT_LEAST(2, 0)
+using CollectiveGroup = c10d::Backend;
+#else
+using CollectiveGroup = c10d::ProcessGroup;
+#endif
 
 /// Turns autocast on or off for `device` (CPU or CUDA) with the given lower-precision dtype.
 /// LibTorch 2.4 made the autocast API device-generic; 1.x has one function pair per device.

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 namespace tk {
@@ -44,6 +45,7 @@ struct RunPlan {
   int rank = 0;
   std::string loss_reduction = "mean";  ///< "mean" or "sum", of the recipe's loss
   at::DeviceType device = at::kCPU;     ///< where the model and the batches live
+  std::set<std::string> capabilities;   ///< everything the run's plugins provide (see tk/capabilities.h)
   std::string window_owner;     ///< plugin that set the window, for error messages
   std::string world_owner;      ///< plugin that set the world, for error messages
 
@@ -53,6 +55,8 @@ struct RunPlan {
   void set_world(int world, int rank_, const std::string& by);
   /// micro_batch x accumulation x world_size.
   int64_t effective_batch() const noexcept { return micro_batch * accumulation * world_size; }
+  /// Whether some plugin of the run provides `cap`.
+  bool has(const std::string& cap) const { return capabilities.count(cap) != 0; }
 };
 
 /// Named tensors: what plugins save and restore (scalars as 0-dim tensors).

@@ -73,7 +73,7 @@ struct Context {
   Batch* batch = nullptr;      ///< the current micro-batch (micro_batch .. backward events)
   torch::Tensor loss;          ///< the tensor backward runs on; plugins may replace it in on_loss
   double loss_value = 0.0;     ///< this micro-batch's loss as computed, before any rescaling
-  double window_loss = 0.0;    ///< the true loss of the window (boundary and step_end events)
+  double window_loss = 0.0;    ///< the true loss of the window, over all ranks (step_end event)
   double validation_loss = 0.0;///< set for validation_end
   double lr = 0.0;             ///< learning rate of the step being taken
 

@@ -1,0 +1,220 @@
+#include "launch.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <stdexcept>
+#include <thread>
+
+namespace tk {
+namespace {
+
+volatile sig_atomic_t g_signal = 0;
+void on_signal(int sig) { g_signal = sig; }
+
+struct Worker {
+  pid_t pid = -1;
+  int fd = -1;           // read end of the worker's stdout+stderr
+  std::string partial;   // output not yet ended by a newline
+  std::deque<std::string> tail;  // its last lines, for the failure report
+  bool running = true;
+  int status = 0;
+};
+
+void emit(int rank, Worker& w, const std::string& line) {
+  std::printf("[rank %d] %s\n", rank, line.c_str());
+  w.tail.push_back(line);
+  if (w.tail.size() > 8) w.tail.pop_front();
+}
+
+/// Reads what is available; returns false at end of file.
+bool drain(int rank, Worker& w) {
+  char buf[4096];
+  for (;;) {
+    ssize_t n = read(w.fd, buf, sizeof buf);
+    if (n > 0) {
+      w.partial.append(buf, static_cast<size_t>(n));
+      size_t pos;
+      while ((pos = w.partial.find('\n')) != std::string::npos) {
+        std::string line = w.partial.substr(0, pos);
+        if (!line.empty() && line.back() == '\r') line.pop_back();
+        // A live progress line rewrites itself with \r; keep the last state of it.
+        size_t cr = line.rfind('\r');
+        emit(rank, w, cr == std::string::npos ? line : line.substr(cr + 1));
+        w.partial.erase(0, pos + 1);
+      }
+      continue;
+    }
+    if (n == 0) {
+      if (!w.partial.empty()) emit(rank, w, w.partial);
+      w.partial.clear();
+      return false;
+    }
+    return errno == EAGAIN || errno == EINTR;
+  }
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    int s = WTERMSIG(status);
+    return "was killed by signal " + std::to_string(s) + " (" + strsignal(s) + ")";
+  }
+  return "stopped";
+}
+
+}  // namespace
+
+int free_port() {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  if (s < 0) throw std::runtime_error("cannot open a socket to find a free port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    close(s);
+    throw std::runtime_error("cannot bind a socket on 127.0.0.1 to find a free port");
+  }
+  int port = ntohs(a.sin_port);
+  close(s);
+  return port;
+}
+
+int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts) {
+  const int n = opts.nproc;
+  const int port = opts.master_port > 0 ? opts.master_port : free_port();
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  const std::string threads = std::to_string(std::max(1u, hw / static_cast<unsigned>(n)));
+  std::fprintf(stderr, "tk-run: starting %d workers, rendezvous on 127.0.0.1:%d\n", n, port);
+  std::fflush(stderr);
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+
+  std::vector<Worker> workers(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    int fds[2];
+    if (pipe(fds) != 0) throw std::runtime_error("pipe() failed");
+    pid_t pid = fork();
+    if (pid < 0) throw std::runtime_error("fork() failed");
+    if (pid == 0) {
+      dup2(fds[1], STDOUT_FILENO);
+      dup2(fds[1], STDERR_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setenv("OMP_NUM_THREADS", threads.c_str(), 0);  // share the cores unless told otherwise
+      std::vector<char*> args;
+      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      execv("/proc/self/exe", args.data());
+      std::fprintf(stderr, "cannot start worker: %s\n", std::strerror(errno));
+      _exit(127);
+    }
+    close(fds[1]);
+    fcntl(fds[0], F_SETFL, O_NONBLOCK);
+    workers[static_cast<size_t>(r)].pid = pid;
+    workers[static_cast<size_t>(r)].fd = fds[0];
+  }
+
+  int failed_rank = -1;
+  using clock = std::chrono::steady_clock;
+  clock::time_point kill_at{};
+  bool stopping = false, forwarded = false;
+  auto stop_all = [&](int sig) {
+    for (auto& w : workers)
+      if (w.running) kill(w.pid, sig);
+  };
+
+  for (;;) {
+    std::vector<pollfd> pfds;
+    std::vector<int> ranks;
+    for (int r = 0; r < n; ++r)
+      if (workers[static_cast<size_t>(r)].fd >= 0) {
+        pfds.push_back({workers[static_cast<size_t>(r)].fd, POLLIN, 0});
+        ranks.push_back(r);
+      }
+    if (!pfds.empty()) poll(pfds.data(), pfds.size(), 100);
+    for (size_t i = 0; i < pfds.size(); ++i) {
+      if (!pfds[i].revents) continue;
+      Worker& w = workers[static_cast<size_t>(ranks[i])];
+      if (!drain(ranks[i], w)) {
+        close(w.fd);
+        w.fd = -1;
+      }
+    }
+    std::fflush(stdout);
+    bool any_running = false;
+    for (int r = 0; r < n; ++r) {
+      Worker& w = workers[static_cast<size_t>(r)];
+      if (!w.running) continue;
+      if (waitpid(w.pid, &w.status, WNOHANG) == w.pid) {
+        w.running = false;
+        const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+        if (!ok && failed_rank < 0 && !stopping) {
+          failed_rank = r;
+          std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", r, describe_status(w.status).c_str());
+          stopping = true;
+          stop_all(SIGTERM);
+          kill_at = clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.stop_grace_s * 1000));
+        }
+      } else {
+        any_running = true;
+      }
+    }
+    if (g_signal && !forwarded) {
+      std::fprintf(stderr, "tk-run: got signal %d; stopping the workers\n", static_cast<int>(g_signal));
+      stop_all(g_signal);
+      forwarded = stopping = true;
+      kill_at = clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.stop_grace_s * 1000));
+    }
+    if (stopping && any_running && clock::now() >= kill_at) {
+      stop_all(SIGKILL);
+      kill_at = clock::now() + std::chrono::hours(1);
+    }
+    bool any_output = false;
+    for (const auto& w : workers) any_output |= w.fd >= 0;
+    if (!any_running && !any_output) break;
+    if (!any_running) {  // drain what is left, without waiting on pipes held open elsewhere
+      for (int r = 0; r < n; ++r) {
+        Worker& w = workers[static_cast<size_t>(r)];
+        if (w.fd >= 0) {
+          drain(r, w);
+          close(w.fd);
+          w.fd = -1;
+        }
+      }
+    }
+  }
+  std::fflush(stdout);
+  if (failed_rank >= 0) {
+    const Worker& w = workers[static_cast<size_t>(failed_rank)];
+    std::fprintf(stderr, "tk-run: rank %d failed (%s). Its last output:\n", failed_rank, describe_status(w.status).c_str());
+    for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
+    return 1;
+  }
+  if (g_signal) return 128 + g_signal;
+  return 0;
+}
+
+}  // namespace tk

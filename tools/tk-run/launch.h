@@ -1,0 +1,24 @@
+#pragma once
+// Local multi-process launch for `tk-run --nproc N`.
+#include <string>
+#include <vector>
+
+namespace tk {
+
+struct LaunchOptions {
+  int nproc = 1;
+  int master_port = 0;        ///< 0: pick a free port on loopback
+  double stop_grace_s = 10.0; ///< after a rank fails, seconds the others get to stop before SIGKILL
+};
+
+/// Runs `argv` (this program, without --nproc) as `nproc` workers with RANK, WORLD_SIZE,
+/// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set. Forwards their output
+/// line by line with a "[rank i]" prefix. When a worker fails (non-zero exit or a signal), stops the
+/// others (SIGTERM, then SIGKILL after the grace period) and returns non-zero with that rank's
+/// error; never waits forever. SIGINT/SIGTERM to tk-run are forwarded to the workers.
+int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts);
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+int free_port();
+
+}  // namespace tk
