@@ -5,7 +5,9 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -60,6 +62,28 @@ inline std::filesystem::path temp_dir(const std::string& name) {
   auto d = std::filesystem::temp_directory_path() / ("tk-test-" + std::to_string(getpid()) + "-" + name);
   std::filesystem::remove_all(d);
   return d;
+}
+
+/// Values of `key` in every line of a metrics.jsonl (NaN where absent or null).
+inline std::vector<double> metric(const std::filesystem::path& file, const std::string& key) {
+  std::ifstream in(file);
+  std::vector<double> out;
+  const std::string pat = "\"" + key + "\": ";
+  for (std::string line; std::getline(in, line);) {
+    auto pos = line.find(pat);
+    if (pos == std::string::npos || line.compare(pos + pat.size(), 4, "null") == 0) {
+      out.push_back(std::nan(""));
+      continue;
+    }
+    out.push_back(std::stod(line.substr(pos + pat.size())));
+  }
+  return out;
+}
+inline std::vector<bool> skipped(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::vector<bool> out;
+  for (std::string line; std::getline(in, line);) out.push_back(line.find("\"skipped\": ") != std::string::npos);
+  return out;
 }
 
 /// Trainer options for in-memory runs that find the project's and the fixture plugins.

@@ -93,28 +93,6 @@ lr = 0.05
 momentum = 0.9
 )";
 
-/// Values of `key` in every line of a metrics.jsonl (NaN where absent or null).
-std::vector<double> metric(const fs::path& file, const std::string& key) {
-  std::ifstream in(file);
-  std::vector<double> out;
-  const std::string pat = "\"" + key + "\": ";
-  for (std::string line; std::getline(in, line);) {
-    auto pos = line.find(pat);
-    if (pos == std::string::npos || line.compare(pos + pat.size(), 4, "null") == 0) {
-      out.push_back(std::nan(""));
-      continue;
-    }
-    out.push_back(std::stod(line.substr(pos + pat.size())));
-  }
-  return out;
-}
-std::vector<bool> skipped(const fs::path& file) {
-  std::ifstream in(file);
-  std::vector<bool> out;
-  for (std::string line; std::getline(in, line);) out.push_back(line.find("\"skipped\": ") != std::string::npos);
-  return out;
-}
-
 struct Result {
   Tensor params;
   tk::FitResult fit;
@@ -213,7 +191,7 @@ TEST_SUITE("clip") {
     auto accum = run(kAccum4 + kClip, {"run.trace=true"}, {}, "clip-accum");
     auto big = run(kClip, {"data.micro_batch=32"}, {}, "clip-big");
     CHECK(tkt::rel_diff(accum.params, big.params) < 1e-5);
-    auto na = metric(accum.dir / "metrics.jsonl", "grad_norm"), nb = metric(big.dir / "metrics.jsonl", "grad_norm");
+    auto na = tkt::metric(accum.dir / "metrics.jsonl", "grad_norm"), nb = tkt::metric(big.dir / "metrics.jsonl", "grad_norm");
     REQUIRE(na.size() == 6);
     REQUIRE(nb.size() == 6);
     for (size_t i = 0; i < na.size(); ++i) CHECK(na[i] == doctest::Approx(nb[i]).epsilon(1e-5));
@@ -231,11 +209,11 @@ TEST_SUITE("mixed precision") {
     // Written from the rule, step by step: the scale used at each step, and which steps are skipped.
     const std::vector<double> scale = {1024, 1024, 512, 256, 256, 256, 512, 256, 256, 256, 512};
     const std::vector<bool> skip = {false, true, true, false, false, false, true, false, false, false, false};
-    CHECK(metric(r.dir / "metrics.jsonl", "loss_scale") == scale);
-    CHECK(skipped(r.dir / "metrics.jsonl") == skip);
+    CHECK(tkt::metric(r.dir / "metrics.jsonl", "loss_scale") == scale);
+    CHECK(tkt::skipped(r.dir / "metrics.jsonl") == skip);
     CHECK(r.fit.skipped_steps == 3);
     CHECK(r.fit.steps == 11);
-    CHECK(metric(r.dir / "metrics.jsonl", "amp_skipped_steps").back() == 3);
+    CHECK(tkt::metric(r.dir / "metrics.jsonl", "amp_skipped_steps").back() == 3);
     fs::remove_all(r.dir);
   }
 
@@ -243,11 +221,11 @@ TEST_SUITE("mixed precision") {
     const std::vector<std::string> warm = {"schedule.name=warmup_cosine", "schedule.warmup_steps=5", "run.steps=4"};
     auto inject = std::make_shared<Inject>(std::map<int64_t, double>{{1, INFINITY}});
     auto r = run(scaler("bf16"), warm, {inject}, "hold");
-    auto lr = metric(r.dir / "metrics.jsonl", "lr");
+    auto lr = tkt::metric(r.dir / "metrics.jsonl", "lr");
     CHECK(lr == std::vector<double>{0.01, 0.02, 0.02, 0.03});
     auto inject2 = std::make_shared<Inject>(std::map<int64_t, double>{{1, INFINITY}});
     auto r2 = run(scaler("bf16", "advance_schedule_on_skip = true\n"), warm, {inject2}, "advance");
-    CHECK(metric(r2.dir / "metrics.jsonl", "lr") == std::vector<double>{0.01, 0.02, 0.03, 0.04});
+    CHECK(tkt::metric(r2.dir / "metrics.jsonl", "lr") == std::vector<double>{0.01, 0.02, 0.03, 0.04});
     CHECK(r.fit.skipped_steps == 1);
     REQUIRE(inject->after_step.size() == 4);
     CHECK(torch::equal(inject->after_step[1], inject->after_step[0]));  // the skipped step
@@ -261,8 +239,8 @@ TEST_SUITE("mixed precision") {
     auto a = run(kAccum4 + scaler("bf16", "check_every_micro_batch = true\n"), {}, {early}, "each");
     auto late = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}}, 0);
     auto b = run(kAccum4 + scaler("bf16"), {}, {late}, "boundary");
-    CHECK(skipped(a.dir / "metrics.jsonl") == skipped(b.dir / "metrics.jsonl"));
-    CHECK(metric(a.dir / "metrics.jsonl", "loss_scale") == metric(b.dir / "metrics.jsonl", "loss_scale"));
+    CHECK(tkt::skipped(a.dir / "metrics.jsonl") == tkt::skipped(b.dir / "metrics.jsonl"));
+    CHECK(tkt::metric(a.dir / "metrics.jsonl", "loss_scale") == tkt::metric(b.dir / "metrics.jsonl", "loss_scale"));
     CHECK(torch::equal(a.params, b.params));
     CHECK(a.fit.skipped_steps == 1);
     fs::remove_all(a.dir);
@@ -338,9 +316,9 @@ TEST_SUITE("composition") {
       auto ib = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}});
       auto a = run(kAccum4 + scaler(dt) + kClip, {"run.steps=8"}, {ia}, "mix-accum-" + dt);
       auto b = run(scaler(dt) + kClip, {"run.steps=8", "data.micro_batch=32"}, {ib}, "mix-big-" + dt);
-      CHECK(skipped(a.dir / "metrics.jsonl") == skipped(b.dir / "metrics.jsonl"));
-      CHECK(metric(a.dir / "metrics.jsonl", "loss_scale") == metric(b.dir / "metrics.jsonl", "loss_scale"));
-      auto na = metric(a.dir / "metrics.jsonl", "grad_norm"), nb = metric(b.dir / "metrics.jsonl", "grad_norm");
+      CHECK(tkt::skipped(a.dir / "metrics.jsonl") == tkt::skipped(b.dir / "metrics.jsonl"));
+      CHECK(tkt::metric(a.dir / "metrics.jsonl", "loss_scale") == tkt::metric(b.dir / "metrics.jsonl", "loss_scale"));
+      auto na = tkt::metric(a.dir / "metrics.jsonl", "grad_norm"), nb = tkt::metric(b.dir / "metrics.jsonl", "grad_norm");
       REQUIRE(na.size() == nb.size());
       for (size_t i = 0; i < na.size(); ++i) {
         if (std::isnan(nb[i])) {

@@ -1,0 +1,169 @@
+// Distributed data parallel: tk-run --nproc on loopback (Gloo, CPU) against single-process runs.
+#include <sys/wait.h>
+#include <tk/tensor_io.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+#include "support.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kBase = R"(
+[run]
+seed = 9
+steps = 6
+dtype = "float64"
+
+[model]
+name = "mlp"
+hidden = [16]
+activation = "tanh"
+
+[data]
+name = "synthetic-classification"
+samples = 256
+validation_samples = 0
+features = 8
+classes = 4
+micro_batch = 4
+
+[optimizer]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+)";
+
+struct Proc {
+  int rc = -1;
+  std::string out;
+  double seconds = 0;
+};
+
+/// Runs tk-run on `recipe_text` (written to DIR/recipe.toml) with `args`; outputs go to DIR.
+Proc tk_run(const fs::path& dir, const std::string& recipe_text, const std::string& args) {
+  fs::create_directories(dir);
+  std::ofstream(dir / "recipe.toml") << recipe_text;
+  const std::string cmd = "TK_PLUGIN_PATH=" + std::string(TK_TEST_PLUGIN_DIR) + " " + TK_RUN_EXE + " " +
+                          (dir / "recipe.toml").string() + " --progress plain --set run.output=\\\"" +
+                          (dir / "out").string() + "\\\" " + args + " 2>&1";
+  Proc p;
+  auto t0 = std::chrono::steady_clock::now();
+  FILE* f = popen(cmd.c_str(), "r");
+  REQUIRE(f != nullptr);
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) p.out.append(buf, n);
+  int status = pclose(f);
+  p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  p.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return p;
+}
+
+torch::Tensor weights(const fs::path& dir) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& [name, t] : tk::load_tensor_dict(dir / "out/weights.pt")) parts.push_back(t.reshape({-1}));
+  return torch::cat(parts);
+}
+
+}  // namespace
+
+TEST_SUITE("ddp") {
+  TEST_CASE("2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window") {
+    const fs::path root = tkt::temp_dir("ddp-equal");
+    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+    const std::string ddp = "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\ntimeout_s = 60.0\n";
+    auto two = tk_run(root / "two", std::string(kBase) + ddp + accum, "--nproc 2");
+    INFO(two.out);
+    REQUIRE(two.rc == 0);
+    auto one = tk_run(root / "one", std::string(kBase) + accum, "--set data.micro_batch=8");
+    REQUIRE(one.rc == 0);
+    auto big = tk_run(root / "big", kBase, "--set data.micro_batch=16");
+    REQUIRE(big.rc == 0);
+    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "one")) < 1e-12);
+    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "big")) < 1e-12);
+    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "big")) >= 0.0);
+    // The logged loss is the global window's.
+    auto l2 = tkt::metric(root / "two/out/metrics.jsonl", "loss"), lb = tkt::metric(root / "big/out/metrics.jsonl", "loss");
+    REQUIRE(l2.size() == 6);
+    for (size_t i = 0; i < l2.size(); ++i) CHECK(l2[i] == doctest::Approx(lb[i]).epsilon(1e-12));
+    // One sync per window (6), each one gradient bucket plus the window totals: not per micro-batch (12).
+    auto syncs = tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs");
+    auto calls = tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces");
+    CHECK(syncs == std::vector<double>{1, 2, 3, 4, 5, 6});
+    CHECK(calls == std::vector<double>{2, 4, 6, 8, 10, 12});
+    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "micro_batches").back() == 4);  // 2 ranks x k = 2
+    // Only rank 0 wrote; every line of the launcher's output carries its rank.
+    CHECK(two.out.find("[rank 1] ") != std::string::npos);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("tokens normalization is exact across ranks with uneven token counts and a short last window") {
+    const fs::path root = tkt::temp_dir("ddp-tokens");
+    // 112 sequences: 56 per rank, micro-batches of 4 -> 14 per epoch -> windows of 4, 4, 4, 2.
+    std::string base = kBase;
+    base.replace(base.find("classes = 4"), 11, "classes = 4\nseq_len = 10\nmin_len = 1");
+    const std::vector<std::string> sets = {"--set data.name=synthetic-tokens", "--set data.samples=112",
+                                           "--set run.steps=0", "--set run.epochs=2", "--set loss.reduction=sum"};
+    std::string common;
+    for (const auto& s : sets) common += s + " ";
+    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\nnormalize = \"tokens\"\n";
+    auto two = tk_run(root / "two", base + "[[plugins]]\nname = \"ddp\"\n" + accum, common + "--nproc 2");
+    INFO(two.out);
+    REQUIRE(two.rc == 0);
+    auto one = tk_run(root / "one", base + accum, common + "--set data.micro_batch=8");
+    REQUIRE(one.rc == 0);
+    CHECK(tkt::metric(root / "one/out/metrics.jsonl", "micro_batches") ==
+          std::vector<double>{4, 4, 4, 2, 4, 4, 4, 2});
+    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "one")) < 1e-12);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("ranks that diverge are caught") {
+    // Rank 1 nudges a parameter after step 3; the check after step 4 (ddp is listed first) sees it.
+    const fs::path root = tkt::temp_dir("ddp-diverge");
+    auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n" +
+                              "[[plugins]]\nname = \"probe\"\nperturb_at_step = 2\nonly_rank = 1\n",
+                    "--nproc 2");
+    CHECK(p.rc == 1);
+    CHECK(p.out.find("ranks diverged after step 4") != std::string::npos);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a worker that fails stops the world, with its error, in bounded time") {
+    const fs::path root = tkt::temp_dir("ddp-fail");
+    auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 30.0\n" +
+                              "[[plugins]]\nname = \"probe\"\nthrow_at_step = 2\nonly_rank = 1\n",
+                    "--nproc 2");
+    CHECK(p.rc == 1);
+    CHECK(p.out.find("[rank 1] ") != std::string::npos);
+    CHECK(p.out.find("plugin 'probe' failed in event backward at step 2 (micro-batch 3): injected failure") !=
+          std::string::npos);
+    CHECK(p.out.find("tk-run: rank 1 failed (exited with code 1)") != std::string::npos);
+    CHECK(p.seconds < 30.0);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a worker killed by a signal stops the world, in bounded time") {
+    const fs::path root = tkt::temp_dir("ddp-kill");
+    auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 30.0\n" +
+                              "[[plugins]]\nname = \"probe\"\nkill_at_step = 2\nonly_rank = 1\n",
+                    "--nproc 3");
+    CHECK(p.rc == 1);
+    CHECK(p.out.find("tk-run: rank 1 failed (was killed by signal 9") != std::string::npos);
+    CHECK(p.seconds < 30.0);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("--dry-run with --nproc shows the per-rank and the global batch") {
+    const fs::path root = tkt::temp_dir("ddp-dry");
+    auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n",
+                    "--nproc 4 --dry-run");
+    CHECK(p.rc == 0);
+    CHECK(p.out.find("effective     48 examples per optimizer step (4 x 3 x 4); 12 per rank") != std::string::npos);
+    CHECK(p.out.find("world size    4 (set by ddp)") != std::string::npos);
+    fs::remove_all(root);
+  }
+}
