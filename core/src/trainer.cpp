@@ -538,6 +538,7 @@ FitResult Trainer::fit() {
     }
     d.emit(Event::FitEnd, ctx);
   } catch (...) {
+    if (d.topts.on_failure) d.topts.on_failure();
     progress.finish();
     if (metrics_file.is_open()) metrics_file.flush();
     // Give every plugin its chance to clean up (leave autocast, close files); the first error stands.

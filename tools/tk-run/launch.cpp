@@ -8,11 +8,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <thread>
 
@@ -24,6 +27,9 @@ void on_signal(int sig) { g_signal = sig; }
 
 struct Worker {
   pid_t pid = -1;
+  // Set by the worker's reaper thread: when it ended, and how.
+  std::atomic<bool> ended{false};
+  std::chrono::steady_clock::time_point ended_at;
   int fd = -1;           // read end of the worker's stdout+stderr
   std::string partial;   // output not yet ended by a newline
   std::deque<std::string> tail;  // its last lines, for the failure report
@@ -73,7 +79,48 @@ std::string describe_status(int status) {
   return "stopped";
 }
 
+int64_t now_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+/// When rank `r` failed: the time it recorded, or when it ended (killed by a signal, say);
+/// -1 while it has neither failed nor ended badly.
+int64_t failure_time(const std::string& dir, int r, const Worker& w) {
+  std::ifstream in(dir + "/" + std::to_string(r));
+  int64_t t = -1;
+  if (in >> t) return t;
+  const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+  if (w.running || ok) return -1;
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(w.ended_at.time_since_epoch()).count();
+}
+
+/// The rank that failed first, or -1. A worker killed by a signal before the launcher sent any is
+/// a cause (its peers only notice it is gone); otherwise the earliest recorded failure wins.
+int first_failure(const std::string& dir, const std::vector<Worker>& workers,
+                  std::chrono::steady_clock::time_point stop_sent) {
+  int first = -1;
+  int64_t best = 0;
+  for (int r = 0; r < static_cast<int>(workers.size()); ++r) {
+    const Worker& w = workers[static_cast<size_t>(r)];
+    if (w.running || !WIFSIGNALED(w.status) || w.ended_at >= stop_sent) continue;
+    if (first < 0 || w.ended_at < workers[static_cast<size_t>(first)].ended_at) first = r;
+  }
+  if (first >= 0) return first;
+  for (int r = 0; r < static_cast<int>(workers.size()); ++r) {
+    const int64_t t = failure_time(dir, r, workers[static_cast<size_t>(r)]);
+    if (t >= 0 && (first < 0 || t < best)) {
+      first = r;
+      best = t;
+    }
+  }
+  return first;
+}
+
 }  // namespace
+
+void record_failure_time(const std::string& file) { std::ofstream(file) << now_ns() << "\n"; }
 
 int free_port() {
   int s = socket(AF_INET, SOCK_STREAM, 0);
@@ -106,7 +153,13 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
 
+  char dir_template[] = "/tmp/tk-run-XXXXXX";
+  if (!mkdtemp(dir_template)) throw std::runtime_error("cannot make a temporary folder");
+  const std::string failure_dir = dir_template;
+  setenv("TK_FAILURE_DIR", failure_dir.c_str(), 1);
+
   std::vector<Worker> workers(static_cast<size_t>(n));
+  std::vector<std::thread> reapers;
   for (int r = 0; r < n; ++r) {
     int fds[2];
     if (pipe(fds) != 0) throw std::runtime_error("pipe() failed");
@@ -135,15 +188,27 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
     fcntl(fds[0], F_SETFL, O_NONBLOCK);
     workers[static_cast<size_t>(r)].pid = pid;
     workers[static_cast<size_t>(r)].fd = fds[0];
+    // Each worker is reaped the moment it ends, so that the first failure is known precisely
+    // (the others often fail a moment later, when their collectives lose the peer).
+    reapers.emplace_back([w = &workers[static_cast<size_t>(r)]] {
+      int status = 0;
+      while (waitpid(w->pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      w->status = status;
+      w->ended_at = std::chrono::steady_clock::now();
+      w->ended.store(true);
+    });
   }
 
   int failed_rank = -1;
   using clock = std::chrono::steady_clock;
   clock::time_point kill_at{};
+  clock::time_point stop_sent = clock::time_point::max();  // when the launcher first signalled the workers
   bool stopping = false, forwarded = false;
   auto stop_all = [&](int sig) {
+    if (stop_sent == clock::time_point::max()) stop_sent = clock::now();
     for (auto& w : workers)
-      if (w.running) kill(w.pid, sig);
+      if (!w.ended.load()) kill(w.pid, sig);
   };
 
   for (;;) {
@@ -165,21 +230,22 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
     }
     std::fflush(stdout);
     bool any_running = false;
-    for (int r = 0; r < n; ++r) {
-      Worker& w = workers[static_cast<size_t>(r)];
-      if (!w.running) continue;
-      if (waitpid(w.pid, &w.status, WNOHANG) == w.pid) {
-        w.running = false;
-        const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
-        if (!ok && failed_rank < 0 && !stopping) {
-          failed_rank = r;
-          std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", r, describe_status(w.status).c_str());
-          stopping = true;
-          stop_all(SIGTERM);
-          kill_at = clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.stop_grace_s * 1000));
-        }
-      } else {
-        any_running = true;
+    for (auto& w : workers) {
+      if (w.running && w.ended.load()) w.running = false;
+      any_running |= w.running;
+    }
+    if (failed_rank < 0 && !stopping) {
+      bool someone_failed = false;
+      for (const auto& w : workers)
+        someone_failed |= !w.running && !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
+      if (someone_failed) failed_rank = first_failure(failure_dir, workers, stop_sent);
+      if (failed_rank >= 0) {
+        const Worker& w = workers[static_cast<size_t>(failed_rank)];
+        std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", failed_rank,
+                     describe_status(w.status).c_str());
+        stopping = true;
+        stop_all(SIGTERM);
+        kill_at = clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.stop_grace_s * 1000));
       }
     }
     if (g_signal && !forwarded) {
@@ -206,7 +272,12 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
       }
     }
   }
+  for (auto& t : reapers) t.join();
   std::fflush(stdout);
+  // With every rank's record in, the first failure is known for sure.
+  if (failed_rank >= 0) failed_rank = first_failure(failure_dir, workers, stop_sent);
+  std::error_code ec;
+  std::filesystem::remove_all(failure_dir, ec);
   if (failed_rank >= 0) {
     const Worker& w = workers[static_cast<size_t>(failed_rank)];
     std::fprintf(stderr, "tk-run: rank %d failed (%s). Its last output:\n", failed_rank, describe_status(w.status).c_str());

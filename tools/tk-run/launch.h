@@ -18,6 +18,10 @@ struct LaunchOptions {
 /// error; never waits forever. SIGINT/SIGTERM to tk-run are forwarded to the workers.
 int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts);
 
+/// Writes the current CLOCK_MONOTONIC time to `file`: a worker's moment of failure, which the
+/// launcher compares across ranks (the clock is the same for every process on the machine).
+void record_failure_time(const std::string& file);
+
 /// A TCP port on 127.0.0.1 that was free a moment ago.
 int free_port();
 

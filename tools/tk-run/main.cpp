@@ -177,6 +177,10 @@ int main(int argc, char** argv) {
   try {
     auto recipe = std::make_unique<tk::Recipe>(tk::Recipe::from_file(recipe_path));
     for (const auto& o : overrides) recipe->apply_override(o);
+    if (const char* dir = std::getenv("TK_FAILURE_DIR")) {
+      const std::string file = std::string(dir) + "/" + (std::getenv("RANK") ? std::getenv("RANK") : "0");
+      topts.on_failure = [file] { tk::record_failure_time(file); };
+    }
     trainer = std::make_unique<tk::Trainer>(*recipe, topts);
     const std::string plan = trainer->describe();
     if (dry_run) {

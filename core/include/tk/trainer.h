@@ -1,6 +1,7 @@
 #pragma once
 /// The training loop: builds a run from a recipe, dispatches events to plugins, writes the outputs.
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,6 +29,9 @@ struct TrainerOptions {
   bool write_outputs = true;                    ///< write the output folder (off for in-memory runs)
   ProgressMode progress = ProgressMode::Auto;
   std::optional<std::vector<std::filesystem::path>> plugin_dirs;  ///< replaces the default search path
+  /// Called the moment training fails, before plugins clean up (a launcher uses it to tell the
+  /// first failing rank from the ones that fail after losing it).
+  std::function<void()> on_failure;
 };
 
 /// What a finished run reports.
