@@ -190,6 +190,7 @@ class Ddp final : public tk::Plugin {
   void sync(tk::Context& ctx) {
     if (!pg_) return;
     torch::NoGradGuard no_grad;
+    const auto t0 = std::chrono::steady_clock::now();
     std::vector<torch::Tensor> grads;
     for (const auto& p : ctx.model.parameters())
       if (p.grad().defined()) grads.push_back(p.grad());
@@ -208,6 +209,7 @@ class Ddp final : public tk::Plugin {
     ctx.totals.tokens = std::llround(totals[2].item<double>());
     ctx.totals.loss_sum = totals[3].item<double>();
     ++syncs_;
+    ctx.metrics.put("ddp_sync_ms", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     ctx.metrics.put("ddp_syncs", static_cast<double>(syncs_));
     ctx.metrics.put("ddp_allreduces", static_cast<double>(allreduces_));
   }

@@ -100,6 +100,20 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("every rank starts from rank 0's parameters") {
+    const fs::path root = tkt::temp_dir("ddp-broadcast");
+    // Rank 1 starts from different weights; the broadcast at fit start must undo that.
+    auto two = tk_run(root / "two", std::string(kBase) + "[[plugins]]\nname = \"probe\"\nperturb_at_start = true\n" +
+                                        "only_rank = 1\n[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n",
+                      "--nproc 2");
+    INFO(two.out);
+    REQUIRE(two.rc == 0);
+    auto big = tk_run(root / "big", kBase, "--set data.micro_batch=8");
+    REQUIRE(big.rc == 0);
+    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "big")) < 1e-12);
+    fs::remove_all(root);
+  }
+
   TEST_CASE("tokens normalization is exact across ranks with uneven token counts and a short last window") {
     const fs::path root = tkt::temp_dir("ddp-tokens");
     // 112 sequences: 56 per rank, micro-batches of 4 -> 14 per epoch -> windows of 4, 4, 4, 2.
