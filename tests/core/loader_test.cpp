@@ -38,7 +38,7 @@ TEST_SUITE("loader") {
     CHECK(lp.version == "1.0.0");
     CHECK(lp.file == kFixtures / "tk_probe.so");
     CHECK(lp.plugin->name() == "probe");
-    CHECK(lp.plugin->option_specs().size() == 7);
+    CHECK(lp.plugin->option_specs().size() == 8);
   }
 
   TEST_CASE("each broken library is refused with the file and expected vs found") {
@@ -96,7 +96,7 @@ TEST_SUITE("loader") {
       plugin = loader.load(file).plugin;
     }
     CHECK(is_loaded(file));
-    CHECK(plugin->option_specs().size() == 7);  // code of the library still runs
+    CHECK(plugin->option_specs().size() == 8);  // code of the library still runs
     auto copy = plugin;
     plugin.reset();
     CHECK(is_loaded(file));

@@ -135,6 +135,24 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("with mixed precision and clipping, every rank takes the same step: overflow veto and norm agree") {
+    const fs::path root = tkt::temp_dir("ddp-amp");
+    // An overflow on rank 1 only, at step 2: after the sync both ranks see it and both skip.
+    const std::string plugins =
+        "[[plugins]]\nname = \"clip\"\nmax_norm = 0.5\n"
+        "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\nloss_scale = \"dynamic\"\ninit_scale = 256.0\n"
+        "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
+        "[[plugins]]\nname = \"probe\"\ninf_grad_at_step = 2\nonly_rank = 1\n"
+        "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n";
+    auto two = tk_run(root, std::string(kBase) + plugins, "--nproc 2 --set run.dtype=float32");
+    INFO(two.out);
+    REQUIRE(two.rc == 0);
+    CHECK(tkt::skipped(root / "out/metrics.jsonl") == std::vector<bool>{false, false, true, false, false, false});
+    CHECK(tkt::metric(root / "out/metrics.jsonl", "loss_scale") == std::vector<double>{256, 256, 256, 128, 128, 128});
+    CHECK(tkt::metric(root / "out/metrics.jsonl", "grad_norm")[0] > 0.5);
+    fs::remove_all(root);
+  }
+
   TEST_CASE("ranks that diverge are caught") {
     // Rank 1 nudges a parameter after step 3; the check after step 4 (ddp is listed first) sees it.
     const fs::path root = tkt::temp_dir("ddp-diverge");
