@@ -1,5 +1,6 @@
 #include "tk/trainer.h"
 
+#include "tk/checkpoint.h"
 #include "tk/tensor_io.h"
 
 #include <ATen/Parallel.h>
@@ -9,7 +10,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 namespace fs = std::filesystem;
@@ -45,7 +48,10 @@ OptionSpecs run_specs() {
           opt_int("log_every", 10, "optimizer steps between plain progress lines"),
           opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
           opt_int("threads", 0, "intra-op CPU threads (0: LibTorch's default)"),
-          opt_bool("trace", false, "record every plugin dispatch in trace.jsonl")};
+          opt_bool("trace", false, "record every plugin dispatch in trace.jsonl"),
+          opt_int("checkpoint_every", 0, "optimizer steps between checkpoints (0: only at the end)"),
+          opt_int("checkpoint_keep", 3, "newest checkpoints to keep"),
+          opt_string("max_time", "", "stop at the first boundary after this long, e.g. \"90s\", \"10m\", \"2h\" (\"\": no limit)")};
 }
 
 OptionSpecs loader_specs() {
@@ -65,6 +71,24 @@ double peak_rss_mib() {
   struct rusage ru {};
   getrusage(RUSAGE_SELF, &ru);
   return static_cast<double>(ru.ru_maxrss) / 1024.0;
+}
+
+/// "90s", "10m", "1.5h", "250ms" -> seconds; "" -> infinity.
+double parse_duration(const Options& o, const std::string& key) {
+  const std::string& v = o.get_string(key);
+  if (v.empty()) return std::numeric_limits<double>::infinity();
+  size_t pos = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &pos);
+  } catch (const std::exception&) {
+    o.fail(key, "expected a duration like \"90s\", \"10m\" or \"2h\", got \"" + v + "\"");
+  }
+  const std::string unit = v.substr(pos);
+  const double scale = unit == "ms" ? 1e-3 : unit == "s" ? 1 : unit == "m" ? 60 : unit == "h" ? 3600 : -1;
+  if (scale < 0 || x < 0)
+    o.fail(key, "expected a duration like \"90s\", \"10m\" or \"2h\" (units ms, s, m, h), got \"" + v + "\"");
+  return x * scale;
 }
 
 struct Slot {
@@ -96,6 +120,7 @@ struct Trainer::Impl {
   std::string model_name, data_name, loss_name, opt_name, sched_name;
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
+  double max_time_s = 0;
   DataSplits data;
   ModelPtr model;
   std::unique_ptr<LossFn> loss;
@@ -146,6 +171,9 @@ void Trainer::Impl::build() {
     run.fail("steps", "give either epochs or steps, not both");
   if (run.get_int("log_every") < 1) run.fail("log_every", "must be >= 1");
   if (run.get_int("validate_every") < 0) run.fail("validate_every", "must be >= 0");
+  if (run.get_int("checkpoint_every") < 0) run.fail("checkpoint_every", "must be >= 0");
+  if (run.get_int("checkpoint_keep") < 1) run.fail("checkpoint_keep", "must be >= 1");
+  max_time_s = parse_duration(run, "max_time");
   if (run.get_int("threads") > 0) at::set_num_threads(static_cast<int>(run.get_int("threads")));
   dtype = run.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
   const std::string& dev = run.get_string("device");
@@ -402,22 +430,77 @@ FitResult Trainer::fit() {
   FitResult result;
 
   fs::path outdir;
-  std::ofstream metrics_file, trace_file;
-  if (d.topts.write_outputs && d.plan.rank == 0) {  // one rank writes for the world
+  std::ofstream metrics_file;
+  {
     std::string o = d.run.get_string("output");
     outdir = o.empty() ? fs::path("runs") / d.run.get_string("name") : fs::path(o);
+  }
+  // Resuming: model, optimizer and RNG come back now, plugin states before fit_start.
+  std::optional<Checkpoint> resumed;
+  if (d.topts.resume) {
+    resumed = load_checkpoint(resolve_checkpoint(*d.topts.resume, outdir), *d.model, *d.optimizer);
+    for (auto& slot : d.slots) {
+      auto it = resumed->plugin_states.find(slot.name);
+      if (it == resumed->plugin_states.end()) {
+        d.warn("plugin '" + slot.name + "' has no state in " + resumed->dir.string() + "; it starts fresh");
+        continue;
+      }
+      slot.plugin->load_state(it->second);
+      resumed->plugin_states.erase(it);
+    }
+    for (const auto& [name, st] : resumed->plugin_states)
+      d.warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
+    if (resumed->position.counters.total_steps != d.total_steps)
+      throw Error(resumed->dir.string() + ": the checkpoint is of a run of " +
+                  std::to_string(resumed->position.counters.total_steps) + " steps, this one has " +
+                  std::to_string(d.total_steps) + ": resume with the recipe it was made with");
+  }
+  if (d.topts.write_outputs && d.plan.rank == 0) {  // one rank writes for the world
     std::error_code ec;
     fs::create_directories(outdir, ec);
     if (ec) throw Error("cannot create output folder '" + outdir.string() + "': " + ec.message());
     write_atomic(outdir / "recipe.toml", d.recipe.resolved());
-    metrics_file.open(outdir / "metrics.jsonl", std::ios::trunc);
+    if (resumed) {  // keep the records up to the checkpoint, drop any written after it
+      std::ifstream in(outdir / "metrics.jsonl");
+      std::string kept;
+      for (std::string line; std::getline(in, line);) {
+        const auto pos = line.find("\"step\": ");
+        if (pos != std::string::npos && std::stoll(line.substr(pos + 8)) <= resumed->position.counters.step)
+          kept += line + "\n";
+      }
+      write_atomic(outdir / "metrics.jsonl", kept);
+      metrics_file.open(outdir / "metrics.jsonl", std::ios::app);
+    } else {
+      metrics_file.open(outdir / "metrics.jsonl", std::ios::trunc);
+    }
     if (!metrics_file) throw Error("cannot write '" + (outdir / "metrics.jsonl").string() + "'");
     result.output_dir = outdir;
   }
+  const bool writes_outputs = metrics_file.is_open();  // this process writes the outputs
 
   Sink sink;
   Context ctx(*d.model, *d.optimizer, d.plan, sink, d.loss->reduction());
   ctx.counters.total_steps = d.total_steps;
+  int64_t start_epoch = 0, start_batch = 0;
+  if (resumed) {
+    ctx.counters = resumed->position.counters;
+    start_epoch = resumed->position.next_epoch;
+    start_batch = resumed->position.next_batch;
+    spdlog::info("resuming from {} at step {} (epoch {}, micro-batch {})", resumed->dir.string(), ctx.counters.step,
+                 start_epoch + 1, start_batch);
+  }
+  auto save = [&](int64_t epoch, int64_t b) {
+    TrainingPosition pos{ctx.counters, epoch, b + 1};
+    if (pos.next_batch >= d.batches_per_epoch || !d.windows->at(epoch, pos.next_batch)) {
+      pos.next_epoch = epoch + 1;
+      pos.next_batch = 0;
+    }
+    std::vector<std::pair<std::string, StateDict>> states;
+    for (const auto& slot : d.slots) states.emplace_back(slot.name, slot.plugin->state());
+    result.checkpoint = save_checkpoint(outdir / "checkpoints", *d.model, *d.optimizer, states, pos,
+                                        d.run.get_int("checkpoint_keep"));
+  };
+  const int64_t checkpoint_every = d.run.get_int("checkpoint_every");
   ctx.log_sink = [&d, &ctx](int level, const std::string& msg) {
     std::string line = ctx.current_plugin.empty() ? msg : ctx.current_plugin + ": " + msg;
     if (level > 0) d.warn(line);
@@ -451,11 +534,13 @@ FitResult Trainer::fit() {
     d.emit(Event::FitStart, ctx);
     d.optimizer->zero_grad();
     bool done = false;
-    for (int64_t epoch = 0; !done && (epochs < 0 || epoch < epochs); ++epoch) {
+    done = ctx.counters.step >= steps_target;
+    for (int64_t epoch = start_epoch; !done && (epochs < 0 || epoch < epochs); ++epoch) {
       const torch::Tensor order = d.shard_order(epoch);
       ctx.counters.epoch = epoch;
-      d.emit(Event::EpochStart, ctx);
-      for (int64_t b = 0; b < d.batches_per_epoch && !done; ++b) {
+      const int64_t first = epoch == start_epoch ? start_batch : 0;
+      if (first == 0) d.emit(Event::EpochStart, ctx);
+      for (int64_t b = first; b < d.batches_per_epoch && !done; ++b) {
         auto w = d.windows->at(epoch, b);
         if (!w) break;  // the policy drops the rest of this epoch
         Batch batch = d.fetch(*d.data.train, order.slice(0, b * m, std::min(n, (b + 1) * m)));
@@ -524,13 +609,19 @@ FitResult Trainer::fit() {
         if (d.data.validation && ((validate_every > 0 && ctx.counters.step % validate_every == 0) ||
                                   (done && validate_every >= 0)))
           record_validation(line);
+        // Stop early at this boundary when asked to (a signal) or out of time; with a checkpoint.
+        if (!done && d.topts.stop_requested && d.topts.stop_requested()) result.stopped = "signal";
+        if (!done && elapsed() >= d.max_time_s) result.stopped = "max_time";
+        if (!result.stopped.empty()) done = true;
+        if (writes_outputs && (done || (checkpoint_every > 0 && ctx.counters.step % checkpoint_every == 0)))
+          save(epoch, b);
         if (metrics_file.is_open()) metrics_file << line.str() << std::endl;
         progress.update(ctx.counters.step, epoch, ctx.window_loss, ctx.lr,
                         static_cast<double>(ctx.counters.samples_seen) / std::max(t, 1e-9), t);
       }
       d.emit(Event::EpochEnd, ctx);
     }
-    if (d.data.validation && last_validation_step != static_cast<double>(ctx.counters.step)) {
+    if (d.data.validation && result.stopped.empty() && last_validation_step != static_cast<double>(ctx.counters.step)) {
       JsonLine line;
       line.add("step", ctx.counters.step);
       record_validation(line);
@@ -553,8 +644,8 @@ FitResult Trainer::fit() {
     throw;
   }
   progress.finish();
-  if (!outdir.empty()) d.save_weights(outdir / "weights.pt");
-  if (!outdir.empty() && d.run.get_bool("trace")) {
+  if (writes_outputs) d.save_weights(outdir / "weights.pt");
+  if (writes_outputs && d.run.get_bool("trace")) {
     std::string text;
     for (const auto& e : d.trace)
       text += JsonLine().add("plugin", e.plugin).add("event", std::string(to_string(e.event)))

@@ -20,6 +20,11 @@ std::vector<std::string> lines_of(const fs::path& file) {
 
 std::string with_plugins(const std::string& plugins) { return std::string(tkt::kTinyRecipe) + plugins; }
 
+std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 }  // namespace
 
 TEST_SUITE("trainer") {
@@ -173,5 +178,63 @@ name = "fake_sync"
     CHECK(lines_of(out / "trace.jsonl").size() == t.trace().size());
     CHECK(res.output_dir == out);
     fs::remove_all(out);
+  }
+
+  TEST_CASE("a run resumed from a checkpoint is bit-identical to an uninterrupted one") {
+    // 80 examples in micro-batches of 8, windows of 3: 3, 3, 3, 1 per epoch; 10 steps span 3 epochs,
+    // and the checkpoint at step 5 sits inside epoch 2, after a short last window.
+    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
+    const std::vector<std::string> sets = {"data.samples=80", "run.steps=10", "optimizer.name=sgd"};
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+
+    const fs::path one_dir = tkt::temp_dir("resume-one");
+    auto r1 = tkt::recipe(sets + std::vector<std::string>{"run.output=\"" + one_dir.string() + "\""},
+                          with_plugins(accum).c_str());
+    tk::Trainer one(r1, opts);
+    one.fit();
+
+    const fs::path dir = tkt::temp_dir("resume-two");
+    auto out = std::vector<std::string>{"run.output=\"" + dir.string() + "\"", "run.checkpoint_every=5",
+                                        "run.checkpoint_keep=1"};
+    auto r2 = tkt::recipe(sets + out, with_plugins(accum + "[[plugins]]\nname = \"probe\"\nthrow_at_step = 7\n").c_str());
+    tk::Trainer first(r2, opts);
+    CHECK_THROWS_AS(first.fit(), tk::PluginRuntimeError);
+    CHECK(lines_of(dir / "metrics.jsonl").size() == 7);
+    CHECK(fs::exists(dir / "checkpoints/step-00000005/model.pt"));
+
+    auto r3 = tkt::recipe(sets + out, with_plugins(accum).c_str());
+    auto resume = opts;
+    resume.resume = "latest";
+    tk::Trainer second(r3, resume);
+    auto res = second.fit();
+    CHECK(res.steps == 10);
+    CHECK(torch::equal(tkt::flat_params(second.model()), tkt::flat_params(one.model())));
+    // The records after the checkpoint were replaced, not duplicated; one checkpoint is kept.
+    auto steps = tkt::metric(dir / "metrics.jsonl", "step");
+    CHECK(steps == std::vector<double>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
+    CHECK(tkt::metric(dir / "metrics.jsonl", "loss") == tkt::metric(one_dir / "metrics.jsonl", "loss"));
+    int kept = 0;
+    for (const auto& e : fs::directory_iterator(dir / "checkpoints")) kept += e.is_directory();
+    CHECK(kept == 1);
+    CHECK(second.warnings().size() == 1);  // the probe's state in the checkpoint is not loaded
+    fs::remove_all(dir);
+    fs::remove_all(one_dir);
+  }
+
+  TEST_CASE("max_time stops at the next boundary with a checkpoint") {
+    const fs::path dir = tkt::temp_dir("max-time");
+    auto r = tkt::recipe({"run.output=\"" + dir.string() + "\"", "run.max_time=\"1ms\"", "run.steps=100000"});
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer t(r, opts);
+    auto res = t.fit();
+    CHECK(res.stopped == "max_time");
+    CHECK(res.steps < 100000);
+    CHECK(res.checkpoint == dir / ("checkpoints/step-" + std::string(8 - std::to_string(res.steps).size(), '0') +
+                                   std::to_string(res.steps)));
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"run.max_time=\"ten minutes\""}), tkt::quiet()),
+                      doctest::Contains("run.max_time: expected a duration like"));
+    fs::remove_all(dir);
   }
 }

@@ -9,6 +9,7 @@
 #include <tk/trainer.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -16,6 +17,17 @@
 #include <vector>
 
 namespace {
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+/// First SIGINT/SIGTERM: stop at the next boundary with a checkpoint. Second: stop now.
+void on_stop_signal(int sig) {
+  if (g_stop_signal) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+  g_stop_signal = sig;
+}
 
 constexpr int kExitFailed = 1;  // the run started and failed
 constexpr int kExitUsage = 2;   // bad command line, recipe or plugin: nothing was trained
@@ -28,6 +40,8 @@ options:
   --set KEY=VALUE     override a recipe value (repeatable), e.g. --set optimizer.lr=0.01,
                       --set plugins.grad_accum.steps=8; VALUE is TOML (strings may be bare)
   --dry-run           validate the recipe, load the plugins, print the resolved plan; no training
+  --resume CKPT       continue a run from a checkpoint folder, or "latest" (of the recipe's output);
+                      with the same recipe, the result is bit-identical to an uninterrupted run
   --nproc N           train with N processes on this machine (needs the ddp plugin in the recipe);
                       each worker's output is prefixed with its rank; one failing stops them all
   --master-port PORT  rendezvous port for --nproc (default: a free one)
@@ -120,6 +134,10 @@ int main(int argc, char** argv) {
       return list_all();
     } else if (a == "--dry-run") {
       dry_run = true;
+    } else if (a == "--resume") {
+      const char* v = value("--resume");
+      if (!v) return die_usage("--resume needs a checkpoint folder or \"latest\"");
+      topts.resume = v;
     } else if (a == "--set" || a.rfind("--set=", 0) == 0) {
       const char* v = a == "--set" ? value("--set") : argv[i] + 6;
       if (!v) return die_usage("--set needs KEY=VALUE");
@@ -181,6 +199,7 @@ int main(int argc, char** argv) {
       const std::string file = std::string(dir) + "/" + (std::getenv("RANK") ? std::getenv("RANK") : "0");
       topts.on_failure = [file] { tk::record_failure_time(file); };
     }
+    topts.stop_requested = [] { return g_stop_signal != 0; };
     trainer = std::make_unique<tk::Trainer>(*recipe, topts);
     const std::string plan = trainer->describe();
     if (dry_run) {
@@ -189,6 +208,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     spdlog::info("plan:\n{}", plan);
+    std::signal(SIGINT, on_stop_signal);
+    std::signal(SIGTERM, on_stop_signal);
     try {
       tk::FitResult r = trainer->fit();
       std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps),
@@ -200,6 +221,12 @@ int main(int argc, char** argv) {
       std::printf("; peak memory %.0f MiB", r.peak_rss_mib);
       std::printf("\n");
       if (!r.output_dir.empty()) std::printf("wrote %s/{recipe.toml,metrics.jsonl,weights.pt}\n", r.output_dir.c_str());
+      if (!r.stopped.empty()) {
+        std::printf("stopped early (%s) after step %lld; checkpoint %s; continue with: tk-run %s --resume latest\n",
+                    r.stopped == "signal" ? "signal" : "max_time", static_cast<long long>(r.steps),
+                    r.checkpoint.c_str(), recipe_path.c_str());
+        if (r.stopped == "signal") return 128 + static_cast<int>(g_stop_signal);
+      }
     } catch (const std::exception& e) {
       spdlog::error("{}", e.what());
       std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in its output folder\n");

@@ -32,6 +32,10 @@ struct TrainerOptions {
   /// Called the moment training fails, before plugins clean up (a launcher uses it to tell the
   /// first failing rank from the ones that fail after losing it).
   std::function<void()> on_failure;
+  /// Checked at every boundary: true stops the run there, with a checkpoint (SIGINT/SIGTERM).
+  std::function<bool()> stop_requested;
+  /// Continue from a checkpoint: its folder, a checkpoints folder, or "latest" (of the run's output).
+  std::optional<std::string> resume;
 };
 
 /// What a finished run reports.
@@ -44,6 +48,8 @@ struct FitResult {
   std::vector<double> window_losses;  ///< the true loss of every optimizer step, in order
   std::vector<double> validation_losses;
   std::filesystem::path output_dir;   ///< empty when outputs were off
+  std::filesystem::path checkpoint;   ///< the last checkpoint written, if any
+  std::string stopped;                ///< "" when the run completed; "max_time" or "signal"
 };
 
 class Trainer {

@@ -1,4 +1,4 @@
-// Distributed data parallel: tk-run --nproc on loopback (Gloo, CPU) against single-process runs.
+// tk-run as a process: data parallel with --nproc on loopback (Gloo, CPU), kills and resumes.
 #include <sys/wait.h>
 #include <tk/tensor_io.h>
 
@@ -196,6 +196,51 @@ TEST_SUITE("ddp") {
     CHECK(p.rc == 0);
     CHECK(p.out.find("effective     48 examples per optimizer step (4 x 3 x 4); 12 per rank") != std::string::npos);
     CHECK(p.out.find("world size    4 (set by ddp)") != std::string::npos);
+    fs::remove_all(root);
+  }
+}
+
+TEST_SUITE("resume") {
+  TEST_CASE("a run killed by SIGKILL and resumed ends bit-identical to an uninterrupted one") {
+    const fs::path root = tkt::temp_dir("resume-kill");
+    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
+    const std::string sets = "--set run.steps=12 --set data.samples=80 --set run.checkpoint_every=4 ";
+    auto one = tk_run(root / "one", recipe, sets);
+    REQUIRE(one.rc == 0);
+    // The same run, killed at step 9 (after the checkpoint at 8), then resumed without the killer.
+    auto killed = tk_run(root / "two", recipe + "[[plugins]]\nname = \"probe\"\nkill_at_step = 9\n", sets);
+    CHECK(killed.rc == 128 + 9);
+    auto resumed = tk_run(root / "two", recipe, sets + "--resume latest");
+    INFO(resumed.out);
+    REQUIRE(resumed.rc == 0);
+    CHECK(resumed.out.find("resuming from") != std::string::npos);
+    CHECK(torch::equal(weights(root / "two"), weights(root / "one")));
+    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "loss") == tkt::metric(root / "one/out/metrics.jsonl", "loss"));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("SIGTERM stops at the next boundary with a checkpoint and a non-zero exit; resuming completes the run") {
+    const fs::path root = tkt::temp_dir("resume-term");
+    const std::string sets = "--set run.steps=20000 --set run.checkpoint_every=0 ";
+    auto one = tk_run(root / "one", kBase, sets);
+    REQUIRE(one.rc == 0);
+    fs::create_directories(root / "two");
+    std::ofstream(root / "two/recipe.toml") << kBase;
+    // Start, wait (bounded) until training has begun, send SIGTERM, wait for the exit code.
+    const std::string cmd = std::string(TK_RUN_EXE) + " " + (root / "two/recipe.toml").string() +
+                            " --progress none " + sets + "--set run.output=\\\"" + (root / "two/out").string() +
+                            "\\\" > " + (root / "two/log").string() + " 2>&1 & pid=$!; i=0; while [ ! -s " +
+                            (root / "two/out/metrics.jsonl").string() +
+                            " ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; kill -TERM $pid; wait $pid; exit $?";
+    int status = std::system(("sh -c '" + cmd + "'").c_str());
+    CHECK(WEXITSTATUS(status) == 128 + 15);
+    std::ifstream log(root / "two/log");
+    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    INFO(text);
+    CHECK(text.find("stopped early (signal)") != std::string::npos);
+    auto resumed = tk_run(root / "two", kBase, sets + "--resume latest");
+    REQUIRE(resumed.rc == 0);
+    CHECK(torch::equal(weights(root / "two"), weights(root / "one")));
     fs::remove_all(root);
   }
 }

@@ -1,0 +1,46 @@
+#pragma once
+/// Checkpoints at optimizer-step boundaries: everything needed to continue a run bit-identically.
+#include <torch/optim/optimizer.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tk/model.h"
+#include "tk/plugin.h"
+
+namespace tk {
+
+/// Where training stands at a boundary: the counters and the next micro-batch to read.
+struct TrainingPosition {
+  Counters counters;
+  int64_t next_epoch = 0;
+  int64_t next_batch = 0;
+};
+
+/// What load_checkpoint() hands back beyond the model and optimizer it restores.
+struct Checkpoint {
+  std::filesystem::path dir;
+  TrainingPosition position;
+  std::map<std::string, StateDict> plugin_states;
+};
+
+/// Writes `<root>/step-<N>/` (model.pt, optimizer.pt, trainer.pt, plugin-<name>.pt) through a
+/// temporary folder and a rename, so that a crash mid-write leaves the previous checkpoints
+/// intact; then points `<root>/latest` at it and keeps the newest `keep` checkpoints.
+std::filesystem::path save_checkpoint(const std::filesystem::path& root, Model& model,
+                                      torch::optim::Optimizer& optimizer,
+                                      const std::vector<std::pair<std::string, StateDict>>& plugin_states,
+                                      const TrainingPosition& position, int64_t keep);
+
+/// The checkpoint folder `arg` names: a checkpoint folder, a checkpoints root (its latest), or
+/// "latest" (the latest under `output_dir`/checkpoints). The error says what was looked for.
+std::filesystem::path resolve_checkpoint(const std::string& arg, const std::filesystem::path& output_dir);
+
+/// Restores model (parameters and buffers, by name, shapes checked), optimizer and the CPU RNG
+/// from `dir`, and returns the position and plugin states.
+Checkpoint load_checkpoint(const std::filesystem::path& dir, Model& model, torch::optim::Optimizer& optimizer);
+
+}  // namespace tk

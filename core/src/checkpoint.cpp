@@ -1,0 +1,153 @@
+#include "tk/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <mutex>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+#include "tk/error.h"
+#include "tk/output.h"
+#include "tk/tensor_io.h"
+
+namespace fs = std::filesystem;
+
+namespace tk {
+namespace {
+
+constexpr const char* kPluginPrefix = "plugin-";
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+NamedTensors position_tensors(const TrainingPosition& p) {
+  const Counters& c = p.counters;
+  auto t = torch::tensor({c.step, c.micro_step, c.epoch, c.batch_in_epoch, c.samples_seen, c.tokens_seen,
+                          c.skipped_steps, c.schedule_step, c.total_steps, p.next_epoch, p.next_batch},
+                         torch::kLong);
+  at::Generator rng = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(rng.mutex());
+  return {{"position", t}, {"cpu_rng", rng.get_state()}};
+}
+
+TrainingPosition position_from(const torch::Tensor& t) {
+  if (t.numel() != 11) throw Error("checkpoint position has " + std::to_string(t.numel()) + " fields, expected 11");
+  auto v = t.to(torch::kLong);
+  auto at = [&](int i) { return v[i].item<int64_t>(); };
+  TrainingPosition p;
+  p.counters.step = at(0);
+  p.counters.micro_step = at(1);
+  p.counters.epoch = at(2);
+  p.counters.batch_in_epoch = at(3);
+  p.counters.samples_seen = at(4);
+  p.counters.tokens_seen = at(5);
+  p.counters.skipped_steps = at(6);
+  p.counters.schedule_step = at(7);
+  p.counters.total_steps = at(8);
+  p.next_epoch = at(9);
+  p.next_batch = at(10);
+  return p;
+}
+
+}  // namespace
+
+fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optimizer& optimizer,
+                         const std::vector<std::pair<std::string, StateDict>>& plugin_states,
+                         const TrainingPosition& position, int64_t keep) {
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) throw Error("cannot create checkpoint folder '" + root.string() + "': " + ec.message());
+  const std::string name = step_name(position.counters.step);
+  const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp);
+
+  NamedTensors state;
+  for (const auto& p : model.named_parameters()) state.emplace_back(p.key(), p.value());
+  for (const auto& b : model.named_buffers()) state.emplace_back(b.key(), b.value());
+  save_tensor_dict(tmp / "model.pt", state);
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  archive.save_to((tmp / "optimizer.pt").string());
+  save_tensor_dict(tmp / "trainer.pt", position_tensors(position));
+  for (const auto& [plugin, s] : plugin_states)
+    save_tensor_dict(tmp / (kPluginPrefix + plugin + ".pt"), NamedTensors(s.begin(), s.end()));
+
+  fs::remove_all(final_dir, ec);
+  fs::rename(tmp, final_dir, ec);
+  if (ec) throw Error("cannot move checkpoint into place at '" + final_dir.string() + "': " + ec.message());
+  write_atomic(root / "latest", name + "\n");
+
+  std::vector<fs::path> all;
+  for (const auto& e : fs::directory_iterator(root))
+    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0 &&
+        e.path().extension() != ".tmp")
+      all.push_back(e.path());
+  std::sort(all.begin(), all.end());
+  for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
+  return final_dir;
+}
+
+fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir) {
+  fs::path p = arg == "latest" ? output_dir / "checkpoints" : fs::path(arg);
+  if (fs::is_regular_file(p / "latest")) {
+    std::ifstream in(p / "latest");
+    std::string name;
+    in >> name;
+    p = p / name;
+  }
+  if (!fs::is_regular_file(p / "trainer.pt"))
+    throw Error("no checkpoint at '" + p.string() + "' (expected a folder with trainer.pt, or a checkpoints folder "
+                "with a 'latest' file" + (arg == "latest" ? ", under the run's output folder" : "") + ")");
+  return p;
+}
+
+Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Optimizer& optimizer) {
+  Checkpoint ck;
+  ck.dir = dir;
+  std::map<std::string, torch::Tensor> saved;
+  for (auto& [k, t] : load_tensor_dict(dir / "model.pt")) saved.emplace(k, t);
+  torch::NoGradGuard no_grad;
+  auto restore = [&](const std::string& name, torch::Tensor& dst) {
+    auto it = saved.find(name);
+    if (it == saved.end())
+      throw Error(dir.string() + ": the checkpoint has no '" + name + "'; it was saved from a different model");
+    if (it->second.sizes() != dst.sizes())
+      throw Error(dir.string() + ": '" + name + "' has shape " + c10::str(it->second.sizes()) + " in the checkpoint, " +
+                  c10::str(dst.sizes()) + " in the model");
+    dst.copy_(it->second);
+    saved.erase(it);
+  };
+  for (auto& p : model.named_parameters()) restore(p.key(), p.value());
+  for (auto& b : model.named_buffers()) restore(b.key(), b.value());
+  if (!saved.empty())
+    throw Error(dir.string() + ": the checkpoint has '" + saved.begin()->first + "', which the model does not");
+  torch::serialize::InputArchive archive;
+  archive.load_from((dir / "optimizer.pt").string());
+  optimizer.load(archive);
+  std::map<std::string, torch::Tensor> trainer;
+  for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
+  ck.position = position_from(trainer.at("position"));
+  at::Generator rng = at::detail::getDefaultCPUGenerator();  // a handle to the process's generator
+  {
+    std::lock_guard<std::mutex> lock(rng.mutex());
+    rng.set_state(trainer.at("cpu_rng"));
+  }
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind(kPluginPrefix, 0) != 0 || e.path().extension() != ".pt") continue;
+    StateDict s;
+    for (auto& [k, t] : load_tensor_dict(e.path())) s.emplace(k, t);
+    ck.plugin_states.emplace(f.substr(std::strlen(kPluginPrefix), f.size() - std::strlen(kPluginPrefix) - 3), s);
+  }
+  return ck;
+}
+
+}  // namespace tk
