@@ -297,15 +297,19 @@ void Trainer::Impl::emit(Event e, Context& ctx) {
     if (!s.events.contains(e)) continue;
     ctx.current_plugin = s.name;
     if (tracing) trace.push_back({s.name, e, ctx.counters.step, ctx.counters.micro_step});
+    auto failure = [&](const std::string& what) {
+      return PluginRuntimeError("plugin '" + s.name + "' failed in event " + to_string(e) + " at step " +
+                                std::to_string(ctx.counters.step) + " (micro-batch " +
+                                std::to_string(ctx.counters.micro_step) + "): " + what);
+    };
     try {
       s.plugin->on_event(e, ctx);
+    } catch (const c10::Error& err) {  // LibTorch's own errors: without the C++ stack trace
+      throw failure(err.what_without_backtrace());
     } catch (const std::exception& err) {
-      throw PluginRuntimeError("plugin '" + s.name + "' failed in event " + to_string(e) + " at step " +
-                               std::to_string(ctx.counters.step) + " (micro-batch " +
-                               std::to_string(ctx.counters.micro_step) + "): " + err.what());
+      throw failure(err.what());
     } catch (...) {
-      throw PluginRuntimeError("plugin '" + s.name + "' failed in event " + to_string(e) + " at step " +
-                               std::to_string(ctx.counters.step) + " with an unknown exception");
+      throw failure("an unknown exception");
     }
   }
   ctx.current_plugin.clear();

@@ -150,6 +150,7 @@ class Ddp final : public tk::Plugin {
     so.numWorkers = static_cast<std::size_t>(world_.size);
     so.waitWorkers = true;
     so.timeout = rdv_timeout_;
+    tk::compat::use_classic_tcpstore(so, 0);
     try {
       store_ = c10::make_intrusive<c10d::TCPStore>(world_.addr, so);
     } catch (const std::exception& err) {

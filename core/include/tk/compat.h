@@ -56,4 +56,13 @@ inline at::ScalarType autocast_dtype(at::DeviceType device) {
 #endif
 }
 
+/// Asks c10d's TCPStore for its classic socket backend: LibTorch 2.4+ defaults to libuv, which
+/// Debian's LibTorch is built without. (Older versions have no such option.)
+template <class StoreOptions>
+auto use_classic_tcpstore(StoreOptions& o, int) -> decltype(o.useLibUV = false, void()) {
+  o.useLibUV = false;
+}
+template <class StoreOptions>
+void use_classic_tcpstore(StoreOptions&, long) {}
+
 }  // namespace tk::compat
