@@ -22,6 +22,12 @@
 #undef CHECK_NOTNULL
 #include <doctest/doctest.h>
 
+/// Two lists of overrides, one after the other.
+inline std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 namespace tkt {
 
 /// A small, fast recipe; tests adjust it with Recipe::apply_override.

@@ -154,10 +154,7 @@ std::vector<OptCase> optimizer_cases() {
   };
 }
 
-std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+
 
 }  // namespace
 

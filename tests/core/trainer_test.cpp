@@ -20,10 +20,7 @@ std::vector<std::string> lines_of(const fs::path& file) {
 
 std::string with_plugins(const std::string& plugins) { return std::string(tkt::kTinyRecipe) + plugins; }
 
-std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+
 
 }  // namespace
 
