@@ -9,6 +9,10 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
+#include <filesystem>
+#include <map>
+
+#include "tk/tensor_io.h"
 
 namespace tk {
 namespace {
@@ -135,6 +139,54 @@ DataSplits tokens(const Options& o, uint64_t run_seed) {
   d.info = {f, c, true, ignore};
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n), y.slice(0, 0, n), ignore);
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n), y.slice(0, n), ignore);
+  return d;
+}
+
+/// A data set prepared anywhere (typically Python's torch.save of a dict of tensors): inputs
+/// [N, ...], targets [N] / [N, T] (class indices) or [N, K] (real values), optional mask [N, T].
+DataSplits tensor_file(const Options& o, uint64_t) {
+  const std::string& path = o.get_string("path");
+  if (path.empty()) o.fail("path", "needs the file written by torch.save({\"inputs\": ..., \"targets\": ...})");
+  if (!std::filesystem::is_regular_file(path)) o.fail("path", "no such file: " + path);
+  std::map<std::string, torch::Tensor> t;
+  for (auto& [k, v] : load_tensor_dict(path)) t.emplace(k, v);
+  auto need = [&](const std::string& key) {
+    auto it = t.find(o.get_string(key));
+    if (it == t.end()) {
+      std::string have;
+      for (const auto& kv : t) have += (have.empty() ? "" : ", ") + kv.first;
+      o.fail(key, "the file has no tensor '" + o.get_string(key) + "'; it has: " + have);
+    }
+    return it->second;
+  };
+  torch::Tensor x = need("inputs"), y = need("targets");
+  if (x.dim() < 2 || x.size(0) != y.size(0))
+    o.fail("inputs", "expected inputs [N, features] or [N, T, features] and targets with the same N, got " +
+                         c10::str(x.sizes()) + " and " + c10::str(y.sizes()));
+  x = x.to(at::kFloat);
+  const bool classes = !at::isFloatingType(y.scalar_type());
+  const int64_t ignore = o.get_int("ignore_index");
+  std::optional<int64_t> ignore_index;
+  if (!o.get_string("mask").empty()) {
+    auto m = t.find(o.get_string("mask"));
+    if (m == t.end()) o.fail("mask", "the file has no tensor '" + o.get_string("mask") + "'");
+    if (!classes || m->second.sizes() != y.sizes())
+      o.fail("mask", "a mask needs class targets of its shape, got mask " + c10::str(m->second.sizes()) +
+                         " and targets " + c10::str(y.sizes()));
+    y = y.masked_fill(m->second == 0, ignore);
+    ignore_index = ignore;
+  }
+  y = classes ? y.to(at::kLong) : (y.dim() == 1 ? y.unsqueeze(1) : y).to(at::kFloat);
+  const int64_t n = x.size(0);
+  const double frac = o.get_float("validation_fraction");
+  if (frac < 0 || frac >= 1) o.fail("validation_fraction", "must be in [0, 1)");
+  const int64_t nv = static_cast<int64_t>(std::floor(frac * static_cast<double>(n)));
+  DataSplits d;
+  const int64_t out = classes ? (y.masked_select(y != ignore).numel() ? y.masked_select(y != ignore).max().item<int64_t>() + 1 : 1)
+                              : y.size(-1);
+  d.info = {x.size(-1), o.get_int("classes") > 0 ? o.get_int("classes") : out, classes, ignore_index};
+  d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n - nv), y.slice(0, 0, n - nv), ignore);
+  if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n - nv), y.slice(0, n - nv), ignore);
   return d;
 }
 
@@ -286,6 +338,16 @@ const std::vector<Component<DataMaker>>& datasets() {
          reg, regression},
         {"synthetic-tokens", "variable-length sequences with per-position classes; padding is ignored", tok,
          tokens},
+        {"tensors", "a dict of tensors saved by torch.save (inputs, targets, optional mask); the last "
+                    "validation_fraction of the examples is held out",
+         {opt_string("path", "", "the file (relative to the working directory)"),
+          opt_string("inputs", "inputs", "key of the inputs [N, features] or [N, T, features]"),
+          opt_string("targets", "targets", "key of the targets: class indices [N] / [N, T], or reals [N, K]"),
+          opt_string("mask", "", "key of a 0/1 mask [N, T] of the targets that count (\"\": none)"),
+          opt_int("classes", 0, "number of classes (0: the largest target + 1)"),
+          opt_int("ignore_index", -100, "target value given to masked-out positions"),
+          opt_float("validation_fraction", 0.0, "fraction of the examples, taken from the end, held out")},
+         tensor_file},
     };
   }();
   return list;

@@ -234,4 +234,42 @@ name = "fake_sync"
                       doctest::Contains("run.max_time: expected a duration like"));
     fs::remove_all(dir);
   }
+
+  TEST_CASE("a tensor file with a mask trains on the counted tokens only") {
+    const fs::path dir = tkt::temp_dir("tensor-file");
+    fs::create_directories(dir);
+    auto x = torch::randn({40, 5, 3});
+    auto y = torch::randint(0, 4, {40, 5});
+    auto mask = torch::rand({40, 5}) > 0.3;
+    tk::save_tensor_dict(dir / "data.pt", {{"x", x}, {"y", y}, {"keep", mask}});
+    const std::string text = R"(
+[model]
+name = "mlp"
+hidden = [8]
+[data]
+name = "tensors"
+inputs = "x"
+targets = "y"
+mask = "keep"
+micro_batch = 8
+[loss]
+name = "cross_entropy"
+reduction = "sum"
+[optimizer]
+name = "sgd"
+[[plugins]]
+name = "grad_accum"
+steps = 2
+normalize = "tokens"
+)";
+    auto r = tkt::recipe({"data.path=\"" + (dir / "data.pt").string() + "\"", "run.steps=3"}, text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    auto all = t.data().train->get(torch::arange(40));
+    CHECK(all.tokens == mask.sum().item<int64_t>());
+    CHECK(t.data().info.output_dim == 4);
+    CHECK(t.fit().steps == 3);
+    auto bad = tkt::recipe({"data.path=\"" + (dir / "data.pt").string() + "\"", "data.mask=\"m\""}, text.c_str());
+    CHECK_THROWS_WITH(tk::Trainer(bad, tkt::quiet()), doctest::Contains("data.mask: the file has no tensor 'm'"));
+    fs::remove_all(dir);
+  }
 }
