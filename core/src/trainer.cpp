@@ -121,6 +121,7 @@ struct Trainer::Impl {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   double max_time_s = 0;
+  bool tracing = false;  // run.trace, read once: emit() is on the per-micro-batch path
   DataSplits data;
   ModelPtr model;
   std::unique_ptr<LossFn> loss;
@@ -174,6 +175,7 @@ void Trainer::Impl::build() {
   if (run.get_int("checkpoint_every") < 0) run.fail("checkpoint_every", "must be >= 0");
   if (run.get_int("checkpoint_keep") < 1) run.fail("checkpoint_keep", "must be >= 1");
   max_time_s = parse_duration(run, "max_time");
+  tracing = run.get_bool("trace");
   if (run.get_int("threads") > 0) at::set_num_threads(static_cast<int>(run.get_int("threads")));
   dtype = run.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
   const std::string& dev = run.get_string("device");
@@ -291,7 +293,6 @@ void Trainer::Impl::prepare() {
 }
 
 void Trainer::Impl::emit(Event e, Context& ctx) {
-  const bool tracing = run.get_bool("trace");
   for (size_t i : order) {
     Slot& s = slots[i];
     if (!s.events.contains(e)) continue;
@@ -649,7 +650,7 @@ FitResult Trainer::fit() {
   }
   progress.finish();
   if (writes_outputs) d.save_weights(outdir / "weights.pt");
-  if (writes_outputs && d.run.get_bool("trace")) {
+  if (writes_outputs && d.tracing) {
     std::string text;
     for (const auto& e : d.trace)
       text += JsonLine().add("plugin", e.plugin).add("event", std::string(to_string(e.event)))
