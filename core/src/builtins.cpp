@@ -1,9 +1,6 @@
 #include "tk/builtins.h"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/nn/modules/batchnorm.h>
-#include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -12,6 +9,7 @@
 #include <filesystem>
 #include <map>
 
+#include "components.h"
 #include "tk/tensor_io.h"
 
 namespace tk {
@@ -26,45 +24,6 @@ uint64_t mix(uint64_t x) {  // splitmix64
 
 at::Generator generator(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
 
-// ---------------------------------------------------------------- models
-
-class Mlp : public Model {
- public:
-  Mlp(int64_t in, const std::vector<int64_t>& hidden, int64_t out, std::string activation, bool batchnorm)
-      : activation_(std::move(activation)) {
-    int64_t width = in;
-    for (int64_t h : hidden) {
-      linears_->push_back(torch::nn::Linear(width, h));
-      if (batchnorm) norms_->push_back(torch::nn::BatchNorm1d(h));
-      width = h;
-    }
-    head_ = register_module("head", torch::nn::Linear(width, out));
-    register_module("layers", linears_);
-    if (batchnorm) register_module("norms", norms_);
-  }
-
-  torch::Tensor forward(const torch::Tensor& input) override {
-    torch::Tensor x = input;
-    for (size_t i = 0; i < linears_->size(); ++i) {
-      x = linears_[i]->as<torch::nn::Linear>()->forward(x);
-      if (!norms_->is_empty()) x = norms_[i]->as<torch::nn::BatchNorm1d>()->forward(x);
-      x = activate(x);
-    }
-    return head_->forward(x);
-  }
-
- private:
-  torch::Tensor activate(const torch::Tensor& x) const {
-    if (activation_ == "relu") return at::relu(x);
-    if (activation_ == "gelu") return at::gelu(x);
-    return at::tanh(x);
-  }
-  std::string activation_;
-  torch::nn::ModuleList linears_;
-  torch::nn::ModuleList norms_;
-  torch::nn::Linear head_{nullptr};
-};
-
 // ---------------------------------------------------------------- data
 
 OptionSpecs synthetic_common() {
@@ -73,6 +32,17 @@ OptionSpecs synthetic_common() {
           opt_int("features", 32, "input features per example (per position for tokens)"),
           opt_float("noise", 0.1, "label / target noise"),
           opt_int("seed", -1, "seed of the data set itself (-1: the run's seed)")};
+}
+
+/// What a data set of real-valued feature vectors tells its model and loss.
+DataInfo feature_info(int64_t in, int64_t out, bool classification, std::optional<int64_t> ignore = std::nullopt) {
+  DataInfo i;
+  i.input_dim = in;
+  i.output_dim = out;
+  i.classification = classification;
+  i.ignore_index = ignore;
+  i.input_shape = {in};
+  return i;
 }
 
 uint64_t data_seed(const Options& o, uint64_t run_seed) {
@@ -97,7 +67,7 @@ DataSplits classification(const Options& o, uint64_t run_seed) {
   auto logits = at::tanh(x.matmul(teacher1)).matmul(teacher2) + o.get_float("noise") * at::randn({n + nv, c}, gen);
   auto y = logits.argmax(1);
   DataSplits d;
-  d.info = {f, c, true, std::nullopt};
+  d.info = feature_info(f, c, true);
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n), y.slice(0, 0, n));
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n), y.slice(0, n));
   return d;
@@ -113,7 +83,7 @@ DataSplits regression(const Options& o, uint64_t run_seed) {
   auto x = at::randn({n + nv, f}, gen);
   auto y = at::tanh(x.matmul(w1)).matmul(w2) + o.get_float("noise") * at::randn({n + nv, k}, gen);
   DataSplits d;
-  d.info = {f, k, false, std::nullopt};
+  d.info = feature_info(f, k, false);
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n), y.slice(0, 0, n));
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n), y.slice(0, n));
   return d;
@@ -136,7 +106,8 @@ DataSplits tokens(const Options& o, uint64_t run_seed) {
   x = x.masked_fill(pad.unsqueeze(2), 0.0);
   y = y.masked_fill(pad, ignore);
   DataSplits d;
-  d.info = {f, c, true, ignore};
+  d.info = feature_info(f, c, true, ignore);
+  d.info.input_shape = {t, f};
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n), y.slice(0, 0, n), ignore);
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n), y.slice(0, n), ignore);
   return d;
@@ -161,7 +132,7 @@ DataSplits tensor_file(const Options& o, uint64_t) {
   };
   torch::Tensor x = need("inputs"), y = need("targets");
   if (x.dim() < 2 || x.size(0) != y.size(0))
-    o.fail("inputs", "expected inputs [N, features] or [N, T, features] and targets with the same N, got " +
+    o.fail("inputs", "expected inputs [N, features], [N, T, features] or images [N, C, H, W] and targets with the same N, got " +
                          c10::str(x.sizes()) + " and " + c10::str(y.sizes()));
   x = x.to(at::kFloat);
   const bool classes = !at::isFloatingType(y.scalar_type());
@@ -184,7 +155,8 @@ DataSplits tensor_file(const Options& o, uint64_t) {
   DataSplits d;
   const int64_t out = classes ? (y.masked_select(y != ignore).numel() ? y.masked_select(y != ignore).max().item<int64_t>() + 1 : 1)
                               : y.size(-1);
-  d.info = {x.size(-1), o.get_int("classes") > 0 ? o.get_int("classes") : out, classes, ignore_index};
+  d.info = feature_info(x.size(-1), o.get_int("classes") > 0 ? o.get_int("classes") : out, classes, ignore_index);
+  d.info.input_shape = x.sizes().slice(1).vec();
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n - nv), y.slice(0, 0, n - nv), ignore);
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n - nv), y.slice(0, n - nv), ignore);
   return d;
@@ -268,6 +240,15 @@ OptionSpecs adam_specs(double weight_decay) {
 
 }  // namespace
 
+std::string DataInfo::describe() const {
+  std::string shape = "[";
+  for (size_t i = 0; i < input_shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(input_shape[i]);
+  shape += "]";
+  if (vocab > 0) return "token ids " + shape + " from a vocabulary of " + std::to_string(vocab);
+  if (input_shape.size() == 3) return "images " + shape;
+  return "features [" + std::to_string(input_dim) + "]";
+}
+
 bool has_batchnorm(torch::nn::Module& m) {
   for (const auto& sub : m.modules(/*include_self=*/true)) {
     const std::string n = sub->name();
@@ -307,15 +288,15 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
 const std::vector<Component<ModelMaker>>& models() {
   static const std::vector<Component<ModelMaker>> list = {
       {"mlp", "multi-layer perceptron; acts on the last dimension (so also per sequence position)",
-       {opt_ints("hidden", {64, 64}, "widths of the hidden layers"),
-        opt_string("activation", "relu", "activation between layers", {"relu", "gelu", "tanh"}),
-        opt_bool("batchnorm", false, "BatchNorm1d after each hidden layer (statistics are per micro-batch)")},
-       [](const Options& o, const DataInfo& d) -> ModelPtr {
-         for (int64_t h : o.get_ints("hidden"))
-           if (h < 1) o.fail("hidden", "widths must be >= 1, got " + std::to_string(h));
-         return std::make_shared<Mlp>(d.input_dim, o.get_ints("hidden"), d.output_dim,
-                                      o.get_string("activation"), o.get_bool("batchnorm"));
-       }},
+       detail::mlp_specs(), detail::make_mlp},
+      {"cnn", "convolutional classifier for images [C, H, W]: conv -> ReLU -> max-pool stages, one hidden layer",
+       detail::cnn_specs(), detail::make_cnn},
+      {"gpt", "decoder-only Transformer language model (token + position embeddings, causal self-attention, "
+              "LayerNorm, GELU MLP, tied or untied head)",
+       detail::gpt_specs(), detail::make_gpt},
+      {"torchscript", "a module exported from Python with torch.jit.script/trace and torch.jit.save; its "
+                      "parameters are trained and saved under their Python names (shorthand: [model] torchscript = \"file.pt\")",
+       detail::torchscript_specs(), detail::make_torchscript},
   };
   return list;
 }
@@ -348,6 +329,11 @@ const std::vector<Component<DataMaker>>& datasets() {
           opt_int("ignore_index", -100, "target value given to masked-out positions"),
           opt_float("validation_fraction", 0.0, "fraction of the examples, taken from the end, held out")},
          tensor_file},
+        {"fashion-mnist", "Fashion-MNIST from Debian's dataset-fashion-mnist package: 60000 training images "
+                          "[1, 28, 28] in 10 classes; the 10000 test images validate",
+         detail::fashion_mnist_specs(), detail::make_fashion_mnist},
+        {"text", "byte- or character-level language modelling on a text file: predict each next token",
+         detail::text_specs(), detail::make_text},
     };
   }();
   return list;

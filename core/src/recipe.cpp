@@ -297,6 +297,11 @@ std::string Recipe::component(const std::string& section, const std::string& fal
   return *s;
 }
 
+bool Recipe::sets(const std::string& section, const std::string& key) const {
+  const toml::table* t = impl_->section(section);
+  return t && t->get(key) != nullptr;
+}
+
 Options Recipe::options(const std::string& section, const OptionSpecs& specs, bool named) const {
   std::vector<std::string> skip;
   if (named) skip.push_back("name");

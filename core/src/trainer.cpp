@@ -66,6 +66,13 @@ const Component<Fn>& pick(const Recipe& r, const std::string& section, const std
   return *find_component(list, r.component(section, fallback, component_names(list)));
 }
 
+/// A loss or perplexity for people: 4 significant digits.
+std::string fmt_loss(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return buf;
+}
+
 /// Peak resident memory of this process so far, in MiB.
 double peak_rss_mib() {
   struct rusage ru {};
@@ -193,7 +200,8 @@ void Trainer::Impl::build() {
   if (data_opts.get_int("micro_batch") < 1) data_opts.fail("micro_batch", "must be >= 1");
   data = dc.make(data_opts, seed);
 
-  const auto& mc = pick(recipe, "model", "", models());
+  // `[model] torchscript = "file.pt"` needs no name.
+  const auto& mc = pick(recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "", models());
   model_name = mc.name;
   model_opts = recipe.options("model", mc.specs, true);
   torch::manual_seed(seed);
@@ -401,6 +409,9 @@ std::string Trainer::describe() {
       << d.device.str() << ")\n"
       << "data          " << d.data_name << ": " << d.data.train->size() << " training examples";
   if (d.data.validation) out << ", " << d.data.validation->size() << " validation";
+  out << "; " << d.data.info.describe();
+  if (!d.data.info.baseline_name.empty())
+    out << "; " << d.data.info.baseline_name << " baseline loss " << fmt_loss(d.data.info.baseline_loss);
   out << "\n"
       << "loss          " << d.loss_name << " (reduction " << p.loss_reduction << ")\n"
       << "optimizer     " << d.opt_name << " (lr " << to_toml(d.base_lr) << ")\n"
@@ -526,9 +537,15 @@ FitResult Trainer::fit() {
     auto [vloss, acc] = d.validate(ctx);
     result.validation_losses.push_back(vloss);
     line.add("validation_loss", vloss);
-    std::string note = "validation  step " + std::to_string(ctx.counters.step) + "  loss " + std::to_string(vloss);
-    if (!std::isnan(acc)) {
-      line.add("validation_accuracy", acc);
+    std::string note = "validation  step " + std::to_string(ctx.counters.step) + "  loss " + fmt_loss(vloss);
+    if (!std::isnan(acc)) line.add("validation_accuracy", acc);
+    if (d.data.info.next_token) {
+      const double ppl = std::exp(vloss);
+      line.add("validation_perplexity", ppl);
+      note += "  perplexity " + fmt_loss(ppl);
+      if (!d.data.info.baseline_name.empty())
+        note += "  (" + d.data.info.baseline_name + " baseline loss " + fmt_loss(d.data.info.baseline_loss) + ")";
+    } else if (!std::isnan(acc)) {
       note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
     }
     progress.note(note);

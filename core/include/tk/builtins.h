@@ -22,6 +22,14 @@ struct DataInfo {
   int64_t output_dim = 0;  ///< classes, or regression targets
   bool classification = true;
   std::optional<int64_t> ignore_index;  ///< target value of items that do not count, if any
+  std::vector<int64_t> input_shape;     ///< shape of one example's input (images: {C, H, W}; text: {T})
+  int64_t vocab = 0;        ///< > 0 when inputs are token ids in [0, vocab)
+  bool next_token = false;  ///< targets are the inputs shifted by one (language modelling): perplexity applies
+  std::string baseline_name;  ///< a reference the validation loss is shown against ("unigram"), if any
+  double baseline_loss = 0.0; ///< that reference's validation loss
+
+  /// "image [1, 28, 28]", "tokens [128] of 256", "features [32]": for error messages.
+  std::string describe() const;
 };
 
 /// An in-memory data set indexed by example.

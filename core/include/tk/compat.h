@@ -1,6 +1,9 @@
 #pragma once
 /// Differences between LibTorch versions live here and only here.
+#include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <cmath>
+#include <limits>
 #include <torch/version.h>
 
 #define TK_TORCH_AT_LEAST(major, minor) \
@@ -53,6 +56,21 @@ inline at::ScalarType autocast_dtype(at::DeviceType device) {
   return at::autocast::get_autocast_dtype(device);
 #else
   return device == at::kCUDA ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+
+/// Causal (masked) scaled dot-product attention over q, k, v [B, H, T, D]. LibTorch 2.0+ has a
+/// fused kernel (flash / memory-efficient on CUDA); 1.x gets the same arithmetic written out.
+inline at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout) {
+#if TK_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, {}, dropout, /*is_causal=*/true);
+#else
+  const int64_t t = q.size(-2);
+  auto scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  auto future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
+  auto weights = at::softmax(scores.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+  if (dropout > 0.0) weights = at::dropout(weights, dropout, /*train=*/true);
+  return at::matmul(weights, v);
 #endif
 }
 

@@ -38,6 +38,9 @@ class Recipe {
   std::string component(const std::string& section, const std::string& fallback,
                         const std::vector<std::string>& known) const;
 
+  /// Whether `section` sets `key` (in the file or by an override).
+  bool sets(const std::string& section, const std::string& key) const;
+
   /// The values of `section` checked against `specs` (plus `name` when `named`); unknown keys and
   /// wrong types are refused with the list of valid keys. Records the result for resolved().
   Options options(const std::string& section, const OptionSpecs& specs, bool named = false) const;
