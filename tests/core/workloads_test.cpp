@@ -1,0 +1,345 @@
+// Real workloads: Fashion-MNIST's IDX files, text for language modelling, the CNN, the GPT and
+// TorchScript models.
+#include <tk/builtins.h>
+#include <zlib.h>
+
+#include <fstream>
+
+#include "support.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+template <class Fn>
+const tk::Component<Fn>& component(const std::vector<tk::Component<Fn>>& list, const std::string& name) {
+  auto c = tk::find_component(list, name);
+  REQUIRE(c != nullptr);
+  return *c;
+}
+
+tk::DataSplits make_data(const std::string& name, const std::string& options) {
+  const auto& c = component(tk::datasets(), name);
+  return c.make(tk::parse_options(options, c.specs, "data"), 1);
+}
+
+tk::ModelPtr make_model(const std::string& name, const std::string& options, const tk::DataInfo& info) {
+  const auto& c = component(tk::models(), name);
+  return c.make(tk::parse_options(options, c.specs, "model"), info);
+}
+
+std::string toml_string(const fs::path& p) { return "\"" + p.string() + "\""; }
+
+void write_file(const fs::path& file, const std::string& bytes, bool gzip) {
+  if (gzip) {
+    gzFile f = gzopen(file.c_str(), "wb");
+    REQUIRE(f != nullptr);
+    REQUIRE(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) == static_cast<int>(bytes.size()));
+    gzclose(f);
+  } else {
+    std::ofstream(file, std::ios::binary) << bytes;
+  }
+}
+
+/// An IDX file of unsigned bytes: magic 00 00 08 <rank>, big-endian dimensions, the data.
+std::string idx(const std::vector<int>& dims, const std::vector<uint8_t>& data) {
+  std::string s{'\0', '\0', '\x08', static_cast<char>(dims.size())};
+  for (int d : dims)
+    for (int shift : {24, 16, 8, 0}) s.push_back(static_cast<char>((d >> shift) & 0xff));
+  s.append(data.begin(), data.end());
+  return s;
+}
+
+/// A Fashion-MNIST folder of `n` training and `nv` test images of 4 x 4 pixels; pixel (0, 0) of
+/// image i is i and its label i % 10. Images gzip-compressed, labels not.
+fs::path fake_fashion(const std::string& name, int n, int nv) {
+  const fs::path dir = tkt::temp_dir(name);
+  fs::create_directories(dir);
+  for (auto [prefix, count] : {std::pair<std::string, int>{"train", n}, {"t10k", nv}}) {
+    std::vector<uint8_t> pixels(static_cast<size_t>(count) * 16, 255), labels;
+    for (int i = 0; i < count; ++i) {
+      pixels[static_cast<size_t>(i) * 16] = static_cast<uint8_t>(i);
+      labels.push_back(static_cast<uint8_t>(i % 10));
+    }
+    write_file(dir / (prefix + "-images-idx3-ubyte.gz"), idx({count, 4, 4}, pixels), true);
+    write_file(dir / (prefix + "-labels-idx1-ubyte"), idx({count}, labels), false);
+  }
+  return dir;
+}
+
+const char* kGptRecipe = R"(
+[run]
+seed = 5
+steps = 3
+dtype = "float64"
+
+[model]
+name = "gpt"
+layers = 2
+width = 16
+heads = 2
+
+[data]
+name = "text"
+seq_len = 12
+document_separator = "\n%\n"
+validation_fraction = 0.0
+
+[loss]
+name = "cross_entropy"
+
+[optimizer]
+name = "adamw"
+lr = 0.01
+)";
+
+/// A corpus of documents of very different lengths (1 to 40 bytes), so batches carry padding.
+fs::path fake_corpus(const std::string& name) {
+  const fs::path dir = tkt::temp_dir(name);
+  fs::create_directories(dir);
+  std::string text;
+  for (int i = 0; i < 60; ++i) {
+    if (i) text += "\n%\n";
+    for (int j = 0; j <= (i * 7) % 40; ++j) text.push_back(static_cast<char>('a' + (i * j + j) % 26));
+  }
+  std::ofstream(dir / "corpus.txt", std::ios::binary) << text;
+  return dir;
+}
+
+}  // namespace
+
+TEST_SUITE("workloads") {
+  TEST_CASE("Fashion-MNIST IDX files are read gzip-compressed or not, scaled, and the test set validates") {
+    const fs::path dir = fake_fashion("idx", 30, 12);
+    auto d = make_data("fashion-mnist", "dir = " + toml_string(dir) + "\nnormalize = false");
+    REQUIRE(d.train->size() == 30);
+    REQUIRE(d.validation);
+    CHECK(d.validation->size() == 12);
+    CHECK(d.info.input_shape == std::vector<int64_t>{1, 4, 4});
+    CHECK(d.info.output_dim == 10);
+    auto b = d.train->get(torch::tensor({0, 7, 29}, torch::kLong));
+    CHECK(b.input.sizes() == torch::IntArrayRef{3, 1, 4, 4});
+    CHECK(b.input[1][0][0][0].item<double>() == doctest::Approx(7.0 / 255.0));
+    CHECK(b.input[1][0][3][3].item<double>() == doctest::Approx(1.0));
+    CHECK(torch::equal(b.target, torch::tensor({0, 7, 9}, torch::kLong)));
+    CHECK(b.tokens == 3);
+
+    auto n = make_data("fashion-mnist", "dir = " + toml_string(dir) + "\ntrain_samples = 10\nvalidation_samples = 0");
+    CHECK(n.train->size() == 10);
+    CHECK_FALSE(n.validation);
+    auto scaled = n.train->get(torch::tensor({0}, torch::kLong)).input;
+    CHECK(scaled[0][0][3][3].item<double>() == doctest::Approx((1.0 - 0.2860) / 0.3530));
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("Fashion-MNIST problems are named: missing package, wrong file, truncated data, label count") {
+    CHECK_THROWS_WITH(make_data("fashion-mnist", "dir = \"/nonexistent/fmnist\""),
+                      doctest::Contains("no train-images-idx3-ubyte or train-images-idx3-ubyte.gz in "
+                                        "/nonexistent/fmnist; Debian's dataset-fashion-mnist package"));
+    const fs::path dir = fake_fashion("idx-bad", 5, 5);
+    const fs::path images = dir / "train-images-idx3-ubyte.gz";
+    write_file(images, "not an idx file", true);
+    CHECK_THROWS_WITH(make_data("fashion-mnist", "dir = " + toml_string(dir)),
+                      doctest::Contains((images.string() + ": not an IDX file").c_str()));
+    write_file(images, idx({5, 4, 4}, std::vector<uint8_t>(70, 1)), true);
+    CHECK_THROWS_WITH(make_data("fashion-mnist", "dir = " + toml_string(dir)),
+                      doctest::Contains("truncated: the header promises 80 bytes of data, found 70"));
+    write_file(images, idx({6, 4, 4}, std::vector<uint8_t>(96, 1)), true);
+    CHECK_THROWS_WITH(make_data("fashion-mnist", "dir = " + toml_string(dir)),
+                      doctest::Contains("train-labels-idx1-ubyte: expected 6 labels (one per image"));
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("the Fashion-MNIST Debian ships has 60000 balanced training images and 10000 test images") {
+    const fs::path dir = "/usr/share/datasets/fashion-mnist";
+    if (!fs::exists(dir)) {
+      MESSAGE("skipped: " << dir << " is missing (package dataset-fashion-mnist; tools/setup.sh installs it)");
+      return;
+    }
+    auto d = make_data("fashion-mnist", "");
+    REQUIRE(d.train->size() == 60000);
+    REQUIRE(d.validation->size() == 10000);
+    auto all = d.train->get(torch::arange(60000));
+    CHECK(torch::equal(torch::bincount(all.target), torch::full({10}, 6000, torch::kLong)));
+    CHECK(all.input.mean().item<double>() == doctest::Approx(0.0).epsilon(0.01));
+    CHECK(all.input.std().item<double>() == doctest::Approx(1.0).epsilon(0.01));
+  }
+
+  TEST_CASE("text is cut into next-token examples; documents start their own and are padded") {
+    const fs::path dir = tkt::temp_dir("text");
+    fs::create_directories(dir);
+    std::ofstream(dir / "a.txt", std::ios::binary) << "abcdefghij";
+    auto d = make_data("text", "path = " + toml_string(dir / "a.txt") + "\nseq_len = 4\nvalidation_fraction = 0.0");
+    REQUIRE(d.train->size() == 3);
+    CHECK_FALSE(d.validation);
+    CHECK(d.info.vocab == 256);
+    CHECK(d.info.next_token);
+    auto b = d.train->get(torch::arange(3));
+    auto ids = [](const std::string& s, int pad) {
+      std::vector<int64_t> v(s.begin(), s.end());
+      v.resize(4, pad);
+      return torch::tensor(v, torch::kLong);
+    };
+    CHECK(torch::equal(b.input, torch::stack({ids("abcd", 0), ids("efgh", 0), ids("i", 0)})));
+    CHECK(torch::equal(b.target, torch::stack({ids("bcde", -100), ids("fghi", -100), ids("j", -100)})));
+    CHECK(b.tokens == 9);
+
+    std::ofstream(dir / "docs.txt", std::ios::binary) << "ab\n%\ncdef\n%\ng\n%\nxyz\n%\nuvw";
+    auto docs = make_data("text", "path = " + toml_string(dir / "docs.txt") +
+                                      "\nseq_len = 4\ndocument_separator = \"\\n%\\n\"\nvalidation_fraction = 0.4");
+    REQUIRE(docs.train->size() == 2);  // "ab", "cdef"; "g" has no next token
+    REQUIRE(docs.validation->size() == 2);  // "xyz", "uvw"
+    auto t = docs.train->get(torch::arange(2));
+    CHECK(torch::equal(t.input, torch::stack({ids("a", 0), ids("cde", 0)})));
+    CHECK(torch::equal(t.target, torch::stack({ids("b", -100), ids("def", -100)})));
+    CHECK(t.tokens == 4);
+    // Unigram baseline: train targets b, d, e, f; validation targets y, z, v, w, all unseen:
+    // add-one smoothing gives each 1 / (4 + 256).
+    CHECK(docs.info.baseline_loss == doctest::Approx(std::log(260.0)).epsilon(1e-12));
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("character-level text numbers UTF-8 characters; invalid UTF-8 is refused at its byte") {
+    const fs::path dir = tkt::temp_dir("chars");
+    fs::create_directories(dir);
+    std::ofstream(dir / "u.txt", std::ios::binary) << "h\xc3\xa9llo \xe2\x82\xac";  // "héllo €"
+    auto d = make_data("text", "path = " + toml_string(dir / "u.txt") + "\nlevel = \"char\"\nseq_len = 8\n"
+                                                                       "validation_fraction = 0.0");
+    CHECK(d.info.vocab == 6);  // ' ' h l o é €, numbered in code-point order
+    auto b = d.train->get(torch::arange(1));
+    CHECK(torch::equal(b.input[0].slice(0, 0, 6), torch::tensor({1, 4, 2, 2, 3, 0}, torch::kLong)));
+    CHECK(b.target[0][5].item<int64_t>() == 5);
+    std::ofstream(dir / "bad.txt", std::ios::binary) << "ab\xff" "cd";
+    CHECK_THROWS_WITH(make_data("text", "path = " + toml_string(dir / "bad.txt") + "\nlevel = \"char\""),
+                      doctest::Contains("bad.txt: not valid UTF-8 at byte 2 (use data.level = \"byte\")"));
+    CHECK_THROWS_WITH(make_data("text", "path = \"/nonexistent.txt\""), doctest::Contains("no such file: /nonexistent.txt"));
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("the GPT is causal, sized by its options, and ties its head on request") {
+    tk::DataInfo info;
+    info.vocab = info.input_dim = info.output_dim = 11;
+    info.input_shape = {8};
+    info.next_token = true;
+    torch::manual_seed(0);
+    auto tied = make_model("gpt", "layers = 2\nwidth = 16\nheads = 4", info);
+    auto untied = make_model("gpt", "layers = 2\nwidth = 16\nheads = 4\ntied_head = false", info);
+    auto count = [](tk::Model& m) {
+      int64_t n = 0;
+      for (const auto& p : m.parameters()) n += p.numel();
+      return n;
+    };
+    // Embeddings 11*16 + 8*16; per block: 2 LayerNorms 4*16, qkv 16*48+48, proj 16*16+16,
+    // fc 16*64+64, proj 64*16+16; final LayerNorm 2*16; untied head 16*11.
+    const int64_t block = 4 * 16 + 16 * 48 + 48 + 16 * 16 + 16 + 16 * 64 + 64 + 64 * 16 + 16;
+    CHECK(count(*tied) == 11 * 16 + 8 * 16 + 2 * block + 2 * 16);
+    CHECK(count(*untied) == count(*tied) + 16 * 11);
+    CHECK(tied->named_parameters().find("head.weight") == nullptr);
+    CHECK(untied->named_parameters().find("head.weight") != nullptr);
+    CHECK(tied->named_parameters().find("blocks.1.attn.qkv.weight") != nullptr);
+
+    tied->eval();
+    auto x = torch::randint(0, 11, {2, 8}, torch::kLong);
+    auto y = tied->forward(x);
+    CHECK(y.sizes() == torch::IntArrayRef{2, 8, 11});
+    auto x2 = x.clone();
+    x2.index_put_({torch::indexing::Slice(), 5}, (x.select(1, 5) + 1) % 11);
+    auto y2 = tied->forward(x2);
+    CHECK(torch::allclose(y.slice(1, 0, 5), y2.slice(1, 0, 5), 1e-6, 1e-6));  // the past does not see the future
+    CHECK_FALSE(torch::allclose(y.slice(1, 5), y2.slice(1, 5), 1e-6, 1e-6));
+
+    CHECK_THROWS_WITH(make_model("gpt", "width = 18\nheads = 4", info),
+                      doctest::Contains("width 18 is not divisible by 4 heads"));
+    CHECK_THROWS_WITH(make_model("gpt", "context = 4", info),
+                      doctest::Contains("shorter than the data's sequences of 8"));
+    CHECK_THROWS_WITH(tied->forward(torch::zeros({1, 9}, torch::kLong)),
+                      doctest::Contains("sequences of 9 positions exceed its context of 8"));
+    CHECK_THROWS_WITH(make_model("mlp", "", info), doctest::Contains("model 'mlp' takes real-valued inputs"));
+    tk::DataInfo features;
+    features.input_dim = 5;
+    features.output_dim = 3;
+    features.input_shape = {5};
+    CHECK_THROWS_WITH(make_model("gpt", "", features),
+                      doctest::Contains("model 'gpt' needs token-id sequences (e.g. data 'text'), but the data "
+                                        "gives features [5]"));
+    CHECK_THROWS_WITH(make_model("cnn", "", features),
+                      doctest::Contains("model 'cnn' needs image inputs [channels, height, width]"));
+  }
+
+  TEST_CASE("the CNN maps images to class scores") {
+    tk::DataInfo info;
+    info.input_dim = 28 * 28;
+    info.output_dim = 10;
+    info.input_shape = {1, 28, 28};
+    auto m = make_model("cnn", "channels = [4, 8]\nhidden = 16\nbatchnorm = true", info);
+    CHECK(m->forward(torch::randn({3, 1, 28, 28})).sizes() == torch::IntArrayRef{3, 10});
+    CHECK(tk::has_batchnorm(*m));
+    CHECK_THROWS_WITH(make_model("cnn", "channels = [4, 4, 4, 4, 4, 4]", info),
+                      doctest::Contains("6 stages halve a 28x28 image to nothing"));
+    CHECK_THROWS_WITH(make_model("cnn", "kernel = 4", info), doctest::Contains("must be odd"));
+  }
+
+  TEST_CASE("GPT on padded documents: 4 x 2 accumulated by tokens is the step of one batch of 8") {
+    const fs::path dir = fake_corpus("gpt-accum");
+    const std::string path = "data.path=\"" + (dir / "corpus.txt").string() + "\"";
+    const std::string accum = std::string(kGptRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\n";
+    auto run = [&](const std::string& text, const std::vector<std::string>& sets) {
+      auto r = tkt::recipe(std::vector<std::string>{path} + sets, text.c_str());
+      tk::Trainer t(r, tkt::quiet());
+      auto res = t.fit();
+      return std::make_pair(tkt::flat_params(t.model()), res.window_losses);
+    };
+    auto [big, big_losses] = run(kGptRecipe, {"data.micro_batch=8"});
+    auto [acc, acc_losses] = run(accum, {"data.micro_batch=2", "loss.reduction=\"sum\"",
+                                         "plugins.grad_accum.normalize=\"tokens\""});
+    CHECK(tkt::rel_diff(acc, big) < 1e-10);
+    REQUIRE(acc_losses.size() == 3);
+    for (size_t i = 0; i < 3; ++i) CHECK(acc_losses[i] == doctest::Approx(big_losses[i]).epsilon(1e-10));
+    // The mean of per-micro-batch means weighs the padded micro-batches wrongly: visibly different.
+    auto [means, means_losses] = run(accum, {"data.micro_batch=2"});
+    CHECK(tkt::rel_diff(means, big) > 1e-4);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("a language model's validation reports perplexity, and its data its unigram baseline") {
+    const fs::path dir = fake_corpus("gpt-ppl");
+    const fs::path out = dir / "run";
+    auto r = tkt::recipe({"data.path=\"" + (dir / "corpus.txt").string() + "\"", "data.validation_fraction=0.25",
+                          "run.output=\"" + out.string() + "\"", "run.validate_every=2", "run.steps=4"},
+                         kGptRecipe);
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer t(r, opts);
+    CHECK(t.describe().find("unigram baseline loss") != std::string::npos);
+    t.fit();
+    auto loss = tkt::metric(out / "metrics.jsonl", "validation_loss");
+    auto ppl = tkt::metric(out / "metrics.jsonl", "validation_perplexity");
+    REQUIRE(ppl.size() == 4);
+    CHECK(std::isnan(ppl[0]));
+    CHECK(ppl[1] == doctest::Approx(std::exp(loss[1])).epsilon(1e-9));
+    CHECK(ppl[3] == doctest::Approx(std::exp(loss[3])).epsilon(1e-9));
+    CHECK(ppl[3] < ppl[1]);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("a TorchScript model file that is missing or not TorchScript is refused, naming it") {
+    const fs::path dir = tkt::temp_dir("torchscript");
+    fs::create_directories(dir);
+    std::ofstream(dir / "junk.pt") << "junk";
+    const char* text = R"(
+[model]
+torchscript = "set below"
+[data]
+name = "synthetic-classification"
+[optimizer]
+name = "sgd"
+)";
+    for (auto [file, expect] : {std::pair<std::string, std::string>{(dir / "none.pt").string(), "no such file"},
+                                {(dir / "junk.pt").string(), "junk.pt is not a TorchScript module this LibTorch"}}) {
+      auto r = tkt::recipe({"model.torchscript=\"" + file + "\""}, text);
+      CHECK_THROWS_WITH(tk::Trainer(r, tkt::quiet()), doctest::Contains("model.torchscript: "));
+      CHECK_THROWS_WITH(tk::Trainer(r, tkt::quiet()), doctest::Contains(expect.c_str()));
+    }
+    fs::remove_all(dir);
+  }
+}
