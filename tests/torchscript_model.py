@@ -1,0 +1,69 @@
+"""A TorchScript model trained by tk-run, checked against the same training in Python.
+
+usage: python3 torchscript_model.py make DIR    writes DIR/model.pt (torch.jit.script) and DIR/data.pt
+       python3 torchscript_model.py check RUN   RUN = DIR/run, the tk-run output folder
+
+`check` loads RUN/weights.pt, requires exactly the module's parameter and buffer names, and
+replays the recipe (tests/fixtures/torchscript.toml: SGD with momentum, batches of 16 in file
+order made of 2 micro-batches of 8) with torch.optim on the scripted module: the parameters
+must agree to float32 precision.
+"""
+import pathlib
+import sys
+
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, 3)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)) * self.scale)
+
+
+def make(out: pathlib.Path):
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    torch.jit.save(torch.jit.script(Net()), str(out / "model.pt"))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 6, generator=g)
+    y = (x @ torch.randn(6, 3, generator=g)).argmax(1)
+    torch.save({"inputs": x, "targets": y}, out / "data.pt")
+    print(f"wrote {out}/model.pt and {out}/data.pt")
+
+
+def check(run: pathlib.Path):
+    folder = run.parent
+    try:
+        weights = torch.load(run / "weights.pt", weights_only=True)
+    except TypeError:
+        weights = torch.load(run / "weights.pt")
+    model = torch.jit.load(str(folder / "model.pt"))
+    expected = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    assert sorted(weights) == sorted(expected), f"names {sorted(weights)} != module's {sorted(expected)}"
+
+    data = torch.load(folder / "data.pt")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _epoch in range(3):
+        for start in range(0, 96, 16):
+            opt.zero_grad()
+            out = model(data["inputs"][start:start + 16])
+            torch.nn.functional.cross_entropy(out, data["targets"][start:start + 16]).backward()
+            opt.step()
+    worst = 0.0
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        worst = max(worst, (weights[name] - p.detach()).abs().max().item())
+    initial = dict(torch.jit.load(str(folder / "model.pt")).named_parameters())
+    moved = max((weights[n] - p.detach()).abs().max().item() for n, p in initial.items())
+    assert moved > 1e-2, f"tk-run barely changed the parameters (max change {moved})"
+    assert worst < 1e-5, f"tk-run's parameters differ from torch.optim's by up to {worst}"
+    print(f"python check: {len(weights)} tensors named as in the module; max |tk - torch.optim| = {worst:.2e} "
+          f"after training moved them by up to {moved:.3f}")
+
+
+if __name__ == "__main__":
+    {"make": make, "check": check}[sys.argv[1]](pathlib.Path(sys.argv[2]))
