@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Installs what is needed, builds, and trains a recipe (default: recipes/quickstart.toml).
+# Installs what is needed, builds, and trains a recipe (default: recipes/fashion-mnist.toml).
 #   bash tools/run.sh [recipe.toml] [tk-run options...]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 bash "$root/tools/build.sh"
-[ $# -gt 0 ] || set -- "$root/recipes/quickstart.toml"
+[ $# -gt 0 ] || set -- "$root/recipes/fashion-mnist.toml"
 exec "$build/bin/tk-run" "$@"

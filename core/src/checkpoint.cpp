@@ -1,6 +1,8 @@
 #include "tk/checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -27,14 +29,27 @@ std::string step_name(int64_t step) {
   return buf;
 }
 
+/// The process's random generators by checkpoint key: the CPU's, and each visible GPU's (dropout
+/// and other random ops on CUDA draw from those).
+std::vector<std::pair<std::string, at::Generator>> generators() {
+  std::vector<std::pair<std::string, at::Generator>> out{{"cpu_rng", at::detail::getDefaultCPUGenerator()}};
+  const int gpus = at::hasCUDA() ? static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()) : 0;
+  for (int i = 0; i < gpus; ++i)
+    out.emplace_back("cuda_rng_" + std::to_string(i), at::globalContext().defaultGenerator(at::Device(at::kCUDA, i)));
+  return out;
+}
+
 NamedTensors position_tensors(const TrainingPosition& p) {
   const Counters& c = p.counters;
   auto t = torch::tensor({c.step, c.micro_step, c.epoch, c.batch_in_epoch, c.samples_seen, c.tokens_seen,
                           c.skipped_steps, c.schedule_step, c.total_steps, p.next_epoch, p.next_batch},
                          torch::kLong);
-  at::Generator rng = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(rng.mutex());
-  return {{"position", t}, {"cpu_rng", rng.get_state()}};
+  NamedTensors out{{"position", t}};
+  for (auto& [name, rng] : generators()) {
+    std::lock_guard<std::mutex> lock(rng.mutex());
+    out.emplace_back(name, rng.get_state());
+  }
+  return out;
 }
 
 TrainingPosition position_from(const torch::Tensor& t) {
@@ -135,10 +150,14 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
   ck.position = position_from(trainer.at("position"));
-  at::Generator rng = at::detail::getDefaultCPUGenerator();  // a handle to the process's generator
-  {
+  for (auto& [name, rng] : generators()) {  // handles to the process's generators
+    auto it = trainer.find(name);
+    if (it == trainer.end()) {
+      if (name == "cpu_rng") throw Error(dir.string() + ": trainer.pt has no cpu_rng");
+      continue;  // a GPU the saving process did not have
+    }
     std::lock_guard<std::mutex> lock(rng.mutex());
-    rng.set_state(trainer.at("cpu_rng"));
+    rng.set_state(it->second);
   }
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string f = e.path().filename().string();

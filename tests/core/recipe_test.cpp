@@ -74,7 +74,7 @@ TEST_SUITE("recipe") {
           std::string::npos);
     CHECK(build_error(kMinimal + "[optimiser]\nlr = 1\n").find("test.toml:8:2: unknown section [optimiser]") == 0);
     CHECK(build_error("[data]\nname = \"synthetic-classification\"\n[optimizer]\nname = \"sgd\"\n")
-              .find("missing section [model] (its name is one of: mlp)") != std::string::npos);
+              .find("missing section [model] (its name is one of: mlp, cnn, gpt, torchscript)") != std::string::npos);
   }
 
   TEST_CASE("TOML syntax errors carry their position") {
