@@ -134,7 +134,11 @@ DataSplits tensor_file(const Options& o, uint64_t) {
   if (x.dim() < 2 || x.size(0) != y.size(0))
     o.fail("inputs", "expected inputs [N, features], [N, T, features] or images [N, C, H, W] and targets with the same N, got " +
                          c10::str(x.sizes()) + " and " + c10::str(y.sizes()));
-  x = x.to(at::kFloat);
+  const bool tokens_in = o.get_bool("token_inputs");
+  if (tokens_in && (x.dim() != 2 || at::isFloatingType(x.scalar_type()) || x.min().item<int64_t>() < 0))
+    o.fail("token_inputs", "needs inputs of non-negative integer token ids [N, T], got " +
+                               std::string(c10::toString(x.scalar_type())) + " " + c10::str(x.sizes()));
+  x = tokens_in ? x.to(at::kLong) : x.to(at::kFloat);
   const bool classes = !at::isFloatingType(y.scalar_type());
   const int64_t ignore = o.get_int("ignore_index");
   std::optional<int64_t> ignore_index;
@@ -157,6 +161,12 @@ DataSplits tensor_file(const Options& o, uint64_t) {
                               : y.size(-1);
   d.info = feature_info(x.size(-1), o.get_int("classes") > 0 ? o.get_int("classes") : out, classes, ignore_index);
   d.info.input_shape = x.sizes().slice(1).vec();
+  if (tokens_in) {
+    // One vocabulary for inputs and targets: a language model predicts the tokens it reads.
+    d.info.vocab = std::max(d.info.output_dim, x.max().item<int64_t>() + 1);
+    d.info.output_dim = d.info.input_dim = d.info.vocab;
+    d.info.next_token = classes && y.sizes() == x.sizes();
+  }
   d.train = std::make_shared<TensorDataset>(x.slice(0, 0, n - nv), y.slice(0, 0, n - nv), ignore);
   if (nv > 0) d.validation = std::make_shared<TensorDataset>(x.slice(0, n - nv), y.slice(0, n - nv), ignore);
   return d;
@@ -325,7 +335,8 @@ const std::vector<Component<DataMaker>>& datasets() {
           opt_string("inputs", "inputs", "key of the inputs [N, features] or [N, T, features]"),
           opt_string("targets", "targets", "key of the targets: class indices [N] / [N, T], or reals [N, K]"),
           opt_string("mask", "", "key of a 0/1 mask [N, T] of the targets that count (\"\": none)"),
-          opt_int("classes", 0, "number of classes (0: the largest target + 1)"),
+          opt_int("classes", 0, "number of classes (0: the largest target + 1); with token_inputs, the vocabulary"),
+          opt_bool("token_inputs", false, "inputs are integer token ids [N, T] (for model 'gpt'), not features"),
           opt_int("ignore_index", -100, "target value given to masked-out positions"),
           opt_float("validation_fraction", 0.0, "fraction of the examples, taken from the end, held out")},
          tensor_file},

@@ -1,6 +1,7 @@
 // Real workloads: Fashion-MNIST's IDX files, text for language modelling, the CNN, the GPT and
 // TorchScript models.
 #include <tk/builtins.h>
+#include <tk/tensor_io.h>
 #include <zlib.h>
 
 #include <fstream>
@@ -319,6 +320,30 @@ TEST_SUITE("workloads") {
     CHECK(ppl[1] == doctest::Approx(std::exp(loss[1])).epsilon(1e-9));
     CHECK(ppl[3] == doctest::Approx(std::exp(loss[3])).epsilon(1e-9));
     CHECK(ppl[3] < ppl[1]);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("token ids prepared in Python train the GPT through the tensors data set") {
+    const fs::path dir = tkt::temp_dir("token-tensors");
+    fs::create_directories(dir);
+    auto stream = torch::randint(0, 20, {40 * 7}, torch::kLong);
+    auto rows = stream.view({40, 7});
+    tk::save_tensor_dict(dir / "tokens.pt", {{"inputs", rows.slice(1, 0, 6).contiguous()},
+                                             {"targets", rows.slice(1, 1, 7).contiguous()},
+                                             {"float_inputs", rows.slice(1, 0, 6).to(torch::kFloat)}});
+    std::string text = kGptRecipe;
+    text.replace(text.find("name = \"text\""), 13, "name = \"tensors\"\ntoken_inputs = true");
+    text.replace(text.find("seq_len = 12\ndocument_separator = \"\\n%\\n\"\n"), 42, "");
+    auto r = tkt::recipe({"data.path=\"" + (dir / "tokens.pt").string() + "\"", "data.micro_batch=8"}, text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    CHECK(t.data().info.vocab == 20);
+    CHECK(t.data().info.next_token);
+    CHECK(t.data().info.input_shape == std::vector<int64_t>{6});
+    CHECK(t.fit().steps == 3);
+    auto bad = tkt::recipe({"data.path=\"" + (dir / "tokens.pt").string() + "\"", "data.inputs=\"float_inputs\""},
+                           text.c_str());
+    CHECK_THROWS_WITH(tk::Trainer(bad, tkt::quiet()),
+                      doctest::Contains("data.token_inputs: needs inputs of non-negative integer token ids [N, T], got Float [40, 6]"));
     fs::remove_all(dir);
   }
 
