@@ -302,6 +302,32 @@ TEST_SUITE("workloads") {
     fs::remove_all(dir);
   }
 
+  TEST_CASE("the GPT with dropout, interrupted and resumed, is bit-identical to an uninterrupted run") {
+    // Dropout draws from the random generator: the checkpoint must carry its state.
+    const fs::path dir = fake_corpus("gpt-resume");
+    const std::string text = std::string(kGptRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+    const std::vector<std::string> sets = {"data.path=\"" + (dir / "corpus.txt").string() + "\"", "model.dropout=0.2",
+                                           "run.steps=6", "data.micro_batch=4"};
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    auto r1 = tkt::recipe(sets + std::vector<std::string>{"run.output=\"" + (dir / "one").string() + "\""}, text.c_str());
+    tk::Trainer one(r1, opts);
+    one.fit();
+
+    const std::vector<std::string> out = {"run.output=\"" + (dir / "two").string() + "\"", "run.checkpoint_every=3"};
+    auto r2 = tkt::recipe(sets + out, (text + "[[plugins]]\nname = \"probe\"\nthrow_at_step = 5\n").c_str());
+    tk::Trainer first(r2, opts);
+    CHECK_THROWS_AS(first.fit(), tk::PluginRuntimeError);
+    auto resume = opts;
+    resume.resume = "latest";
+    auto r3 = tkt::recipe(sets + out, text.c_str());
+    tk::Trainer second(r3, resume);
+    CHECK(second.fit().steps == 6);
+    CHECK(torch::equal(tkt::flat_params(second.model()), tkt::flat_params(one.model())));
+    CHECK(tkt::metric(dir / "two/metrics.jsonl", "loss") == tkt::metric(dir / "one/metrics.jsonl", "loss"));
+    fs::remove_all(dir);
+  }
+
   TEST_CASE("a language model's validation reports perplexity, and its data its unigram baseline") {
     const fs::path dir = fake_corpus("gpt-ppl");
     const fs::path out = dir / "run";
