@@ -13,7 +13,7 @@ trap 'rm -rf "$out"' EXIT
 model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data.seq_len=256)
 run() {  # label, micro_batch, k
   "$bin/tk-run" "$root/recipes/gpt-tiny.toml" --progress none --log-level warn --set run.output="$out/$1" \
-    "${model[@]}" --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
+    "${model[@]}" --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
     --set data.micro_batch="$2" --set plugins.grad_accum.steps="$3" >/dev/null
   /usr/bin/python3 - "$out/$1/metrics.jsonl" "$1" "$2" "$3" <<'PY'
 import json, sys
