@@ -5,5 +5,6 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 start=$(date +%s)
 bash "$root/tools/build.sh"
-ctest --test-dir "$build" --output-on-failure -j "$(nproc)"
+# A hung test fails after 15 minutes instead of holding the run.
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 900
 echo "tools/test.sh: build and tests took $(( $(date +%s) - start ))s"

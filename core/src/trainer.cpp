@@ -61,7 +61,7 @@ OptionSpecs loader_specs() {
 }
 
 template <class Fn>
-const Component<Fn>& pick(const Recipe& r, const std::string& section, const std::string& fallback,
+const Component<Fn>& pick(const Recipe& r, const char* section, const char* fallback,
                           const std::vector<Component<Fn>>& list) {
   return *find_component(list, r.component(section, fallback, component_names(list)));
 }
