@@ -1,0 +1,72 @@
+"""recipes/gpt-tiny.toml's model and step written by hand in Python (Debian's python3-torch): the
+same GPT (pre-LayerNorm blocks, causal attention written out as LibTorch 1.13 runs it, tied head),
+micro-batches of B sequences of T bytes accumulated K to a step with token normalization, AdamW.
+Prints ms per optimizer step between steps WARMUP and STEPS.
+
+usage: python3 gpt_loop.py LAYERS WIDTH HEADS T B K STEPS WARMUP
+"""
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+class Block(torch.nn.Module):
+    def __init__(self, c: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
+        self.qkv, self.proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
+        self.fc, self.out = torch.nn.Linear(c, 4 * c), torch.nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        x = x + self.proj((s @ v).transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Gpt(torch.nn.Module):
+    def __init__(self, layers: int, c: int, heads: int, t: int):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(256, c), torch.nn.Embedding(t, c)
+        self.blocks = torch.nn.ModuleList(Block(c, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(c)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
+def main() -> None:
+    layers, width, heads, t, b, k, steps, warmup = (int(a) for a in sys.argv[1:9])
+    torch.manual_seed(1)
+    model = Gpt(layers, width, heads, t)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    data = torch.randint(0, 256, (64, b, t + 1))
+    start = time.perf_counter()
+    for step in range(steps):
+        if step == warmup:
+            start = time.perf_counter()
+        tokens = 0
+        for i in range(k):
+            batch = data[(step * k + i) % 64]
+            loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, 256), batch[:, 1:].reshape(-1), reduction="sum")
+            loss.backward()
+            tokens += batch[:, 1:].numel()
+            loss.item()
+        for p in model.parameters():
+            p.grad /= tokens
+        opt.step()
+        opt.zero_grad()
+    print(f"ms_per_step {1000 * (time.perf_counter() - start) / (steps - warmup):.4f}")
+
+
+if __name__ == "__main__":
+    main()
