@@ -168,6 +168,27 @@ struct Trainer::Impl {
   }
   std::pair<double, double> validate(Context& ctx);
   void save_weights(const fs::path& file) const;
+
+  // The parts of fit().
+  /// Hands each plugin its saved state (before fit_start); warns about states nobody loads.
+  void restore_plugins(Checkpoint& resumed);
+  /// Creates the output folder, writes the resolved recipe and opens metrics.jsonl (cut back to
+  /// the checkpoint's step when resuming).
+  void open_outputs(const fs::path& outdir, const std::optional<Checkpoint>& resumed, std::ofstream& metrics);
+  /// Forward, loss and backward of one micro-batch, with their events and the window's totals.
+  void micro_batch(Context& ctx, Batch& batch);
+  /// Completes a window: LR, boundary, the optimizer step unless vetoed, step_end. True when skipped.
+  bool optimizer_step(Context& ctx, Sink& sink);
+  /// The metrics record of the step just taken.
+  JsonLine step_record(const Context& ctx, int64_t epoch, bool skipped, const Sink& sink, double wall_time) const;
+  /// After a failure every plugin still gets fit_end to clean up (leave autocast, close files);
+  /// errors it raises then are dropped: the first error stands.
+  void fit_end_after_failure(Context& ctx);
+  /// Runs validation and adds its values to the step's record; returns the progress line.
+  std::string validation_record(Context& ctx, JsonLine& line, FitResult& result);
+  /// Checkpoints the run after micro-batch `b` of `epoch` into `dir`; returns the checkpoint.
+  fs::path checkpoint(const Context& ctx, int64_t epoch, int64_t b, const fs::path& dir) const;
+  void write_trace(const fs::path& file) const;
 };
 
 void Trainer::Impl::build() {
@@ -438,6 +459,150 @@ std::string Trainer::describe() {
   return out.str();
 }
 
+void Trainer::Impl::restore_plugins(Checkpoint& resumed) {
+  for (auto& slot : slots) {
+    auto it = resumed.plugin_states.find(slot.name);
+    if (it == resumed.plugin_states.end()) {
+      warn("plugin '" + slot.name + "' has no state in " + resumed.dir.string() + "; it starts fresh");
+      continue;
+    }
+    slot.plugin->load_state(it->second);
+    resumed.plugin_states.erase(it);
+  }
+  for (const auto& [name, st] : resumed.plugin_states)
+    warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
+}
+
+void Trainer::Impl::open_outputs(const fs::path& outdir, const std::optional<Checkpoint>& resumed,
+                                 std::ofstream& metrics) {
+  std::error_code ec;
+  fs::create_directories(outdir, ec);
+  if (ec) throw Error("cannot create output folder '" + outdir.string() + "': " + ec.message());
+  write_atomic(outdir / "recipe.toml", recipe.resolved());
+  const fs::path file = outdir / "metrics.jsonl";
+  if (resumed) {  // keep the records up to the checkpoint, drop any written after it
+    std::ifstream in(file);
+    std::string kept;
+    for (std::string line; std::getline(in, line);) {
+      const auto pos = line.find("\"step\": ");
+      if (pos != std::string::npos && std::stoll(line.substr(pos + 8)) <= resumed->position.counters.step)
+        kept += line + "\n";
+    }
+    write_atomic(file, kept);
+    metrics.open(file, std::ios::app);
+  } else {
+    metrics.open(file, std::ios::trunc);
+  }
+  if (!metrics) throw Error("cannot write '" + file.string() + "'");
+}
+
+void Trainer::Impl::micro_batch(Context& ctx, Batch& batch) {
+  emit(Event::MicroBatch, ctx);
+  torch::Tensor out = model->forward(batch.input);
+  ctx.loss = (*loss)(out, batch);
+  ctx.loss_value = ctx.loss.item<double>();
+  emit(Event::Loss, ctx);
+  ctx.loss.backward();
+  ctx.loss = torch::Tensor();
+  ++ctx.counters.micro_step;
+  ctx.counters.samples_seen += batch.samples;
+  ctx.counters.tokens_seen += batch.tokens;
+  ctx.totals.micro_batches += 1;
+  ctx.totals.samples += batch.samples;
+  ctx.totals.tokens += batch.tokens;
+  ctx.totals.loss_sum +=
+      loss->reduction() == Reduction::Mean ? ctx.loss_value * static_cast<double>(batch.tokens) : ctx.loss_value;
+  emit(Event::Backward, ctx);
+}
+
+bool Trainer::Impl::optimizer_step(Context& ctx, Sink& sink) {
+  ctx.lr = schedule->lr(ctx.counters.schedule_step, total_steps);
+  set_lr(*optimizer, ctx.lr);
+  ctx.veto_reason.clear();
+  ctx.vetoed_by.clear();
+  ctx.veto_advances_schedule = false;
+  sink.values.clear();
+  emit(Event::Boundary, ctx);
+  // After the boundary: a sync plugin may have replaced the totals with sums over all ranks.
+  ctx.window_loss = ctx.totals.tokens > 0 ? ctx.totals.loss_sum / static_cast<double>(ctx.totals.tokens) : 0.0;
+  const bool skipped = ctx.step_vetoed();
+  if (!skipped && !std::isfinite(ctx.window_loss))
+    throw Error("the loss is " + std::to_string(ctx.window_loss) + " at step " + std::to_string(ctx.counters.step + 1) +
+                ": training diverged; nothing was stepped (lower the learning rate?)");
+  if (!skipped) optimizer->step();
+  else ++ctx.counters.skipped_steps;
+  optimizer->zero_grad();
+  ++ctx.counters.step;
+  if (!skipped || ctx.veto_advances_schedule) ++ctx.counters.schedule_step;
+  emit(Event::StepEnd, ctx);
+  return skipped;
+}
+
+JsonLine Trainer::Impl::step_record(const Context& ctx, int64_t epoch, bool skipped, const Sink& sink,
+                                    double wall_time) const {
+  JsonLine line;
+  line.add("step", ctx.counters.step)
+      .add("epoch", epoch)
+      .add("loss", ctx.window_loss)
+      .add("lr", ctx.lr)
+      .add("micro_batches", ctx.totals.micro_batches)
+      .add("samples", ctx.counters.samples_seen)
+      .add("tokens", ctx.counters.tokens_seen)
+      .add("wall_time", wall_time)
+      .add("peak_rss_mib", peak_rss_mib());
+  if (skipped) line.add("skipped", ctx.vetoed_by + ": " + ctx.veto_reason);
+  for (const auto& [k, v] : sink.values) line.add(k, v);
+  return line;
+}
+
+void Trainer::Impl::fit_end_after_failure(Context& ctx) {
+  for (size_t i : order) {
+    if (!slots[i].events.contains(Event::FitEnd)) continue;
+    try {
+      ctx.current_plugin = slots[i].name;
+      slots[i].plugin->on_event(Event::FitEnd, ctx);
+    } catch (...) {
+    }
+  }
+}
+
+std::string Trainer::Impl::validation_record(Context& ctx, JsonLine& line, FitResult& result) {
+  auto [vloss, acc] = validate(ctx);
+  result.validation_losses.push_back(vloss);
+  line.add("validation_loss", vloss);
+  std::string note = "validation  step " + std::to_string(ctx.counters.step) + "  loss " + fmt_loss(vloss);
+  if (!std::isnan(acc)) line.add("validation_accuracy", acc);
+  if (data.info.next_token) {
+    const double ppl = std::exp(vloss);
+    line.add("validation_perplexity", ppl);
+    note += "  perplexity " + fmt_loss(ppl);
+    if (!data.info.baseline_name.empty())
+      note += "  (" + data.info.baseline_name + " baseline loss " + fmt_loss(data.info.baseline_loss) + ")";
+  } else if (!std::isnan(acc)) {
+    note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
+  }
+  return note;
+}
+
+fs::path Trainer::Impl::checkpoint(const Context& ctx, int64_t epoch, int64_t b, const fs::path& dir) const {
+  TrainingPosition pos{ctx.counters, epoch, b + 1};
+  if (pos.next_batch >= batches_per_epoch || !windows->at(epoch, pos.next_batch)) {
+    pos.next_epoch = epoch + 1;
+    pos.next_batch = 0;
+  }
+  std::vector<std::pair<std::string, StateDict>> states;
+  for (const auto& slot : slots) states.emplace_back(slot.name, slot.plugin->state());
+  return save_checkpoint(dir, *model, *optimizer, states, pos, run.get_int("checkpoint_keep"));
+}
+
+void Trainer::Impl::write_trace(const fs::path& file) const {
+  std::string text;
+  for (const auto& e : trace)
+    text += JsonLine().add("plugin", e.plugin).add("event", std::string(to_string(e.event)))
+                .add("step", e.step).add("micro_step", e.micro_step).str() + "\n";
+  write_atomic(file, text);
+}
+
 FitResult Trainer::fit() {
   Impl& d = *impl_;
   if (d.fitted) throw Error("fit() can run once per Trainer");
@@ -455,41 +620,14 @@ FitResult Trainer::fit() {
   std::optional<Checkpoint> resumed;
   if (d.topts.resume) {
     resumed = load_checkpoint(resolve_checkpoint(*d.topts.resume, outdir), *d.model, *d.optimizer);
-    for (auto& slot : d.slots) {
-      auto it = resumed->plugin_states.find(slot.name);
-      if (it == resumed->plugin_states.end()) {
-        d.warn("plugin '" + slot.name + "' has no state in " + resumed->dir.string() + "; it starts fresh");
-        continue;
-      }
-      slot.plugin->load_state(it->second);
-      resumed->plugin_states.erase(it);
-    }
-    for (const auto& [name, st] : resumed->plugin_states)
-      d.warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
+    d.restore_plugins(*resumed);
     if (resumed->position.counters.total_steps != d.total_steps)
       throw Error(resumed->dir.string() + ": the checkpoint is of a run of " +
                   std::to_string(resumed->position.counters.total_steps) + " steps, this one has " +
                   std::to_string(d.total_steps) + ": resume with the recipe it was made with");
   }
   if (d.topts.write_outputs && d.plan.rank == 0) {  // one rank writes for the world
-    std::error_code ec;
-    fs::create_directories(outdir, ec);
-    if (ec) throw Error("cannot create output folder '" + outdir.string() + "': " + ec.message());
-    write_atomic(outdir / "recipe.toml", d.recipe.resolved());
-    if (resumed) {  // keep the records up to the checkpoint, drop any written after it
-      std::ifstream in(outdir / "metrics.jsonl");
-      std::string kept;
-      for (std::string line; std::getline(in, line);) {
-        const auto pos = line.find("\"step\": ");
-        if (pos != std::string::npos && std::stoll(line.substr(pos + 8)) <= resumed->position.counters.step)
-          kept += line + "\n";
-      }
-      write_atomic(outdir / "metrics.jsonl", kept);
-      metrics_file.open(outdir / "metrics.jsonl", std::ios::app);
-    } else {
-      metrics_file.open(outdir / "metrics.jsonl", std::ios::trunc);
-    }
-    if (!metrics_file) throw Error("cannot write '" + (outdir / "metrics.jsonl").string() + "'");
+    d.open_outputs(outdir, resumed, metrics_file);
     result.output_dir = outdir;
   }
   const bool writes_outputs = metrics_file.is_open();  // this process writes the outputs
@@ -505,17 +643,6 @@ FitResult Trainer::fit() {
     spdlog::info("resuming from {} at step {} (epoch {}, micro-batch {})", resumed->dir.string(), ctx.counters.step,
                  start_epoch + 1, start_batch);
   }
-  auto save = [&](int64_t epoch, int64_t b) {
-    TrainingPosition pos{ctx.counters, epoch, b + 1};
-    if (pos.next_batch >= d.batches_per_epoch || !d.windows->at(epoch, pos.next_batch)) {
-      pos.next_epoch = epoch + 1;
-      pos.next_batch = 0;
-    }
-    std::vector<std::pair<std::string, StateDict>> states;
-    for (const auto& slot : d.slots) states.emplace_back(slot.name, slot.plugin->state());
-    result.checkpoint = save_checkpoint(outdir / "checkpoints", *d.model, *d.optimizer, states, pos,
-                                        d.run.get_int("checkpoint_keep"));
-  };
   const int64_t checkpoint_every = d.run.get_int("checkpoint_every");
   ctx.log_sink = [&d, &ctx](int level, const std::string& msg) {
     std::string line = ctx.current_plugin.empty() ? msg : ctx.current_plugin + ": " + msg;
@@ -534,21 +661,7 @@ FitResult Trainer::fit() {
   double last_validation_step = -1;
 
   auto record_validation = [&](JsonLine& line) {
-    auto [vloss, acc] = d.validate(ctx);
-    result.validation_losses.push_back(vloss);
-    line.add("validation_loss", vloss);
-    std::string note = "validation  step " + std::to_string(ctx.counters.step) + "  loss " + fmt_loss(vloss);
-    if (!std::isnan(acc)) line.add("validation_accuracy", acc);
-    if (d.data.info.next_token) {
-      const double ppl = std::exp(vloss);
-      line.add("validation_perplexity", ppl);
-      note += "  perplexity " + fmt_loss(ppl);
-      if (!d.data.info.baseline_name.empty())
-        note += "  (" + d.data.info.baseline_name + " baseline loss " + fmt_loss(d.data.info.baseline_loss) + ")";
-    } else if (!std::isnan(acc)) {
-      note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
-    }
-    progress.note(note);
+    progress.note(d.validation_record(ctx, line, result));
     last_validation_step = static_cast<double>(ctx.counters.step);
   };
 
@@ -570,63 +683,16 @@ FitResult Trainer::fit() {
         ctx.batch = &batch;
         ctx.counters.batch_in_epoch = b;
         if (w->is_first()) ctx.totals = WindowTotals{};
-        d.emit(Event::MicroBatch, ctx);
-
-        torch::Tensor out = d.model->forward(batch.input);
-        ctx.loss = (*d.loss)(out, batch);
-        ctx.loss_value = ctx.loss.item<double>();
-        d.emit(Event::Loss, ctx);
-        ctx.loss.backward();
-        ctx.loss = torch::Tensor();
-        ++ctx.counters.micro_step;
-        ctx.counters.samples_seen += batch.samples;
-        ctx.counters.tokens_seen += batch.tokens;
-        ctx.totals.micro_batches += 1;
-        ctx.totals.samples += batch.samples;
-        ctx.totals.tokens += batch.tokens;
-        ctx.totals.loss_sum += d.loss->reduction() == Reduction::Mean
-                                   ? ctx.loss_value * static_cast<double>(batch.tokens)
-                                   : ctx.loss_value;
-        d.emit(Event::Backward, ctx);
+        d.micro_batch(ctx, batch);
         ctx.batch = nullptr;
         if (!w->is_last()) continue;
 
         // The window is complete: one optimizer step.
-        ctx.lr = d.schedule->lr(ctx.counters.schedule_step, d.total_steps);
-        set_lr(*d.optimizer, ctx.lr);
-        ctx.veto_reason.clear();
-        ctx.vetoed_by.clear();
-        ctx.veto_advances_schedule = false;
-        sink.values.clear();
-        d.emit(Event::Boundary, ctx);
-        // After the boundary: a sync plugin may have replaced the totals with sums over all ranks.
-        ctx.window_loss = ctx.totals.tokens > 0 ? ctx.totals.loss_sum / static_cast<double>(ctx.totals.tokens) : 0.0;
-        const bool skipped = ctx.step_vetoed();
-        if (!skipped && !std::isfinite(ctx.window_loss))
-          throw Error("the loss is " + std::to_string(ctx.window_loss) + " at step " +
-                      std::to_string(ctx.counters.step + 1) +
-                      ": training diverged; nothing was stepped (lower the learning rate?)");
-        if (!skipped) d.optimizer->step();
-        else ++ctx.counters.skipped_steps;
-        d.optimizer->zero_grad();
-        ++ctx.counters.step;
-        if (!skipped || ctx.veto_advances_schedule) ++ctx.counters.schedule_step;
-        d.emit(Event::StepEnd, ctx);
+        const bool skipped = d.optimizer_step(ctx, sink);
         result.window_losses.push_back(ctx.window_loss);
 
         const double t = elapsed();
-        JsonLine line;
-        line.add("step", ctx.counters.step)
-            .add("epoch", epoch)
-            .add("loss", ctx.window_loss)
-            .add("lr", ctx.lr)
-            .add("micro_batches", ctx.totals.micro_batches)
-            .add("samples", ctx.counters.samples_seen)
-            .add("tokens", ctx.counters.tokens_seen)
-            .add("wall_time", t)
-            .add("peak_rss_mib", peak_rss_mib());
-        if (skipped) line.add("skipped", ctx.vetoed_by + ": " + ctx.veto_reason);
-        for (const auto& [k, v] : sink.values) line.add(k, v);
+        JsonLine line = d.step_record(ctx, epoch, skipped, sink, t);
         if (ctx.counters.step >= steps_target) done = true;
         if (d.data.validation && ((validate_every > 0 && ctx.counters.step % validate_every == 0) ||
                                   (done && validate_every >= 0)))
@@ -636,7 +702,7 @@ FitResult Trainer::fit() {
         if (!done && elapsed() >= d.max_time_s) result.stopped = "max_time";
         if (!result.stopped.empty()) done = true;
         if (writes_outputs && (done || (checkpoint_every > 0 && ctx.counters.step % checkpoint_every == 0)))
-          save(epoch, b);
+          result.checkpoint = d.checkpoint(ctx, epoch, b, outdir / "checkpoints");
         if (metrics_file.is_open()) metrics_file << line.str() << std::endl;
         progress.update(ctx.counters.step, epoch, ctx.window_loss, ctx.lr,
                         static_cast<double>(ctx.counters.samples_seen) / std::max(t, 1e-9), t);
@@ -654,26 +720,12 @@ FitResult Trainer::fit() {
     if (d.topts.on_failure) d.topts.on_failure();
     progress.finish();
     if (metrics_file.is_open()) metrics_file.flush();
-    // Give every plugin its chance to clean up (leave autocast, close files); the first error stands.
-    for (size_t i : d.order) {
-      if (!d.slots[i].events.contains(Event::FitEnd)) continue;
-      try {
-        ctx.current_plugin = d.slots[i].name;
-        d.slots[i].plugin->on_event(Event::FitEnd, ctx);
-      } catch (...) {
-      }
-    }
+    d.fit_end_after_failure(ctx);
     throw;
   }
   progress.finish();
   if (writes_outputs) d.save_weights(outdir / "weights.pt");
-  if (writes_outputs && d.tracing) {
-    std::string text;
-    for (const auto& e : d.trace)
-      text += JsonLine().add("plugin", e.plugin).add("event", std::string(to_string(e.event)))
-                  .add("step", e.step).add("micro_step", e.micro_step).str() + "\n";
-    write_atomic(outdir / "trace.jsonl", text);
-  }
+  if (writes_outputs && d.tracing) d.write_trace(outdir / "trace.jsonl");
   result.steps = ctx.counters.step;
   result.micro_steps = ctx.counters.micro_step;
   result.skipped_steps = ctx.counters.skipped_steps;
