@@ -8,7 +8,10 @@
 #include "launch.h"
 #include <tk/trainer.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -93,7 +96,18 @@ int list_all() {
 
 }  // namespace
 
+/// OpenMP worker threads that spin after each parallel region fight OpenBLAS's own threads for the
+/// cores: measured on 2 cores, a GPT step took 10x longer under LibTorch 2.6 and a CNN step 1.4x
+/// under 1.13 (docs/benchmarks.md). libgomp reads OMP_WAIT_POLICY when it is loaded, before main,
+/// so tk-run sets it to PASSIVE and runs itself again, once; a value the user set is kept.
+static void prefer_passive_openmp(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  execv("/proc/self/exe", argv);  // returns only on failure: then run with what we have
+}
+
 int main(int argc, char** argv) {
+  prefer_passive_openmp(argv);
   std::string recipe_path;
   std::vector<std::string> overrides;
   bool dry_run = false;
