@@ -14,13 +14,7 @@ out=$(mktemp -d)
 tk_ms() {
   "$bin/tk-run" "$root/bench/overhead.toml" --progress none --log-level warn \
     --set run.threads="$threads" --set run.output="$out/tk" >/dev/null
-  /usr/bin/python3 - "$out/tk/metrics.jsonl" "$warmup" "$steps" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-w, n = int(sys.argv[2]), int(sys.argv[3])
-t = {r["step"]: r["wall_time"] for r in rows}
-print(f"{1000 * (t[n] - t[w]) / (n - w):.4f}")
-PY
+  /usr/bin/python3 "$root/bench/step_ms.py" "$out/tk/metrics.jsonl" "$warmup" "$steps"
 }
 
 for i in $(seq "$reps"); do

@@ -28,12 +28,7 @@ trap 'rm -rf "$out"' EXIT
 for i in $(seq "$reps"); do
   "$bin/tk-run" "$recipe" --progress none --log-level warn --set run.epochs=0 --set run.steps=$steps \
     --set run.validate_every=0 "${no_validation[@]}" --set run.output="$out/tk" >/dev/null
-  /usr/bin/python3 - "$out/tk/metrics.jsonl" $warmup $steps >>"$out/times" <<'PY'
-import json, sys
-t = {r["step"]: r["wall_time"] for r in map(json.loads, open(sys.argv[1]))}
-w, n = int(sys.argv[2]), int(sys.argv[3])
-print(f"tk {1000 * (t[n] - t[w]) / (n - w):.4f}")
-PY
+  echo "tk $(/usr/bin/python3 "$root/bench/step_ms.py" "$out/tk/metrics.jsonl" $warmup $steps)" >>"$out/times"
   echo "py $(/usr/bin/python3 "${py[@]}" | awk '{print $2}')" >>"$out/times"
 done
 /usr/bin/python3 - "$out/times" "$reps" "$title" "$warmup" "$steps" "$(basename "$recipe")" <<'PY'
