@@ -157,8 +157,11 @@ DataSplits tensor_file(const Options& o, uint64_t) {
   if (frac < 0 || frac >= 1) o.fail("validation_fraction", "must be in [0, 1)");
   const int64_t nv = static_cast<int64_t>(std::floor(frac * static_cast<double>(n)));
   DataSplits d;
-  const int64_t out = classes ? (y.masked_select(y != ignore).numel() ? y.masked_select(y != ignore).max().item<int64_t>() + 1 : 1)
-                              : y.size(-1);
+  int64_t out = y.size(-1);  // regression: targets per example
+  if (classes) {              // classes: the largest counted target + 1
+    const torch::Tensor counted = y.masked_select(y != ignore);
+    out = counted.numel() ? counted.max().item<int64_t>() + 1 : 1;
+  }
   d.info = feature_info(x.size(-1), o.get_int("classes") > 0 ? o.get_int("classes") : out, classes, ignore_index);
   d.info.input_shape = x.sizes().slice(1).vec();
   if (tokens_in) {
