@@ -101,6 +101,17 @@ inline tk::TrainerOptions quiet() {
   return o;
 }
 
+/// trainkit's own components (models, data sets, optimizers, ...), loaded once per process.
+inline const tk::Registry& standard_registry() {
+  static tk::Registry* registry = [] {
+    auto* r = new tk::Registry();  // lives as long as the process: its libraries stay loaded
+    tk::PluginLoader loader({TK_PLUGIN_DIR});
+    for (const auto& name : tk::PluginLoader::standard_libraries()) loader.load(loader.find(name), *r);
+    return r;
+  }();
+  return *registry;
+}
+
 /// All parameters (or their gradients) of a model as one flat float64 vector.
 inline torch::Tensor flat_params(torch::nn::Module& m) {
   std::vector<torch::Tensor> parts;
@@ -129,16 +140,12 @@ class Capture : public tk::Plugin {
   tk::Contract contract() const override {
     return {{}, {tk::cap::kGradsSynced, tk::cap::kGradsNormalized, tk::cap::kGradsUnscaled, tk::cap::kGradsClipped}};
   }
-  tk::EventSet events() const override { return {tk::Event::Boundary, tk::Event::MicroBatch}; }
-  void on_event(tk::Event e, tk::Context& ctx) override {
-    if (e == tk::Event::MicroBatch) {
-      windows.push_back(ctx.window);
-      return;
-    }
-    grads.push_back(flat_grads(ctx.model));
-    lrs.push_back(ctx.lr);
-    window_losses.push_back(ctx.window_loss);
-    window_sizes.push_back(ctx.totals.micro_batches);
+  void on_micro_batch(tk::Context& ctx) override { windows.push_back(ctx.window()); }
+  void on_boundary(tk::Context& ctx) override {
+    grads.push_back(flat_grads(ctx.model()));
+    lrs.push_back(ctx.lr());
+    window_losses.push_back(ctx.window_loss());
+    window_sizes.push_back(ctx.totals().micro_batches);
   }
   std::vector<torch::Tensor> grads;
   std::vector<double> lrs, window_losses;

@@ -13,10 +13,65 @@
 namespace fs = std::filesystem;
 
 namespace tk {
+namespace {
+
+std::string hex(uint64_t v) {
+  std::ostringstream s;
+  s << "0x" << std::hex << v;
+  return s.str();
+}
+
+/// Opens the library and reads its entry point; the handle stays with `lib`.
+const tk_plugin_info* open(const fs::path& file, boost::dll::shared_library& lib) {
+  const std::string where = file.string();
+  std::error_code fec;
+  if (!fs::is_regular_file(file, fec)) throw PluginLoadError(where + ": plugin file does not exist");
+  boost::dll::fs::error_code ec;
+  lib.load(boost::dll::fs::path(file), boost::dll::load_mode::rtld_lazy | boost::dll::load_mode::rtld_local, ec);
+  if (ec) throw PluginLoadError(where + ": cannot load shared library: " + ec.message());
+  if (!lib.has(TK_PLUGIN_ENTRY_SYMBOL))
+    throw PluginLoadError(where + ": not a trainkit plugin: it does not export the entry point '" +
+                          std::string(TK_PLUGIN_ENTRY_SYMBOL) + "' (define it with TK_PLUGIN or TK_LIBRARY)");
+  auto entry = lib.get<const tk_plugin_info*()>(TK_PLUGIN_ENTRY_SYMBOL);
+  const tk_plugin_info* info = entry();
+  if (!info) throw PluginLoadError(where + ": entry point '" TK_PLUGIN_ENTRY_SYMBOL "' returned null");
+  // The ABI version is read before anything else: its position is the one thing every version shares.
+  if (info->abi_version != TK_PLUGIN_ABI_VERSION)
+    throw PluginLoadError(where + ": plugin ABI version mismatch: expected " + std::to_string(TK_PLUGIN_ABI_VERSION) +
+                          ", got " + std::to_string(info->abi_version) + " (rebuild the plugin against this trainkit)");
+  const std::string tk_version = info->trainkit_version ? info->trainkit_version : "(none)";
+  if (info->layout != abi::kLayoutSignature)
+    throw PluginLoadError(where + ": plugin was built with headers whose types have another layout: expected layout " +
+                          hex(abi::kLayoutSignature) + " (trainkit " TK_VERSION "), got " + hex(info->layout) +
+                          " (trainkit " + tk_version + "); rebuild it against this trainkit with the same compiler settings");
+  const std::string name = info->name ? info->name : "";
+  if (name.empty()) throw PluginLoadError(where + ": plugin has an empty name");
+  const std::string torch = info->torch_version ? info->torch_version : "(none)";
+  if (torch != TORCH_VERSION)
+    throw PluginLoadError(where + ": plugin '" + name + "' was built against LibTorch " + torch + ", expected " +
+                          TORCH_VERSION + " (the LibTorch this trainkit uses)");
+  if (!info->register_components)
+    throw PluginLoadError(where + ": plugin '" + name + "' has a null registration function");
+  return info;
+}
+
+LibraryInfo describe(const tk_plugin_info& info, const fs::path& file) {
+  return {info.name, info.version ? info.version : "", info.trainkit_version, info.torch_version, file};
+}
+
+}  // namespace
 
 PluginLoader::PluginLoader(std::vector<fs::path> dirs) : dirs_(std::move(dirs)) {}
 
 std::string PluginLoader::file_name(const std::string& name) { return "tk_" + name + ".so"; }
+
+std::vector<std::string> PluginLoader::standard_libraries() {
+  std::vector<std::string> out;
+  std::stringstream ss(TK_STANDARD_LIBRARIES);
+  for (std::string n; std::getline(ss, n, ';');)
+    if (!n.empty()) out.push_back(n);
+  return out;
+}
 
 std::vector<fs::path> PluginLoader::default_dirs(const fs::path& recipe_dir) {
   std::vector<fs::path> dirs;
@@ -26,11 +81,14 @@ std::vector<fs::path> PluginLoader::default_dirs(const fs::path& recipe_dir) {
     for (std::string d; std::getline(ss, d, ':');)
       if (!d.empty()) dirs.emplace_back(d);
   }
-  dirs.emplace_back(TK_PLUGIN_BUILD_DIR);
+  // Relative to libtrainkit itself, so an installed tree can move and never looks at a build tree.
   boost::dll::fs::error_code ec;
-  auto exe = boost::dll::program_location(ec);
-  if (!ec) dirs.push_back(fs::path(exe.string()).parent_path().parent_path() / "lib/trainkit/plugins");
-  dirs.emplace_back(TK_PLUGIN_INSTALL_DIR);
+  const fs::path self = fs::path(boost::dll::this_line_location(ec).string()).parent_path();
+  if (!ec) {
+    std::error_code fec;
+    const fs::path installed = self / "trainkit" / "plugins", build = self.parent_path() / "plugins";
+    dirs.push_back(fs::is_directory(installed, fec) || !fs::is_directory(build, fec) ? installed : build);
+  }
   return dirs;
 }
 
@@ -62,50 +120,41 @@ std::vector<std::string> PluginLoader::available() const {
   return {names.begin(), names.end()};
 }
 
-LoadedPlugin PluginLoader::load(const fs::path& file) const {
-  const std::string where = file.string();
-  std::error_code fec;
-  if (!fs::is_regular_file(file, fec))
-    throw PluginLoadError(where + ": plugin file does not exist");
+LibraryInfo PluginLoader::inspect(const fs::path& file) const {
+  boost::dll::shared_library lib;
+  return describe(*open(file, lib), file);
+}
 
+LibraryInfo PluginLoader::load(const fs::path& file, Registry& registry) const {
   auto lib = std::make_shared<boost::dll::shared_library>();
-  boost::dll::fs::error_code ec;
-  lib->load(boost::dll::fs::path(file), boost::dll::load_mode::rtld_lazy | boost::dll::load_mode::rtld_local, ec);
-  if (ec) throw PluginLoadError(where + ": cannot load shared library: " + ec.message());
-  if (!lib->has(TK_PLUGIN_ENTRY_SYMBOL))
-    throw PluginLoadError(where + ": not a trainkit plugin: it does not export the entry point '" +
-                          std::string(TK_PLUGIN_ENTRY_SYMBOL) + "' (define it with TK_PLUGIN(...))");
-  auto entry = lib->get<const tk_plugin_info*()>(TK_PLUGIN_ENTRY_SYMBOL);
-  const tk_plugin_info* info = entry();
-  if (!info) throw PluginLoadError(where + ": entry point '" TK_PLUGIN_ENTRY_SYMBOL "' returned null");
-  if (info->abi_version != TK_PLUGIN_ABI_VERSION)
-    throw PluginLoadError(where + ": plugin ABI version mismatch: expected " +
-                          std::to_string(TK_PLUGIN_ABI_VERSION) + ", got " +
-                          std::to_string(info->abi_version) + " (rebuild the plugin against this trainkit)");
-  std::string name = info->name ? info->name : "";
-  if (name.empty()) throw PluginLoadError(where + ": plugin has an empty name");
-  std::string torch = info->torch_version ? info->torch_version : "(none)";
-  if (torch != TORCH_VERSION)
-    throw PluginLoadError(where + ": plugin '" + name + "' was built against LibTorch " + torch +
-                          ", expected " + TORCH_VERSION + " (the LibTorch this trainkit uses)");
-  if (!info->create || !info->destroy)
-    throw PluginLoadError(where + ": plugin '" + name + "' has a null " +
-                          (info->create ? "destroy" : "create") + " function");
-  Plugin* raw = nullptr;
+  const tk_plugin_info* info = open(file, *lib);
+  LibraryInfo out = describe(*info, file);
+  const std::string key = fs::weakly_canonical(file).string();
+  if (registry.has_library(key)) return out;
+  registry.set_origin(key, lib);
   try {
-    raw = info->create();
+    info->register_components(&registry);
+  } catch (const PluginLoadError&) {
+    registry.set_origin("(in-process)", nullptr);
+    throw;
   } catch (const std::exception& e) {
-    throw PluginLoadError(where + ": plugin '" + name + "' failed to construct: " + e.what());
+    registry.set_origin("(in-process)", nullptr);
+    throw PluginLoadError(file.string() + ": plugin '" + out.name + "' failed to register: " + e.what());
   }
-  if (!raw) throw PluginLoadError(where + ": plugin '" + name + "' factory returned null");
-  raw->set_name(name);
-  auto destroy = info->destroy;
-  // The deleter owns the library handle: the code stays mapped until the instance is gone.
-  std::shared_ptr<Plugin> plugin(raw, [lib, destroy](Plugin* p) mutable {
-    destroy(p);
-    lib.reset();
-  });
-  return LoadedPlugin{std::move(plugin), name, info->version ? info->version : "", file};
+  registry.set_origin("(in-process)", nullptr);
+  return out;
+}
+
+LoadedPlugin PluginLoader::load_plugin(const fs::path& file) const {
+  // A registry of its own: the plugin's deleter keeps the library, not the registry.
+  Registry registry;
+  LibraryInfo info = load(file, registry);
+  const auto& plugins = registry.plugins();
+  if (plugins.size() != 1)
+    throw PluginLoadError(file.string() + ": expected a library with one plugin, it registers " +
+                          std::to_string(plugins.size()));
+  auto plugin = registry.make_plugin(plugins.front().name);
+  return LoadedPlugin{std::move(plugin), plugins.front().name, info.version, file};
 }
 
 }  // namespace tk

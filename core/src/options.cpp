@@ -32,6 +32,7 @@ const char* to_string(OptionType t) noexcept {
     case OptionType::String: return "string";
     case OptionType::IntList: return "array of integers";
     case OptionType::FloatList: return "array of floats";
+    case OptionType::Path: return "path";
   }
   return "?";
 }
@@ -48,6 +49,9 @@ OptionSpec opt_float(std::string name, double def, std::string doc) {
 OptionSpec opt_string(std::string name, std::string def, std::string doc,
                       std::vector<std::string> choices) {
   return {std::move(name), OptionType::String, std::move(def), std::move(doc), std::move(choices)};
+}
+OptionSpec opt_path(std::string name, std::string def, std::string doc) {
+  return {std::move(name), OptionType::Path, std::move(def), std::move(doc)};
 }
 OptionSpec opt_ints(std::string name, std::vector<int64_t> def, std::string doc) {
   return {std::move(name), OptionType::IntList, std::move(def), std::move(doc)};
@@ -78,6 +82,9 @@ bool Options::get_bool(const std::string& n) const { return std::get<bool>(at(n,
 int64_t Options::get_int(const std::string& n) const { return std::get<int64_t>(at(n, OptionType::Int)); }
 double Options::get_float(const std::string& n) const { return std::get<double>(at(n, OptionType::Float)); }
 const std::string& Options::get_string(const std::string& n) const {
+  return std::get<std::string>(at(n, OptionType::String));
+}
+const std::string& Options::get_path(const std::string& n) const {
   return std::get<std::string>(at(n, OptionType::String));
 }
 const std::vector<int64_t>& Options::get_ints(const std::string& n) const {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 
+#include "tk/context.h"
 #include "tk/error.h"
 
 namespace tk {
@@ -34,6 +35,73 @@ const char* to_string(LastWindow p) noexcept {
 }
 
 const char* to_string(Reduction r) noexcept { return r == Reduction::Mean ? "mean" : "sum"; }
+
+const char* to_string(FitStatus s) noexcept {
+  switch (s) {
+    case FitStatus::Running: return "running";
+    case FitStatus::Completed: return "completed";
+    case FitStatus::StoppedByTime: return "max_time";
+    case FitStatus::StoppedBySignal: return "signal";
+    case FitStatus::Failed: return "failed";
+  }
+  return "?";
+}
+
+void dispatch(Plugin& p, Event e, Context& ctx) {
+  switch (e) {
+    case Event::FitStart: p.on_fit_start(ctx); return;
+    case Event::EpochStart: p.on_epoch_start(ctx); return;
+    case Event::MicroBatch: p.on_micro_batch(ctx); return;
+    case Event::Loss: p.on_loss(ctx); return;
+    case Event::Backward: p.on_backward(ctx); return;
+    case Event::Boundary: p.on_boundary(ctx); return;
+    case Event::StepEnd: p.on_step_end(ctx); return;
+    case Event::EpochEnd: p.on_epoch_end(ctx); return;
+    case Event::ValidationStart: p.on_validation_start(ctx); return;
+    case Event::ValidationEnd: p.on_validation_end(ctx); return;
+    case Event::FitEnd: p.on_fit_end(ctx); return;
+  }
+}
+
+namespace {
+
+bool known_capability(const std::string& name) {
+  for (const char* k : cap::kKnown)
+    if (name == k) return true;
+  return false;
+}
+
+/// Edit distance, for "did you mean".
+size_t distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+/// " (not a known capability; did you mean 'x'?)" or "" for a known name.
+std::string unknown_note(const std::string& name, const std::map<std::string, size_t>& provided) {
+  if (known_capability(name)) return "";
+  std::string best;
+  size_t best_d = 4;
+  auto consider = [&](const std::string& c) {
+    const size_t d = distance(name, c);
+    if (d < best_d) best_d = d, best = c;
+  };
+  for (const char* k : cap::kKnown) consider(k);
+  for (const auto& [c, i] : provided) consider(c);
+  return " (not a known capability name" + (best.empty() ? std::string(")") : "; did you mean '" + best + "'?)");
+}
+
+}  // namespace
 
 void RunPlan::set_window(int64_t k, LastWindow policy, const std::string& by) {
   if (!window_owner.empty() && window_owner != by)
@@ -104,7 +172,7 @@ int64_t WindowSchedule::steps_in(int64_t epochs) const {
   return 0;
 }
 
-std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins) {
+std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins, std::vector<std::string>* warnings) {
   const size_t n = plugins.size();
   std::map<std::string, size_t> provider;
   for (size_t i = 0; i < n; ++i) {
@@ -118,7 +186,8 @@ std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins) {
   for (size_t i = 0; i < n; ++i) {
     for (const auto& need : plugins[i].contract.requires_)
       if (!provider.count(need))
-        throw Error("plugin '" + plugins[i].name + "' requires '" + need + "', which no plugin in this run provides");
+        throw Error("plugin '" + plugins[i].name + "' requires '" + need + "', which no plugin in this run provides" +
+                    unknown_note(need, provider));
     for (const auto& c : plugins[i].contract.conflicts) {
       auto it = provider.find(c);
       if (it != provider.end() && it->second != i)
@@ -132,6 +201,10 @@ std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins) {
     for (const auto& cap : plugins[i].contract.after) {
       auto it = provider.find(cap);
       if (it != provider.end() && it->second != i) deps[i].push_back(it->second);
+      const std::string note = it == provider.end() ? unknown_note(cap, provider) : "";
+      if (!note.empty() && warnings)
+        warnings->push_back("plugin '" + plugins[i].name + "' orders itself after '" + cap +
+                            "', which no plugin of this run provides" + note + ": that ordering has no effect");
     }
   // Stable topological order: repeatedly take the first plugin (in recipe order) that is ready.
   std::vector<size_t> order;

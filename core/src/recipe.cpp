@@ -67,6 +67,11 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
         throw RecipeError(where, key + ": expected one of " + list(spec.choices) + ", got \"" + s + "\"");
       return s;
     }
+    case OptionType::Path: {
+      auto v = n.as_string();
+      if (!v) throw wrong();
+      return v->get();
+    }
     case OptionType::IntList: {
       auto arr = n.as_array();
       if (!arr) throw wrong();
@@ -104,9 +109,19 @@ SourceLoc where_set(const toml::node& n, const std::string& dotted, const std::s
   return loc_of(n.source(), file);
 }
 
+/// A relative path made absolute against the folder of what set it: the recipe's, or for a `--set`
+/// the working directory.
+std::string resolve_against(const std::string& p, bool overridden, const std::filesystem::path& recipe_dir) {
+  if (p.empty()) return p;
+  std::filesystem::path path(p);
+  if (path.is_absolute()) return p;
+  return ((overridden ? std::filesystem::current_path() : recipe_dir) / path).lexically_normal().string();
+}
+
 Options resolve_table(const toml::table* table, const OptionSpecs& specs, const std::string& context,
                       const SourceLoc& section_loc, const std::vector<std::string>& skip,
-                      const std::string& file, const OverrideLocs& overrides = {}) {
+                      const std::string& file, const OverrideLocs& overrides = {},
+                      const std::filesystem::path& dir = std::filesystem::current_path()) {
   Options out;
   out.set_context(context);
   out.set_section_loc(section_loc);
@@ -123,7 +138,10 @@ Options resolve_table(const toml::table* table, const OptionSpecs& specs, const 
         throw RecipeError(where, "unknown key '" + key + "' in [" + context + "]; valid keys: " +
                                      (valid.empty() ? "(none)" : valid));
       }
-      out.set(key, convert(node, *spec, context + "." + key, where), where);
+      OptionValue v = convert(node, *spec, context + "." + key, where);
+      if (spec->type == OptionType::Path)
+        v = resolve_against(std::get<std::string>(v), overrides.count(context + "." + key) != 0, dir);
+      out.set(key, std::move(v), where);
     }
   }
   for (const auto& spec : specs) {
@@ -139,7 +157,19 @@ struct Resolved {
   bool array = false;
   std::string name;  // the component or plugin name, written first
   Options options;
+  std::string path;  // a plugin library's file, written after the name
 };
+
+/// The name a `[[plugins]]` entry goes by: its `name`, else the plugin of its file (tk_<name>.so),
+/// else its index.
+std::string entry_label(const toml::table& t, size_t index) {
+  if (auto n = t["name"].value<std::string>()) return *n;
+  if (auto p = t["path"].value<std::string>()) {
+    const std::string stem = std::filesystem::path(*p).stem().string();
+    if (stem.rfind("tk_", 0) == 0 && stem.size() > 3) return stem.substr(3);
+  }
+  return std::to_string(index);
+}
 
 }  // namespace
 
@@ -166,6 +196,11 @@ struct Recipe::Impl {
 };
 
 Recipe::Recipe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Recipe::Recipe(const Recipe& other) : impl_(std::make_unique<Impl>(*other.impl_)) {}
+Recipe& Recipe::operator=(const Recipe& other) {
+  if (this != &other) impl_ = std::make_unique<Impl>(*other.impl_);
+  return *this;
+}
 Recipe::Recipe(Recipe&&) noexcept = default;
 Recipe& Recipe::operator=(Recipe&&) noexcept = default;
 Recipe::~Recipe() = default;
@@ -228,23 +263,21 @@ void Recipe::apply_override(const std::string& assignment) {
       throw RecipeError({origin}, "plugin options are set as plugins.<name or index>.<key>=value");
     auto arr = impl_->root["plugins"].as_array();
     toml::table* entry = nullptr;
+    size_t index = 0;
     if (arr) {
       bool numeric = std::all_of(path[1].begin(), path[1].end(), ::isdigit);
-      for (size_t j = 0; j < arr->size(); ++j) {
+      for (size_t j = 0; j < arr->size() && !entry; ++j) {
         auto pt = (*arr)[j].as_table();
-        if (!pt) continue;
-        auto n = (*pt)["name"].value<std::string>();
-        if ((numeric && std::stoul(path[1]) == j) || (!numeric && n && *n == path[1])) {
+        if (pt && ((numeric && std::stoul(path[1]) == j) || (!numeric && entry_label(*pt, j) == path[1]))) {
           entry = pt;
-          break;
+          index = j;
         }
       }
     }
     if (!entry) throw RecipeError({origin}, "the recipe has no plugin '" + path[1] + "' in [[plugins]]");
     t = entry;
     i = 2;
-    auto n = (*entry)["name"].value<std::string>();
-    dotted_prefix = "plugins." + (n ? *n : path[1]) + ".";
+    dotted_prefix = "plugins." + entry_label(*entry, index) + ".";
   }
   for (; i + 1 < path.size(); ++i) {
     toml::node* n = t->get(path[i]);
@@ -306,12 +339,12 @@ Options Recipe::options(const std::string& section, const OptionSpecs& specs, bo
   std::vector<std::string> skip;
   if (named) skip.push_back("name");
   Options o = resolve_table(impl_->section(section), specs, section, impl_->section_loc(section), skip,
-                            impl_->source, impl_->overrides);
+                            impl_->source, impl_->overrides, impl_->dir);
   std::string name;
   if (named) {
     if (auto t = impl_->section(section)) name = (*t)["name"].value_or(std::string{});
   }
-  impl_->record({section, false, name, o});
+  impl_->record({section, false, name, o, ""});
   return o;
 }
 
@@ -319,7 +352,8 @@ std::vector<PluginEntry> Recipe::plugins() const {
   std::vector<PluginEntry> out;
   auto arr = impl_->root["plugins"].as_array();
   if (!arr) return out;
-  for (const auto& n : *arr) {
+  for (size_t index = 0; index < arr->size(); ++index) {
+    const toml::node& n = *arr->get(index);
     SourceLoc where = loc_of(n.source(), impl_->source);
     auto t = n.as_table();
     if (!t) throw RecipeError(where, "plugins: each entry must be a table ([[plugins]])");
@@ -334,7 +368,9 @@ std::vector<PluginEntry> Recipe::plugins() const {
       throw RecipeError(loc_of(path.node()->source(), impl_->source),
                         std::string("plugins.path: expected string, got ") + type_name(*path.node()));
     e.name = name.value_or(std::string{});
-    if (path) e.path = resolve_path(*path.value<std::string>());
+    if (path)
+      e.path = resolve_against(*path.value<std::string>(),
+                               impl_->overrides.count("plugins." + entry_label(*t, index) + ".path") != 0, impl_->dir);
     if (e.name.empty() && e.path.empty())
       throw RecipeError(where, "a [[plugins]] entry needs a name (found on the plugin path) or a path");
     out.push_back(std::move(e));
@@ -347,10 +383,11 @@ Options Recipe::plugin_options(size_t i, const OptionSpecs& specs) const {
   if (!arr || i >= arr->size()) throw Error("plugin entry " + std::to_string(i) + " does not exist");
   const toml::table* t = (*arr)[i].as_table();
   std::string name = (*t)["name"].value_or(std::string{});
-  std::string context = "plugins." + (name.empty() ? std::to_string(i) : name);
+  std::string context = "plugins." + entry_label(*t, i);
   Options o = resolve_table(t, specs, context, loc_of((*arr)[i].source(), impl_->source),
-                            {"name", "path"}, impl_->source, impl_->overrides);
-  impl_->record({"plugins", true, name, o});
+                            {"name", "path"}, impl_->source, impl_->overrides, impl_->dir);
+  const std::vector<PluginEntry> entries = plugins();
+  impl_->record({"plugins", true, name, o, entries[i].path.string()});
   return o;
 }
 
@@ -360,6 +397,7 @@ std::string Recipe::resolved() const {
   for (const auto& r : impl_->resolved) {
     out << "\n" << (r.array ? "[[" + r.header + "]]" : "[" + r.header + "]") << "\n";
     if (!r.name.empty()) out << "name = " << to_toml(r.name) << "\n";
+    if (!r.path.empty()) out << "path = " << to_toml(r.path) << "\n";
     for (const auto& [k, v] : r.options.values()) out << k << " = " << to_toml(v) << "\n";
   }
   return out.str();

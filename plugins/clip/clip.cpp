@@ -39,15 +39,13 @@ class Clip final : public tk::Plugin {
     return c;
   }
 
-  tk::EventSet events() const override { return {tk::Event::Boundary}; }
-
-  void on_event(tk::Event, tk::Context& ctx) override {
+  void on_boundary(tk::Context& ctx) override {
     std::vector<torch::Tensor> grads;
-    for (const auto& p : ctx.model.parameters())
+    for (const auto& p : ctx.model().parameters())
       if (p.grad().defined()) grads.push_back(p.grad());
     if (grads.empty()) return;
     const double norm = total_norm(grads);
-    ctx.metrics.put("grad_norm", norm);
+    ctx.metric("grad_norm", norm);
     if (ctx.step_vetoed()) return;  // the step will not be taken (e.g. an fp16 overflow)
     torch::NoGradGuard no_grad;
     if (max_value_ > 0) {

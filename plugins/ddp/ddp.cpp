@@ -82,7 +82,6 @@ class Ddp final : public tk::Plugin {
   }
 
   void init(const tk::Options& o) override {
-    options_ = o;
     backend_ = o.get_string("backend");
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(o.get_float("timeout_s") * 1000));
     rdv_timeout_ = std::chrono::milliseconds(static_cast<int64_t>(o.get_float("rendezvous_timeout_s") * 1000));
@@ -97,7 +96,7 @@ class Ddp final : public tk::Plugin {
 
   tk::Contract contract() const override {
     tk::Contract c;
-    c.provides = {tk::cap::kGradsSynced};
+    c.provides = {tk::cap::kGradsSynced, tk::cap::kWorld};
     return c;
   }
 
@@ -108,29 +107,21 @@ class Ddp final : public tk::Plugin {
     average_ = !plan.has(tk::cap::kGradsNormalized) && plan.loss_reduction == "mean";
     if (backend_ == "auto") backend_ = plan.device == at::kCUDA ? "nccl" : "gloo";
     if (backend_ == "nccl" && plan.device != at::kCUDA)
-      options_.fail("backend", "nccl needs the run on CUDA (run.device)");
+      fail_option("backend", "nccl needs the run on CUDA (run.device)");
 #ifndef USE_C10D_NCCL
-    if (backend_ == "nccl") options_.fail("backend", "this LibTorch was built without NCCL; use gloo");
+    if (backend_ == "nccl") fail_option("backend", "this LibTorch was built without NCCL; use gloo");
 #endif
   }
 
-  tk::EventSet events() const override {
-    return {tk::Event::FitStart, tk::Event::Boundary, tk::Event::StepEnd, tk::Event::FitEnd};
+  void on_fit_start(tk::Context& ctx) override { start(ctx); }
+  void on_boundary(tk::Context& ctx) override { sync(ctx); }
+  void on_step_end(tk::Context& ctx) override {
+    if (!pg_ || check_every_ == 0) return decline(tk::Event::StepEnd);
+    if (ctx.counters().step % check_every_ == 0) check_same(ctx);
   }
-
-  void on_event(tk::Event e, tk::Context& ctx) override {
-    switch (e) {
-      case tk::Event::FitStart: start(ctx); break;
-      case tk::Event::Boundary: sync(ctx); break;
-      case tk::Event::StepEnd:
-        if (pg_ && check_every_ > 0 && ctx.counters.step % check_every_ == 0) check_same(ctx);
-        break;
-      case tk::Event::FitEnd:
-        pg_.reset();
-        store_.reset();
-        break;
-      default: break;
-    }
+  void on_fit_end(tk::Context&) override {
+    pg_.reset();
+    store_.reset();
   }
 
   tk::StateDict state() const override {
@@ -176,8 +167,8 @@ class Ddp final : public tk::Plugin {
     // Every rank starts from rank 0's parameters and buffers.
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> state;
-    for (const auto& p : ctx.model.parameters()) state.push_back(p);
-    for (const auto& b : ctx.model.buffers()) state.push_back(b);
+    for (const auto& p : ctx.model().parameters()) state.push_back(p);
+    for (const auto& b : ctx.model().buffers()) state.push_back(b);
     for (auto& bucket : buckets(state)) {
       auto flat = flatten(bucket);
       std::vector<torch::Tensor> v{flat};
@@ -193,7 +184,7 @@ class Ddp final : public tk::Plugin {
     torch::NoGradGuard no_grad;
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<torch::Tensor> grads;
-    for (const auto& p : ctx.model.parameters())
+    for (const auto& p : ctx.model().parameters())
       if (p.grad().defined()) grads.push_back(p.grad());
     for (auto& bucket : buckets(grads)) {
       auto flat = flatten(bucket);
@@ -201,25 +192,25 @@ class Ddp final : public tk::Plugin {
       if (average_) flat.div_(world_.size);
       unflatten(flat, bucket);
     }
-    auto totals = torch::tensor({static_cast<double>(ctx.totals.micro_batches), static_cast<double>(ctx.totals.samples),
-                                 static_cast<double>(ctx.totals.tokens), ctx.totals.loss_sum},
+    auto totals = torch::tensor({static_cast<double>(ctx.totals().micro_batches), static_cast<double>(ctx.totals().samples),
+                                 static_cast<double>(ctx.totals().tokens), ctx.totals().loss_sum},
                                 torch::kDouble);
     allreduce(totals);
-    ctx.totals.micro_batches = std::llround(totals[0].item<double>());
-    ctx.totals.samples = std::llround(totals[1].item<double>());
-    ctx.totals.tokens = std::llround(totals[2].item<double>());
-    ctx.totals.loss_sum = totals[3].item<double>();
+    ctx.totals().micro_batches = std::llround(totals[0].item<double>());
+    ctx.totals().samples = std::llround(totals[1].item<double>());
+    ctx.totals().tokens = std::llround(totals[2].item<double>());
+    ctx.totals().loss_sum = totals[3].item<double>();
     ++syncs_;
-    ctx.metrics.put("ddp_sync_ms", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    ctx.metrics.put("ddp_syncs", static_cast<double>(syncs_));
-    ctx.metrics.put("ddp_allreduces", static_cast<double>(allreduces_));
+    ctx.metric("ddp_sync_ms", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ctx.metric("ddp_syncs", static_cast<double>(syncs_));
+    ctx.metric("ddp_allreduces", static_cast<double>(allreduces_));
   }
 
   /// Fails the run when the ranks no longer hold the same parameters.
   void check_same(tk::Context& ctx) {
     torch::NoGradGuard no_grad;
     double sum = 0.0;
-    for (const auto& p : ctx.model.parameters()) sum += p.to(torch::kDouble).sum().item<double>();
+    for (const auto& p : ctx.model().parameters()) sum += p.to(torch::kDouble).sum().item<double>();
     auto lo = torch::tensor({sum}, torch::kDouble), hi = lo.clone();
     std::vector<torch::Tensor> vl{lo}, vh{hi};
     c10d::AllreduceOptions mn, mx;
@@ -230,7 +221,7 @@ class Ddp final : public tk::Plugin {
     if (lo.item<double>() != hi.item<double>()) {
       std::ostringstream m;
       m.precision(17);
-      m << "ranks diverged after step " << ctx.counters.step << ": parameter checksums range from " << lo.item<double>()
+      m << "ranks diverged after step " << ctx.counters().step << ": parameter checksums range from " << lo.item<double>()
         << " to " << hi.item<double>();
       throw std::runtime_error(m.str());
     }
@@ -271,7 +262,6 @@ class Ddp final : public tk::Plugin {
     }
   }
 
-  tk::Options options_;
   World world_;
   std::string backend_ = "auto";
   std::chrono::milliseconds timeout_{300000}, rdv_timeout_{300000};

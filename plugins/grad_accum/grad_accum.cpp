@@ -32,7 +32,6 @@ class GradAccum final : public tk::Plugin {
     normalize_ = o.get_string("normalize");
     const auto& lw = o.get_string("last_window");
     policy_ = lw == "drop" ? tk::LastWindow::Drop : lw == "carry" ? tk::LastWindow::Carry : tk::LastWindow::Step;
-    options_ = o;
   }
 
   tk::Contract contract() const override {
@@ -45,28 +44,26 @@ class GradAccum final : public tk::Plugin {
   void configure(tk::RunPlan& plan) override {
     const std::string want = normalize_ == "mean" ? "mean" : "sum";
     if (plan.loss_reduction != want)
-      options_.fail("normalize", "\"" + normalize_ + "\" needs a loss with reduction = \"" + want +
+      fail_option("normalize", "\"" + normalize_ + "\" needs a loss with reduction = \"" + want +
                                      "\", but the recipe's loss uses \"" + plan.loss_reduction + "\"");
     plan.set_window(steps_, policy_, name());
   }
 
-  tk::EventSet events() const override { return {tk::Event::Boundary}; }
-
-  void on_event(tk::Event e, tk::Context& ctx) override {
-    const tk::WindowTotals& t = ctx.totals;
+  void on_boundary(tk::Context& ctx) override {
+    const tk::WindowTotals& t = ctx.totals();
     const int64_t divisor = normalize_ == "mean" ? t.micro_batches : normalize_ == "samples" ? t.samples : t.tokens;
     if (divisor < 1) {
       ctx.veto_step("the window has no " + normalize_ + " to normalize by");
       return;
     }
     if (divisor != 1) {
-      for (auto& group : ctx.optimizer.param_groups())
+      for (auto& group : ctx.optimizer().param_groups())
         for (auto& p : group.params())
           if (p.grad().defined()) p.mutable_grad().div_(divisor);
     }
     ++windows_;
-    if (ctx.window.is_short()) ++short_windows_;
-    ctx.metrics.put("accum_divisor", static_cast<double>(divisor));
+    if (ctx.window().is_short()) ++short_windows_;
+    ctx.metric("accum_divisor", static_cast<double>(divisor));
   }
 
   tk::StateDict state() const override {
@@ -80,7 +77,6 @@ class GradAccum final : public tk::Plugin {
  private:
   int64_t steps_ = 1;
   std::string normalize_ = "mean";
-  tk::Options options_;
   tk::LastWindow policy_ = tk::LastWindow::Step;
   int64_t windows_ = 0, short_windows_ = 0;
 };

@@ -67,15 +67,14 @@ class MixedPrecision final : public tk::Plugin {
         if (o.is_set(k))
           notes_.push_back(std::string(fp16_ ? "loss_scale = \"none\"" : "dtype = \"bf16\" needs no loss scaler") +
                            "; ignoring " + k + " (" + o.where(k).str() + ")");
-    options_ = o;
   }
 
   void configure(tk::RunPlan& plan) override {
     device_ = plan.device;
     if (device_ != at::kCPU && device_ != at::kCUDA)
-      options_.fail("dtype", std::string("autocast works on CPU and CUDA, not ") + c10::DeviceTypeName(device_));
+      fail_option("dtype", std::string("autocast works on CPU and CUDA, not ") + c10::DeviceTypeName(device_));
     if (fp16_ && !half_matmul_works(device_))
-      options_.fail("dtype", std::string("fp16 needs Half kernels on ") + c10::DeviceTypeName(device_, true) +
+      fail_option("dtype", std::string("fp16 needs Half kernels on ") + c10::DeviceTypeName(device_, true) +
                                  ", which LibTorch " TORCH_VERSION " lacks (CPU ones came with LibTorch 2.x); use "
                                  "dtype = \"bf16\" here, or fp16 on CUDA");
   }
@@ -91,35 +90,27 @@ class MixedPrecision final : public tk::Plugin {
     return c;
   }
 
-  tk::EventSet events() const override {
-    return {tk::Event::FitStart, tk::Event::MicroBatch, tk::Event::Loss, tk::Event::Backward, tk::Event::Boundary,
-            tk::Event::ValidationStart, tk::Event::ValidationEnd, tk::Event::FitEnd};
+  void on_fit_start(tk::Context& ctx) override { start(ctx); }
+  void on_micro_batch(tk::Context&) override { enter(); }
+  void on_loss(tk::Context& ctx) override {
+    leave();
+    if (scaling_) ctx.loss() = ctx.loss() * scale_;
   }
-
-  void on_event(tk::Event e, tk::Context& ctx) override {
-    switch (e) {
-      case tk::Event::FitStart: start(ctx); break;
-      case tk::Event::MicroBatch:
-      case tk::Event::ValidationStart: enter(); break;
-      case tk::Event::Loss:
-        leave();
-        if (scaling_) ctx.loss = ctx.loss * scale_;
-        break;
-      case tk::Event::ValidationEnd:
-      case tk::Event::FitEnd: leave(); break;
-      case tk::Event::Backward:
-        if (scaling_ && check_each_ && !overflow_ && !all_finite(ctx)) {
-          overflow_ = true;
-          ctx.info("gradient overflow at micro-batch " + std::to_string(ctx.window.index + 1) + " of " +
-                   std::to_string(ctx.window.size) + " (step " + std::to_string(ctx.counters.step + 1) + ")");
-        }
-        break;
-      case tk::Event::Boundary:
-        if (scaling_) boundary(ctx);
-        break;
-      default: break;
+  void on_backward(tk::Context& ctx) override {
+    if (!scaling_ || !check_each_) return decline(tk::Event::Backward);  // nothing to check per micro-batch
+    if (!overflow_ && !all_finite(ctx)) {
+      overflow_ = true;
+      ctx.info("gradient overflow at micro-batch " + std::to_string(ctx.window().index + 1) + " of " +
+               std::to_string(ctx.window().size) + " (step " + std::to_string(ctx.counters().step + 1) + ")");
     }
   }
+  void on_boundary(tk::Context& ctx) override {
+    if (!scaling_) return decline(tk::Event::Boundary);  // bf16 needs no unscaling
+    boundary(ctx);
+  }
+  void on_validation_start(tk::Context&) override { enter(); }
+  void on_validation_end(tk::Context&) override { leave(); }
+  void on_fit_end(tk::Context&) override { leave(); }
 
   tk::StateDict state() const override {
     return {{"scale", torch::tensor(scale_, torch::kDouble)},
@@ -137,7 +128,7 @@ class MixedPrecision final : public tk::Plugin {
     for (const auto& n : notes_) ctx.warn(n);
     notes_.clear();
     dtype_ = fp16_ ? at::kHalf : at::kBFloat16;
-    for (const auto& p : ctx.model.parameters())
+    for (const auto& p : ctx.model().parameters())
       if (p.scalar_type() != at::kFloat)
         throw std::runtime_error("autocast needs float32 parameters, found " + std::string(c10::toString(p.scalar_type())) +
                                  " (set run.dtype = \"float32\")");
@@ -162,7 +153,7 @@ class MixedPrecision final : public tk::Plugin {
 
   bool all_finite(tk::Context& ctx) const {
     torch::NoGradGuard no_grad;
-    for (const auto& p : ctx.model.parameters())
+    for (const auto& p : ctx.model().parameters())
       if (p.grad().defined() && !at::isfinite(p.grad()).all().item<bool>()) return false;
     return true;
   }
@@ -173,12 +164,12 @@ class MixedPrecision final : public tk::Plugin {
     if (!found_inf) {
       torch::NoGradGuard no_grad;
       const double inv = 1.0 / scale_;
-      for (const auto& p : ctx.model.parameters())
+      for (const auto& p : ctx.model().parameters())
         if (p.grad().defined()) p.mutable_grad().mul_(inv);
       found_inf = !all_finite(ctx);
     }
     overflow_ = false;
-    ctx.metrics.put("loss_scale", used);
+    ctx.metric("loss_scale", used);
     if (found_inf) {
       scale_ *= backoff_;
       tracker_ = 0;
@@ -186,16 +177,15 @@ class MixedPrecision final : public tk::Plugin {
       std::ostringstream why;
       why << "gradient overflow; loss scale " << used << " -> " << scale_;
       ctx.veto_step(why.str(), advance_on_skip_);
-      ctx.info("step " + std::to_string(ctx.counters.step + 1) + " skipped: " + why.str());
+      ctx.info("step " + std::to_string(ctx.counters().step + 1) + " skipped: " + why.str());
     } else if (++tracker_ == interval_) {
       scale_ *= growth_;
       tracker_ = 0;
     }
-    ctx.metrics.put("amp_skipped_steps", static_cast<double>(skipped_));
+    ctx.metric("amp_skipped_steps", static_cast<double>(skipped_));
   }
 
   bool fp16_ = false, scaling_ = false, check_each_ = false, advance_on_skip_ = false;
-  tk::Options options_;
   double scale_ = 65536.0, growth_ = 2.0, backoff_ = 0.5;
   int64_t interval_ = 2000, tracker_ = 0, skipped_ = 0;
   bool overflow_ = false;

@@ -1,6 +1,5 @@
 // Real workloads: Fashion-MNIST's IDX files, text for language modelling, the CNN, the GPT and
 // TorchScript models.
-#include <tk/builtins.h>
 #include <tk/tensor_io.h>
 #include <zlib.h>
 
@@ -20,12 +19,12 @@ const tk::Component<Fn>& component(const std::vector<tk::Component<Fn>>& list, c
 }
 
 tk::DataSplits make_data(const std::string& name, const std::string& options) {
-  const auto& c = component(tk::datasets(), name);
+  const auto& c = component(tkt::standard_registry().data(), name);
   return c.make(tk::parse_options(options, c.specs, "data"), 1);
 }
 
 tk::ModelPtr make_model(const std::string& name, const std::string& options, const tk::DataInfo& info) {
-  const auto& c = component(tk::models(), name);
+  const auto& c = component(tkt::standard_registry().models(), name);
   return c.make(tk::parse_options(options, c.specs, "model"), info);
 }
 

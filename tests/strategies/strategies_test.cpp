@@ -6,6 +6,7 @@
 // device (LibTorch 2.x on CPU); everywhere, the same scaler runs under bf16 with
 // loss_scale = "dynamic".
 #include <tk/tensor_io.h>
+#include <tk/testing.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
@@ -30,15 +31,12 @@ class ParamBag : public tk::Model {
   Tensor forward(const Tensor& x) override { return x; }
 };
 
-struct Sink : tk::MetricsSink {
-  void put(const std::string& k, double v) override { values[k] = v; }
-  std::map<std::string, double> values;
-};
-
 std::shared_ptr<tk::Plugin> load_plugin(const std::string& name, const std::string& options) {
   tk::PluginLoader loader({TK_PLUGIN_DIR});
-  auto p = loader.load_by_name(name).plugin;
-  p->init(tk::parse_options(options, p->option_specs(), "plugins." + name));
+  auto p = loader.load_plugin(loader.find(name)).plugin;
+  auto opts = tk::parse_options(options, p->option_specs(), "plugins." + name);
+  p->set_options(opts);
+  p->init(opts);
   return p;
 }
 
@@ -50,17 +48,13 @@ class Inject : public tk::Plugin {
       : at_(std::move(at_steps)), micro_(micro_index) {
     set_name("inject");
   }
-  tk::EventSet events() const override { return {tk::Event::Backward, tk::Event::StepEnd}; }
-  void on_event(tk::Event e, tk::Context& ctx) override {
-    if (e == tk::Event::StepEnd) {
-      after_step.push_back(tkt::flat_params(ctx.model));
-      return;
-    }
-    auto it = at_.find(ctx.counters.step);
-    const bool here = micro_ < 0 ? ctx.window.is_last() : ctx.window.index == micro_;
+  void on_step_end(tk::Context& ctx) override { after_step.push_back(tkt::flat_params(ctx.model())); }
+  void on_backward(tk::Context& ctx) override {
+    auto it = at_.find(ctx.counters().step);
+    const bool here = micro_ < 0 ? ctx.window().is_last() : ctx.window().index == micro_;
     if (it == at_.end() || !here) return;
     torch::NoGradGuard no_grad;
-    ctx.model.parameters()[0].mutable_grad().view({-1})[0].fill_(it->second);
+    ctx.model().parameters()[0].mutable_grad().view({-1})[0].fill_(it->second);
   }
   std::vector<Tensor> after_step;
 
@@ -156,8 +150,7 @@ TEST_SUITE("clip") {
       for (size_t i = 0; i < in.size(); ++i) params[i].mutable_grad() = in[i].clone();
       torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
       tk::RunPlan plan;
-      Sink sink;
-      tk::Context ctx(*bag, opt, plan, sink, tk::Reduction::Mean);
+      tk::testing::ManualContext ctx(*bag, opt, plan);
       std::string options;
       if (name == "value") {
         options = "max_value = " + tk::to_toml(golden.at("value.max_value").item<double>());
@@ -167,10 +160,10 @@ TEST_SUITE("clip") {
                   "\nnorm_type = " + (std::isinf(nt) ? std::string("inf") : tk::to_toml(nt));
       }
       auto clip = load_plugin("clip", options);
-      clip->on_event(tk::Event::Boundary, ctx);
+      ctx.call(*clip, tk::Event::Boundary);
       for (size_t i = 0; i < in.size(); ++i) CHECK(tkt::rel_diff(params[i].grad(), expect[i]) < 1e-12);
       if (name != "value") {
-        CHECK(sink.values.at("grad_norm") ==
+        CHECK(ctx.metric_value("grad_norm") ==
               doctest::Approx(golden.at(name + ".total_norm").item<double>()).epsilon(1e-12));
         if (name == "l2_untouched")
           for (size_t i = 0; i < in.size(); ++i) CHECK(torch::equal(params[i].grad(), in[i]));

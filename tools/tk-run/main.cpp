@@ -4,9 +4,9 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <tk/abi.h>
+#include <tk/trainer.h>
 
 #include "launch.h"
-#include <tk/trainer.h>
 
 #include <unistd.h>
 
@@ -65,32 +65,41 @@ void print_specs(const tk::OptionSpecs& specs) {
   }
 }
 
-template <class Fn>
-void list_components(const char* section, const std::vector<tk::Component<Fn>>& list) {
+template <class Maker>
+void list_components(const char* section, const std::vector<tk::Component<Maker>>& list) {
   std::printf("[%s]\n", section);
   for (const auto& c : list) {
     std::printf("  name = \"%s\"  %s\n", c.name.c_str(), c.doc.c_str());
+    std::printf("      %-20s %s\n", "(from)", c.library.c_str());
     print_specs(c.specs);
   }
 }
 
+/// Every library on the plugin path, loaded into one registry: what recipes can name.
 int list_all() {
-  list_components("model", tk::models());
-  list_components("data", tk::datasets());
-  list_components("loss", tk::losses());
-  list_components("optimizer", tk::optimizers());
-  list_components("schedule", tk::schedules());
   tk::PluginLoader loader(tk::PluginLoader::default_dirs());
-  std::printf("[[plugins]]\n");
+  tk::Registry registry;
+  std::vector<std::string> broken;
   for (const auto& name : loader.available()) {
     try {
-      auto lp = loader.load_by_name(name);
-      std::printf("  name = \"%s\"  version %s  (%s)\n", lp.name.c_str(), lp.version.c_str(), lp.file.c_str());
-      print_specs(lp.plugin->option_specs());
+      loader.load(loader.find(name), registry);
     } catch (const std::exception& e) {
-      std::printf("  %s: cannot load: %s\n", name.c_str(), e.what());
+      broken.push_back(name + ": cannot load: " + e.what());
     }
   }
+  list_components("model", registry.models());
+  list_components("data", registry.data());
+  list_components("loss", registry.losses());
+  list_components("optimizer", registry.optimizers());
+  list_components("schedule", registry.schedules());
+  std::printf("[[plugins]]\n");
+  for (const auto& c : registry.plugins()) {
+    auto plugin = registry.make_plugin(c.name);
+    std::printf("  name = \"%s\"  %s\n", c.name.c_str(), c.doc.c_str());
+    std::printf("      %-20s %s\n", "(from)", c.library.c_str());
+    print_specs(plugin->option_specs());
+  }
+  for (const auto& b : broken) std::printf("  %s\n", b.c_str());
   return 0;
 }
 

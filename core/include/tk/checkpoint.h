@@ -8,8 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "tk/batch.h"
 #include "tk/model.h"
-#include "tk/plugin.h"
+#include "tk/run_plan.h"
 
 namespace tk {
 

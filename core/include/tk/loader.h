@@ -1,13 +1,23 @@
 #pragma once
-/// Finds plugin libraries, checks their entry point and makes instances tied to their library.
+/// Finds plugin libraries, checks their entry point and lets them register into a Registry.
 #include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "tk/plugin.h"
+#include "tk/registry.h"
 
 namespace tk {
+
+/// What a library told the loader about itself.
+struct LibraryInfo {
+  std::string name;
+  std::string version;
+  std::string trainkit_version;
+  std::string torch_version;
+  std::filesystem::path file;
+};
 
 /// A plugin instance; it keeps its library loaded for as long as it lives.
 struct LoadedPlugin {
@@ -19,26 +29,32 @@ struct LoadedPlugin {
 
 class PluginLoader {
  public:
-  /// Searches `dirs` in order for plugins given by name.
+  /// Searches `dirs` in order for libraries given by name.
   explicit PluginLoader(std::vector<std::filesystem::path> dirs);
 
   /// The default search path: `<recipe_dir>/plugins` (when given), each entry of TK_PLUGIN_PATH,
-  /// the build tree, `<exe dir>/../lib/trainkit/plugins`, and the install location.
+  /// then the plugins folder of this trainkit: `<libtrainkit's folder>/trainkit/plugins` when
+  /// installed, the build tree's plugins/ when run from there.
   static std::vector<std::filesystem::path> default_dirs(const std::filesystem::path& recipe_dir = {});
+  /// The libraries every run loads first: trainkit's own models, data sets and optimizers.
+  static std::vector<std::string> standard_libraries();
 
-  /// The file that holds plugin `name` (tk_<name>.so); the error lists the folders searched.
+  /// The file that holds library `name` (tk_<name>.so); the error lists the folders searched.
   std::filesystem::path find(const std::string& name) const;
-  /// Plugin names found on the search path.
+  /// Library names found on the search path.
   std::vector<std::string> available() const;
-  /// Loads a plugin library and makes one instance. Refuses a missing file or entry point, a
-  /// wrong ABI or LibTorch version and a null factory, naming the file and expected vs found.
-  LoadedPlugin load(const std::filesystem::path& file) const;
-  /// find() then load().
-  LoadedPlugin load_by_name(const std::string& name) const { return load(find(name)); }
+  /// Loads a library and lets it register what it holds into `registry` (once per file and
+  /// registry). Refuses a missing or broken file, a missing entry point, a wrong ABI version,
+  /// layout or LibTorch version, naming the file and expected vs found.
+  LibraryInfo load(const std::filesystem::path& file, Registry& registry) const;
+  /// Reads a library's entry point without registering anything (for tools that describe it).
+  LibraryInfo inspect(const std::filesystem::path& file) const;
+  /// Loads a library that holds exactly one strategy plugin and makes an instance of it.
+  LoadedPlugin load_plugin(const std::filesystem::path& file) const;
 
   const std::vector<std::filesystem::path>& dirs() const noexcept { return dirs_; }
 
-  /// File name a plugin called `name` has: "tk_<name>.so".
+  /// File name of the library called `name`: "tk_<name>.so".
   static std::string file_name(const std::string& name);
 
  private:

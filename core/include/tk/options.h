@@ -10,7 +10,9 @@
 
 namespace tk {
 
-enum class OptionType { Bool, Int, Float, String, IntList, FloatList };
+/// Path is a string that names a file or folder: a relative one is resolved against the folder of
+/// the recipe that sets it (the working directory for a `--set`), when the recipe is read.
+enum class OptionType { Bool, Int, Float, String, IntList, FloatList, Path };
 
 /// Name of a type as shown in errors and docs ("integer", "float", ...).
 const char* to_string(OptionType t) noexcept;
@@ -36,6 +38,7 @@ OptionSpec opt_int(std::string name, int64_t def, std::string doc);
 OptionSpec opt_float(std::string name, double def, std::string doc);
 OptionSpec opt_string(std::string name, std::string def, std::string doc,
                       std::vector<std::string> choices = {});
+OptionSpec opt_path(std::string name, std::string def, std::string doc);
 OptionSpec opt_ints(std::string name, std::vector<int64_t> def, std::string doc);
 OptionSpec opt_floats(std::string name, std::vector<double> def, std::string doc);
 
@@ -53,6 +56,8 @@ class Options {
   int64_t get_int(const std::string& name) const;
   double get_float(const std::string& name) const;
   const std::string& get_string(const std::string& name) const;
+  /// A Path option: absolute once read from a recipe (empty stays empty).
+  const std::string& get_path(const std::string& name) const;
   const std::vector<int64_t>& get_ints(const std::string& name) const;
   const std::vector<double>& get_floats(const std::string& name) const;
 

@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "tk/model.h"
 #include "tk/plugin.h"
+#include "tk/run_plan.h"
 
 namespace tk {
 
@@ -34,7 +34,9 @@ struct PluginDecl {
 
 /// Dispatch order for plugins: the providers of what a plugin lists in `after` come first, recipe
 /// order otherwise. Refuses two providers of one capability, an unmet requirement, a conflict or
-/// a cycle, naming both plugins involved.
-std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins);
+/// a cycle, naming both plugins involved. A capability in `after` that no plugin provides and that
+/// is not a known name (tk/capabilities.h) adds a warning to `warnings`: most likely a typo.
+std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins,
+                                  std::vector<std::string>* warnings = nullptr);
 
 }  // namespace tk

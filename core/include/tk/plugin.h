@@ -1,98 +1,14 @@
 #pragma once
-/// The plugin interface: what a strategy sees of the loop, and what it tells the loop about itself.
-#include <torch/optim/optimizer.h>
-
-#include <functional>
+/// The plugin interface (ABI version 2): one hook per event, a setup hook, a declared contract.
 #include <string>
 #include <vector>
 
 #include "tk/capabilities.h"
+#include "tk/context.h"
 #include "tk/events.h"
-#include "tk/model.h"
 #include "tk/options.h"
 
 namespace tk {
-
-/// Where the current micro-batch sits in its optimizer-step window; known before its forward pass.
-struct Window {
-  int64_t index = 0;       ///< 0-based position in the window
-  int64_t size = 1;        ///< micro-batches in this window (short for a last window)
-  int64_t configured = 1;  ///< the configured window size k
-  bool is_last() const noexcept { return index + 1 == size; }
-  bool is_first() const noexcept { return index == 0; }
-  bool is_short() const noexcept { return size < configured; }
-};
-
-/// Step counters, updated by the core.
-struct Counters {
-  int64_t step = 0;           ///< optimizer steps taken (vetoed ones included)
-  int64_t micro_step = 0;     ///< micro-batches processed in total
-  int64_t epoch = 0;          ///< 0-based epoch of the current micro-batch
-  int64_t batch_in_epoch = 0; ///< 0-based index of the micro-batch in its epoch
-  int64_t samples_seen = 0;   ///< examples that went through forward and backward
-  int64_t tokens_seen = 0;    ///< target items that counted toward the loss
-  int64_t skipped_steps = 0;  ///< optimizer steps vetoed by a plugin
-  int64_t schedule_step = 0;  ///< steps the LR schedule has advanced (a vetoed step may not advance it)
-  int64_t total_steps = 0;    ///< optimizer steps the run will take (known before it starts)
-};
-
-/// Per-step metrics plugins add; written to metrics.jsonl with the step's record.
-class MetricsSink {
- public:
-  virtual ~MetricsSink() = default;
-  virtual void put(const std::string& name, double value) = 0;
-};
-
-/// How the loss reduces over its items; plugins that normalize gradients check it.
-enum class Reduction { Mean, Sum };
-const char* to_string(Reduction r) noexcept;
-
-/// Running totals of the current window, kept by the core (a sync plugin may replace them with
-/// sums over all ranks before normalization).
-struct WindowTotals {
-  int64_t micro_batches = 0;  ///< micro-batches whose backward is done
-  int64_t samples = 0;        ///< their examples
-  int64_t tokens = 0;         ///< their counted target items
-  double loss_sum = 0.0;      ///< sum of item-weighted losses, for the true window loss
-};
-
-/// Everything a plugin may read or change during an event.
-struct Context {
-  Context(Model& m, torch::optim::Optimizer& o, const RunPlan& p, MetricsSink& s, Reduction r)
-      : model(m), optimizer(o), plan(p), metrics(s), reduction(r) {}
-
-  Model& model;
-  torch::optim::Optimizer& optimizer;
-  const RunPlan& plan;
-  MetricsSink& metrics;
-  Reduction reduction = Reduction::Mean;  ///< of the recipe's loss
-
-  Counters counters;
-  Window window;
-  WindowTotals totals;         ///< of the current window, up to the last backward
-  Batch* batch = nullptr;      ///< the current micro-batch (micro_batch .. backward events)
-  torch::Tensor loss;          ///< the tensor backward runs on; plugins may replace it in on_loss
-  double loss_value = 0.0;     ///< this micro-batch's loss as computed, before any rescaling
-  double window_loss = 0.0;    ///< the true loss of the window, over all ranks (step_end event)
-  double validation_loss = 0.0;///< set for validation_end
-  double lr = 0.0;             ///< learning rate of the step being taken
-
-  /// Votes against the optimizer step of this window; the core skips it and counts it. The LR
-  /// schedule stays where it is unless `advance_schedule`.
-  void veto_step(const std::string& reason, bool advance_schedule = false);
-  bool step_vetoed() const noexcept { return !veto_reason.empty(); }
-
-  /// Messages through the run's log, prefixed with the current plugin's name.
-  void info(const std::string& msg) const;
-  void warn(const std::string& msg) const;
-
-  // Set by the core; plugins read them through the functions above.
-  std::string current_plugin;
-  std::string veto_reason;
-  std::string vetoed_by;
-  bool veto_advances_schedule = false;
-  std::function<void(int level, const std::string&)> log_sink;
-};
 
 /// Ordering and compatibility a plugin declares (names from tk/capabilities.h or its own).
 struct Contract {
@@ -102,35 +18,79 @@ struct Contract {
   std::vector<std::string> conflicts; ///< refuse the run if some plugin provides these
 };
 
-/// Base class of every strategy. The core creates it through the plugin's entry point, hands it
-/// its validated options, lets it shape the run plan, then dispatches the events it subscribes to.
+/// Base class of every strategy. The core makes it through its library's registry, hands it its
+/// validated options (init), lets it shape the run plan (configure) and the model (setup), then
+/// calls the hooks of the events it overrides, in the order the contracts give.
+///
+/// Override only the hooks you need. The base hooks do nothing and tell the core that the plugin
+/// does not handle that event, so it is not called for it again (an override must not call them).
+/// A hook that throws stops the run; the core reports plugin, event and step.
 class Plugin {
  public:
   virtual ~Plugin() = default;
 
   /// Options a recipe may set for this plugin; unknown or mistyped ones are refused by the core.
   virtual OptionSpecs option_specs() const { return {}; }
-  /// Receives the validated options (defaults filled in). Reject bad values with `opts.fail`.
+  /// Receives the validated options (defaults filled in). Reject bad values with fail_option().
   virtual void init(const Options& opts) {}
   /// Declares ordering needs and what this plugin provides.
   virtual Contract contract() const { return {}; }
   /// Adjusts the run plan (window, world) before training starts.
   virtual void configure(RunPlan& plan) {}
-  /// The events this plugin handles.
-  virtual EventSet events() const = 0;
-  /// Handles one event. Throwing stops the run; the core reports plugin, event and step.
-  virtual void on_event(Event e, Context& ctx) = 0;
+  /// Once, after the model is built and before the optimizer exists; may change the model.
+  virtual void setup(SetupContext& setup) {}
+
+  /// Once, before the first epoch (after load_state when resuming).
+  virtual void on_fit_start(Context& ctx) { decline(Event::FitStart); }
+  /// Before an epoch's first micro-batch.
+  virtual void on_epoch_start(Context& ctx) { decline(Event::EpochStart); }
+  /// A micro-batch was fetched; before its forward pass (ctx.window() says where it sits).
+  virtual void on_micro_batch(Context& ctx) { decline(Event::MicroBatch); }
+  /// The loss tensor is ready; ctx.loss() may be replaced (rescaled) before backward.
+  virtual void on_loss(Context& ctx) { decline(Event::Loss); }
+  /// This micro-batch's gradients were added in.
+  virtual void on_backward(Context& ctx) { decline(Event::Backward); }
+  /// The window is complete, before the optimizer step: sync, normalize, unscale, clip, veto.
+  virtual void on_boundary(Context& ctx) { decline(Event::Boundary); }
+  /// After the optimizer step (or its veto), the schedule step and zero_grad.
+  virtual void on_step_end(Context& ctx) { decline(Event::StepEnd); }
+  /// After an epoch's last micro-batch.
+  virtual void on_epoch_end(Context& ctx) { decline(Event::EpochEnd); }
+  /// Before a validation pass (model in eval mode, no grad).
+  virtual void on_validation_start(Context& ctx) { decline(Event::ValidationStart); }
+  /// After a validation pass; ctx.validation_loss() is set.
+  virtual void on_validation_end(Context& ctx) { decline(Event::ValidationEnd); }
+  /// Once at the end, however the run ended (ctx.status()): also after a failure or a stop.
+  virtual void on_fit_end(Context& ctx) { decline(Event::FitEnd); }
+
   /// The plugin's state, for checkpoints.
   virtual StateDict state() const { return {}; }
-  /// Restores what `state()` returned.
+  /// Restores what `state()` returned; on a resume, before on_fit_start.
   virtual void load_state(const StateDict& s) {}
 
   /// The name under which the plugin was loaded.
   const std::string& name() const noexcept { return name_; }
   void set_name(std::string n) { name_ = std::move(n); }
+  /// The validated options of this instance (set by the core before init).
+  const Options& options() const noexcept { return options_; }
+  void set_options(Options o) { options_ = std::move(o); }
+  /// An error located at the recipe position of option `key`; usable in any hook.
+  [[noreturn]] void fail_option(const std::string& key, const std::string& what) const { options_.fail(key, what); }
+
+  /// False once a hook for `e` turned out to be the base one (known after its first dispatch).
+  bool handles(Event e) const noexcept { return (declined_ & (1u << static_cast<unsigned>(e))) == 0; }
+
+ protected:
+  /// Called by the base hooks only.
+  void decline(Event e) noexcept { declined_ |= 1u << static_cast<unsigned>(e); }
 
  private:
   std::string name_;
+  Options options_;
+  uint32_t declined_ = 0;
 };
+
+/// Calls the hook of `e` on `p`.
+void dispatch(Plugin& p, Event e, Context& ctx);
 
 }  // namespace tk

@@ -23,6 +23,8 @@ class Recipe {
   /// Parses recipe text; `source_name` stands for the file in messages.
   static Recipe from_string(const std::string& text, const std::string& source_name = "<recipe>");
 
+  Recipe(const Recipe& other);
+  Recipe& operator=(const Recipe& other);
   Recipe(Recipe&&) noexcept;
   Recipe& operator=(Recipe&&) noexcept;
   ~Recipe();

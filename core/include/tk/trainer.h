@@ -1,5 +1,7 @@
 #pragma once
-/// The training loop: builds a run from a recipe, dispatches events to plugins, writes the outputs.
+/// A training run in process: assembled from a recipe, planned, trained, written out.
+#include <torch/optim/optimizer.h>
+
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -7,12 +9,14 @@
 #include <string>
 #include <vector>
 
-#include "tk/builtins.h"
+#include "tk/components.h"
+#include "tk/data.h"
 #include "tk/loader.h"
 #include "tk/output.h"
 #include "tk/plan.h"
 #include "tk/plugin.h"
 #include "tk/recipe.h"
+#include "tk/registry.h"
 
 namespace tk {
 
@@ -50,18 +54,21 @@ struct FitResult {
   std::filesystem::path output_dir;   ///< empty when outputs were off
   std::filesystem::path checkpoint;   ///< the last checkpoint written, if any
   std::string stopped;                ///< "" when the run completed; "max_time" or "signal"
+  FitStatus status = FitStatus::Running;  ///< Completed, StoppedByTime or StoppedBySignal
 };
 
 class Trainer {
  public:
-  /// Builds model, data, loss, optimizer, schedule and plugins from `recipe`; every error names
-  /// the recipe position or plugin file at fault.
-  explicit Trainer(const Recipe& recipe, TrainerOptions opts = {});
+  /// Builds model, data, loss, schedule and plugins from `recipe` (the Trainer keeps its own
+  /// copy); every error names the recipe position or plugin file at fault. The optimizer is made
+  /// when the run is planned (describe(), plan(), optimizer() or fit()), after the plugins' setup.
+  explicit Trainer(Recipe recipe, TrainerOptions opts = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  /// Adds a plugin made in code (not from a library) after the recipe's ones; before fit().
+  /// Adds a plugin made in code (not from a library) after the recipe's ones; before the run is
+  /// planned.
   void add_plugin(std::shared_ptr<Plugin> plugin, const Options& opts);
 
   /// The resolved plan as text: what `tk-run --dry-run` prints.
@@ -69,10 +76,14 @@ class Trainer {
   /// Trains. Throws PluginRuntimeError / Error; the output folder keeps what was written.
   FitResult fit();
 
+  /// The model (after planning: as the plugins' setup left it).
   Model& model();
+  /// The optimizer over the model's trainable parameters (plans the run).
   torch::optim::Optimizer& optimizer();
   const RunPlan& plan();
   const DataSplits& data() const;
+  /// Every component and plugin the run's libraries registered.
+  const Registry& registry() const;
   /// Plugin names in dispatch order.
   std::vector<std::string> plugin_order();
   /// Every dispatch so far (when `run.trace` is on, or always for in-memory runs).

@@ -13,10 +13,10 @@
 #include <cmath>
 #include <filesystem>
 
-#include "components.h"
-#include "tk/compat.h"
+#include <tk/abi.h>
+#include <tk/compat.h>
 
-namespace tk::detail {
+namespace tk::models {
 namespace {
 
 torch::Tensor activate(const std::string& name, const torch::Tensor& x) {
@@ -263,8 +263,6 @@ class ScriptedModel : public Model {
   std::string file_;
 };
 
-}  // namespace
-
 OptionSpecs mlp_specs() {
   return {opt_ints("hidden", {64, 64}, "widths of the hidden layers"),
           opt_string("activation", "relu", "activation between layers", {"relu", "gelu", "tanh"}),
@@ -333,11 +331,11 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
 }
 
 OptionSpecs torchscript_specs() {
-  return {opt_string("torchscript", "", "file written by torch.jit.save (relative to the working directory)")};
+  return {opt_path("torchscript", "", "file written by torch.jit.save")};
 }
 
 ModelPtr make_torchscript(const Options& o, const DataInfo&) {
-  const std::string& file = o.get_string("torchscript");
+  const std::string& file = o.get_path("torchscript");
   if (file.empty()) o.fail("torchscript", "needs the file written by torch.jit.save(torch.jit.script(model), path)");
   if (!std::filesystem::is_regular_file(file)) o.fail("torchscript", "no such file: " + file);
   torch::jit::Module m;
@@ -352,4 +350,22 @@ ModelPtr make_torchscript(const Options& o, const DataInfo&) {
   return std::make_shared<ScriptedModel>(std::move(m), file);
 }
 
-}  // namespace tk::detail
+void register_models(Registry& r) {
+  r.add_model("mlp", "multi-layer perceptron; acts on the last dimension (so also per sequence position)",
+              mlp_specs(), make_mlp);
+  r.add_model("cnn", "convolutional classifier for images [C, H, W]: conv -> ReLU -> max-pool stages, one hidden layer",
+              cnn_specs(), make_cnn);
+  r.add_model("gpt",
+              "decoder-only Transformer language model (token + position embeddings, causal self-attention, "
+              "LayerNorm, GELU MLP, tied or untied head)",
+              gpt_specs(), make_gpt);
+  r.add_model("torchscript",
+              "a module exported from Python with torch.jit.script/trace and torch.jit.save; its parameters are "
+              "trained and saved under their Python names (shorthand: [model] torchscript = \"file.pt\")",
+              torchscript_specs(), make_torchscript);
+}
+
+}  // namespace
+}  // namespace tk::models
+
+TK_LIBRARY("models", "0.2.0", tk::models::register_models)

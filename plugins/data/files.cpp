@@ -8,11 +8,11 @@
 #include <memory>
 #include <sstream>
 
-#include "components.h"
+#include "data_sets.h"
 
 namespace fs = std::filesystem;
 
-namespace tk::detail {
+namespace tk::data {
 namespace {
 
 // ---------------------------------------------------------------- IDX files
@@ -64,7 +64,7 @@ IdxArray read_idx(const fs::path& file) {
 
 /// `dir/name`, or `dir/name.gz`; a clear error naming both and the Debian package otherwise.
 fs::path find_idx(const Options& o, const std::string& name) {
-  const fs::path dir = o.get_string("dir");
+  const fs::path dir = o.get_path("dir");
   for (const fs::path& p : {dir / name, dir / (name + ".gz")})
     if (fs::is_regular_file(p)) return p;
   o.fail("dir", "no " + name + " or " + name + ".gz in " + dir.string() +
@@ -110,7 +110,7 @@ std::pair<torch::Tensor, torch::Tensor> fashion_split(const Options& o, const st
 // ---------------------------------------------------------------- text
 
 std::string read_text(const Options& o) {
-  const std::string& path = o.get_string("path");
+  const std::string& path = o.get_path("path");
   if (path.empty()) o.fail("path", "needs a text file (e.g. /usr/share/games/fortunes/computers)");
   if (!fs::is_regular_file(path)) o.fail("path", "no such file: " + path);
   std::ifstream in(path, std::ios::binary);
@@ -186,7 +186,7 @@ double unigram_loss(const torch::Tensor& train_y, const torch::Tensor& val_y, in
 }  // namespace
 
 OptionSpecs fashion_mnist_specs() {
-  return {opt_string("dir", "/usr/share/datasets/fashion-mnist",
+  return {opt_path("dir", "/usr/share/datasets/fashion-mnist",
                      "folder of the IDX files (train-/t10k-images-idx3-ubyte, -labels-idx1-ubyte; .gz or not)"),
           opt_int("train_samples", 0, "use the first N training images (0: all 60000)"),
           opt_int("validation_samples", -1, "validate on the first N test images (-1: all 10000; 0: none)"),
@@ -213,7 +213,7 @@ DataSplits make_fashion_mnist(const Options& o, uint64_t) {
 }
 
 OptionSpecs text_specs() {
-  return {opt_string("path", "", "the text file (relative to the working directory)"),
+  return {opt_path("path", "", "the text file"),
           opt_string("level", "byte", "tokens are bytes (vocabulary 256) or the file's UTF-8 characters",
                      {"byte", "char"}),
           opt_int("seq_len", 128, "positions per example"),
@@ -233,7 +233,7 @@ DataSplits make_text(const Options& o, uint64_t) {
   if (ignore >= 0) o.fail("ignore_index", "must be negative (not a token id), got " + std::to_string(ignore));
   const std::string text = read_text(o);
   const bool chars = o.get_string("level") == "char";
-  const std::string& path = o.get_string("path");
+  const std::string& path = o.get_path("path");
 
   // Tokenize each document; characters are numbered in code-point order over the whole file.
   std::vector<std::vector<int64_t>> docs;
@@ -289,4 +289,4 @@ DataSplits make_text(const Options& o, uint64_t) {
   return d;
 }
 
-}  // namespace tk::detail
+}  // namespace tk::data

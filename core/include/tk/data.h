@@ -1,0 +1,66 @@
+#pragma once
+/// The interface of data sets, built-in or a user's, and the in-memory data set most of them use.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tk/batch.h"
+
+namespace tk {
+
+/// What a data set tells the model and loss it feeds.
+struct DataInfo {
+  int64_t input_dim = 0;   ///< features per example (or per position, for sequences)
+  int64_t output_dim = 0;  ///< classes, or regression targets
+  bool classification = true;
+  std::optional<int64_t> ignore_index;  ///< target value of items that do not count, if any
+  std::vector<int64_t> input_shape;     ///< shape of one example's input (images: {C, H, W}; text: {T})
+  int64_t vocab = 0;        ///< > 0 when inputs are token ids in [0, vocab)
+  bool next_token = false;  ///< targets are the inputs shifted by one (language modelling): perplexity applies
+  std::string baseline_name;  ///< a reference the validation loss is shown against ("unigram"), if any
+  double baseline_loss = 0.0; ///< that reference's validation loss
+
+  /// "image [1, 28, 28]", "tokens [128] of 256", "features [32]": for error messages.
+  std::string describe() const;
+};
+
+/// An in-memory data set indexed by example.
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual int64_t size() const = 0;
+  /// The examples at `indices` (a 1-D int64 tensor) as one batch.
+  virtual Batch get(const at::Tensor& indices) const = 0;
+};
+using DatasetPtr = std::shared_ptr<Dataset>;
+
+/// A data set made of whole tensors: inputs [N, ...], targets [N, ...]; `ignore_index` marks
+/// target items that do not count (for token targets).
+class TensorDataset : public Dataset {
+ public:
+  TensorDataset(at::Tensor inputs, at::Tensor targets, int64_t ignore_index = -100);
+  int64_t size() const override { return inputs_.size(0); }
+  Batch get(const at::Tensor& indices) const override;
+  const at::Tensor& inputs() const noexcept { return inputs_; }
+  const at::Tensor& targets() const noexcept { return targets_; }
+
+ private:
+  at::Tensor inputs_, targets_;
+  int64_t ignore_index_;
+};
+
+/// A data set's training split, its optional validation split, and what it tells model and loss.
+struct DataSplits {
+  DatasetPtr train;
+  DatasetPtr validation;  ///< may be null
+  DataInfo info;
+};
+
+/// The order examples are visited in an epoch: a pure function of (seed, epoch).
+at::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch, bool shuffle);
+
+}  // namespace tk

@@ -1,0 +1,82 @@
+#pragma once
+/// The engine's vocabulary: the shape of a run, where a micro-batch sits in its window, counters.
+#include <c10/core/DeviceType.h>
+
+#include <cstdint>
+#include <set>
+#include <string>
+
+namespace tk {
+
+/// What to do with the short window at the end of an epoch.
+enum class LastWindow { Step, Drop, Carry };
+const char* to_string(LastWindow p) noexcept;
+
+/// How the loss reduces over its items; plugins that normalize gradients check it.
+enum class Reduction { Mean, Sum };
+const char* to_string(Reduction r) noexcept;
+
+/// Where the current micro-batch sits in its optimizer-step window; known before its forward pass.
+struct Window {
+  int64_t index = 0;       ///< 0-based position in the window
+  int64_t size = 1;        ///< micro-batches in this window (short for a last window)
+  int64_t configured = 1;  ///< the configured window size k
+  bool is_last() const noexcept { return index + 1 == size; }
+  bool is_first() const noexcept { return index == 0; }
+  bool is_short() const noexcept { return size < configured; }
+};
+
+/// Step counters, updated by the core.
+struct Counters {
+  int64_t step = 0;           ///< optimizer steps taken (vetoed ones included)
+  int64_t micro_step = 0;     ///< micro-batches processed in total
+  int64_t epoch = 0;          ///< 0-based epoch of the current micro-batch
+  int64_t batch_in_epoch = 0; ///< 0-based index of the micro-batch in its epoch
+  int64_t samples_seen = 0;   ///< examples that went through forward and backward
+  int64_t tokens_seen = 0;    ///< target items that counted toward the loss
+  int64_t skipped_steps = 0;  ///< optimizer steps vetoed by a plugin
+  int64_t schedule_step = 0;  ///< steps the LR schedule has advanced (a vetoed step may not advance it)
+  int64_t total_steps = 0;    ///< optimizer steps the run will take (known before it starts)
+};
+
+/// Running totals of the current window, kept by the core (a sync plugin may replace them with
+/// sums over all ranks before normalization).
+struct WindowTotals {
+  int64_t micro_batches = 0;  ///< micro-batches whose backward is done
+  int64_t samples = 0;        ///< their examples
+  int64_t tokens = 0;         ///< their counted target items
+  double loss_sum = 0.0;      ///< sum of item-weighted losses, for the true window loss
+};
+
+/// How long a run trains: a number of epochs or a number of optimizer steps, never both.
+struct Bound {
+  enum class Unit { Epochs, Steps };
+  Unit unit = Unit::Epochs;
+  int64_t count = 1;
+  bool by_steps() const noexcept { return unit == Unit::Steps; }
+};
+
+/// The shape of a run, settled before training: plugins adjust it in Plugin::configure.
+struct RunPlan {
+  int64_t micro_batch = 1;      ///< examples per micro-batch (per rank)
+  int64_t accumulation = 1;     ///< micro-batches per optimizer step (window size k)
+  LastWindow last_window = LastWindow::Step;
+  int world_size = 1;           ///< processes that train together
+  int rank = 0;
+  std::string loss_reduction = "mean";  ///< "mean" or "sum", of the recipe's loss
+  c10::DeviceType device = c10::kCPU;   ///< where the model and the batches live
+  std::set<std::string> capabilities;   ///< everything the run's plugins provide (see tk/capabilities.h)
+  std::string window_owner;     ///< plugin that set the window, for error messages
+  std::string world_owner;      ///< plugin that set the world, for error messages
+
+  /// Sets the accumulation window; a second plugin trying to set it is refused, naming both.
+  void set_window(int64_t k, LastWindow policy, const std::string& by);
+  /// Sets world size and rank; a second plugin trying to set it is refused, naming both.
+  void set_world(int world, int rank_, const std::string& by);
+  /// micro_batch x accumulation x world_size.
+  int64_t effective_batch() const noexcept { return micro_batch * accumulation * world_size; }
+  /// Whether some plugin of the run provides `cap`.
+  bool has(const std::string& cap) const { return capabilities.count(cap) != 0; }
+};
+
+}  // namespace tk

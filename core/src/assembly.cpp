@@ -1,0 +1,331 @@
+// Run assembly: the recipe's libraries, data, model, loss, schedule and plugins (assemble), then
+// the plan, the plugins' setup and the optimizer (plan_run).
+#include <ATen/Parallel.h>
+#include <spdlog/spdlog.h>
+#include <torch/cuda.h>
+
+#include <limits>
+
+#include "run.h"
+#include "tk/loader.h"
+
+namespace fs = std::filesystem;
+
+namespace tk::detail {
+namespace {
+
+const std::vector<std::string> kSections = {"run", "model", "data", "loss", "optimizer", "schedule", "plugins"};
+
+OptionSpecs run_specs() {
+  return {opt_string("name", "run", "name of the run"),
+          opt_int("seed", 0, "seed of initialization, data order and synthetic data"),
+          opt_int("epochs", 0, "epochs to train (give epochs or steps)"),
+          opt_int("steps", 0, "optimizer steps to train (give epochs or steps)"),
+          opt_string("output", "", "output folder, relative to the working directory (default runs/<name>)"),
+          opt_string("dtype", "float32", "parameter and data type", {"float32", "float64"}),
+          opt_string("device", "auto", "where to train (auto: CUDA when available)", {"auto", "cpu", "cuda"}),
+          opt_int("log_every", 10, "optimizer steps between plain progress lines"),
+          opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
+          opt_int("threads", 0, "intra-op CPU threads (0: LibTorch's default)"),
+          opt_bool("trace", false, "record every plugin dispatch in trace.jsonl"),
+          opt_int("checkpoint_every", 0, "optimizer steps between checkpoints (0: only at the end)"),
+          opt_int("checkpoint_keep", 3, "newest checkpoints to keep"),
+          opt_string("max_time", "", "stop at the first boundary after this long, e.g. \"90s\", \"10m\", \"2h\" (\"\": no limit)")};
+}
+
+OptionSpecs loader_specs() {
+  return {opt_int("micro_batch", 32, "examples per micro-batch"),
+          opt_bool("shuffle", true, "shuffle every epoch (a pure function of seed and epoch)"),
+          opt_bool("drop_last", false, "drop an epoch's last, smaller micro-batch")};
+}
+
+/// "90s", "10m", "1.5h", "250ms" -> seconds; "" -> infinity.
+double parse_duration(const Options& o, const std::string& key) {
+  const std::string& v = o.get_string(key);
+  if (v.empty()) return std::numeric_limits<double>::infinity();
+  size_t pos = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &pos);
+  } catch (const std::exception&) {
+    o.fail(key, "expected a duration like \"90s\", \"10m\" or \"2h\", got \"" + v + "\"");
+  }
+  const std::string unit = v.substr(pos);
+  const double scale = unit == "ms" ? 1e-3 : unit == "s" ? 1 : unit == "m" ? 60 : unit == "h" ? 3600 : -1;
+  if (scale < 0 || x < 0)
+    o.fail(key, "expected a duration like \"90s\", \"10m\" or \"2h\" (units ms, s, m, h), got \"" + v + "\"");
+  return x * scale;
+}
+
+/// The component a section names (or `fallback`), among those registered.
+template <class Maker>
+const Component<Maker>& pick(const Recipe& r, const char* section, const char* fallback,
+                             const std::vector<Component<Maker>>& list) {
+  return *find_component(list, r.component(section, fallback, component_names(list)));
+}
+
+/// The settings of [run]: bound, dtype, device, time limit.
+void read_run_section(Run& r, const Recipe& recipe) {
+  recipe.check_sections(kSections);
+  r.run = recipe.options("run", run_specs());
+  const Options& o = r.run;
+  const int64_t epochs = o.get_int("epochs"), steps = o.get_int("steps");
+  if (epochs < 0) o.fail("epochs", "must be >= 0");
+  if (steps < 0) o.fail("steps", "must be >= 0");
+  if (epochs > 0 && steps > 0) o.fail("steps", "give either epochs or steps, not both");
+  r.bound = steps > 0 ? Bound{Bound::Unit::Steps, steps} : Bound{Bound::Unit::Epochs, std::max<int64_t>(1, epochs)};
+  for (const char* k : {"log_every", "checkpoint_keep"})
+    if (o.get_int(k) < 1) o.fail(k, "must be >= 1");
+  for (const char* k : {"validate_every", "checkpoint_every"})
+    if (o.get_int(k) < 0) o.fail(k, "must be >= 0");
+  r.max_time_s = parse_duration(o, "max_time");
+  r.tracing = o.get_bool("trace");
+  if (o.get_int("threads") > 0) at::set_num_threads(static_cast<int>(o.get_int("threads")));
+  r.dtype = o.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
+  const std::string& dev = o.get_string("device");
+  const bool cuda = torch::cuda::is_available();
+  if (dev == "cuda" && !cuda) o.fail("device", "CUDA is not available (this LibTorch has no CUDA, or no GPU is visible)");
+  r.device = (dev == "cuda" || (dev == "auto" && cuda)) ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  r.seed = static_cast<uint64_t>(o.get_int("seed"));
+}
+
+/// What a `[[plugins]]` entry resolves to: the library it loaded and the plugin it names ("" for
+/// a library that only registers components).
+struct Resolved {
+  std::string plugin, version, file, library;
+};
+
+Resolved resolve_entry(Run& r, const PluginLoader& loader, const PluginEntry& e) {
+  auto strategies_of = [&](const fs::path& file) {
+    std::vector<std::string> out;
+    for (const auto& [kind, name] : r.registry.registered_by(fs::weakly_canonical(file).string()))
+      if (kind == Kind::Plugin) out.push_back(name);
+    return out;
+  };
+  if (e.path.empty()) {
+    if (const auto* c = find_component(r.registry.plugins(), e.name)) return {e.name, "", c->library, e.name};
+    const fs::path file = loader.find(e.name);
+    const LibraryInfo info = loader.load(file, r.registry);
+    const auto names = strategies_of(file);
+    if (find_component(r.registry.plugins(), e.name)) return {e.name, info.version, file.string(), info.name};
+    if (names.empty()) return {"", info.version, file.string(), info.name};
+    throw PluginLoadError(file.string() + " registers plugin" + (names.size() > 1 ? "s " : " ") +
+                          join(names.data(), names.data() + names.size()) + ", not '" + e.name + "'");
+  }
+  const LibraryInfo info = loader.load(e.path, r.registry);
+  const auto names = strategies_of(e.path);
+  if (e.name.empty()) {
+    if (names.size() > 1)
+      throw PluginLoadError(e.path.string() + " registers plugins " + join(names.data(), names.data() + names.size()) +
+                            ": say which one with `name = \"...\"`");
+    return {names.empty() ? "" : names.front(), info.version, e.path.string(), info.name};
+  }
+  if (std::find(names.begin(), names.end(), e.name) == names.end())
+    throw PluginLoadError(e.path.string() + " is plugin '" +
+                          (names.empty() ? info.name : join(names.data(), names.data() + names.size())) +
+                          "', but the recipe asks for '" + e.name + "'");
+  return {e.name, info.version, e.path.string(), info.name};
+}
+
+/// Loads every `[[plugins]]` library (their components become selectable) and makes the plugins.
+void load_plugins(Run& r, const Recipe& recipe, const PluginLoader& loader) {
+  const auto entries = recipe.plugins();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    Resolved res;
+    std::shared_ptr<Plugin> plugin;
+    try {
+      res = resolve_entry(r, loader, e);
+      if (!res.plugin.empty()) plugin = r.registry.make_plugin(res.plugin);
+    } catch (const PluginLoadError& err) {
+      throw PluginLoadError(e.where.str() + ": " + err.what());
+    }
+    const Options o = recipe.plugin_options(i, plugin ? plugin->option_specs() : OptionSpecs{});
+    if (!plugin) {  // a library of components: nothing to dispatch to
+      r.slots.push_back({nullptr, res.library, res.version, res.file});
+      continue;
+    }
+    try {
+      plugin->set_options(o);
+      plugin->init(o);
+    } catch (const RecipeError&) {
+      throw;
+    } catch (const std::exception& err) {
+      throw PluginLoadError(e.where.str() + ": plugin '" + res.plugin + "' (" + res.file +
+                            ") rejected its options: " + err.what());
+    }
+    r.slots.push_back({plugin, res.plugin, res.version, res.file});
+  }
+}
+
+/// Data, model, loss, optimizer (checked now, made after setup) and schedule.
+void build_components(Run& r, const Recipe& recipe) {
+  const auto& dc = pick(recipe, "data", "", r.registry.data());
+  OptionSpecs dspecs = loader_specs();
+  dspecs.insert(dspecs.end(), dc.specs.begin(), dc.specs.end());
+  r.data_name = dc.name;
+  r.data_opts = recipe.options("data", dspecs, true);
+  if (r.data_opts.get_int("micro_batch") < 1) r.data_opts.fail("micro_batch", "must be >= 1");
+  r.data = dc.make(r.data_opts, r.seed);
+  if (!r.data.train) throw RecipeError(r.data_opts.section_loc(), "data '" + dc.name + "' made no training split");
+
+  // `[model] torchscript = "file.pt"` needs no name.
+  const auto& mc = pick(recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "", r.registry.models());
+  r.model_name = mc.name;
+  r.model_opts = recipe.options("model", mc.specs, true);
+  torch::manual_seed(r.seed);
+  r.model = mc.make(r.model_opts, r.data.info);
+  if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
+  r.model->to(r.device, r.dtype);
+  r.model->train();
+
+  const auto& lc = pick(recipe, "loss", r.data.info.classification ? "cross_entropy" : "mse", r.registry.losses());
+  r.loss_name = lc.name;
+  r.loss_opts = recipe.options("loss", lc.specs, true);
+  r.loss = lc.make(r.loss_opts);
+  const auto& info = r.data.info;
+  if (info.ignore_index && r.loss_opts.has("ignore_index") && r.loss_opts.get_int("ignore_index") != *info.ignore_index)
+    r.loss_opts.fail("ignore_index", "is " + std::to_string(r.loss_opts.get_int("ignore_index")) +
+                                         ", but the data marks padding with " + std::to_string(*info.ignore_index) +
+                                         " (data.ignore_index): padding would count toward the loss");
+  if (info.classification != (r.loss_name == "cross_entropy"))
+    throw RecipeError(r.loss_opts.section_loc(),
+                      "loss '" + r.loss_name + "' does not fit data '" + r.data_name + "' (" +
+                          (info.classification ? "class labels" : "real-valued targets") + "); use " +
+                          (info.classification ? "cross_entropy" : "mse"));
+
+  const auto& oc = pick(recipe, "optimizer", "", r.registry.optimizers());
+  r.opt_name = oc.name;
+  r.optimizer_maker = &oc;
+  r.opt_opts = recipe.options("optimizer", oc.specs, true);
+  oc.make(r.opt_opts, r.model->parameters());  // its options are checked now; it is made after setup
+  r.base_lr = r.opt_opts.get_float("lr");
+
+  const auto& sc = pick(recipe, "schedule", "constant", r.registry.schedules());
+  r.sched_name = sc.name;
+  r.sched_opts = recipe.options("schedule", sc.specs, true);
+  r.schedule = sc.make(r.sched_opts, r.base_lr);
+}
+
+/// Runs `fn` for the plugin of `slot`, reporting its failure with its name and file.
+template <class Fn>
+void as_plugin(const Slot& slot, const char* what, Fn&& fn) {
+  try {
+    fn();
+  } catch (const RecipeError&) {
+    throw;
+  } catch (const c10::Error& err) {
+    throw Error("plugin '" + slot.name + "' (" + slot.file + ") failed in " + what + ": " + err.what_without_backtrace());
+  } catch (const std::exception& err) {
+    throw Error("plugin '" + slot.name + "' (" + slot.file + ") failed in " + what + ": " + err.what());
+  }
+}
+
+/// The setup hook's context: the core fills it in.
+class Setup final : public SetupContext {
+ public:
+  Setup(Run& r) {
+    model_ = &r.model;
+    plan_ = &r.plan;
+    data_ = &r.data.info;
+    log_ = [&r](int level, const std::string& msg) {
+      if (level > 0) r.warn(msg);
+      else spdlog::info("{}", msg);
+    };
+  }
+  void enter(const std::string& plugin) { current_plugin_ = plugin; }
+};
+
+}  // namespace
+
+void Run::warn(const std::string& msg) {
+  warnings.push_back(msg);
+  spdlog::warn("{}", msg);
+}
+
+at::Tensor Run::shard_order(int64_t epoch) const {
+  const at::Tensor all = epoch_order(data.train->size(), seed, epoch, data_opts.get_bool("shuffle"));
+  if (plan.world_size == 1) return all;
+  return all.slice(0, plan.rank, shard_size() * plan.world_size, plan.world_size);
+}
+
+void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
+  read_run_section(r, recipe);
+  const PluginLoader loader(opts.plugin_dirs ? *opts.plugin_dirs : PluginLoader::default_dirs(recipe.dir()));
+  for (const auto& lib : PluginLoader::standard_libraries()) {
+    fs::path file;
+    try {
+      file = loader.find(lib);
+    } catch (const PluginLoadError& e) {
+      throw PluginLoadError("trainkit's standard library '" + lib + "' is missing (the installation is incomplete): " +
+                            e.what());
+    }
+    loader.load(file, r.registry);
+  }
+  load_plugins(r, recipe, loader);
+  build_components(r, recipe);
+}
+
+void add_plugin(Run& r, std::shared_ptr<Plugin> plugin, const Options& opts) {
+  if (r.planned) throw Error("add_plugin() must come before the run is planned (fit, describe, plan, optimizer)");
+  if (plugin->name().empty()) throw Error("a plugin added in code needs a name (Plugin::set_name)");
+  plugin->set_options(opts);
+  plugin->init(opts);
+  r.slots.push_back({plugin, plugin->name(), "(in-process)", "(in-process)"});
+}
+
+void plan_run(Run& r) {
+  if (r.planned) return;
+  r.plan = RunPlan{};
+  r.plan.micro_batch = r.data_opts.get_int("micro_batch");
+  r.plan.loss_reduction = to_string(r.loss->reduction());
+  r.plan.device = r.device.type();
+  std::vector<size_t> with_plugin;
+  for (size_t i = 0; i < r.slots.size(); ++i)
+    if (r.slots[i].plugin) with_plugin.push_back(i);
+  for (size_t i : with_plugin)
+    for (const auto& cap : r.slots[i].plugin->contract().provides) r.plan.capabilities.insert(cap);
+  std::vector<PluginDecl> decls;
+  for (size_t i : with_plugin) {
+    const Slot& s = r.slots[i];
+    as_plugin(s, "configure", [&] { s.plugin->configure(r.plan); });
+    decls.push_back({s.name, s.plugin->contract()});
+  }
+  std::vector<std::string> notes;
+  r.order.clear();
+  for (size_t k : order_plugins(decls, &notes)) r.order.push_back(with_plugin[k]);
+  for (const auto& n : notes) r.warn(n);
+
+  // The plugins' setup may freeze, replace or add parameters: the optimizer is made after it.
+  Setup setup(r);
+  for (size_t i : r.order) {
+    setup.enter(r.slots[i].name);
+    as_plugin(r.slots[i], "setup", [&] { r.slots[i].plugin->setup(setup); });
+  }
+  r.model->to(r.device, r.dtype);
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : r.model->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  if (trainable.empty())
+    throw Error("model '" + r.model_name + "' has no trainable parameter" +
+                (r.model->parameters().empty() ? std::string() : " (every parameter has requires_grad = false)"));
+  r.optimizer = r.optimizer_maker->make(r.opt_opts, trainable);
+
+  const int64_t n = r.shard_size(), m = r.plan.micro_batch;
+  r.batches_per_epoch = r.data_opts.get_bool("drop_last") ? n / m : (n + m - 1) / m;
+  if (r.batches_per_epoch < 1)
+    r.data_opts.fail("micro_batch", "is larger than the " + std::string(r.plan.world_size > 1 ? "rank's share of the " : "") +
+                                        "data set (" + std::to_string(n) + " examples) and drop_last is on: an epoch "
+                                        "has no micro-batch");
+  r.windows = std::make_unique<WindowSchedule>(r.batches_per_epoch, r.plan.accumulation, r.plan.last_window,
+                                               r.bound.by_steps() ? 0 : r.bound.count);
+  r.total_steps = r.bound.by_steps() ? r.bound.count : r.windows->steps_in(r.bound.count);
+  if (r.total_steps < 1) throw Error("the run would take no optimizer step");
+  if (r.plan.accumulation > 1 && has_batchnorm(*r.model))
+    r.warn("the model has BatchNorm and accumulates " + std::to_string(r.plan.accumulation) +
+           " micro-batches per step: its statistics are computed per micro-batch of " + std::to_string(m) +
+           " examples, not per window of " + std::to_string(m * r.plan.accumulation));
+  r.planned = true;
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,54 @@
+// The printed plan of a run: what `tk-run --dry-run` shows.
+#include <sstream>
+
+#include "run.h"
+
+namespace tk::detail {
+
+std::string describe(Run& d, const Recipe& recipe) {
+  plan_run(d);
+  std::ostringstream out;
+  int64_t params = 0, trainable = 0;
+  for (const auto& p : d.model->parameters()) {
+    params += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
+  const auto& p = d.plan;
+  out << "recipe        " << recipe.source() << "\n"
+      << "model         " << d.model_name << " (" << params << " parameters"
+      << (trainable != params ? ", " + std::to_string(trainable) + " trainable" : "") << ", "
+      << d.run.get_string("dtype") << ", on " << d.device.str() << ")\n"
+      << "data          " << d.data_name << ": " << d.data.train->size() << " training examples";
+  if (d.data.validation) out << ", " << d.data.validation->size() << " validation";
+  out << "; " << d.data.info.describe();
+  if (!d.data.info.baseline_name.empty())
+    out << "; " << d.data.info.baseline_name << " baseline loss " << fmt_loss(d.data.info.baseline_loss);
+  out << "\n"
+      << "loss          " << d.loss_name << " (reduction " << p.loss_reduction << ")\n"
+      << "optimizer     " << d.opt_name << " (lr " << to_toml(d.base_lr) << ")\n"
+      << "schedule      " << d.sched_name << ", advanced once per optimizer step\n"
+      << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " per epoch"
+      << (p.world_size > 1 ? " (each rank reads " + std::to_string(d.shard_size()) + " examples per epoch)" : "")
+      << "\n"
+      << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
+      << (p.window_owner.empty() ? "" : ", set by " + p.window_owner) << ")\n"
+      << "world size    " << p.world_size << (p.world_owner.empty() ? "" : " (set by " + p.world_owner + ")") << "\n"
+      << "effective     " << p.effective_batch() << " examples per optimizer step (" << p.micro_batch << " x "
+      << p.accumulation << " x " << p.world_size << ")"
+      << (p.world_size > 1 ? "; " + std::to_string(p.micro_batch * p.accumulation) + " per rank" : "") << "\n"
+      << "steps         " << d.total_steps << " optimizer steps"
+      << (d.bound.by_steps() ? "" : " (" + std::to_string(d.bound.count) + " epochs)") << "\n"
+      << "plugins       " << (d.order.empty() ? "(none)" : "in dispatch order:") << "\n";
+  int i = 1;
+  for (size_t idx : d.order) {
+    const Slot& s = d.slots[idx];
+    out << "  " << i++ << ". " << s.name << " " << s.version << "  " << s.file << "\n";
+    for (const auto& [k, v] : s.plugin->options().values()) out << "       " << k << " = " << to_toml(v) << "\n";
+  }
+  for (const auto& s : d.slots)
+    if (!s.plugin) out << "libraries     " << s.name << " " << s.version << "  " << s.file << " (components only)\n";
+  for (const auto& w : d.warnings) out << "warning       " << w << "\n";
+  return out.str();
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,321 @@
+// The training loop: windows of micro-batches, the events around each phase, the optimizer step,
+// validation, checkpoints. Everything else about a run is assembled before it starts (assembly.cpp).
+#include <spdlog/spdlog.h>
+
+#include <array>
+#include <chrono>
+#include <cmath>
+
+#include "run.h"
+
+namespace fs = std::filesystem;
+
+namespace tk::detail {
+namespace {
+
+class Loop {
+ public:
+  Loop(Run& run, const TrainerOptions& opts, std::vector<TraceEntry>& trace);
+  FitResult fit(const Recipe& recipe);
+
+ private:
+  void emit(Event e);
+  void restore_plugins(Checkpoint& resumed);
+  Batch fetch(const Dataset& ds, const at::Tensor& idx) const;
+  void micro_batch(Batch& batch);
+  bool optimizer_step();
+  std::pair<double, double> validate();
+  std::string validation_record(JsonLine& line, FitResult& result);
+  void fit_end_after_failure();
+
+  Run& r_;
+  const TrainerOptions& opts_;
+  std::vector<TraceEntry>& trace_;
+  LoopContext ctx_;
+  std::array<std::vector<const Slot*>, kEventCount> handlers_;  // who still handles each event, in order
+};
+
+Loop::Loop(Run& run, const TrainerOptions& opts, std::vector<TraceEntry>& trace) : r_(run), opts_(opts), trace_(trace) {
+  ctx_.model_ = run.model.get();
+  ctx_.optimizer_ = run.optimizer.get();
+  ctx_.plan_ = &run.plan;
+  ctx_.reduction_ = run.loss->reduction();
+  ctx_.counters_.total_steps = run.total_steps;
+  ctx_.log_ = [&run](int level, const std::string& msg) {
+    if (level > 0) run.warn(msg);
+    else spdlog::info("{}", msg);
+  };
+  for (auto& list : handlers_)
+    for (size_t i : run.order) list.push_back(&run.slots[i]);
+}
+
+void Loop::emit(Event e) {
+  auto& list = handlers_[static_cast<size_t>(e)];
+  for (size_t i = 0; i < list.size();) {
+    const Slot& s = *list[i];
+    ctx_.current_plugin_ = s.name;
+    auto failure = [&](const std::string& what) {
+      return PluginRuntimeError("plugin '" + s.name + "' failed in event " + to_string(e) + " at step " +
+                                std::to_string(ctx_.counters_.step) + " (micro-batch " +
+                                std::to_string(ctx_.counters_.micro_step) + "): " + what);
+    };
+    try {
+      dispatch(*s.plugin, e, ctx_);
+    } catch (const c10::Error& err) {  // LibTorch's own errors: without the C++ stack trace
+      throw failure(err.what_without_backtrace());
+    } catch (const std::exception& err) {
+      throw failure(err.what());
+    } catch (...) {
+      throw failure("an unknown exception");
+    }
+    if (!s.plugin->handles(e)) {  // the base hook ran: never call it again
+      list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    if (r_.tracing) trace_.push_back({s.name, e, ctx_.counters_.step, ctx_.counters_.micro_step});
+    ++i;
+  }
+  ctx_.current_plugin_.clear();
+}
+
+void Loop::restore_plugins(Checkpoint& resumed) {
+  for (const auto& slot : r_.slots) {
+    if (!slot.plugin) continue;
+    auto it = resumed.plugin_states.find(slot.name);
+    if (it == resumed.plugin_states.end()) {
+      r_.warn("plugin '" + slot.name + "' has no state in " + resumed.dir.string() + "; it starts fresh");
+      continue;
+    }
+    slot.plugin->load_state(it->second);
+    resumed.plugin_states.erase(it);
+  }
+  for (const auto& [name, st] : resumed.plugin_states)
+    r_.warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
+}
+
+Batch Loop::fetch(const Dataset& ds, const at::Tensor& idx) const {
+  Batch b = ds.get(idx);
+  auto place = [&](const at::Tensor& t) {
+    return at::isFloatingType(t.scalar_type()) ? t.to(r_.device, r_.dtype) : t.to(r_.device);
+  };
+  b.input = place(b.input);
+  b.target = place(b.target);
+  return b;
+}
+
+void Loop::micro_batch(Batch& batch) {
+  emit(Event::MicroBatch);
+  at::Tensor out = r_.model->forward(batch.input);
+  ctx_.loss_ = (*r_.loss)(out, batch);
+  ctx_.loss_value_ = ctx_.loss_.item<double>();
+  emit(Event::Loss);
+  ctx_.loss_.backward();
+  ctx_.loss_ = at::Tensor();
+  Counters& c = ctx_.counters_;
+  WindowTotals& t = ctx_.totals_;
+  ++c.micro_step;
+  c.samples_seen += batch.samples;
+  c.tokens_seen += batch.tokens;
+  t.micro_batches += 1;
+  t.samples += batch.samples;
+  t.tokens += batch.tokens;
+  t.loss_sum += ctx_.reduction_ == Reduction::Mean ? ctx_.loss_value_ * static_cast<double>(batch.tokens)
+                                                   : ctx_.loss_value_;
+  emit(Event::Backward);
+}
+
+bool Loop::optimizer_step() {
+  ctx_.lr_ = r_.schedule->lr(ctx_.counters_.schedule_step, r_.total_steps);
+  set_lr(*r_.optimizer, ctx_.lr_);
+  ctx_.veto_reason_.clear();
+  ctx_.vetoed_by_.clear();
+  ctx_.veto_advances_schedule_ = false;
+  ctx_.metrics_.clear();
+  emit(Event::Boundary);
+  // After the boundary: a sync plugin may have replaced the totals with sums over all ranks.
+  const WindowTotals& t = ctx_.totals_;
+  ctx_.window_loss_ = t.tokens > 0 ? t.loss_sum / static_cast<double>(t.tokens) : 0.0;
+  const bool skipped = ctx_.step_vetoed();
+  if (!skipped && !std::isfinite(ctx_.window_loss_))
+    throw Error("the loss is " + std::to_string(ctx_.window_loss_) + " at step " +
+                std::to_string(ctx_.counters_.step + 1) + ": training diverged; nothing was stepped (lower the learning rate?)");
+  if (!skipped) r_.optimizer->step();
+  else ++ctx_.counters_.skipped_steps;
+  r_.optimizer->zero_grad();
+  ++ctx_.counters_.step;
+  if (!skipped || ctx_.veto_advances_schedule_) ++ctx_.counters_.schedule_step;
+  emit(Event::StepEnd);
+  return skipped;
+}
+
+/// Loss (item-weighted) and accuracy over the validation split.
+std::pair<double, double> Loop::validate() {
+  emit(Event::ValidationStart);
+  r_.model->eval();
+  double loss_sum = 0.0;
+  int64_t items = 0, correct = 0;
+  const bool classes = r_.data.info.classification;
+  {
+    torch::NoGradGuard no_grad;
+    const int64_t n = r_.data.validation->size(), m = r_.plan.micro_batch;
+    for (int64_t start = 0; start < n; start += m) {
+      Batch b = fetch(*r_.data.validation, at::arange(start, std::min(n, start + m), at::kLong));
+      auto out = r_.model->forward(b.input);
+      const double l = (*r_.loss)(out, b).item<double>();
+      loss_sum += ctx_.reduction_ == Reduction::Mean ? l * static_cast<double>(b.tokens) : l;
+      items += b.tokens;
+      if (classes) correct += (out.argmax(-1) == b.target).sum().item<int64_t>();
+    }
+  }
+  r_.model->train();
+  ctx_.validation_loss_ = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
+  emit(Event::ValidationEnd);
+  return {ctx_.validation_loss_,
+          items > 0 && classes ? static_cast<double>(correct) / static_cast<double>(items) : std::nan("")};
+}
+
+/// Runs validation and adds its values to the step's record; returns the progress line.
+std::string Loop::validation_record(JsonLine& line, FitResult& result) {
+  auto [vloss, acc] = validate();
+  result.validation_losses.push_back(vloss);
+  line.add("validation_loss", vloss);
+  std::string note = "validation  step " + std::to_string(ctx_.counters_.step) + "  loss " + fmt_loss(vloss);
+  if (!std::isnan(acc)) line.add("validation_accuracy", acc);
+  const DataInfo& info = r_.data.info;
+  if (info.next_token) {
+    const double ppl = std::exp(vloss);
+    line.add("validation_perplexity", ppl);
+    note += "  perplexity " + fmt_loss(ppl);
+    if (!info.baseline_name.empty())
+      note += "  (" + info.baseline_name + " baseline loss " + fmt_loss(info.baseline_loss) + ")";
+  } else if (!std::isnan(acc)) {
+    note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
+  }
+  return note;
+}
+
+/// After a failure every plugin still gets fit_end (status failed) to clean up; errors it raises
+/// then are dropped: the first error stands.
+void Loop::fit_end_after_failure() {
+  ctx_.status_ = FitStatus::Failed;
+  for (const Slot* s : handlers_[static_cast<size_t>(Event::FitEnd)]) {
+    try {
+      ctx_.current_plugin_ = s->name;
+      s->plugin->on_fit_end(ctx_);
+    } catch (...) {
+    }
+  }
+}
+
+FitResult Loop::fit(const Recipe& recipe) {
+  FitResult result;
+  RunOutputs outputs(r_, opts_);
+  // Resuming: model, optimizer and RNG come back now, plugin states before fit_start.
+  std::optional<Checkpoint> resumed;
+  if (opts_.resume) {
+    resumed = load_checkpoint(resolve_checkpoint(*opts_.resume, outputs.dir()), *r_.model, *r_.optimizer);
+    restore_plugins(*resumed);
+    if (resumed->position.counters.total_steps != r_.total_steps)
+      throw Error(resumed->dir.string() + ": the checkpoint is of a run of " +
+                  std::to_string(resumed->position.counters.total_steps) + " steps, this one has " +
+                  std::to_string(r_.total_steps) + ": resume with the recipe it was made with");
+  }
+  outputs.open(recipe, resumed);
+  if (outputs.active()) result.output_dir = ctx_.output_dir_ = outputs.dir();
+  int64_t start_epoch = 0, start_batch = 0;
+  if (resumed) {
+    ctx_.counters_ = resumed->position.counters;
+    start_epoch = resumed->position.next_epoch;
+    start_batch = resumed->position.next_batch;
+    spdlog::info("resuming from {} at step {} (epoch {}, micro-batch {})", resumed->dir.string(),
+                 ctx_.counters_.step, start_epoch + 1, start_batch);
+  }
+  Progress progress(r_.plan.rank == 0 ? opts_.progress : ProgressMode::None, r_.total_steps,
+                    r_.run.get_int("log_every"));
+  const int64_t n = r_.shard_size(), m = r_.plan.micro_batch;
+  const int64_t checkpoint_every = r_.run.get_int("checkpoint_every"), validate_every = r_.run.get_int("validate_every");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  int64_t last_validation_step = -1;
+  auto record_validation = [&](JsonLine& line) {
+    progress.note(validation_record(line, result));
+    last_validation_step = ctx_.counters_.step;
+  };
+  Counters& c = ctx_.counters_;
+
+  try {
+    emit(Event::FitStart);
+    r_.optimizer->zero_grad();
+    bool done = c.step >= r_.total_steps;
+    for (int64_t epoch = start_epoch; !done && (r_.bound.by_steps() || epoch < r_.bound.count); ++epoch) {
+      const at::Tensor order = r_.shard_order(epoch);
+      c.epoch = epoch;
+      const int64_t first = epoch == start_epoch ? start_batch : 0;
+      if (first == 0) emit(Event::EpochStart);
+      for (int64_t b = first; b < r_.batches_per_epoch && !done; ++b) {
+        auto w = r_.windows->at(epoch, b);
+        if (!w) break;  // the policy drops the rest of this epoch
+        Batch batch = fetch(*r_.data.train, order.slice(0, b * m, std::min(n, (b + 1) * m)));
+        ctx_.window_ = *w;
+        ctx_.batch_ = &batch;
+        c.batch_in_epoch = b;
+        if (w->is_first()) ctx_.totals_ = WindowTotals{};
+        micro_batch(batch);
+        ctx_.batch_ = nullptr;
+        if (!w->is_last()) continue;
+
+        // The window is complete: one optimizer step.
+        const bool skipped = optimizer_step();
+        result.window_losses.push_back(ctx_.window_loss_);
+        const double t = elapsed();
+        JsonLine line = step_record(ctx_, epoch, skipped, t);
+        done = c.step >= r_.total_steps;
+        if (r_.data.validation && ((validate_every > 0 && c.step % validate_every == 0) || done))
+          record_validation(line);
+        // Stop early at this boundary when asked to (a signal) or out of time; with a checkpoint.
+        if (!done && opts_.stop_requested && opts_.stop_requested()) result.status = FitStatus::StoppedBySignal;
+        else if (!done && elapsed() >= r_.max_time_s) result.status = FitStatus::StoppedByTime;
+        if (result.status != FitStatus::Running) done = true;
+        if (outputs.active() && (done || (checkpoint_every > 0 && c.step % checkpoint_every == 0)))
+          result.checkpoint = outputs.checkpoint(r_, c, epoch, b);
+        outputs.record(line);
+        progress.update(c.step, epoch, ctx_.window_loss_, ctx_.lr_,
+                        static_cast<double>(c.samples_seen) / std::max(t, 1e-9), t);
+      }
+      emit(Event::EpochEnd);
+    }
+    if (result.status == FitStatus::Running) result.status = FitStatus::Completed;
+    if (r_.data.validation && result.status == FitStatus::Completed && last_validation_step != c.step) {
+      JsonLine line;
+      line.add("step", c.step);
+      record_validation(line);
+      outputs.record(line);
+    }
+    ctx_.status_ = result.status;
+    emit(Event::FitEnd);
+  } catch (...) {
+    if (opts_.on_failure) opts_.on_failure();
+    progress.finish();
+    outputs.flush();
+    fit_end_after_failure();
+    throw;
+  }
+  progress.finish();
+  outputs.finish(r_, trace_);
+  result.stopped = result.status == FitStatus::StoppedBySignal ? "signal"
+                   : result.status == FitStatus::StoppedByTime ? "max_time" : "";
+  result.steps = c.step;
+  result.micro_steps = c.micro_step;
+  result.skipped_steps = c.skipped_steps;
+  result.seconds = elapsed();
+  result.peak_rss_mib = peak_rss_mib();
+  return result;
+}
+
+}  // namespace
+
+FitResult train(Run& run, const Recipe& recipe, const TrainerOptions& opts, std::vector<TraceEntry>& trace) {
+  return Loop(run, opts, trace).fit(recipe);
+}
+
+}  // namespace tk::detail

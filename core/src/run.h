@@ -1,0 +1,139 @@
+#pragma once
+// The parts of a run, shared by the files that assemble it (assembly.cpp), print its plan
+// (describe.cpp), write its outputs (outputs.cpp) and train it (loop.cpp). Not installed.
+#include <torch/optim/optimizer.h>
+
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tk/checkpoint.h"
+#include "tk/components.h"
+#include "tk/output.h"
+#include "tk/plan.h"
+#include "tk/plugin.h"
+#include "tk/recipe.h"
+#include "tk/registry.h"
+#include "tk/trainer.h"
+
+namespace tk::detail {
+
+/// One `[[plugins]]` entry (or a plugin added in code). A library that only registers components
+/// has no instance.
+struct Slot {
+  std::shared_ptr<Plugin> plugin;
+  std::string name, version, file;
+};
+
+/// Everything a run is made of. assemble() fills the components from a recipe; plan_run() settles
+/// the plan, runs the plugins' setup and makes the optimizer.
+struct Run {
+  Registry registry;  // first: the libraries outlive everything made from them
+
+  Options run, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
+  std::string model_name, data_name, loss_name, opt_name, sched_name;
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+  uint64_t seed = 0;
+  Bound bound;
+  double max_time_s = 0;
+  bool tracing = false;  // run.trace, read once: dispatch is on the per-micro-batch path
+
+  DataSplits data;
+  ModelPtr model;
+  std::unique_ptr<LossFn> loss;
+  const Component<OptimizerMaker>* optimizer_maker = nullptr;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<LrSchedule> schedule;
+  double base_lr = 0.0;
+  std::vector<Slot> slots;
+
+  bool planned = false;
+  RunPlan plan;
+  std::vector<size_t> order;  // dispatch order of slots that hold a plugin
+  int64_t batches_per_epoch = 0, total_steps = 0;
+  std::unique_ptr<WindowSchedule> windows;
+  std::vector<std::string> warnings;
+
+  void warn(const std::string& msg);
+  /// Examples this rank sees per epoch: all of them alone; with several ranks, an equal share
+  /// (the remainder of the division, under world_size examples, is left out of that epoch).
+  int64_t shard_size() const { return data.train->size() / plan.world_size; }
+  /// This rank's examples of `epoch`, in order: the same seeded shuffle on every rank, strided by rank.
+  at::Tensor shard_order(int64_t epoch) const;
+};
+
+/// Loads the run's libraries and builds data, model, loss, schedule and plugins from `recipe`.
+void assemble(Run& run, const Recipe& recipe, const TrainerOptions& opts);
+/// Adds a plugin made in code.
+void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const Options& opts);
+/// Lets the plugins shape the plan and the model, orders them, makes the optimizer (idempotent).
+void plan_run(Run& run);
+/// The resolved plan as `tk-run --dry-run` prints it.
+std::string describe(Run& run, const Recipe& recipe);
+
+/// A Context whose fields the loop sets.
+class LoopContext final : public Context {
+ public:
+  using Context::batch_;
+  using Context::counters_;
+  using Context::current_plugin_;
+  using Context::log_;
+  using Context::loss_;
+  using Context::loss_value_;
+  using Context::lr_;
+  using Context::metrics_;
+  using Context::model_;
+  using Context::optimizer_;
+  using Context::output_dir_;
+  using Context::plan_;
+  using Context::reduction_;
+  using Context::status_;
+  using Context::totals_;
+  using Context::validation_loss_;
+  using Context::veto_advances_schedule_;
+  using Context::veto_reason_;
+  using Context::vetoed_by_;
+  using Context::window_;
+  using Context::window_loss_;
+};
+
+/// The run's output folder: the resolved recipe, metrics.jsonl, checkpoints, weights.pt. Inactive
+/// (every call a no-op) when outputs are off or on ranks other than 0.
+class RunOutputs {
+ public:
+  RunOutputs(const Run& run, const TrainerOptions& opts);
+  bool active() const noexcept { return active_; }
+  const std::filesystem::path& dir() const noexcept { return dir_; }
+  /// Creates the folder, writes the resolved recipe and opens metrics.jsonl (cut back to the
+  /// checkpoint's step when resuming).
+  void open(const Recipe& recipe, const std::optional<Checkpoint>& resumed);
+  /// Appends one record to metrics.jsonl and flushes it.
+  void record(const JsonLine& line);
+  void flush();
+  /// Checkpoints the run after micro-batch `b` of `epoch`; returns the checkpoint folder.
+  std::filesystem::path checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b) const;
+  /// weights.pt, and trace.jsonl when tracing.
+  void finish(const Run& run, const std::vector<TraceEntry>& trace) const;
+
+ private:
+  bool active_ = false;
+  std::filesystem::path dir_;
+  std::ofstream metrics_;
+};
+
+/// The metrics record of the step just taken.
+JsonLine step_record(const LoopContext& ctx, int64_t epoch, bool skipped, double wall_time);
+/// Peak resident memory of this process so far, in MiB.
+double peak_rss_mib();
+/// A loss or perplexity for people: 4 significant digits.
+std::string fmt_loss(double v);
+
+}  // namespace tk::detail
+
+namespace tk::detail {
+/// Trains an assembled run: the loop (loop.cpp).
+FitResult train(Run& run, const Recipe& recipe, const TrainerOptions& opts, std::vector<TraceEntry>& trace);
+}  // namespace tk::detail

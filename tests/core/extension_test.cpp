@@ -1,0 +1,236 @@
+// Extending trainkit from outside: libraries that add a model and a data set, name clashes,
+// plugins that change the model in setup, hooks and their dispatch, how a run ended, capability
+// names, and relative paths.
+#include <tk/abi.h>
+
+#include <unistd.h>
+
+#include <fstream>
+
+#include "support.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kFixtures = TK_TEST_PLUGIN_DIR;
+
+const char* kToyRecipe = R"(
+[run]
+seed = 11
+steps = 150
+dtype = "float64"
+
+[model]
+name = "toy_net"
+hidden = 12
+
+[data]
+name = "toy_sine"
+samples = 200
+micro_batch = 16
+
+[optimizer]
+name = "adam"
+lr = 0.02
+)";
+
+std::string with_library(const char* recipe, const fs::path& lib) {
+  return std::string(recipe) + "\n[[plugins]]\npath = \"" + lib.string() + "\"\n";
+}
+
+/// Records how the run ended and which hooks ran; overrides three hooks and no others.
+class StatusProbe : public tk::Plugin {
+ public:
+  StatusProbe() { set_name("status_probe"); }
+  void on_fit_start(tk::Context& ctx) override { start_status = ctx.status(); }
+  void on_boundary(tk::Context& ctx) override { ++boundaries; }
+  void on_fit_end(tk::Context& ctx) override { end_status = ctx.status(); }
+  tk::FitStatus start_status = tk::FitStatus::Failed, end_status = tk::FitStatus::Running;
+  int boundaries = 0;
+};
+
+/// Declares an ordering on a capability name; `requires_` too when asked.
+class Orders : public tk::Plugin {
+ public:
+  Orders(std::string after, bool require) {
+    set_name("orders");
+    contract_.after = {std::move(after)};
+    if (require) contract_.requires_ = contract_.after;
+  }
+  tk::Contract contract() const override { return contract_; }
+
+ private:
+  tk::Contract contract_;
+};
+
+}  // namespace
+
+TEST_SUITE("extension") {
+  TEST_CASE("a library adds a C++ model and a data set, which a recipe trains like built-in ones") {
+    // Without the library, neither name exists.
+    CHECK_THROWS_WITH_AS(tk::Trainer(tkt::recipe({}, kToyRecipe), tkt::quiet()),
+                         doctest::Contains("unknown data 'toy_sine'; known: synthetic-classification"),
+                         tk::RecipeError);
+    const fs::path lib = kFixtures / "tk_toy_components.so";
+    tk::Trainer t(tkt::recipe({}, with_library(kToyRecipe, lib).c_str()), tkt::quiet());
+    const auto* model = tk::find_component(t.registry().models(), "toy_net");
+    REQUIRE(model != nullptr);
+    CHECK(model->library == fs::weakly_canonical(lib).string());
+    CHECK(tk::find_component(t.registry().models(), "mlp")->library.find("tk_models.so") != std::string::npos);
+    CHECK(t.plugin_order().empty());  // a library of components adds nothing to dispatch
+    auto r = t.fit();
+    REQUIRE(r.window_losses.size() == 150);
+    CHECK(r.validation_losses.back() < 0.2 * r.window_losses.front());
+    CHECK(t.model().named_parameters().contains("first.weight"));
+  }
+
+  TEST_CASE("a library named in [[plugins]] is found on the plugin path like a strategy") {
+    std::string text = std::string(kToyRecipe) + "\n[[plugins]]\nname = \"toy_components\"\n";
+    tk::Trainer t(tkt::recipe({}, text.c_str()), tkt::quiet());
+    CHECK(t.describe().find("libraries     toy_components 1.0.0") != std::string::npos);
+  }
+
+  TEST_CASE("two libraries that register one name are refused, naming both files") {
+    std::string text = with_library(with_library(tkt::kTinyRecipe, kFixtures / "tk_twin_a.so").c_str(),
+                                    kFixtures / "tk_twin_b.so");
+    try {
+      tk::Trainer t(tkt::recipe({}, text.c_str()), tkt::quiet());
+      FAIL("two libraries registered model 'twin'");
+    } catch (const tk::PluginLoadError& e) {
+      const std::string m = e.what();
+      CHECK(m.find("model 'twin' is registered twice: by " + fs::weakly_canonical(kFixtures / "tk_twin_a.so").string() +
+                   " and by " + fs::weakly_canonical(kFixtures / "tk_twin_b.so").string()) != std::string::npos);
+      CHECK(m.find("test.toml:") == 0);  // the [[plugins]] entry that brought in the second one
+    }
+  }
+
+  TEST_CASE("setup may freeze parameters: they stay bit-identical and the optimizer never holds them") {
+    auto fresh = tk::Trainer(tkt::recipe(), tkt::quiet());
+    const auto initial = fresh.model().named_parameters();
+    std::string text = std::string(tkt::kTinyRecipe) + "\n[[plugins]]\npath = \"" +
+                       (kFixtures / "tk_freeze.so").string() + "\"\nprefix = \"layers.0.\"\n";
+    tk::Trainer t(tkt::recipe({}, text.c_str()), tkt::quiet());
+    t.fit();
+    const auto params = t.model().named_parameters();
+    CHECK(torch::equal(params["layers.0.weight"], initial["layers.0.weight"]));
+    CHECK(torch::equal(params["layers.0.bias"], initial["layers.0.bias"]));
+    CHECK_FALSE(torch::equal(params["head.weight"], initial["head.weight"]));
+    size_t held = 0;
+    for (const auto& g : t.optimizer().param_groups())
+      for (const auto& p : g.params()) {
+        ++held;
+        CHECK(p.requires_grad());
+      }
+    CHECK(held == 2);  // head.weight and head.bias
+    for (const auto& [key, state] : t.optimizer().state()) {
+      CHECK(key != params["layers.0.weight"].unsafeGetTensorImpl());
+      CHECK(key != params["layers.0.bias"].unsafeGetTensorImpl());
+    }
+    CHECK(t.optimizer().state().size() == 2);  // momentum buffers of the trained ones only
+    CHECK(t.describe().find("parameters, 68 trainable") != std::string::npos);
+
+    auto bad = tkt::recipe({"plugins.freeze.prefix=\"nothing.\""}, text.c_str());
+    CHECK_THROWS_WITH(tk::Trainer(bad, tkt::quiet()).describe(),
+                      doctest::Contains("plugins.freeze.prefix: matches no parameter of the model"));
+  }
+
+  TEST_CASE("setup may wrap the model: the wrapper's parameter trains, the start is unchanged") {
+    tk::Trainer plain(tkt::recipe(), tkt::quiet());
+    auto base = plain.fit();
+    std::string text = with_library(tkt::kTinyRecipe, kFixtures / "tk_wrap_gain.so");
+    tk::Trainer t(tkt::recipe({}, text.c_str()), tkt::quiet());
+    auto r = t.fit();
+    CHECK(r.window_losses.front() == base.window_losses.front());  // gain starts at 1
+    const auto params = t.model().named_parameters();
+    REQUIRE(params.contains("gain"));
+    REQUIRE(params.contains("inner.head.weight"));
+    CHECK(params["gain"].item<double>() != 1.0);
+    size_t held = 0;
+    for (const auto& g : t.optimizer().param_groups()) held += g.params().size();
+    CHECK(held == 5);
+  }
+
+  TEST_CASE("hooks: only overridden ones are dispatched, and fit_end says how the run ended") {
+    auto probe = std::make_shared<StatusProbe>();
+    auto opts = tkt::quiet();
+    tk::Trainer t(tkt::recipe({"run.trace=true"}), opts);
+    t.add_plugin(probe, tk::Options());
+    t.fit();
+    CHECK(probe->start_status == tk::FitStatus::Running);
+    CHECK(probe->end_status == tk::FitStatus::Completed);
+    CHECK(probe->boundaries == 6);
+    CHECK(probe->handles(tk::Event::Boundary));
+    CHECK_FALSE(probe->handles(tk::Event::MicroBatch));  // the base hook ran once and was dropped
+    int micro = 0, boundary = 0;
+    for (const auto& e : t.trace()) {
+      micro += e.event == tk::Event::MicroBatch;
+      boundary += e.event == tk::Event::Boundary;
+    }
+    CHECK(micro == 0);
+    CHECK(boundary == 6);
+
+    auto timed = std::make_shared<StatusProbe>();
+    tk::Trainer t2(tkt::recipe({"run.max_time=\"0s\""}), tkt::quiet());
+    t2.add_plugin(timed, tk::Options());
+    CHECK(t2.fit().status == tk::FitStatus::StoppedByTime);
+    CHECK(timed->end_status == tk::FitStatus::StoppedByTime);
+
+    auto failed = std::make_shared<StatusProbe>();
+    std::string text = std::string(tkt::kTinyRecipe) + "\n[[plugins]]\nname = \"probe\"\nthrow_at_step = 2\n";
+    tk::Trainer t3(tkt::recipe({}, text.c_str()), tkt::quiet());
+    t3.add_plugin(failed, tk::Options());
+    CHECK_THROWS_AS(t3.fit(), tk::PluginRuntimeError);
+    CHECK(failed->end_status == tk::FitStatus::Failed);
+  }
+
+  TEST_CASE("a capability name that nothing provides and nobody knows is reported") {
+    tk::Trainer t(tkt::recipe(), tkt::quiet());
+    t.add_plugin(std::make_shared<Orders>("grads.normalised", false), tk::Options());
+    t.plan();
+    REQUIRE(t.warnings().size() == 1);
+    CHECK(t.warnings()[0] == "plugin 'orders' orders itself after 'grads.normalised', which no plugin of this run "
+                             "provides (not a known capability name; did you mean 'grads.normalized'?): that "
+                             "ordering has no effect");
+    // A known name that this run happens not to provide is fine.
+    tk::Trainer quiet_one(tkt::recipe(), tkt::quiet());
+    quiet_one.add_plugin(std::make_shared<Orders>(tk::cap::kGradsSynced, false), tk::Options());
+    quiet_one.plan();
+    CHECK(quiet_one.warnings().empty());
+    tk::Trainer strict(tkt::recipe(), tkt::quiet());
+    strict.add_plugin(std::make_shared<Orders>("grads.cliped", true), tk::Options());
+    CHECK_THROWS_WITH(strict.plan(), "plugin 'orders' requires 'grads.cliped', which no plugin in this run provides "
+                                     "(not a known capability name; did you mean 'grads.clipped'?)");
+  }
+
+  TEST_CASE("relative paths are resolved against the recipe's folder, or the working directory for --set") {
+    const fs::path dir = tkt::temp_dir("paths");
+    fs::create_directories(dir / "data");
+    std::ofstream(dir / "data/corpus.txt") << std::string(2000, 'a') + std::string(2000, 'b');
+    std::ofstream(dir / "recipe.toml") << "[run]\nsteps = 2\n[model]\nname = \"gpt\"\nlayers = 1\nwidth = 16\nheads = 2\n"
+                                          "[data]\nname = \"text\"\npath = \"data/corpus.txt\"\nseq_len = 16\n"
+                                          "[optimizer]\nname = \"adamw\"\n";
+    const fs::path old = fs::current_path();
+    fs::current_path(fs::temp_directory_path());
+    auto from_file = tk::Recipe::from_file(dir / "recipe.toml");
+    CHECK_NOTHROW(tk::Trainer(from_file, tkt::quiet()).describe());
+    CHECK(from_file.resolved().find("path = \"" + (dir / "data/corpus.txt").string() + "\"") != std::string::npos);
+    // A --set value is relative to where the command runs.
+    fs::current_path(dir / "data");
+    auto overridden = tk::Recipe::from_file(dir / "recipe.toml");
+    overridden.apply_override("data.path=corpus.txt");
+    CHECK_NOTHROW(tk::Trainer(overridden, tkt::quiet()));
+    fs::current_path(old);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("a Trainer keeps its own copy of the recipe") {
+    std::unique_ptr<tk::Trainer> t;
+    {
+      auto r = tkt::recipe();
+      t = std::make_unique<tk::Trainer>(r, tkt::quiet());
+    }
+    CHECK(t->describe().find("recipe        test.toml") == 0);
+    CHECK(t->fit().steps == 6);
+  }
+}
