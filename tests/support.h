@@ -1,5 +1,6 @@
 #pragma once
 // Helpers shared by the test suites: recipes, in-process probes and tensor comparisons.
+#include <tk/testing.h>
 #include <tk/trainer.h>
 #include <torch/types.h>
 
@@ -30,31 +31,8 @@ inline std::vector<std::string> operator+(std::vector<std::string> a, const std:
 
 namespace tkt {
 
-/// A small, fast recipe; tests adjust it with Recipe::apply_override.
-inline const char* kTinyRecipe = R"(
-[run]
-seed = 3
-steps = 6
-dtype = "float64"
-
-[model]
-name = "mlp"
-hidden = [16]
-activation = "tanh"
-
-[data]
-name = "synthetic-classification"
-samples = 256
-validation_samples = 0
-features = 8
-classes = 4
-micro_batch = 8
-
-[optimizer]
-name = "sgd"
-lr = 0.1
-momentum = 0.9
-)";
+using tk::testing::kTinyRecipe;
+using Capture = tk::testing::Capture;
 
 /// Recipe from text plus `--set`-style overrides.
 inline tk::Recipe recipe(const std::vector<std::string>& overrides = {}, const char* text = kTinyRecipe) {
@@ -131,26 +109,5 @@ inline double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
   REQUIRE(a.sizes() == b.sizes());
   return (a - b).abs().max().item<double>() / (1.0 + b.abs().max().item<double>());
 }
-
-/// An in-process plugin that records, at each boundary after all gradient work, the gradients,
-/// the learning rate, the window and its true loss.
-class Capture : public tk::Plugin {
- public:
-  Capture() { set_name("capture"); }
-  tk::Contract contract() const override {
-    return {{}, {tk::cap::kGradsSynced, tk::cap::kGradsNormalized, tk::cap::kGradsUnscaled, tk::cap::kGradsClipped}};
-  }
-  void on_micro_batch(tk::Context& ctx) override { windows.push_back(ctx.window()); }
-  void on_boundary(tk::Context& ctx) override {
-    grads.push_back(flat_grads(ctx.model()));
-    lrs.push_back(ctx.lr());
-    window_losses.push_back(ctx.window_loss());
-    window_sizes.push_back(ctx.totals().micro_batches);
-  }
-  std::vector<torch::Tensor> grads;
-  std::vector<double> lrs, window_losses;
-  std::vector<int64_t> window_sizes;
-  std::vector<tk::Window> windows;
-};
 
 }  // namespace tkt

@@ -328,4 +328,29 @@ void plan_run(Run& r) {
   r.planned = true;
 }
 
+Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_dir) {
+  Checkpoint resumed = load_checkpoint(resolve_checkpoint(which, output_dir), *r.model, *r.optimizer);
+  restore_plugin_states(r, resumed);
+  if (resumed.position.counters.total_steps != r.total_steps)
+    throw Error(resumed.dir.string() + ": the checkpoint is of a run of " +
+                std::to_string(resumed.position.counters.total_steps) + " steps, this one has " +
+                std::to_string(r.total_steps) + ": resume with the recipe it was made with");
+  return resumed;
+}
+
+void restore_plugin_states(Run& r, Checkpoint& resumed) {
+  for (const auto& slot : r.slots) {
+    if (!slot.plugin) continue;
+    auto it = resumed.plugin_states.find(slot.name);
+    if (it == resumed.plugin_states.end()) {
+      r.warn("plugin '" + slot.name + "' has no state in " + resumed.dir.string() + "; it starts fresh");
+      continue;
+    }
+    slot.plugin->load_state(it->second);
+    resumed.plugin_states.erase(it);
+  }
+  for (const auto& [name, st] : resumed.plugin_states)
+    r.warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
+}
+
 }  // namespace tk::detail

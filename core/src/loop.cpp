@@ -20,7 +20,6 @@ class Loop {
 
  private:
   void emit(Event e);
-  void restore_plugins(Checkpoint& resumed);
   Batch fetch(const Dataset& ds, const at::Tensor& idx) const;
   void micro_batch(Batch& batch);
   bool optimizer_step();
@@ -76,21 +75,6 @@ void Loop::emit(Event e) {
     ++i;
   }
   ctx_.current_plugin_.clear();
-}
-
-void Loop::restore_plugins(Checkpoint& resumed) {
-  for (const auto& slot : r_.slots) {
-    if (!slot.plugin) continue;
-    auto it = resumed.plugin_states.find(slot.name);
-    if (it == resumed.plugin_states.end()) {
-      r_.warn("plugin '" + slot.name + "' has no state in " + resumed.dir.string() + "; it starts fresh");
-      continue;
-    }
-    slot.plugin->load_state(it->second);
-    resumed.plugin_states.erase(it);
-  }
-  for (const auto& [name, st] : resumed.plugin_states)
-    r_.warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
 }
 
 Batch Loop::fetch(const Dataset& ds, const at::Tensor& idx) const {
@@ -212,14 +196,7 @@ FitResult Loop::fit(const Recipe& recipe) {
   RunOutputs outputs(r_, opts_);
   // Resuming: model, optimizer and RNG come back now, plugin states before fit_start.
   std::optional<Checkpoint> resumed;
-  if (opts_.resume) {
-    resumed = load_checkpoint(resolve_checkpoint(*opts_.resume, outputs.dir()), *r_.model, *r_.optimizer);
-    restore_plugins(*resumed);
-    if (resumed->position.counters.total_steps != r_.total_steps)
-      throw Error(resumed->dir.string() + ": the checkpoint is of a run of " +
-                  std::to_string(resumed->position.counters.total_steps) + " steps, this one has " +
-                  std::to_string(r_.total_steps) + ": resume with the recipe it was made with");
-  }
+  if (opts_.resume) resumed = resume_from(r_, *opts_.resume, outputs.dir());
   outputs.open(recipe, resumed);
   if (outputs.active()) result.output_dir = ctx_.output_dir_ = outputs.dir();
   int64_t start_epoch = 0, start_batch = 0;
@@ -267,6 +244,7 @@ FitResult Loop::fit(const Recipe& recipe) {
         // The window is complete: one optimizer step.
         const bool skipped = optimizer_step();
         result.window_losses.push_back(ctx_.window_loss_);
+        result.step_metrics.emplace_back(ctx_.metrics_.begin(), ctx_.metrics_.end());
         const double t = elapsed();
         JsonLine line = step_record(ctx_, epoch, skipped, t);
         done = c.step >= r_.total_steps;

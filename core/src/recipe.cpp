@@ -174,6 +174,8 @@ std::string entry_label(const toml::table& t, size_t index) {
 }  // namespace
 
 struct Recipe::Impl {
+  std::string text;                    // the recipe as read, and
+  std::vector<std::string> applied;    // the overrides applied to it: a copy parses both again
   toml::table root;
   std::string source;
   std::filesystem::path dir;
@@ -196,9 +198,20 @@ struct Recipe::Impl {
 };
 
 Recipe::Recipe(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Recipe::Recipe(const Recipe& other) : impl_(std::make_unique<Impl>(*other.impl_)) {}
+static toml::table parse_text(const std::string& text, const std::string& name);
+
+// A copy parses the text again and replays the overrides: copying a toml::table would drop the
+// source positions that every error message points at.
+Recipe::Recipe(const Recipe& other) : impl_(std::make_unique<Impl>()) {
+  impl_->text = other.impl_->text;
+  impl_->source = other.impl_->source;
+  impl_->dir = other.impl_->dir;
+  impl_->root = parse_text(impl_->text, impl_->source);
+  for (const auto& o : other.impl_->applied) apply_override(o);
+  impl_->resolved = other.impl_->resolved;
+}
 Recipe& Recipe::operator=(const Recipe& other) {
-  if (this != &other) impl_ = std::make_unique<Impl>(*other.impl_);
+  if (this != &other) *this = Recipe(other);
   return *this;
 }
 Recipe::Recipe(Recipe&&) noexcept = default;
@@ -219,7 +232,8 @@ Recipe Recipe::from_file(const std::filesystem::path& file) {
   std::stringstream ss;
   ss << in.rdbuf();
   auto impl = std::make_unique<Impl>();
-  impl->root = parse_text(ss.str(), file.string());
+  impl->text = ss.str();
+  impl->root = parse_text(impl->text, file.string());
   impl->source = file.string();
   impl->dir = std::filesystem::absolute(file).parent_path();
   return Recipe(std::move(impl));
@@ -227,6 +241,7 @@ Recipe Recipe::from_file(const std::filesystem::path& file) {
 
 Recipe Recipe::from_string(const std::string& text, const std::string& source_name) {
   auto impl = std::make_unique<Impl>();
+  impl->text = text;
   impl->root = parse_text(text, source_name);
   impl->source = source_name;
   impl->dir = std::filesystem::current_path();
@@ -294,6 +309,7 @@ void Recipe::apply_override(const std::string& assignment) {
   std::string dotted = dotted_prefix;
   for (size_t j = first; j < path.size(); ++j) dotted += (j > first ? "." : "") + path[j];
   impl_->overrides[dotted] = SourceLoc{origin, 0, 0};
+  impl_->applied.push_back(assignment);
 }
 
 void Recipe::check_sections(const std::vector<std::string>& known) const {

@@ -71,6 +71,11 @@ void assemble(Run& run, const Recipe& recipe, const TrainerOptions& opts);
 void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const Options& opts);
 /// Lets the plugins shape the plan and the model, orders them, makes the optimizer (idempotent).
 void plan_run(Run& run);
+/// Hands each plugin its state from a checkpoint (before fit_start); warns about states nobody loads.
+void restore_plugin_states(Run& run, Checkpoint& resumed);
+/// Restores model, optimizer, RNG and plugin states from the checkpoint `which` names (a folder or
+/// "latest" of `output_dir`); refuses a checkpoint of a run of another length.
+Checkpoint resume_from(Run& run, const std::string& which, const std::filesystem::path& output_dir);
 /// The resolved plan as `tk-run --dry-run` prints it.
 std::string describe(Run& run, const Recipe& recipe);
 

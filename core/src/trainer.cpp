@@ -41,6 +41,7 @@ const RunPlan& Trainer::plan() {
   return impl_->run.plan;
 }
 const DataSplits& Trainer::data() const { return impl_->run.data; }
+const Recipe& Trainer::recipe() const { return impl_->recipe; }
 const Registry& Trainer::registry() const { return impl_->run.registry; }
 const std::vector<TraceEntry>& Trainer::trace() const { return impl_->trace; }
 const std::vector<std::string>& Trainer::warnings() const { return impl_->run.warnings; }

@@ -1,13 +1,20 @@
 #pragma once
-/// Helpers for testing a plugin's hooks one at a time, without a training run.
+/// trainkit::testing: what a plugin's tests need. One hook at a time (ManualContext), whole runs in
+/// process (run), parameter comparison, capture and veto fixtures, and the plugin contract checks.
 #include <cmath>
+#include <filesystem>
 #include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tk/context.h"
 #include "tk/plugin.h"
+#include "tk/trainer.h"
 
 namespace tk::testing {
 
@@ -58,5 +65,98 @@ class ManualContext final : public Context {
     current_plugin_.clear();
   }
 };
+
+/// A small, fast recipe: an MLP on 256 synthetic examples, float64, 6 steps of SGD with momentum
+/// in micro-batches of 8. Tests adjust it with overrides.
+extern const char* const kTinyRecipe;
+
+/// Named parameters (detached copies) of a model.
+using Parameters = std::map<std::string, at::Tensor>;
+
+/// What run() adds to a recipe.
+struct RunOptions {
+  std::vector<std::string> overrides;  ///< "key=value", as tk-run's --set
+  /// Plugin libraries added as [[plugins]] entries: file, and its options as TOML text.
+  std::vector<std::pair<std::filesystem::path, std::string>> libraries;
+  std::vector<std::shared_ptr<Plugin>> plugins;  ///< instances added after the recipe's plugins
+  std::vector<std::filesystem::path> plugin_dirs;  ///< searched before trainkit's own plugins folder
+  std::filesystem::path output;  ///< write outputs here (empty: outputs off)
+  std::optional<std::string> resume;  ///< as tk-run --resume (needs `output`)
+  std::function<bool()> stop_requested;  ///< checked at each boundary (a stop with a checkpoint)
+};
+
+/// What run() hands back.
+struct RunResult {
+  FitResult fit;
+  Parameters parameters;            ///< after training
+  std::vector<TraceEntry> trace;    ///< every dispatch (run.trace is on)
+  std::vector<std::string> warnings;
+  std::vector<std::string> plugin_order;
+};
+
+/// Trains `recipe_toml` in process (outputs off unless asked) and returns what happened.
+RunResult run(const std::string& recipe_toml, const RunOptions& opts = {});
+
+/// max |a - b| over the parameters of both (infinity when their names or shapes differ).
+double max_difference(const Parameters& a, const Parameters& b);
+/// Bit-identical parameters.
+inline bool identical(const Parameters& a, const Parameters& b) { return max_difference(a, b) == 0.0; }
+
+/// Records, at each boundary after all gradient work, the gradients (flat, float64), the step's
+/// lr and window size; at each step end the window loss; at each micro-batch its window position.
+class Capture : public Plugin {
+ public:
+  Capture();
+  Contract contract() const override;
+  void on_micro_batch(Context& ctx) override;
+  void on_boundary(Context& ctx) override;
+  void on_step_end(Context& ctx) override;
+  std::vector<at::Tensor> grads;
+  std::vector<double> lrs, window_losses;
+  std::vector<int64_t> window_sizes;
+  std::vector<Window> windows;
+};
+
+/// Vetoes the optimizer steps with the given 0-based indices (after every gradient plugin).
+class VetoAt : public Plugin {
+ public:
+  explicit VetoAt(std::set<int64_t> steps);
+  Contract contract() const override;
+  void on_boundary(Context& ctx) override;
+
+ private:
+  std::set<int64_t> steps_;
+};
+
+/// Throws from on_backward at the given 0-based step: a run that fails mid-window.
+class ThrowAt : public Plugin {
+ public:
+  explicit ThrowAt(int64_t step);
+  void on_backward(Context& ctx) override;
+
+ private:
+  int64_t step_;
+};
+
+/// What the contract checks are run with.
+struct ContractOptions {
+  std::string options;         ///< the plugin's options for the behavioural checks (TOML)
+  std::string neutral;         ///< options with which it must leave a run bit-identical (TOML)
+  bool check_neutral = true;   ///< false for plugins that always change the numerics
+};
+
+/// One check of the contract.
+struct CheckResult {
+  std::string name;
+  bool passed = false;
+  std::string detail;  ///< why it failed
+};
+
+/// Runs the plugin contract against the (single-strategy) library `file`: it loads and names
+/// itself; its options are well-formed, documented and validated; every hook it keeps runs on a
+/// tiny run with validation; its state round-trips; neutral options leave a run bit-identical; a
+/// stopped and resumed run equals an uninterrupted one; it survives a vetoed step; after another
+/// plugin fails mid-window it gets on_fit_end and the first error stands.
+std::vector<CheckResult> check_contract(const std::filesystem::path& file, const ContractOptions& opts = {});
 
 }  // namespace tk::testing

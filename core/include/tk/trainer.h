@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,6 +51,8 @@ struct FitResult {
   double seconds = 0.0;
   double peak_rss_mib = 0.0;          ///< peak resident memory of the process at the end
   std::vector<double> window_losses;  ///< the true loss of every optimizer step, in order
+  /// The metrics plugins added to every step's record (ctx.metric), in order.
+  std::vector<std::map<std::string, double>> step_metrics;
   std::vector<double> validation_losses;
   std::filesystem::path output_dir;   ///< empty when outputs were off
   std::filesystem::path checkpoint;   ///< the last checkpoint written, if any
@@ -82,6 +85,8 @@ class Trainer {
   torch::optim::Optimizer& optimizer();
   const RunPlan& plan();
   const DataSplits& data() const;
+  /// The Trainer's own copy of the recipe; resolved() gives what its output folder's recipe.toml holds.
+  const Recipe& recipe() const;
   /// Every component and plugin the run's libraries registered.
   const Registry& registry() const;
   /// Plugin names in dispatch order.

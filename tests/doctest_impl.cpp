@@ -1,3 +1,0 @@
-// doctest's implementation, for executables that bring their own main().
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>

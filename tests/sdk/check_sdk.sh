@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The plugin SDK as an outside author meets it: trainkit installed into a temporary prefix, then
+# everything built from that prefix alone (never the build tree):
+#   1. the "Your first plugin" commands of docs/plugins.md, run as written;
+#   2. every project in examples/: configure, build, ctest (contract + unit tests), train its recipe;
+#   3. a plugin compiled with pkg-config's flags only, described by tk-plugin info.
+# usage: check_sdk.sh SOURCE_DIR BUILD_DIR WORK_DIR
+set -euo pipefail
+src="$1"; build="$2"; work="$3"
+rm -rf "$work"; mkdir -p "$work"
+prefix="$work/prefix"
+log() { printf '\n== %s\n' "$*"; }
+
+log "install trainkit into $prefix"
+cmake --install "$build" --prefix "$prefix" > "$work/install.log"
+export PATH="$prefix/bin:$PATH" TRAINKIT_PREFIX="$prefix"
+# Nothing installed may point into the build tree: not the package files, not a run path.
+grep -rl "$build" "$prefix/lib/cmake" "$prefix/lib/pkgconfig" "$prefix/include" > "$work/leaks.txt" || true
+while IFS= read -r -d '' elf; do
+  readelf -d "$elf" | grep -E 'R(UN)?PATH' | grep -q "$build" && echo "$elf" >> "$work/leaks.txt"
+done < <(find "$prefix" -type f \( -name '*.so*' -o -path '*/bin/*' \) -print0)
+if [ -s "$work/leaks.txt" ]; then
+  echo "installed files that name the build tree:"; cat "$work/leaks.txt"; exit 1
+fi
+cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$prefix")
+if command -v ccache > /dev/null; then cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+
+log "docs/plugins.md, 'Your first plugin', as written"
+awk '/<!-- first-plugin:begin -->/{on=1; next} /<!-- first-plugin:end -->/{on=0} on && !/^```/' \
+  "$src/docs/plugins.md" > "$work/first-plugin.sh"
+test -s "$work/first-plugin.sh"
+cat "$work/first-plugin.sh"
+(cd "$work" && bash -euxo pipefail first-plugin.sh)
+
+for dir in "$src"/examples/*/; do
+  name="$(basename "$dir")"
+  log "examples/$name"
+  cmake -S "$dir" -B "$work/build-$name" "${cmake_args[@]}" > "$work/configure-$name.log"
+  cmake --build "$work/build-$name"
+  ctest --test-dir "$work/build-$name" --output-on-failure
+  (cd "$work" && tk-run "$dir/recipe.toml" --progress plain \
+     --set "plugins.$name.path=$work/build-$name/tk_$name.so" --set "run.output=$work/run-$name")
+done
+
+log "a plugin built with pkg-config only"
+export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
+cp "$src/plugins/clip/clip.cpp" "$work/pc_clip.cpp"
+sed -i 's/TK_PLUGIN(Clip, "clip", "0.1.0")/TK_PLUGIN(Clip, "pc_clip", "0.1.0")/' "$work/pc_clip.cpp"
+# shellcheck disable=SC2046
+g++ -O1 -shared -fPIC -fvisibility=hidden -o "$work/tk_pc_clip.so" "$work/pc_clip.cpp" $(pkg-config --cflags --libs trainkit)
+tk-plugin info "$work/tk_pc_clip.so" | tee "$work/info.txt"
+grep -q "plugin pc_clip" "$work/info.txt"
+grep -q "provides   grads.clipped" "$work/info.txt"
+log "sdk: every step passed"
