@@ -20,7 +20,9 @@ install(FILES
 # pkg-config: the same compile and link lines, with LibTorch's spelled out.
 set(TK_TORCH_CFLAGS "${TORCH_CXX_FLAGS}")
 foreach(dir IN LISTS TORCH_INCLUDE_DIRS)
-  string(APPEND TK_TORCH_CFLAGS " -isystem ${dir}")
+  if(NOT dir IN_LIST CMAKE_CXX_IMPLICIT_INCLUDE_DIRECTORIES)  # -isystem /usr/include breaks #include_next
+    string(APPEND TK_TORCH_CFLAGS " -isystem ${dir}")
+  endif()
 endforeach()
 get_filename_component(tk_torch_libdir "${TORCH_LIBRARY}" DIRECTORY)
 set(TK_TORCH_LIBS "-L${tk_torch_libdir} -ltorch -ltorch_cpu -lc10")
