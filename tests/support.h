@@ -1,6 +1,6 @@
 #pragma once
 // Helpers shared by the test suites: recipes, in-process probes and tensor comparisons.
-#include <tk/testing.h>
+#include <tk/doctest.h>
 #include <tk/trainer.h>
 #include <torch/types.h>
 
@@ -11,17 +11,6 @@
 #include <fstream>
 #include <string>
 #include <vector>
-
-// Debian's LibTorch logs through glog, whose CHECK macros collide with doctest's: doctest wins.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#undef CHECK_NOTNULL
-#include <doctest/doctest.h>
 
 /// Two lists of overrides, one after the other.
 inline std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {

@@ -89,8 +89,11 @@ fs::path scratch(const std::string& name) {
   return d;
 }
 
-std::vector<std::string> after_everything() {
-  return {cap::kGradsSynced, cap::kGradsNormalized, cap::kGradsUnscaled, cap::kGradsClipped};
+/// A contract that orders a plugin after every gradient plugin.
+Contract after_everything() {
+  Contract c;
+  c.after = {cap::kGradsSynced, cap::kGradsNormalized, cap::kGradsUnscaled, cap::kGradsClipped};
+  return c;
 }
 
 }  // namespace
@@ -135,7 +138,7 @@ double max_difference(const Parameters& a, const Parameters& b) {
 }
 
 Capture::Capture() { set_name("capture"); }
-Contract Capture::contract() const { return {{}, after_everything()}; }
+Contract Capture::contract() const { return after_everything(); }
 void Capture::on_micro_batch(Context& ctx) { windows.push_back(ctx.window()); }
 void Capture::on_boundary(Context& ctx) {
   grads.push_back(flat_grads(ctx.model()));
@@ -145,7 +148,7 @@ void Capture::on_boundary(Context& ctx) {
 void Capture::on_step_end(Context& ctx) { window_losses.push_back(ctx.window_loss()); }
 
 VetoAt::VetoAt(std::set<int64_t> steps) : steps_(std::move(steps)) { set_name("veto_at"); }
-Contract VetoAt::contract() const { return {{}, after_everything()}; }
+Contract VetoAt::contract() const { return after_everything(); }
 void VetoAt::on_boundary(Context& ctx) {
   if (steps_.count(ctx.counters().step)) ctx.veto_step("vetoed by the test");
 }

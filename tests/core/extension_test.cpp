@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <sstream>
 
 #include "support.h"
 
@@ -68,8 +69,13 @@ class Orders : public tk::Plugin {
 /// as text, 2.x by the address).
 template <class Key>
 bool state_key_of(const Key& key, const at::Tensor& p) {
-  if constexpr (std::is_same_v<Key, std::string>) return key == c10::guts::to_string(p.unsafeGetTensorImpl());
-  else return key == static_cast<Key>(p.unsafeGetTensorImpl());
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream address;
+    address << p.unsafeGetTensorImpl();
+    return key == address.str();
+  } else {
+    return key == static_cast<Key>(p.unsafeGetTensorImpl());
+  }
 }
 
 }  // namespace
