@@ -7,20 +7,24 @@
 # usage: check_sdk.sh SOURCE_DIR BUILD_DIR WORK_DIR
 set -euo pipefail
 src="$1"; build="$2"; work="$3"
-rm -rf "$work"; mkdir -p "$work"
+rm -rf "$work"; mkdir -p "$work"; : > "$work/leaks.txt"
 prefix="$work/prefix"
 log() { printf '\n== %s\n' "$*"; }
 
-log "install trainkit into $prefix"
-cmake --install "$build" --prefix "$prefix" > "$work/install.log"
+log "install trainkit, then move the installed tree to $prefix (it must be relocatable)"
+cmake --install "$build" --prefix "$work/first-prefix" > "$work/install.log"
+mv "$work/first-prefix" "$prefix"
 export PATH="$prefix/bin:$PATH" TRAINKIT_PREFIX="$prefix"
-# Nothing installed may point into the build tree: not the package files, not a run path.
-grep -rl "$build" "$prefix/lib/cmake" "$prefix/lib/pkgconfig" "$prefix/include" > "$work/leaks.txt" || true
-while IFS= read -r -d '' elf; do
-  readelf -d "$elf" | grep -E 'R(UN)?PATH' | grep -q "$build" && echo "$elf" >> "$work/leaks.txt"
-done < <(find "$prefix" -type f \( -name '*.so*' -o -path '*/bin/*' \) -print0)
+# Nothing installed may point into the build tree or to where it was installed first: not the
+# package files, not a run path.
+for place in "$build" "$work/first-prefix"; do
+  grep -rl "$place" "$prefix/lib/cmake" "$prefix/lib/pkgconfig" "$prefix/include" >> "$work/leaks.txt" || true
+  while IFS= read -r -d '' elf; do
+    if readelf -d "$elf" | grep -E 'R(UN)?PATH' | grep -q "$place"; then echo "$elf" >> "$work/leaks.txt"; fi
+  done < <(find "$prefix" -type f \( -name '*.so*' -o -path '*/bin/*' \) -print0)
+done
 if [ -s "$work/leaks.txt" ]; then
-  echo "installed files that name the build tree:"; cat "$work/leaks.txt"; exit 1
+  echo "installed files that name the build tree or their first install location:"; cat "$work/leaks.txt"; exit 1
 fi
 cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$prefix")
 if command -v ccache > /dev/null; then cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
