@@ -108,9 +108,11 @@ Resolved resolve_entry(Run& r, const PluginLoader& loader, const PluginEntry& e)
     const LibraryInfo info = loader.load(file, r.registry);
     const auto names = strategies_of(file);
     if (find_component(r.registry.plugins(), e.name)) return {e.name, info.version, file.string(), info.name};
-    if (names.empty()) return {"", info.version, file.string(), info.name};
-    throw PluginLoadError(file.string() + " registers plugin" + (names.size() > 1 ? "s " : " ") +
-                          join(names.data(), names.data() + names.size()) + ", not '" + e.name + "'");
+    // `name` named the library: its one strategy (if any) is the entry's.
+    if (names.size() <= 1) return {names.empty() ? "" : names.front(), info.version, file.string(), info.name};
+    throw PluginLoadError(file.string() + " registers plugins " + join(names.data(), names.data() + names.size()) +
+                          ", none called '" + e.name + "': give `path = \"" + file.string() +
+                          "\"` and `name = ` one of them");
   }
   const LibraryInfo info = loader.load(e.path, r.registry);
   const auto names = strategies_of(e.path);
@@ -140,6 +142,11 @@ void load_plugins(Run& r, const Recipe& recipe, const PluginLoader& loader) {
     } catch (const PluginLoadError& err) {
       throw PluginLoadError(e.where.str() + ": " + err.what());
     }
+    for (const auto& slot : r.slots)
+      if (plugin && slot.plugin && slot.name == res.plugin)
+        throw PluginLoadError(e.where.str() + ": plugin '" + res.plugin +
+                              "' is already in this run: one instance per plugin (its checkpoint state and "
+                              "--set plugins." + res.plugin + ".* would be ambiguous)");
     const Options o = recipe.plugin_options(i, plugin ? plugin->option_specs() : OptionSpecs{});
     if (!plugin) {  // a library of components: nothing to dispatch to
       r.slots.push_back({nullptr, res.library, res.version, res.file});
@@ -179,7 +186,7 @@ void build_components(Run& r, const Recipe& recipe) {
   r.model->to(r.device, r.dtype);
   r.model->train();
 
-  const auto& lc = pick(recipe, "loss", r.data.info.classification ? "cross_entropy" : "mse", r.registry.losses());
+  const auto& lc = pick(recipe, "loss", r.data.info.default_loss.c_str(), r.registry.losses());
   r.loss_name = lc.name;
   r.loss_opts = recipe.options("loss", lc.specs, true);
   r.loss = lc.make(r.loss_opts);
@@ -188,18 +195,20 @@ void build_components(Run& r, const Recipe& recipe) {
     r.loss_opts.fail("ignore_index", "is " + std::to_string(r.loss_opts.get_int("ignore_index")) +
                                          ", but the data marks padding with " + std::to_string(*info.ignore_index) +
                                          " (data.ignore_index): padding would count toward the loss");
-  if (info.classification != (r.loss_name == "cross_entropy"))
+  const Targets wants = r.loss->targets();
+  if (wants != Targets::Any && (wants == Targets::Classes) != info.classification)
     throw RecipeError(r.loss_opts.section_loc(),
-                      "loss '" + r.loss_name + "' does not fit data '" + r.data_name + "' (" +
-                          (info.classification ? "class labels" : "real-valued targets") + "); use " +
-                          (info.classification ? "cross_entropy" : "mse"));
+                      "loss '" + r.loss_name + "' takes " + (wants == Targets::Classes ? "class labels" : "real-valued targets") +
+                          ", but data '" + r.data_name + "' gives " +
+                          (info.classification ? "class labels" : "real-valued targets") +
+                          (info.default_loss.empty() ? std::string() : "; use " + info.default_loss));
 
   const auto& oc = pick(recipe, "optimizer", "", r.registry.optimizers());
   r.opt_name = oc.name;
   r.optimizer_maker = &oc;
   r.opt_opts = recipe.options("optimizer", oc.specs, true);
-  oc.make(r.opt_opts, r.model->parameters());  // its options are checked now; it is made after setup
-  r.base_lr = r.opt_opts.get_float("lr");
+  // Made now to check its options and read its learning rate; the real one is made after setup.
+  r.base_lr = get_lr(*oc.make(r.opt_opts, r.model->parameters()));
 
   const auto& sc = pick(recipe, "schedule", "constant", r.registry.schedules());
   r.sched_name = sc.name;
@@ -252,10 +261,12 @@ at::Tensor Run::shard_order(int64_t epoch) const {
 void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
   read_run_section(r, recipe);
   const PluginLoader loader(opts.plugin_dirs ? *opts.plugin_dirs : PluginLoader::default_dirs(recipe.dir()));
+  // trainkit's own components come from its own plugins folder: a recipe's tk_data.so cannot shadow them.
+  const PluginLoader own({PluginLoader::own_dir()});
   for (const auto& lib : PluginLoader::standard_libraries()) {
     fs::path file;
     try {
-      file = loader.find(lib);
+      file = own.find(lib);
     } catch (const PluginLoadError& e) {
       throw PluginLoadError("trainkit's standard library '" + lib + "' is missing (the installation is incomplete): " +
                             e.what());
@@ -269,13 +280,28 @@ void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
 void add_plugin(Run& r, std::shared_ptr<Plugin> plugin, const Options& opts) {
   if (r.planned) throw Error("add_plugin() must come before the run is planned (fit, describe, plan, optimizer)");
   if (plugin->name().empty()) throw Error("a plugin added in code needs a name (Plugin::set_name)");
+  for (const auto& slot : r.slots)
+    if (slot.plugin && slot.name == plugin->name())
+      throw Error("plugin '" + plugin->name() + "' is already in this run: one instance per plugin");
   plugin->set_options(opts);
   plugin->init(opts);
   r.slots.push_back({plugin, plugin->name(), "(in-process)", "(in-process)"});
 }
 
+void plan_once(Run& r);
+
 void plan_run(Run& r) {
   if (r.planned) return;
+  if (!r.planning_error.empty()) throw Error("the run could not be planned: " + r.planning_error);
+  try {
+    plan_once(r);
+  } catch (const std::exception& e) {
+    r.planning_error = e.what();
+    throw;
+  }
+}
+
+void plan_once(Run& r) {
   r.plan = RunPlan{};
   r.plan.micro_batch = r.data_opts.get_int("micro_batch");
   r.plan.loss_reduction = to_string(r.loss->reduction());
@@ -346,7 +372,7 @@ void restore_plugin_states(Run& r, Checkpoint& resumed) {
       r.warn("plugin '" + slot.name + "' has no state in " + resumed.dir.string() + "; it starts fresh");
       continue;
     }
-    slot.plugin->load_state(it->second);
+    as_plugin(slot, "load_state", [&] { slot.plugin->load_state(it->second); });
     resumed.plugin_states.erase(it);
   }
   for (const auto& [name, st] : resumed.plugin_states)

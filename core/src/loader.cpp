@@ -56,7 +56,8 @@ const tk_plugin_info* open(const fs::path& file, boost::dll::shared_library& lib
 }
 
 LibraryInfo describe(const tk_plugin_info& info, const fs::path& file) {
-  return {info.name, info.version ? info.version : "", info.trainkit_version, info.torch_version, file};
+  return {info.name, info.version ? info.version : "", info.trainkit_version ? info.trainkit_version : "",
+          info.torch_version ? info.torch_version : "", file};
 }
 
 }  // namespace
@@ -73,6 +74,15 @@ std::vector<std::string> PluginLoader::standard_libraries() {
   return out;
 }
 
+fs::path PluginLoader::own_dir() {
+  // Relative to libtrainkit itself, so an installed tree can move and never looks at a build tree.
+  boost::dll::fs::error_code ec;
+  const fs::path self = fs::path(boost::dll::this_line_location(ec).string()).parent_path();
+  std::error_code fec;
+  const fs::path installed = self / "trainkit" / "plugins", build = self.parent_path() / "plugins";
+  return fs::is_directory(installed, fec) || !fs::is_directory(build, fec) ? installed : build;
+}
+
 std::vector<fs::path> PluginLoader::default_dirs(const fs::path& recipe_dir) {
   std::vector<fs::path> dirs;
   if (!recipe_dir.empty()) dirs.push_back(recipe_dir / "plugins");
@@ -81,14 +91,7 @@ std::vector<fs::path> PluginLoader::default_dirs(const fs::path& recipe_dir) {
     for (std::string d; std::getline(ss, d, ':');)
       if (!d.empty()) dirs.emplace_back(d);
   }
-  // Relative to libtrainkit itself, so an installed tree can move and never looks at a build tree.
-  boost::dll::fs::error_code ec;
-  const fs::path self = fs::path(boost::dll::this_line_location(ec).string()).parent_path();
-  if (!ec) {
-    std::error_code fec;
-    const fs::path installed = self / "trainkit" / "plugins", build = self.parent_path() / "plugins";
-    dirs.push_back(fs::is_directory(installed, fec) || !fs::is_directory(build, fec) ? installed : build);
-  }
+  dirs.push_back(own_dir());
   return dirs;
 }
 

@@ -134,13 +134,13 @@ bool Loop::optimizer_step() {
 
 /// Loss (item-weighted) and accuracy over the validation split.
 std::pair<double, double> Loop::validate() {
-  emit(Event::ValidationStart);
   r_.model->eval();
   double loss_sum = 0.0;
   int64_t items = 0, correct = 0;
   const bool classes = r_.data.info.classification;
   {
-    torch::NoGradGuard no_grad;
+    torch::NoGradGuard no_grad;  // both validation hooks run in eval mode without grad
+    emit(Event::ValidationStart);
     const int64_t n = r_.data.validation->size(), m = r_.plan.micro_batch;
     for (int64_t start = 0; start < n; start += m) {
       Batch b = fetch(*r_.data.validation, at::arange(start, std::min(n, start + m), at::kLong));
@@ -150,10 +150,10 @@ std::pair<double, double> Loop::validate() {
       items += b.tokens;
       if (classes) correct += (out.argmax(-1) == b.target).sum().item<int64_t>();
     }
+    ctx_.validation_loss_ = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
+    emit(Event::ValidationEnd);
   }
   r_.model->train();
-  ctx_.validation_loss_ = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
-  emit(Event::ValidationEnd);
   return {ctx_.validation_loss_,
           items > 0 && classes ? static_cast<double>(correct) / static_cast<double>(items) : std::nan("")};
 }
@@ -178,9 +178,9 @@ std::string Loop::validation_record(JsonLine& line, FitResult& result) {
   return note;
 }
 
-/// After a failure every plugin still gets fit_end (status failed) to clean up; errors it raises
-/// then are dropped: the first error stands.
+/// After a failure every plugin gets fit_end (status failed) once; its errors then are dropped.
 void Loop::fit_end_after_failure() {
+  if (ctx_.status_ != FitStatus::Running) return;  // fit_end itself failed: it ran once already
   ctx_.status_ = FitStatus::Failed;
   for (const Slot* s : handlers_[static_cast<size_t>(Event::FitEnd)]) {
     try {

@@ -309,6 +309,11 @@ void Recipe::apply_override(const std::string& assignment) {
   std::string dotted = dotted_prefix;
   for (size_t j = first; j < path.size(); ++j) dotted += (j > first ? "." : "") + path[j];
   impl_->overrides[dotted] = SourceLoc{origin, 0, 0};
+  if (!dotted_prefix.empty() && path.back() == "path") {  // the entry's label may follow its new file name
+    auto arr = impl_->root["plugins"].as_array();
+    for (size_t j = 0; j < arr->size(); ++j)
+      if ((*arr)[j].as_table() == t) impl_->overrides["plugins." + entry_label(*t, j) + ".path"] = SourceLoc{origin, 0, 0};
+  }
   impl_->applied.push_back(assignment);
 }
 

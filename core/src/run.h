@@ -31,6 +31,9 @@ struct Slot {
 /// the plan, runs the plugins' setup and makes the optimizer.
 struct Run {
   Registry registry;  // first: the libraries outlive everything made from them
+  // Second: a plugin added in code may hold the only handle on its library, and its setup may
+  // have put that library's code into the model; the model, data and optimizer go first.
+  std::vector<Slot> slots;
 
   Options run, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
   std::string model_name, data_name, loss_name, opt_name, sched_name;
@@ -48,9 +51,9 @@ struct Run {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<LrSchedule> schedule;
   double base_lr = 0.0;
-  std::vector<Slot> slots;
 
   bool planned = false;
+  std::string planning_error;  // why planning failed: setup may have changed the model, no retry
   RunPlan plan;
   std::vector<size_t> order;  // dispatch order of slots that hold a plugin
   int64_t batches_per_epoch = 0, total_steps = 0;

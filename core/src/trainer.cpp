@@ -1,9 +1,35 @@
 // The Trainer: a run in process, from a recipe to its result.
 #include "tk/trainer.h"
 
+#include <c10/util/Exception.h>
+
 #include "run.h"
 
 namespace tk {
+namespace {
+
+/// Rethrows the exception in flight as an object made here, in libtrainkit. An exception object
+/// made in a plugin library has its vtable there; the library may be unloaded while the exception
+/// propagates (a Trainer destroyed during unwinding releases its libraries).
+[[noreturn]] void rethrow_from_core() {
+  try {
+    throw;
+  } catch (const RecipeError& e) {
+    throw RecipeError(e);
+  } catch (const PluginLoadError& e) {
+    throw PluginLoadError(e.what());
+  } catch (const PluginRuntimeError& e) {
+    throw PluginRuntimeError(e.what());
+  } catch (const Error& e) {
+    throw Error(e.what());
+  } catch (const c10::Error& e) {
+    throw Error(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw Error(e.what());
+  }
+}
+
+}  // namespace
 
 struct Trainer::Impl {
   Recipe recipe;
@@ -14,7 +40,11 @@ struct Trainer::Impl {
 };
 
 Trainer::Trainer(Recipe recipe, TrainerOptions opts) : impl_(new Impl{std::move(recipe), std::move(opts), {}, {}, false}) {
-  detail::assemble(impl_->run, impl_->recipe, impl_->options);
+  try {
+    detail::assemble(impl_->run, impl_->recipe, impl_->options);
+  } catch (...) {
+    rethrow_from_core();
+  }
 }
 Trainer::~Trainer() = default;
 
@@ -22,22 +52,41 @@ void Trainer::add_plugin(std::shared_ptr<Plugin> plugin, const Options& opts) {
   detail::add_plugin(impl_->run, std::move(plugin), opts);
 }
 
-std::string Trainer::describe() { return detail::describe(impl_->run, impl_->recipe); }
+std::string Trainer::describe() {
+  try {
+    return detail::describe(impl_->run, impl_->recipe);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
 
 FitResult Trainer::fit() {
   if (impl_->fitted) throw Error("fit() can run once per Trainer");
   impl_->fitted = true;
-  detail::plan_run(impl_->run);
-  return detail::train(impl_->run, impl_->recipe, impl_->options, impl_->trace);
+  try {
+    detail::plan_run(impl_->run);
+    return detail::train(impl_->run, impl_->recipe, impl_->options, impl_->trace);
+  } catch (...) {
+    rethrow_from_core();
+  }
 }
 
 Model& Trainer::model() { return *impl_->run.model; }
+/// Plans the run, with errors made in libtrainkit.
+static void plan_from_core(detail::Run& run) {
+  try {
+    detail::plan_run(run);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
 torch::optim::Optimizer& Trainer::optimizer() {
-  detail::plan_run(impl_->run);
+  plan_from_core(impl_->run);
   return *impl_->run.optimizer;
 }
 const RunPlan& Trainer::plan() {
-  detail::plan_run(impl_->run);
+  plan_from_core(impl_->run);
   return impl_->run.plan;
 }
 const DataSplits& Trainer::data() const { return impl_->run.data; }
@@ -46,7 +95,7 @@ const Registry& Trainer::registry() const { return impl_->run.registry; }
 const std::vector<TraceEntry>& Trainer::trace() const { return impl_->trace; }
 const std::vector<std::string>& Trainer::warnings() const { return impl_->run.warnings; }
 std::vector<std::string> Trainer::plugin_order() {
-  detail::plan_run(impl_->run);
+  plan_from_core(impl_->run);
   std::vector<std::string> out;
   for (size_t i : impl_->run.order) out.push_back(impl_->run.slots[i].name);
   return out;

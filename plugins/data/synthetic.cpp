@@ -206,7 +206,13 @@ void register_data(Registry& r) {
         {"text", "byte- or character-level language modelling on a text file: predict each next token",
          text_specs(), make_text},
 })
-    r.add_data(std::move(e.name), std::move(e.doc), std::move(e.specs), std::move(e.make));
+    r.add_data(std::move(e.name), std::move(e.doc), std::move(e.specs),
+               [make = std::move(e.make)](const Options& o, uint64_t seed) {
+                 // Without a [loss] section: trainkit's cross-entropy for labels, squared error otherwise.
+                 DataSplits d = make(o, seed);
+                 d.info.default_loss = d.info.classification ? "cross_entropy" : "mse";
+                 return d;
+               });
 }
 
 }  // namespace

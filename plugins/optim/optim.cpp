@@ -21,7 +21,9 @@ int64_t at_reduction(Reduction r) { return r == Reduction::Sum ? at::Reduction::
 class CrossEntropy : public LossFn {
  public:
   explicit CrossEntropy(const Options& o)
-      : LossFn(reduction_of(o)), ignore_(o.get_int("ignore_index")), smoothing_(o.get_float("label_smoothing")) {}
+      : LossFn(reduction_of(o), Targets::Classes),
+        ignore_(o.get_int("ignore_index")),
+        smoothing_(o.get_float("label_smoothing")) {}
   torch::Tensor operator()(const torch::Tensor& out, const Batch& b) const override {
     const int64_t c = out.size(-1);
     return at::cross_entropy_loss(out.reshape({-1, c}), b.target.reshape({-1}), {}, at_reduction(reduction()),
@@ -35,7 +37,7 @@ class CrossEntropy : public LossFn {
 
 class Mse : public LossFn {
  public:
-  explicit Mse(const Options& o) : LossFn(reduction_of(o)) {}
+  explicit Mse(const Options& o) : LossFn(reduction_of(o), Targets::Reals) {}
   torch::Tensor operator()(const torch::Tensor& out, const Batch& b) const override {
     return at::mse_loss(out, b.target.reshape(out.sizes()), at_reduction(reduction()));
   }

@@ -238,6 +238,37 @@ TEST_SUITE("extension") {
     fs::remove_all(dir);
   }
 
+  TEST_CASE("a loss is checked against the data's targets, and two instances of one plugin are refused") {
+    CHECK_THROWS_WITH_AS(tk::Trainer(tkt::recipe({"loss.name=mse"}), tkt::quiet()),
+                         "test.toml: loss 'mse' takes real-valued targets, but data 'synthetic-classification' "
+                         "gives class labels; use cross_entropy",
+                         tk::RecipeError);
+    std::string twice = std::string(tkt::kTinyRecipe) + "\n[[plugins]]\nname = \"grad_accum\"\n" +
+                        "\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+    CHECK_THROWS_WITH_AS(tk::Trainer(tkt::recipe({}, twice.c_str()), tkt::quiet()),
+                         doctest::Contains("plugin 'grad_accum' is already in this run"), tk::PluginLoadError);
+  }
+
+  TEST_CASE("validation hooks run in eval mode without grad; fit_end runs once when it fails itself") {
+    struct Checks : tk::Plugin {
+      Checks() { set_name("checks"); }
+      void on_validation_start(tk::Context& ctx) override { seen.push_back(!ctx.model().is_training() && !at::GradMode::is_enabled()); }
+      void on_validation_end(tk::Context& ctx) override { seen.push_back(!ctx.model().is_training() && !at::GradMode::is_enabled()); }
+      void on_fit_end(tk::Context&) override {
+        ++fit_ends;
+        throw std::runtime_error("cleanup failed");
+      }
+      std::vector<bool> seen;
+      int fit_ends = 0;
+    };
+    auto checks = std::make_shared<Checks>();
+    tk::Trainer t(tkt::recipe({"data.validation_samples=16"}), tkt::quiet());
+    t.add_plugin(checks, tk::Options());
+    CHECK_THROWS_WITH(t.fit(), doctest::Contains("plugin 'checks' failed in event fit_end"));
+    CHECK(checks->seen == std::vector<bool>{true, true});
+    CHECK(checks->fit_ends == 1);
+  }
+
   TEST_CASE("a Trainer keeps its own copy of the recipe") {
     std::unique_ptr<tk::Trainer> t;
     {

@@ -94,10 +94,13 @@ int list_all() {
   list_components("schedule", registry.schedules());
   std::printf("[[plugins]]\n");
   for (const auto& c : registry.plugins()) {
-    auto plugin = registry.make_plugin(c.name);
     std::printf("  name = \"%s\"  %s\n", c.name.c_str(), c.doc.c_str());
     std::printf("      %-20s %s\n", "(from)", c.library.c_str());
-    print_specs(plugin->option_specs());
+    try {
+      print_specs(registry.make_plugin(c.name)->option_specs());
+    } catch (const std::exception& e) {
+      std::printf("      cannot make it: %s\n", e.what());
+    }
   }
   for (const auto& b : broken) std::printf("  %s\n", b.c_str());
   return 0;

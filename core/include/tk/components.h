@@ -20,16 +20,21 @@ class Optimizer;
 
 namespace tk {
 
+/// The targets a loss takes; the core refuses a loss that does not fit the data set's targets.
+enum class Targets { Any, Classes, Reals };
+
 /// A loss: reduces over items with `reduction`; returns the loss tensor.
 class LossFn {
  public:
-  explicit LossFn(Reduction r) : reduction_(r) {}
+  explicit LossFn(Reduction r, Targets t = Targets::Any) : reduction_(r), targets_(t) {}
   virtual ~LossFn() = default;
   virtual at::Tensor operator()(const at::Tensor& output, const Batch& batch) const = 0;
   Reduction reduction() const noexcept { return reduction_; }
+  Targets targets() const noexcept { return targets_; }
 
  private:
   Reduction reduction_;
+  Targets targets_;
 };
 
 /// Learning rate as a pure function of the optimizer step (so a resumed run gets the same LR).

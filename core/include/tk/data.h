@@ -23,6 +23,7 @@ struct DataInfo {
   bool next_token = false;  ///< targets are the inputs shifted by one (language modelling): perplexity applies
   std::string baseline_name;  ///< a reference the validation loss is shown against ("unigram"), if any
   double baseline_loss = 0.0; ///< that reference's validation loss
+  std::string default_loss;   ///< the loss a recipe without a [loss] section gets ("" : it must name one)
 
   /// "image [1, 28, 28]", "tokens [128] of 256", "features [32]": for error messages.
   std::string describe() const;

@@ -36,7 +36,10 @@ class PluginLoader {
   /// then the plugins folder of this trainkit: `<libtrainkit's folder>/trainkit/plugins` when
   /// installed, the build tree's plugins/ when run from there.
   static std::vector<std::filesystem::path> default_dirs(const std::filesystem::path& recipe_dir = {});
-  /// The libraries every run loads first: trainkit's own models, data sets and optimizers.
+  /// trainkit's own plugins folder, next to libtrainkit: `<libdir>/trainkit/plugins` installed,
+  /// the build tree's plugins/ in a build tree.
+  static std::filesystem::path own_dir();
+  /// The libraries every run loads first, from own_dir(): trainkit's models, data sets, optimizers.
   static std::vector<std::string> standard_libraries();
 
   /// The file that holds library `name` (tk_<name>.so); the error lists the folders searched.
