@@ -6,5 +6,6 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 TK_BUILD_TARGETS="tk-run tk_plugins" bash "$root/tools/build.sh"
-[ $# -gt 0 ] || set -- "$root/recipes/fashion-mnist.toml"
+# The default demo starts over each time; a run of your own is never overwritten unless you say so.
+[ $# -gt 0 ] || set -- "$root/recipes/fashion-mnist.toml" --overwrite
 exec "$build/bin/tk-run" "$@"

@@ -6,7 +6,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config
   libtorch-dev libopenblas0-pthread
   libboost-dev libboost-filesystem-dev zlib1g-dev
-  libtomlplusplus-dev libspdlog-dev libfmt-dev doctest-dev libgloo-dev libcli11-dev
+  libtomlplusplus-dev libspdlog-dev libfmt-dev doctest-dev libgloo-dev libcli11-dev nlohmann-json3-dev
   python3 python3-torch
   dataset-fashion-mnist fortunes
 )

@@ -6,15 +6,20 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
-#include <mutex>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <sstream>
 
 #include "tk/error.h"
 #include "tk/output.h"
 #include "tk/tensor_io.h"
+#include "files.h"
 
 namespace fs = std::filesystem;
 
@@ -22,6 +27,26 @@ namespace tk {
 namespace {
 
 constexpr const char* kPluginPrefix = "plugin-";
+constexpr const char* kIdentityFile = "run.json";
+
+/// A checkpoint folder that was moved into place whole (a partial one is still `<name>.tmp`).
+bool is_complete(const fs::path& dir) {
+  for (const char* f : {"model.pt", "optimizer.pt", "trainer.pt"})
+    if (!fs::is_regular_file(dir / f)) return false;
+  return true;
+}
+
+/// The complete `step-<N>` folders under `root`, oldest first.
+std::vector<fs::path> complete_checkpoints(const fs::path& root) {
+  std::vector<fs::path> all;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("step-", 0) == 0 && e.path().extension() != ".tmp" && is_complete(e.path())) all.push_back(e.path());
+  }
+  std::sort(all.begin(), all.end());
+  return all;
+}
 
 std::string step_name(int64_t step) {
   char buf[32];
@@ -75,53 +100,83 @@ TrainingPosition position_from(const torch::Tensor& t) {
 
 fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optimizer& optimizer,
                          const std::vector<std::pair<std::string, StateDict>>& plugin_states,
-                         const TrainingPosition& position, int64_t keep) {
+                         const TrainingPosition& position, const RunIdentity& identity, int64_t keep) {
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) throw Error("cannot create checkpoint folder '" + root.string() + "': " + ec.message());
   const std::string name = step_name(position.counters.step);
   const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
   fs::remove_all(tmp, ec);
-  fs::create_directories(tmp);
+  try {
+    fs::create_directories(tmp, ec);
+    if (ec) throw Error("cannot create checkpoint folder '" + tmp.string() + "': " + ec.message());
+    NamedTensors state;
+    for (const auto& p : model.named_parameters()) state.emplace_back(p.key(), p.value());
+    for (const auto& b : model.named_buffers()) state.emplace_back(b.key(), b.value());
+    save_tensor_dict(tmp / "model.pt", state);
+    detail::fault_point("checkpoint-partial");
+    torch::serialize::OutputArchive archive;
+    optimizer.save(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    detail::write_file_atomic(tmp / "optimizer.pt", bytes.str());
+    save_tensor_dict(tmp / "trainer.pt", position_tensors(position));
+    for (const auto& [plugin, s] : plugin_states)
+      save_tensor_dict(tmp / (kPluginPrefix + plugin + ".pt"), NamedTensors(s.begin(), s.end()));
+    nlohmann::ordered_json info;
+    info["format"] = 1;
+    info["world_size"] = identity.world_size;
+    info["recipe"] = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : identity.recipe) info["recipe"][k] = v;
+    detail::write_file_atomic(tmp / kIdentityFile, info.dump(1) + "\n");
 
-  NamedTensors state;
-  for (const auto& p : model.named_parameters()) state.emplace_back(p.key(), p.value());
-  for (const auto& b : model.named_buffers()) state.emplace_back(b.key(), b.value());
-  save_tensor_dict(tmp / "model.pt", state);
-  torch::serialize::OutputArchive archive;
-  optimizer.save(archive);
-  archive.save_to((tmp / "optimizer.pt").string());
-  save_tensor_dict(tmp / "trainer.pt", position_tensors(position));
-  for (const auto& [plugin, s] : plugin_states)
-    save_tensor_dict(tmp / (kPluginPrefix + plugin + ".pt"), NamedTensors(s.begin(), s.end()));
-
-  fs::remove_all(final_dir, ec);
-  fs::rename(tmp, final_dir, ec);
-  if (ec) throw Error("cannot move checkpoint into place at '" + final_dir.string() + "': " + ec.message());
+    fs::remove_all(final_dir, ec);
+    if (::rename(tmp.c_str(), final_dir.c_str()) != 0)
+      throw Error("cannot move checkpoint into place at '" + final_dir.string() + "': " + std::strerror(errno));
+    detail::sync_folder(root);
+  } catch (...) {
+    fs::remove_all(tmp, ec);  // a partial checkpoint only takes the space a full disk lacks
+    throw;
+  }
+  detail::fault_point("checkpoint-renamed");
   write_atomic(root / "latest", name + "\n");
+  detail::fault_point("checkpoint-done");
 
-  std::vector<fs::path> all;
-  for (const auto& e : fs::directory_iterator(root))
-    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0 &&
-        e.path().extension() != ".tmp")
-      all.push_back(e.path());
-  std::sort(all.begin(), all.end());
+  const auto all = complete_checkpoints(root);
   for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
   return final_dir;
 }
 
-fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir) {
-  fs::path p = arg == "latest" ? output_dir / "checkpoints" : fs::path(arg);
-  if (fs::is_regular_file(p / "latest")) {
-    std::ifstream in(p / "latest");
-    std::string name;
-    in >> name;
-    p = p / name;
+fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, std::string* note) {
+  const fs::path root = arg == "latest" ? output_dir / "checkpoints" : fs::path(arg);
+  if (is_complete(root)) return root;
+  const auto all = fs::is_directory(root) ? complete_checkpoints(root) : std::vector<fs::path>{};
+  std::string latest;
+  std::ifstream(root / "latest") >> latest;
+  if (!latest.empty() && is_complete(root / latest)) return root / latest;
+  if (!all.empty()) {
+    if (note)
+      *note = (latest.empty() ? "'" + (root / "latest").string() + "' is missing"
+                              : "'" + (root / "latest").string() + "' names '" + latest + "', which is not a complete checkpoint") +
+              "; taking the newest complete one, " + all.back().filename().string();
+    return all.back();
   }
-  if (!fs::is_regular_file(p / "trainer.pt"))
-    throw Error("no checkpoint at '" + p.string() + "' (expected a folder with trainer.pt, or a checkpoints folder "
-                "with a 'latest' file" + (arg == "latest" ? ", under the run's output folder" : "") + ")");
-  return p;
+  throw RunRefused("no checkpoint at '" + root.string() + "' (expected a folder with trainer.pt, or a checkpoints folder "
+              "with step-<N> folders" + (arg == "latest" ? ", under the run's output folder" : "") + ")");
+}
+
+std::optional<RunIdentity> read_run_identity(const fs::path& dir) {
+  std::ifstream in(dir / kIdentityFile);
+  if (!in) return std::nullopt;
+  try {
+    const auto info = nlohmann::json::parse(in);
+    RunIdentity id;
+    id.world_size = info.at("world_size").get<int64_t>();
+    for (const auto& [k, v] : info.at("recipe").items()) id.recipe.emplace_back(k, v.get<std::string>());
+    return id;
+  } catch (const nlohmann::json::exception& e) {
+    throw Error((dir / kIdentityFile).string() + ": damaged (" + e.what() + ")");
+  }
 }
 
 Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Optimizer& optimizer) {
@@ -144,9 +199,14 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   for (auto& b : model.named_buffers()) restore(b.key(), b.value());
   if (!saved.empty())
     throw Error(dir.string() + ": the checkpoint has '" + saved.begin()->first + "', which the model does not");
-  torch::serialize::InputArchive archive;
-  archive.load_from((dir / "optimizer.pt").string());
-  optimizer.load(archive);
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from((dir / "optimizer.pt").string());
+    optimizer.load(archive);
+  } catch (const c10::Error& e) {
+    throw Error((dir / "optimizer.pt").string() + ": damaged, or saved for another optimizer: " +
+                e.what_without_backtrace());
+  }
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
   ck.position = position_from(trainer.at("position"));

@@ -193,12 +193,26 @@ void Loop::fit_end_after_failure() {
 
 FitResult Loop::fit(const Recipe& recipe) {
   FitResult result;
-  RunOutputs outputs(r_, opts_);
+  RunOutputs outputs(r_, recipe, opts_);
+  outputs.claim();  // the folder is this run's until it ends
   // Resuming: model, optimizer and RNG come back now, plugin states before fit_start.
   std::optional<Checkpoint> resumed;
-  if (opts_.resume) resumed = resume_from(r_, *opts_.resume, outputs.dir());
-  outputs.open(recipe, resumed);
+  if (opts_.resume)
+    resumed = resume_from(r_, *opts_.resume, outputs.dir(), run_identity(r_, recipe), opts_.allow_changes);
   if (outputs.active()) result.output_dir = ctx_.output_dir_ = outputs.dir();
+  if (resumed && resumed->position.counters.step >= r_.total_steps) {
+    // The final checkpoint: the run is complete. Nothing is trained, recorded or rewritten, but
+    // the weights of a run killed right after its last checkpoint.
+    if (!outputs.has_weights()) outputs.write_weights(r_);
+    result.already_complete = true;
+    result.status = FitStatus::Completed;
+    result.checkpoint = resumed->dir;
+    result.steps = resumed->position.counters.step;
+    result.micro_steps = resumed->position.counters.micro_step;
+    result.skipped_steps = resumed->position.counters.skipped_steps;
+    return result;
+  }
+  outputs.open(resumed);
   int64_t start_epoch = 0, start_batch = 0;
   if (resumed) {
     ctx_.counters_ = resumed->position.counters;
@@ -254,9 +268,10 @@ FitResult Loop::fit(const Recipe& recipe) {
         if (!done && opts_.stop_requested && opts_.stop_requested()) result.status = FitStatus::StoppedBySignal;
         else if (!done && elapsed() >= r_.max_time_s) result.status = FitStatus::StoppedByTime;
         if (result.status != FitStatus::Running) done = true;
+        // The step's record first: a checkpoint never holds a step whose record could be lost.
+        outputs.record(line);
         if (outputs.active() && (done || (checkpoint_every > 0 && c.step % checkpoint_every == 0)))
           result.checkpoint = outputs.checkpoint(r_, c, epoch, b);
-        outputs.record(line);
         progress.update(c.step, epoch, ctx_.window_loss_, ctx_.lr_,
                         static_cast<double>(c.samples_seen) / std::max(t, 1e-9), t);
       }
@@ -274,7 +289,6 @@ FitResult Loop::fit(const Recipe& recipe) {
   } catch (...) {
     if (opts_.on_failure) opts_.on_failure();
     progress.finish();
-    outputs.flush();
     fit_end_after_failure();
     throw;
   }

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 
 #include "tk/error.h"
 
@@ -58,21 +57,6 @@ JsonLine& JsonLine::add(const std::string& k, const std::string& v) {
   key(k);
   body_ += json_quote(v);
   return *this;
-}
-
-void write_atomic(const std::filesystem::path& file, const std::string& data) {
-  auto tmp = file;
-  tmp += ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error("cannot write '" + tmp.string() + "'");
-    out.write(data.data(), static_cast<std::streamsize>(data.size()));
-    out.flush();
-    if (!out) throw Error("cannot write '" + tmp.string() + "' (disk full?)");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, file, ec);
-  if (ec) throw Error("cannot move '" + tmp.string() + "' to '" + file.string() + "': " + ec.message());
 }
 
 std::string format_duration(double s) {

@@ -424,6 +424,25 @@ std::string Recipe::resolved() const {
   return out.str();
 }
 
+std::vector<std::pair<std::string, std::string>> Recipe::resolved_values() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::string plugins;
+  for (const auto& r : impl_->resolved) {
+    std::string prefix = r.header + ".";
+    if (r.array) {
+      const std::string label = r.name.empty() ? std::filesystem::path(r.path).stem().string() : r.name;
+      prefix += label + ".";
+      plugins += (plugins.empty() ? "" : ", ") + label;
+    } else if (!r.name.empty()) {
+      out.emplace_back(r.header + ".name", to_toml(r.name));
+    }
+    if (!r.path.empty()) out.emplace_back(prefix + "path", to_toml(r.path));
+    for (const auto& [k, v] : r.options.values()) out.emplace_back(prefix + k, to_toml(v));
+  }
+  out.emplace_back("plugins", to_toml(plugins));
+  return out;
+}
+
 const std::string& Recipe::source() const noexcept { return impl_->source; }
 std::filesystem::path Recipe::dir() const { return impl_->dir; }
 std::filesystem::path Recipe::resolve_path(const std::string& p) const {

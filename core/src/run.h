@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "files.h"
 #include "tk/checkpoint.h"
 #include "tk/components.h"
 #include "tk/output.h"
@@ -76,9 +77,14 @@ void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const Options& opts);
 void plan_run(Run& run);
 /// Hands each plugin its state from a checkpoint (before fit_start); warns about states nobody loads.
 void restore_plugin_states(Run& run, Checkpoint& resumed);
+/// What determines `run`: its resolved recipe without the keys that may change on resume, and its
+/// world size.
+RunIdentity run_identity(const Run& run, const Recipe& recipe);
 /// Restores model, optimizer, RNG and plugin states from the checkpoint `which` names (a folder or
-/// "latest" of `output_dir`); refuses a checkpoint of a run of another length.
-Checkpoint resume_from(Run& run, const std::string& which, const std::filesystem::path& output_dir);
+/// "latest" of `output_dir`); refuses, listing each difference, a checkpoint whose run differs from
+/// `identity` in anything but the keys `allowed` names.
+Checkpoint resume_from(Run& run, const std::string& which, const std::filesystem::path& output_dir,
+                       const RunIdentity& identity, const std::vector<std::string>& allowed);
 /// The resolved plan as `tk-run --dry-run` prints it.
 std::string describe(Run& run, const Recipe& recipe);
 
@@ -109,27 +115,38 @@ class LoopContext final : public Context {
 };
 
 /// The run's output folder: the resolved recipe, metrics.jsonl, checkpoints, weights.pt. Inactive
-/// (every call a no-op) when outputs are off or on ranks other than 0.
+/// (every call a no-op) when outputs are off or on ranks other than 0. Every write is checked; a
+/// failed one throws naming the file, and what was written before stays.
 class RunOutputs {
  public:
-  RunOutputs(const Run& run, const TrainerOptions& opts);
+  RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts);
   bool active() const noexcept { return active_; }
   const std::filesystem::path& dir() const noexcept { return dir_; }
-  /// Creates the folder, writes the resolved recipe and opens metrics.jsonl (cut back to the
-  /// checkpoint's step when resuming).
-  void open(const Recipe& recipe, const std::optional<Checkpoint>& resumed);
-  /// Appends one record to metrics.jsonl and flushes it.
+  /// Creates the folder and locks it for this run's life (another live run there is refused,
+  /// naming its PID). Unless resuming, a folder that holds another run is refused, or with
+  /// `overwrite` cleared of that run's files.
+  void claim();
+  /// Writes the resolved recipe and opens metrics.jsonl (when resuming: cut back to the
+  /// checkpoint's step, a torn last line dropped).
+  void open(const std::optional<Checkpoint>& resumed);
+  /// Appends one record to metrics.jsonl.
   void record(const JsonLine& line);
-  void flush();
-  /// Checkpoints the run after micro-batch `b` of `epoch`; returns the checkpoint folder.
-  std::filesystem::path checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b) const;
+  /// Checkpoints the run after micro-batch `b` of `epoch`, the records so far synced to disk first;
+  /// returns the checkpoint folder.
+  std::filesystem::path checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b);
   /// weights.pt, and trace.jsonl when tracing.
-  void finish(const Run& run, const std::vector<TraceEntry>& trace) const;
+  void finish(const Run& run, const std::vector<TraceEntry>& trace);
+  /// weights.pt alone (a resumed run that was already complete, killed before it wrote them).
+  void write_weights(const Run& run) const;
+  bool has_weights() const;
 
  private:
-  bool active_ = false;
+  bool active_ = false, resuming_ = false, overwrite_ = false;
   std::filesystem::path dir_;
-  std::ofstream metrics_;
+  const Recipe& recipe_;
+  RunIdentity identity_;
+  FolderLock lock_;
+  AppendFile metrics_;
 };
 
 /// The metrics record of the step just taken.

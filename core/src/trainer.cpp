@@ -18,6 +18,8 @@ namespace {
     throw RecipeError(e);
   } catch (const PluginLoadError& e) {
     throw PluginLoadError(e.what());
+  } catch (const RunRefused& e) {
+    throw RunRefused(e.what());
   } catch (const PluginRuntimeError& e) {
     throw PluginRuntimeError(e.what());
   } catch (const Error& e) {

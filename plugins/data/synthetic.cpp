@@ -129,7 +129,10 @@ DataSplits tensor_file(const Options& o, uint64_t) {
   if (tokens_in && (x.dim() != 2 || at::isFloatingType(x.scalar_type()) || x.min().item<int64_t>() < 0))
     o.fail("token_inputs", "needs inputs of non-negative integer token ids [N, T], got " +
                                std::string(c10::toString(x.scalar_type())) + " " + c10::str(x.sizes()));
-  x = tokens_in ? x.to(at::kLong) : x.to(at::kFloat);
+  // Floating data keeps its precision (the run converts each batch to its dtype); integer
+  // features become floats that hold them exactly.
+  if (tokens_in) x = x.to(at::kLong);
+  else if (!at::isFloatingType(x.scalar_type())) x = x.to(c10::elementSize(x.scalar_type()) <= 2 ? at::kFloat : at::kDouble);
   const bool classes = !at::isFloatingType(y.scalar_type());
   const int64_t ignore = o.get_int("ignore_index");
   std::optional<int64_t> ignore_index;
@@ -142,7 +145,8 @@ DataSplits tensor_file(const Options& o, uint64_t) {
     y = y.masked_fill(m->second == 0, ignore);
     ignore_index = ignore;
   }
-  y = classes ? y.to(at::kLong) : (y.dim() == 1 ? y.unsqueeze(1) : y).to(at::kFloat);
+  if (classes) y = y.to(at::kLong);
+  else if (y.dim() == 1) y = y.unsqueeze(1);
   const int64_t n = x.size(0);
   const double frac = o.get_float("validation_fraction");
   if (frac < 0 || frac >= 1) o.fail("validation_fraction", "must be in [0, 1)");

@@ -372,6 +372,54 @@ TEST_SUITE("workloads") {
     fs::remove_all(dir);
   }
 
+  TEST_CASE("float64 data keeps its precision through the tensors data set into a float64 run") {
+    const fs::path dir = tkt::temp_dir("float64-tensors");
+    fs::create_directories(dir);
+    // Values float32 cannot hold: rounding them would show in every bit below the 24th.
+    auto x = (torch::randn({48, 5}, torch::kDouble) * (1.0 + 1e-12)).contiguous();
+    auto y = (torch::randn({48, 2}, torch::kDouble) / 3.0).contiguous();
+    auto ints = torch::randint(0, 1 << 30, {48, 5}, torch::kLong);
+    REQUIRE(!torch::equal(x.to(torch::kFloat).to(torch::kDouble), x));
+    tk::save_tensor_dict(dir / "data.pt", {{"inputs", x}, {"targets", y}, {"ints", ints}});
+    const std::string text = R"(
+[run]
+dtype = "float64"
+steps = 2
+[model]
+name = "mlp"
+hidden = [4]
+[data]
+name = "tensors"
+validation_fraction = 0.0
+shuffle = false
+micro_batch = 48
+[optimizer]
+name = "sgd"
+)";
+    auto r = tkt::recipe({"data.path=\"" + (dir / "data.pt").string() + "\""}, text.c_str());
+    tk::Trainer t(r, tkt::quiet());
+    auto all = t.data().train->get(torch::arange(48));
+    CHECK((all.input.scalar_type() == torch::kDouble));
+    CHECK(torch::equal(all.input, x));
+    CHECK(torch::equal(all.target, y));
+    // What the model sees in the first step is the data itself.
+    struct Inputs final : tk::Plugin {
+      std::vector<torch::Tensor> seen;
+      Inputs() { set_name("inputs"); }
+      void on_micro_batch(tk::Context& ctx) override { seen.push_back(ctx.batch()->input.clone()); }
+    };
+    auto c = std::make_shared<Inputs>();
+    t.add_plugin(c, tk::Options());
+    t.fit();
+    REQUIRE(!c->seen.empty());
+    CHECK(torch::equal(c->seen.front(), x));
+    // Integer features wider than float32's 24-bit mantissa become float64, exactly.
+    auto wide = tkt::recipe({"data.path=\"" + (dir / "data.pt").string() + "\"", "data.inputs=\"ints\""}, text.c_str());
+    tk::Trainer tw(wide, tkt::quiet());
+    CHECK(torch::equal(tw.data().train->get(torch::arange(48)).input, ints.to(torch::kDouble)));
+    fs::remove_all(dir);
+  }
+
   TEST_CASE("a TorchScript model file that is missing or not TorchScript is refused, naming it") {
     const fs::path dir = tkt::temp_dir("torchscript");
     fs::create_directories(dir);

@@ -1,74 +1,13 @@
 // tk-run as a process: data parallel with --nproc on loopback (Gloo, CPU), kills and resumes.
-#include <sys/wait.h>
-#include <tk/tensor_io.h>
 
-#include <chrono>
-#include <cstdio>
-#include <fstream>
-
-#include "support.h"
+#include "process_support.h"
 
 namespace fs = std::filesystem;
 
-namespace {
+using tkt::tk_run;
+using tkt::weights;
+using tkt::kBase;
 
-const char* kBase = R"(
-[run]
-seed = 9
-steps = 6
-dtype = "float64"
-
-[model]
-name = "mlp"
-hidden = [16]
-activation = "tanh"
-
-[data]
-name = "synthetic-classification"
-samples = 256
-validation_samples = 0
-features = 8
-classes = 4
-micro_batch = 4
-
-[optimizer]
-name = "sgd"
-lr = 0.1
-momentum = 0.9
-)";
-
-struct Proc {
-  int rc = -1;
-  std::string out;
-  double seconds = 0;
-};
-
-/// Runs tk-run on `recipe_text` (written to DIR/recipe.toml) with `args`; outputs go to DIR.
-Proc tk_run(const fs::path& dir, const std::string& recipe_text, const std::string& args) {
-  fs::create_directories(dir);
-  std::ofstream(dir / "recipe.toml") << recipe_text;
-  const std::string cmd = "TK_PLUGIN_PATH=" + std::string(TK_TEST_PLUGIN_DIR) + " " + TK_RUN_EXE + " " +
-                          (dir / "recipe.toml").string() + " --progress plain --set run.output=\\\"" +
-                          (dir / "out").string() + "\\\" " + args + " 2>&1";
-  Proc p;
-  auto t0 = std::chrono::steady_clock::now();
-  FILE* f = popen(cmd.c_str(), "r");
-  REQUIRE(f != nullptr);
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) p.out.append(buf, n);
-  int status = pclose(f);
-  p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  p.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return p;
-}
-
-torch::Tensor weights(const fs::path& dir) {
-  std::vector<torch::Tensor> parts;
-  for (const auto& [name, t] : tk::load_tensor_dict(dir / "out/weights.pt")) parts.push_back(t.reshape({-1}));
-  return torch::cat(parts);
-}
-
-}  // namespace
 
 TEST_SUITE("ddp") {
   TEST_CASE("2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window") {
@@ -207,8 +146,8 @@ TEST_SUITE("resume") {
     const std::string sets = "--set run.steps=12 --set data.samples=80 --set run.checkpoint_every=4 ";
     auto one = tk_run(root / "one", recipe, sets);
     REQUIRE(one.rc == 0);
-    // The same run, killed at step 9 (after the checkpoint at 8), then resumed without the killer.
-    auto killed = tk_run(root / "two", recipe + "[[plugins]]\nname = \"probe\"\nkill_at_step = 9\n", sets);
+    // The same run, killed right after the record of step 9 (the checkpoint is at 8), then resumed.
+    auto killed = tk_run(root / "two", recipe, sets, "TK_FAULT=metrics-written:9");
     CHECK(killed.rc == 128 + 9);
     auto resumed = tk_run(root / "two", recipe, sets + "--resume latest");
     INFO(resumed.out);

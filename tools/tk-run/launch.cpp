@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -85,12 +86,20 @@ int64_t now_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+/// What rank `r` recorded when it failed: when, and "error" or "timeout"; {-1, ""} if nothing.
+std::pair<int64_t, std::string> failure_record(const std::string& dir, int r) {
+  std::ifstream in(dir + "/" + std::to_string(r));
+  int64_t t = -1;
+  std::string kind;
+  if (in >> t >> kind) return {t, kind};
+  return {-1, ""};
+}
+
 /// When rank `r` failed: the time it recorded, or when it ended (killed by a signal, say);
 /// -1 while it has neither failed nor ended badly.
 int64_t failure_time(const std::string& dir, int r, const Worker& w) {
-  std::ifstream in(dir + "/" + std::to_string(r));
-  int64_t t = -1;
-  if (in >> t) return t;
+  const int64_t t = failure_record(dir, r).first;
+  if (t >= 0) return t;
   const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
   if (w.running || ok) return -1;
   return std::chrono::duration_cast<std::chrono::nanoseconds>(w.ended_at.time_since_epoch()).count();
@@ -120,7 +129,9 @@ int first_failure(const std::string& dir, const std::vector<Worker>& workers,
 
 }  // namespace
 
-void record_failure_time(const std::string& file) { std::ofstream(file) << now_ns() << "\n"; }
+void record_failure(const std::string& file, const std::string& kind) {
+  std::ofstream(file) << now_ns() << " " << kind << "\n";
+}
 
 int free_port() {
   int s = socket(AF_INET, SOCK_STREAM, 0);
@@ -150,8 +161,8 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
 
   struct sigaction sa {};
   sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
+  const pid_t launcher = getpid();
 
   char dir_template[] = "/tmp/tk-run-XXXXXX";
   if (!mkdtemp(dir_template)) throw std::runtime_error("cannot make a temporary folder");
@@ -166,6 +177,10 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
     pid_t pid = fork();
     if (pid < 0) throw std::runtime_error("fork() failed");
     if (pid == 0) {
+      // A worker dies with its launcher, however the launcher ends; checked after setting it, in
+      // case the launcher ended before.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher) _exit(1);
       dup2(fds[1], STDOUT_FILENO);
       dup2(fds[1], STDERR_FILENO);
       close(fds[0]);
@@ -276,11 +291,28 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
   std::fflush(stdout);
   // With every rank's record in, the first failure is known for sure.
   if (failed_rank >= 0) failed_rank = first_failure(failure_dir, workers, stop_sent);
+  // A rank that timed out waited for a peer. Healthy peers time out too, by themselves; the ones
+  // that never failed and had to be killed are the ones that hung.
+  std::vector<int> hung;
+  if (failed_rank >= 0 && failure_record(failure_dir, failed_rank).second == "timeout")
+    for (int r = 0; r < n; ++r) {
+      const Worker& w = workers[static_cast<size_t>(r)];
+      if (failure_record(failure_dir, r).first < 0 && WIFSIGNALED(w.status) && WTERMSIG(w.status) == SIGKILL &&
+          w.ended_at >= stop_sent)
+        hung.push_back(r);
+    }
   std::error_code ec;
   std::filesystem::remove_all(failure_dir, ec);
+  for (int r : hung) {
+    const Worker& w = workers[static_cast<size_t>(r)];
+    std::fprintf(stderr, "tk-run: rank %d hung: rank %d timed out waiting for it in a collective, and it neither "
+                 "failed nor stopped when asked, so it was killed. Its last output:\n", r, failed_rank);
+    for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
+  }
   if (failed_rank >= 0) {
     const Worker& w = workers[static_cast<size_t>(failed_rank)];
-    std::fprintf(stderr, "tk-run: rank %d failed (%s). Its last output:\n", failed_rank, describe_status(w.status).c_str());
+    std::fprintf(stderr, "tk-run: rank %d failed (%s)%s. Its last output:\n", failed_rank,
+                 describe_status(w.status).c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
     for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
     return 1;
   }

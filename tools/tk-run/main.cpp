@@ -1,15 +1,19 @@
 // tk-run: trains what a recipe describes.
 //
-//   tk-run recipe.toml [--set key=value]... [--dry-run] [--log-level LEVEL] [--progress MODE]
+//   tk-run recipe.toml [--set key=value]... [--dry-run] [--resume CKPT] [--overwrite] [--nproc N] ...
+#include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <tk/abi.h>
+#include <tk/capabilities.h>
 #include <tk/trainer.h>
 
 #include "launch.h"
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <csignal>
@@ -23,7 +27,7 @@ namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
 
-/// First SIGINT/SIGTERM: stop at the next boundary with a checkpoint. Second: stop now.
+/// First SIGINT/SIGTERM/SIGHUP: stop at the next boundary with a checkpoint. Second: stop now.
 void on_stop_signal(int sig) {
   if (g_stop_signal) {
     std::signal(sig, SIG_DFL);
@@ -35,25 +39,43 @@ void on_stop_signal(int sig) {
 constexpr int kExitFailed = 1;  // the run started and failed
 constexpr int kExitUsage = 2;   // bad command line, recipe or plugin: nothing was trained
 
-const char* kUsage = R"(usage: tk-run RECIPE.toml [options]
+/// Whether an error is a collective's timeout (a peer that stopped answering), as Gloo and NCCL say it.
+bool is_timeout(const std::string& what) {
+  std::string low = what;
+  for (auto& ch : low) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return low.find("timed out") != std::string::npos || low.find("timeout") != std::string::npos;
+}
 
-Trains the run a TOML recipe describes and writes it to the recipe's output folder.
+/// `arg` as a shell reads it back: bare when safe, else in single quotes.
+std::string shell_quote(const std::string& arg) {
+  const bool safe = !arg.empty() && arg.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                                           "0123456789_./=:,+-@%") == std::string::npos;
+  if (safe) return arg;
+  std::string out = "'";
+  for (char ch : arg) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
 
-options:
-  --set KEY=VALUE     override a recipe value (repeatable), e.g. --set optimizer.lr=0.01,
-                      --set plugins.grad_accum.steps=8; VALUE is TOML (strings may be bare)
-  --dry-run           validate the recipe, load the plugins, print the resolved plan; no training
-  --resume CKPT       continue a run from a checkpoint folder, or "latest" (of the recipe's output);
-                      with the same recipe, the result is bit-identical to an uninterrupted run
-  --nproc N           train with N processes on this machine (needs the ddp plugin in the recipe);
-                      each worker's output is prefixed with its rank; one failing stops them all
-  --master-port PORT  rendezvous port for --nproc (default: a free one)
-  --log-level LEVEL   trace, debug, info (default), warn, error or off
-  --progress MODE     auto (default: a live line on a terminal), bar, plain or none
-  --list              list built-in components and the plugins found, with their options
-  --version           print versions and exit
-  -h, --help          this help
-)";
+/// argv without the options in `drop` (with their values: "--opt V" and "--opt=V") and the flags
+/// in `drop_flags`.
+std::vector<std::string> args_without(int argc, char** argv, const std::vector<std::string>& drop,
+                                      const std::vector<std::string>& drop_flags) {
+  std::vector<std::string> out;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    bool skip = std::find(drop_flags.begin(), drop_flags.end(), a) != drop_flags.end();
+    for (const auto& d : drop) {
+      if (a == d) {
+        skip = true;
+        ++i;  // its value
+        break;
+      }
+      if (a.rfind(d + "=", 0) == 0) skip = true;
+    }
+    if (!skip) out.push_back(a);
+  }
+  return out;
+}
 
 void print_specs(const tk::OptionSpecs& specs) {
   for (const auto& s : specs) {
@@ -120,78 +142,115 @@ static void prefer_passive_openmp(char** argv) {
 
 int main(int argc, char** argv) {
   prefer_passive_openmp(argv);
-  std::string recipe_path;
+  CLI::App app{"Trains the run a TOML recipe describes and writes it to the recipe's output folder.", "tk-run"};
+  std::string recipe_path, level = "info", progress = "auto", resume;
   std::vector<std::string> overrides;
-  bool dry_run = false;
-  std::string level = "info";
+  bool dry_run = false, list = false, version = false;
   tk::TrainerOptions topts;
   tk::LaunchOptions launch;
-  std::vector<std::string> worker_argv = {argv[0]};
-
+  app.add_option("recipe", recipe_path, "the recipe (TOML) to train");
+  app.add_option("--set", overrides,
+                 "override a recipe value (repeatable), e.g. --set optimizer.lr=0.01, --set "
+                 "plugins.grad_accum.steps=8; VALUE is TOML (strings may be bare)")
+      ->type_name("KEY=VALUE")
+      ->allow_extra_args(false);
+  app.add_flag("--dry-run", dry_run, "validate the recipe, load the plugins, print the resolved plan; no training");
+  app.add_option("--resume", resume,
+                 "continue a run from a checkpoint folder, or \"latest\" (of the recipe's output); with the same "
+                 "recipe, the result is bit-identical to an uninterrupted run")
+      ->type_name("CKPT");
+  app.add_flag("--overwrite", topts.overwrite,
+               "start over in an output folder that holds another run, deleting that run's metrics, checkpoints "
+               "and weights (without it, such a run is refused)");
+  app.add_option("--allow-change", topts.allow_changes,
+                 "with --resume: let recipe KEY (or a whole section, or \"all\") differ from the checkpoint's "
+                 "run (repeatable); any other difference is refused")
+      ->type_name("KEY")
+      ->allow_extra_args(false);
+  app.add_option("--nproc", launch.nproc,
+                 "train with N processes on this machine (needs a plugin that provides the world, such as ddp); "
+                 "each worker's output is prefixed with its rank; one failing stops them all")
+      ->type_name("N")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--master-port", launch.master_port, "rendezvous port for --nproc (default: a free one)")
+      ->type_name("PORT")
+      ->check(CLI::Range(1, 65535));
+  app.add_option("--log-level", level, "trace, debug, info (default), warn, error or off")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
+  app.add_option("--progress", progress, "auto (default: a live line on a terminal), bar, plain or none")
+      ->check(CLI::IsMember({"auto", "bar", "plain", "none"}));
+  app.add_flag("--list", list, "list the components and plugins found, with their options");
+  app.add_flag("--version", version, "print versions and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "tk-run: %s\nRun with --help for more information.\n", e.what());
+    return kExitUsage;
+  }
+  if (version) {
+    std::printf("tk-run %s (LibTorch %s, plugin ABI %u)\n", TK_VERSION_STRING, TORCH_VERSION, TK_PLUGIN_ABI_VERSION);
+    return 0;
+  }
+  if (list) return list_all();
   auto die_usage = [](const std::string& msg) {
-    std::fprintf(stderr, "tk-run: %s\n\n%s", msg.c_str(), kUsage);
+    std::fprintf(stderr, "tk-run: %s\nRun with --help for more information.\n", msg.c_str());
     return kExitUsage;
   };
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&](const char* flag) -> const char* {
-      if (i + 1 >= argc) return nullptr;
-      (void)flag;
-      ++i;
-      if (std::strcmp(flag, "--nproc") != 0 && std::strcmp(flag, "--master-port") != 0) worker_argv.push_back(argv[i]);
-      return argv[i];
-    };
-    if (a == "--nproc" || a == "--master-port") {
-      const char* v = value(a.c_str());
-      char* end = nullptr;
-      long x = v ? std::strtol(v, &end, 10) : 0;
-      if (!v || *end != '\0' || x < 1 || x > 65535) return die_usage(a + " expects a positive number");
-      (a == "--nproc" ? launch.nproc : launch.master_port) = static_cast<int>(x);
-      continue;
-    }
-    worker_argv.push_back(a);
-    if (a == "-h" || a == "--help") {
-      std::printf("%s", kUsage);
-      return 0;
-    } else if (a == "--version") {
-      std::printf("tk-run %s (LibTorch %s, plugin ABI %u)\n", TK_VERSION_STRING, TORCH_VERSION, TK_PLUGIN_ABI_VERSION);
-      return 0;
-    } else if (a == "--list") {
-      return list_all();
-    } else if (a == "--dry-run") {
-      dry_run = true;
-    } else if (a == "--resume") {
-      const char* v = value("--resume");
-      if (!v) return die_usage("--resume needs a checkpoint folder or \"latest\"");
-      topts.resume = v;
-    } else if (a == "--set" || a.rfind("--set=", 0) == 0) {
-      const char* v = a == "--set" ? value("--set") : argv[i] + 6;
-      if (!v) return die_usage("--set needs KEY=VALUE");
-      overrides.emplace_back(v);
-    } else if (a == "--log-level") {
-      const char* v = value("--log-level");
-      if (!v) return die_usage("--log-level needs a level");
-      level = v;
-    } else if (a == "--progress") {
-      const char* v = value("--progress");
-      std::string m = v ? v : "";
-      if (m == "auto") topts.progress = tk::ProgressMode::Auto;
-      else if (m == "bar") topts.progress = tk::ProgressMode::Bar;
-      else if (m == "plain") topts.progress = tk::ProgressMode::Plain;
-      else if (m == "none") topts.progress = tk::ProgressMode::None;
-      else return die_usage("--progress expects auto, bar, plain or none, got '" + m + "'");
-    } else if (!a.empty() && a[0] == '-') {
-      return die_usage("unknown option '" + a + "'");
-    } else if (recipe_path.empty()) {
-      recipe_path = a;
-    } else {
-      return die_usage("more than one recipe given ('" + recipe_path + "' and '" + a + "')");
-    }
-  }
   if (recipe_path.empty()) return die_usage("no recipe given");
-  if (launch.nproc > 1 && std::getenv("TK_WORKER")) return die_usage("--nproc inside a worker");
-  if (launch.nproc > 1 && !dry_run) {
+  if (!resume.empty()) topts.resume = resume;
+  if (!topts.allow_changes.empty() && resume.empty()) return die_usage("--allow-change needs --resume");
+  if (topts.overwrite && !resume.empty()) return die_usage("--overwrite starts a run over; it cannot go with --resume");
+  topts.progress = progress == "bar" ? tk::ProgressMode::Bar
+                   : progress == "plain" ? tk::ProgressMode::Plain
+                   : progress == "none" ? tk::ProgressMode::None : tk::ProgressMode::Auto;
+  const bool worker = std::getenv("TK_WORKER") != nullptr;
+  if (launch.nproc > 1 && worker) return die_usage("--nproc inside a worker");
+
+  auto logger = spdlog::stderr_color_mt("tk");
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank && world && std::strcmp(world, "1") != 0 && !dry_run && !worker)
+    logger->set_pattern(std::string("[%H:%M:%S] [rank ") + rank + "] [%^%l%$] %v");
+  else
+    logger->set_pattern("[%H:%M:%S] [%^%l%$] %v");
+  spdlog::set_default_logger(logger);
+  spdlog::set_level(spdlog::level::from_str(level));
+
+  std::unique_ptr<tk::Trainer> trainer;
+  try {
+    tk::Recipe recipe = tk::Recipe::from_file(recipe_path);
+    for (const auto& o : overrides) recipe.apply_override(o);
+    if (launch.nproc > 1) {
+      // Plan rank 0 of that world here, once: a bad recipe is reported before any worker starts,
+      // and so is a recipe in which no plugin makes a world (every worker would train the whole
+      // run alone, all into one folder).
+      setenv("WORLD_SIZE", std::to_string(launch.nproc).c_str(), 1);
+      setenv("RANK", "0", 1);
+      tk::TrainerOptions probe_opts = topts;
+      probe_opts.write_outputs = false;
+      tk::Trainer probe(recipe, probe_opts);
+      const tk::RunPlan& plan = probe.plan();
+      if (plan.world_size != launch.nproc)
+        return die_usage("--nproc " + std::to_string(launch.nproc) + " needs a plugin that provides the world (" +
+                         tk::cap::kWorld + "), such as ddp: add [[plugins]] name = \"ddp\" to the recipe; this one "
+                         "would train " + std::to_string(launch.nproc) + " independent copies of the run");
+      if (dry_run) {
+        std::printf("%s", probe.describe().c_str());
+        std::printf("dry run: the recipe is valid and every plugin loaded; nothing was trained\n");
+        return 0;
+      }
+      unsetenv("WORLD_SIZE");
+      unsetenv("RANK");
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+    return kExitUsage;
+  }
+  if (launch.nproc > 1) {
     setenv("TK_WORKER", "1", 1);
+    std::vector<std::string> worker_argv = {argv[0]};
+    for (auto& a : args_without(argc, argv, {"--nproc", "--master-port"}, {})) worker_argv.push_back(a);
     try {
       return tk::launch_local(worker_argv, launch);
     } catch (const std::exception& e) {
@@ -199,34 +258,27 @@ int main(int argc, char** argv) {
       return kExitFailed;
     }
   }
-  if (launch.nproc > 1) {  // a dry run shows the plan of rank 0 of that world
-    setenv("WORLD_SIZE", std::to_string(launch.nproc).c_str(), 1);
-    setenv("RANK", "0", 1);
-  }
 
-  auto logger = spdlog::stderr_color_mt("tk");
-  const char* rank = std::getenv("RANK");
-  const char* world = std::getenv("WORLD_SIZE");
-  if (rank && world && std::strcmp(world, "1") != 0 && !dry_run && !std::getenv("TK_WORKER"))
-    logger->set_pattern(std::string("[%H:%M:%S] [rank ") + rank + "] [%^%l%$] %v");
-  else
-    logger->set_pattern("[%H:%M:%S] [%^%l%$] %v");
-  spdlog::set_default_logger(logger);
-  auto lvl = spdlog::level::from_str(level);
-  if (lvl == spdlog::level::off && level != "off")
-    return die_usage("--log-level expects trace, debug, info, warn, error or off, got '" + level + "'");
-  spdlog::set_level(lvl);
-
-  std::unique_ptr<tk::Trainer> trainer;
   try {
-    auto recipe = std::make_unique<tk::Recipe>(tk::Recipe::from_file(recipe_path));
-    for (const auto& o : overrides) recipe->apply_override(o);
+    tk::Recipe recipe = tk::Recipe::from_file(recipe_path);
+    for (const auto& o : overrides) recipe.apply_override(o);
     if (const char* dir = std::getenv("TK_FAILURE_DIR")) {
-      const std::string file = std::string(dir) + "/" + (std::getenv("RANK") ? std::getenv("RANK") : "0");
-      topts.on_failure = [file] { tk::record_failure_time(file); };
+      const std::string file = std::string(dir) + "/" + (rank ? rank : "0");
+      topts.on_failure = [file] {
+        std::string kind = "error";
+        if (auto current = std::current_exception()) {
+          try {
+            std::rethrow_exception(current);
+          } catch (const std::exception& e) {
+            if (is_timeout(e.what())) kind = "timeout";
+          } catch (...) {
+          }
+        }
+        tk::record_failure(file, kind);
+      };
     }
     topts.stop_requested = [] { return g_stop_signal != 0; };
-    trainer = std::make_unique<tk::Trainer>(*recipe, topts);
+    trainer = std::make_unique<tk::Trainer>(std::move(recipe), topts);
     const std::string plan = trainer->describe();
     if (dry_run) {
       std::printf("%s", plan.c_str());
@@ -234,10 +286,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     spdlog::info("plan:\n{}", plan);
-    std::signal(SIGINT, on_stop_signal);
-    std::signal(SIGTERM, on_stop_signal);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_stop_signal);
     try {
       tk::FitResult r = trainer->fit();
+      if (r.already_complete) {
+        std::printf("the run in %s is already complete (step %lld, checkpoint %s); nothing was trained or changed\n",
+                    r.output_dir.c_str(), static_cast<long long>(r.steps), r.checkpoint.c_str());
+        return 0;
+      }
       std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps),
                   static_cast<long long>(r.micro_steps), tk::format_duration(r.seconds).c_str());
       if (!r.window_losses.empty())
@@ -248,11 +304,19 @@ int main(int argc, char** argv) {
       std::printf("\n");
       if (!r.output_dir.empty()) std::printf("wrote %s/{recipe.toml,metrics.jsonl,weights.pt}\n", r.output_dir.c_str());
       if (!r.stopped.empty()) {
-        std::printf("stopped early (%s) after step %lld; checkpoint %s; continue with: tk-run %s --resume latest\n",
+        // The command that continues this very run: the same recipe, overrides and world.
+        std::string cmd = shell_quote(argv[0]);
+        for (const auto& a : args_without(argc, argv, {"--resume", "--nproc", "--master-port"}, {"--overwrite"}))
+          cmd += " " + shell_quote(a);
+        if (worker && world && std::strcmp(world, "1") != 0) cmd += std::string(" --nproc ") + world;
+        std::printf("stopped early (%s) after step %lld; checkpoint %s; continue with: %s --resume latest\n",
                     r.stopped == "signal" ? "signal" : "max_time", static_cast<long long>(r.steps),
-                    r.checkpoint.c_str(), recipe_path.c_str());
+                    r.checkpoint.c_str(), cmd.c_str());
         if (r.stopped == "signal") return 128 + static_cast<int>(g_stop_signal);
       }
+    } catch (const tk::RunRefused& e) {
+      std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+      return kExitUsage;  // nothing was trained, nothing changed
     } catch (const std::exception& e) {
       spdlog::error("{}", e.what());
       std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in its output folder\n");

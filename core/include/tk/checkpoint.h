@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,14 @@ struct TrainingPosition {
   int64_t next_batch = 0;
 };
 
+/// What determines a run, recorded in each checkpoint (run.json) so that resuming it with anything
+/// else is refused rather than silently trained on: the resolved recipe (without the keys that may
+/// change on resume) and the world size.
+struct RunIdentity {
+  std::vector<std::pair<std::string, std::string>> recipe;  ///< "section.key" -> TOML value
+  int64_t world_size = 1;
+};
+
 /// What load_checkpoint() hands back beyond the model and optimizer it restores.
 struct Checkpoint {
   std::filesystem::path dir;
@@ -28,17 +37,24 @@ struct Checkpoint {
   std::map<std::string, StateDict> plugin_states;
 };
 
-/// Writes `<root>/step-<N>/` (model.pt, optimizer.pt, trainer.pt, plugin-<name>.pt) through a
-/// temporary folder and a rename, so that a crash mid-write leaves the previous checkpoints
-/// intact; then points `<root>/latest` at it and keeps the newest `keep` checkpoints.
+/// Writes `<root>/step-<N>/` (model.pt, optimizer.pt, trainer.pt, plugin-<name>.pt, run.json)
+/// through a temporary folder, fsync and a rename, so that a crash or a full disk mid-write leaves
+/// the previous checkpoints intact (the partial folder is removed on a failure); then points
+/// `<root>/latest` at it and keeps the newest `keep` checkpoints.
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, Model& model,
                                       torch::optim::Optimizer& optimizer,
                                       const std::vector<std::pair<std::string, StateDict>>& plugin_states,
-                                      const TrainingPosition& position, int64_t keep);
+                                      const TrainingPosition& position, const RunIdentity& identity, int64_t keep);
 
 /// The checkpoint folder `arg` names: a checkpoint folder, a checkpoints root (its latest), or
-/// "latest" (the latest under `output_dir`/checkpoints). The error says what was looked for.
-std::filesystem::path resolve_checkpoint(const std::string& arg, const std::filesystem::path& output_dir);
+/// "latest" (the latest under `output_dir`/checkpoints). When a root's `latest` file is missing or
+/// names no complete checkpoint, the newest complete `step-<N>` is taken and `note` says so. The
+/// error says what was looked for.
+std::filesystem::path resolve_checkpoint(const std::string& arg, const std::filesystem::path& output_dir,
+                                         std::string* note = nullptr);
+
+/// The identity a checkpoint recorded; empty for a checkpoint written before trainkit recorded it.
+std::optional<RunIdentity> read_run_identity(const std::filesystem::path& dir);
 
 /// Restores model (parameters and buffers, by name, shapes checked), optimizer and the CPU RNG
 /// from `dir`, and returns the position and plugin states.

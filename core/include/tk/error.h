@@ -31,6 +31,14 @@ class RecipeError : public Error {
   SourceLoc where_;
 };
 
+/// A run was refused before it trained anything, and nothing it would have touched was changed:
+/// its output folder is in use or holds another run, or the checkpoint it was to resume from is
+/// missing or of a different run.
+class RunRefused : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A plugin could not be found, loaded or validated; the message names the file.
 class PluginLoadError : public Error {
  public:

@@ -25,7 +25,8 @@ class JsonLine {
 /// JSON string literal for `s`, quotes included.
 std::string json_quote(const std::string& s);
 
-/// Writes `data` to `file` through a temporary file and a rename, so a crash leaves the old file.
+/// Writes `data` to `file` through a temporary file, fsync and a rename, so that a crash or a kill
+/// leaves the old file or the new one; throws naming the file and the reason (a full disk too).
 void write_atomic(const std::filesystem::path& file, const std::string& data);
 
 enum class ProgressMode { Auto, Bar, Plain, None };

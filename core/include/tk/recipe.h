@@ -54,6 +54,9 @@ class Recipe {
 
   /// The recipe as it was resolved: every section read so far with all values, defaults included.
   std::string resolved() const;
+  /// The same as flat "section.key" -> TOML value pairs, in order; a plugin's keys are
+  /// "plugins.<name>.<key>" (its file "plugins.<name>.path"), and "plugins" lists the entries.
+  std::vector<std::pair<std::string, std::string>> resolved_values() const;
 
   /// The file this recipe came from (or its source name).
   const std::string& source() const noexcept;

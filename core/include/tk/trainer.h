@@ -41,6 +41,12 @@ struct TrainerOptions {
   std::function<bool()> stop_requested;
   /// Continue from a checkpoint: its folder, a checkpoints folder, or "latest" (of the run's output).
   std::optional<std::string> resume;
+  /// Start a new run in an output folder that holds another one, deleting that run's files
+  /// (metrics, checkpoints, weights, trace); without it such a run is refused.
+  bool overwrite = false;
+  /// Recipe keys ("optimizer.lr", or a section such as "optimizer") that may differ from the
+  /// checkpoint's when resuming; "all" allows any difference. Other differences are refused.
+  std::vector<std::string> allow_changes;
 };
 
 /// What a finished run reports.
@@ -57,6 +63,7 @@ struct FitResult {
   std::filesystem::path output_dir;   ///< empty when outputs were off
   std::filesystem::path checkpoint;   ///< the last checkpoint written, if any
   std::string stopped;                ///< "" when the run completed; "max_time" or "signal"
+  bool already_complete = false;      ///< resumed from the final checkpoint: nothing was trained or changed
   FitStatus status = FitStatus::Running;  ///< Completed, StoppedByTime or StoppedBySignal
 };
 

@@ -1,0 +1,102 @@
+#pragma once
+// tk-run as a child process: run it on a recipe, read what it wrote.
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <tk/tensor_io.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+#include "support.h"
+
+namespace tkt {
+
+/// A small float64 run: 6 steps of an MLP on synthetic classes, every number exactly reproducible.
+inline const char* kBase = R"(
+[run]
+seed = 9
+steps = 6
+dtype = "float64"
+
+[model]
+name = "mlp"
+hidden = [16]
+activation = "tanh"
+
+[data]
+name = "synthetic-classification"
+samples = 256
+validation_samples = 0
+features = 8
+classes = 4
+micro_batch = 4
+
+[optimizer]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+)";
+
+struct Proc {
+  int rc = -1;
+  std::string out;
+  double seconds = 0;
+};
+
+/// Runs a shell command, returning its exit code (128 + signal when killed) and its output.
+inline Proc shell(const std::string& cmd) {
+  Proc p;
+  auto t0 = std::chrono::steady_clock::now();
+  FILE* f = popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE(f != nullptr);
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) p.out.append(buf, n);
+  int status = pclose(f);
+  p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  p.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return p;
+}
+
+/// The tk-run command for `DIR/recipe.toml` (written from `recipe_text`) with outputs in DIR/out.
+inline std::string tk_run_command(const std::filesystem::path& dir, const std::string& recipe_text,
+                                  const std::string& args) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "recipe.toml") << recipe_text;
+  return "TK_PLUGIN_PATH=" + std::string(TK_TEST_PLUGIN_DIR) + " " + TK_RUN_EXE + " " + (dir / "recipe.toml").string() +
+         " --progress plain --set run.output=\\\"" + (dir / "out").string() + "\\\" " + args;
+}
+
+/// Runs tk-run on `recipe_text` (written to DIR/recipe.toml) with `args`; outputs go to DIR/out.
+inline Proc tk_run(const std::filesystem::path& dir, const std::string& recipe_text, const std::string& args,
+                   const std::string& env = "") {
+  return shell(env + (env.empty() ? "" : " ") + tk_run_command(dir, recipe_text, args));
+}
+
+/// The weights a run in DIR/out wrote, as one flat tensor.
+inline torch::Tensor weights(const std::filesystem::path& dir) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& [name, t] : tk::load_tensor_dict(dir / "out/weights.pt")) parts.push_back(t.reshape({-1}));
+  return torch::cat(parts);
+}
+
+/// Every record of a metrics.jsonl, without what differs between identical runs (time, memory).
+inline std::vector<nlohmann::json> records(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    j.erase("wall_time");
+    j.erase("peak_rss_mib");
+    out.push_back(j);
+  }
+  return out;
+}
+
+/// The whole text of a file ("" when missing).
+inline std::string read_text(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace tkt

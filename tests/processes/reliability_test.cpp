@@ -1,0 +1,317 @@
+// What trainkit guarantees about a run folder (docs/reliability.md), checked from outside with
+// tk-run processes: checked writes, one run per folder, strict resume, kill safety, signals.
+#include <signal.h>
+
+#include <random>
+#include <thread>
+
+#include "process_support.h"
+
+namespace fs = std::filesystem;
+using tkt::kBase;
+using tkt::Proc;
+using tkt::records;
+using tkt::tk_run;
+using tkt::weights;
+
+namespace {
+
+bool has(const Proc& p, const std::string& text) { return p.out.find(text) != std::string::npos; }
+
+/// Waits (bounded) until `file` exists and is not empty.
+bool wait_for(const fs::path& file, double seconds = 60) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  std::error_code ec;
+  while (std::chrono::steady_clock::now() < until) {
+    if (fs::file_size(file, ec) > 0 && !ec) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+/// A shell snippet: start `cmd` in the background, wait (bounded) until `file` has content.
+std::string start_and_wait(const std::string& cmd, const fs::path& file) {
+  return "(" + cmd + ") & pid=$!\ni=0; while [ ! -s " + file.string() +
+         " ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done\n";
+}
+
+/// 40 steps of 3 accumulated micro-batches, checkpoints every 3.
+const std::string kAccum = std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
+const std::string kAccumSets = "--set run.steps=40 --set run.checkpoint_every=3 ";
+const std::string kPluginPath = "TK_PLUGIN_PATH=" + std::string(TK_TEST_PLUGIN_DIR) + " ";
+
+/// The same run as `reference`: weights and every record (but time and memory) alike.
+void check_same_run(const fs::path& dir, const fs::path& reference) {
+  CHECK(torch::equal(weights(dir), weights(reference)));
+  const auto got = records(dir / "out/metrics.jsonl"), want = records(reference / "out/metrics.jsonl");
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("record " << i);
+    CHECK(got[i] == want[i]);
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("reliability") {
+  TEST_CASE("a write that fails stops the run at once, naming the file; the last good checkpoint is kept") {
+    const fs::path root = tkt::temp_dir("full-disk");
+    SUBCASE("metrics.jsonl on a full device") {
+      fs::create_directories(root / "out");
+      fs::create_symlink("/dev/full", root / "out/metrics.jsonl");
+      auto p = tk_run(root, kBase, "");
+      INFO(p.out);
+      CHECK(p.rc == 1);
+      CHECK(has(p, "cannot write '" + (root / "out/metrics.jsonl").string() + "': No space left on device"));
+      CHECK(!has(p, "wrote /"));
+    }
+    SUBCASE("files that may not grow past a limit, as on a disk that fills up") {
+      // With a 24 KiB limit on file size the checkpoint files fit and metrics.jsonl, after some
+      // 100 records, does not.
+      const std::string sets = "--set run.steps=400 --set run.checkpoint_every=10 ";
+      auto p = tkt::shell("trap '' XFSZ; ulimit -f 24; " + tkt::tk_run_command(root, kAccum, sets));
+      INFO(p.out);
+      CHECK(p.rc == 1);
+      CHECK(has(p, "cannot write '" + (root / "out/metrics.jsonl").string() + "': File too large"));
+      const auto kept = records(root / "out/metrics.jsonl");
+      REQUIRE(kept.size() > 20);
+      CHECK(kept.size() < 400);
+      CHECK(tkt::read_text(root / "out/checkpoints/latest").rfind("step-", 0) == 0);
+      for (const auto& e : fs::directory_iterator(root / "out/checkpoints")) CHECK(e.path().extension() != ".tmp");
+      // What was kept resumes: the run completes equal to one never interrupted.
+      auto resumed = tk_run(root, kAccum, sets + "--resume latest");
+      INFO(resumed.out);
+      REQUIRE(resumed.rc == 0);
+      REQUIRE(tk_run(root / "whole", kAccum, sets).rc == 0);
+      check_same_run(root, root / "whole");
+    }
+    SUBCASE("a checkpoint that cannot be written leaves none half-written") {
+      // 40 KiB: the records fit, a checkpoint of this wider model (~75 KiB) does not.
+      const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 --set model.hidden=[96,96]";
+      auto p = tkt::shell("trap '' XFSZ; ulimit -f 40; " + tkt::tk_run_command(root, kBase, sets));
+      INFO(p.out);
+      CHECK(p.rc == 1);
+      CHECK(has(p, "model.pt.tmp': File too large"));
+      CHECK(!fs::exists(root / "out/checkpoints/step-00000004.tmp"));
+      CHECK(!fs::exists(root / "out/checkpoints/step-00000004"));
+      CHECK(records(root / "out/metrics.jsonl").size() == 4);
+    }
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("one run per folder: a second live run is refused naming the first's PID") {
+    const fs::path root = tkt::temp_dir("lock");
+    const std::string cmd = tkt::tk_run_command(root, kBase, "--set run.steps=100000 --set run.max_time=\\\"60s\\\"");
+    FILE* first = popen((cmd + " > " + (root / "first.log").string() + " 2>&1").c_str(), "r");
+    REQUIRE(first != nullptr);
+    REQUIRE(wait_for(root / "out/metrics.jsonl"));
+    auto second = tk_run(root, kBase, "--set run.steps=5");
+    INFO(second.out);
+    CHECK(second.rc == 2);
+    const std::string pid = tkt::read_text(root / "out/.tk-lock");
+    CHECK(has(second, "is in use by another run (process " + pid.substr(0, pid.find('\n')) + ")"));
+    // The first run is untouched: stop it and check its records.
+    kill(std::stoi(pid), SIGTERM);
+    pclose(first);
+    const auto recs = records(root / "out/metrics.jsonl");
+    REQUIRE(!recs.empty());
+    for (size_t i = 0; i < recs.size(); ++i) CHECK(recs[i]["step"] == static_cast<int64_t>(i + 1));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a new run over a finished one is refused unless --overwrite, which starts clean") {
+    const fs::path root = tkt::temp_dir("overwrite");
+    REQUIRE(tk_run(root, kBase, "--set run.checkpoint_every=2").rc == 0);
+    const std::string before = tkt::read_text(root / "out/metrics.jsonl");
+    auto again = tk_run(root, kBase, "--set run.steps=4");
+    INFO(again.out);
+    CHECK(again.rc == 2);
+    CHECK(has(again, "holds another run (metrics.jsonl, weights.pt, checkpoints/)"));
+    CHECK(has(again, "--overwrite"));
+    CHECK(tkt::read_text(root / "out/metrics.jsonl") == before);
+    auto over = tk_run(root, kBase, "--set run.steps=4 --overwrite");
+    REQUIRE(over.rc == 0);
+    CHECK(records(root / "out/metrics.jsonl").size() == 4);
+    CHECK(!fs::exists(root / "out/checkpoints/step-00000006"));  // the old run's checkpoints are gone
+    CHECK(fs::exists(root / "out/checkpoints/step-00000004"));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("--nproc without a plugin that makes the world is refused before any worker starts") {
+    const fs::path root = tkt::temp_dir("nproc-no-world");
+    auto p = tk_run(root, kBase, "--nproc 2");
+    INFO(p.out);
+    CHECK(p.rc == 2);
+    CHECK(has(p, "--nproc 2 needs a plugin that provides the world"));
+    CHECK(!has(p, "starting 2 workers"));
+    CHECK(!fs::exists(root / "out"));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("resume refuses a different run, listing each change; --allow-change lets one through") {
+    const fs::path root = tkt::temp_dir("strict-resume");
+    const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 --set run.max_time=\\\"0s\\\" ";
+    REQUIRE(tk_run(root, kAccum, sets).rc == 0);  // stops after step 1, with a checkpoint
+    auto seed = tk_run(root, kAccum, sets + "--set run.seed=3 --set optimizer.lr=0.2 --resume latest");
+    INFO(seed.out);
+    CHECK(seed.rc == 2);
+    CHECK(has(seed, "this run differs from the one that wrote it"));
+    CHECK(has(seed, "run.seed: 9 -> 3"));
+    CHECK(has(seed, "optimizer.lr: 0.1 -> 0.2"));
+    auto split = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 6\n",
+                        sets + "--set data.micro_batch=2 --resume latest");
+    CHECK(split.rc == 2);
+    CHECK(has(split, "data.micro_batch: 4 -> 2"));
+    CHECK(has(split, "plugins.grad_accum.steps: 3 -> 6"));
+    std::string with_adam = kAccum;
+    with_adam.replace(with_adam.find("name = \"sgd\""), 12, "name = \"adam\"");
+    with_adam.replace(with_adam.find("momentum = 0.9"), 14, "");
+    auto adam = tk_run(root, with_adam, sets + "--resume latest");
+    INFO(adam.out);
+    CHECK(adam.rc == 2);
+    CHECK(has(adam, "optimizer.name: \"sgd\" -> \"adam\""));
+    CHECK(has(adam, "optimizer.momentum: 0.9 -> (not set)"));
+    CHECK(!has(adam, "INTERNAL ASSERT"));
+    auto relu = tk_run(root, kAccum, sets + "--set model.activation=relu --resume latest");
+    CHECK(relu.rc == 2);
+    CHECK(has(relu, "model.activation: \"tanh\" -> \"relu\""));
+    auto no_accum = tk_run(root, kBase, sets + "--resume latest");
+    CHECK(no_accum.rc == 2);
+    CHECK(has(no_accum, "plugins: \"grad_accum\" -> \"\""));
+    // Keys that do not change what is trained may change; others only when allowed.
+    auto allowed = tk_run(root, kAccum, "--set run.steps=12 --set run.checkpoint_every=6 --set optimizer.lr=0.05 "
+                                        "--allow-change optimizer.lr --resume latest");
+    INFO(allowed.out);
+    CHECK(allowed.rc == 0);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a 2-rank checkpoint does not resume in one process") {
+    const fs::path root = tkt::temp_dir("strict-world");
+    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n";
+    REQUIRE(tk_run(root, recipe, "--set run.steps=4 --nproc 2").rc == 0);
+    auto alone = tk_run(root, recipe, "--set run.steps=4 --resume latest");
+    INFO(alone.out);
+    CHECK(alone.rc == 2);
+    CHECK(has(alone, "world_size: 2 -> 1"));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("SIGHUP stops like SIGTERM; the printed command continues this very run; a finished run resumes to nothing") {
+    const fs::path root = tkt::temp_dir("resume-hint");
+    const std::string cmd = tkt::tk_run_command(root, kAccum, "--set run.steps=3000 --set 'optimizer.lr=0.05'");
+    auto p = tkt::shell(start_and_wait(cmd, root / "out/metrics.jsonl") + "kill -HUP $pid; wait $pid");
+    INFO(p.out);
+    REQUIRE(p.rc == 128 + SIGHUP);
+    CHECK(has(p, "stopped early (signal)"));
+    const auto at = p.out.find("continue with: ");
+    REQUIRE(at != std::string::npos);
+    const std::string hint = kPluginPath + p.out.substr(at + 15, p.out.find('\n', at) - at - 15);
+    INFO(hint);
+    CHECK(hint.find("--set optimizer.lr=0.05") != std::string::npos);
+    auto resumed = tkt::shell(hint);
+    INFO(resumed.out);
+    REQUIRE(resumed.rc == 0);
+    CHECK(has(resumed, "resuming from"));
+    CHECK(has(resumed, "trained 3000 optimizer steps"));
+    // Resuming the finished run changes nothing: no record, no file.
+    const std::string metrics = tkt::read_text(root / "out/metrics.jsonl");
+    CHECK(records(root / "out/metrics.jsonl").size() == 3000);
+    const auto w = weights(root);
+    auto again = tkt::shell(hint);
+    CHECK(again.rc == 0);
+    CHECK(has(again, "already complete (step 3000"));
+    CHECK(tkt::read_text(root / "out/metrics.jsonl") == metrics);
+    // Killed after its last checkpoint but before weights.pt: resuming writes them.
+    fs::remove(root / "out/weights.pt");
+    CHECK(tkt::shell(hint).rc == 0);
+    CHECK(torch::equal(weights(root), w));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("without checkpoints/latest, resume takes the newest complete checkpoint and says so") {
+    const fs::path root = tkt::temp_dir("no-latest");
+    REQUIRE(tk_run(root / "whole", kAccum, kAccumSets).rc == 0);
+    CHECK(tk_run(root, kAccum, kAccumSets, "TK_FAULT=metrics-written:20").rc == 128 + 9);
+    fs::remove(root / "out/checkpoints/latest");
+    fs::create_directories(root / "out/checkpoints/step-00000019.tmp");  // a partial one is never taken
+    auto p = tk_run(root, kAccum, kAccumSets + "--resume latest");
+    INFO(p.out);
+    REQUIRE(p.rc == 0);
+    CHECK(has(p, "is missing; taking the newest complete one, step-00000018"));
+    check_same_run(root, root / "whole");
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("killed at any instant, a resumed run ends identical, weights and every record") {
+    const fs::path root = tkt::temp_dir("kill-anywhere");
+    REQUIRE(tk_run(root / "whole", kAccum, kAccumSets).rc == 0);
+    // Deterministic: right after a record, inside a checkpoint, after its rename, after `latest`,
+    // after the last record.
+    for (const char* fault : {"metrics-written:8", "checkpoint-partial:3", "checkpoint-renamed:3", "checkpoint-done:3",
+                              "metrics-written:40"}) {
+      CAPTURE(fault);
+      const fs::path dir = root / "fault";
+      fs::remove_all(dir);
+      CHECK(tk_run(dir, kAccum, kAccumSets, std::string("TK_FAULT=") + fault).rc == 128 + 9);
+      auto resumed = tk_run(dir, kAccum, kAccumSets + "--resume latest");
+      INFO(resumed.out);
+      REQUIRE(resumed.rc == 0);
+      check_same_run(dir, root / "whole");
+    }
+    // Random: SIGKILL at random moments of a longer run, resuming after each, until it completes.
+    const std::string long_sets = "--set run.steps=600 --set run.checkpoint_every=7 ";
+    REQUIRE(tk_run(root / "long", kAccum, long_sets).rc == 0);
+    std::mt19937 rng(1234);
+    const fs::path dir = root / "random";
+    const std::string first = tkt::tk_run_command(dir, kAccum, long_sets + "--overwrite");
+    const std::string again = tkt::tk_run_command(dir, kAccum, long_sets + "--resume latest");
+    int kills = 0;
+    for (int round = 0; round < 8; ++round) {
+      const std::string cmd = fs::exists(dir / "out/checkpoints/latest") ? again : first;
+      const int ms = std::uniform_int_distribution<int>(500, 2500)(rng);
+      auto p = tkt::shell("(" + cmd + ") & pid=$!; sleep " + std::to_string(ms / 1000.0) +
+                          "; kill -KILL $pid 2>/dev/null; wait $pid");
+      if (p.rc == 0) break;
+      ++kills;
+    }
+    auto last = tkt::shell(fs::exists(dir / "out/checkpoints/latest") ? again : first);
+    INFO(last.out);
+    REQUIRE(last.rc == 0);
+    CHECK(kills > 0);
+    check_same_run(dir, root / "long");
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("workers die with their launcher") {
+    const fs::path root = tkt::temp_dir("orphans");
+    const std::string cmd = tkt::tk_run_command(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n",
+                                                "--nproc 2 --set run.steps=100000");
+    // The pattern matches the launcher's and the workers' command lines, not the script's own.
+    const std::string pattern = "'" + root.string() + "/[r]ecipe.toml'";
+    std::ofstream(root / "kill.sh") << start_and_wait(cmd + " > " + (root / "log").string() + " 2>&1",
+                                                      root / "out/metrics.jsonl")
+                                    << "pgrep -f " << pattern
+                                    << " | wc -l\nkill -KILL $pid; wait $pid\n"
+                                    << "i=0; while pgrep -f " << pattern
+                                    << " > /dev/null && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done\n"
+                                    << "pgrep -f " << pattern << " || echo no-workers-left\n";
+    auto p = tkt::shell("sh " + (root / "kill.sh").string());
+    INFO(p.out);
+    CHECK(p.out.rfind("3\n", 0) == 0);  // the launcher and two workers were running
+    CHECK(has(p, "no-workers-left"));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a rank that hangs is named") {
+    const fs::path root = tkt::temp_dir("hung-rank");
+    auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 5.0\n" +
+                              "[[plugins]]\nname = \"probe\"\nstop_at_step = 2\nonly_rank = 1\n",
+                    "--nproc 2");
+    INFO(p.out);
+    CHECK(p.rc == 1);
+    CHECK(has(p, "tk-run: rank 1 hung: rank 0 timed out waiting for it"));
+    CHECK(p.seconds < 60.0);
+    fs::remove_all(root);
+  }
+}
