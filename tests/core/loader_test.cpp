@@ -38,7 +38,7 @@ TEST_SUITE("loader") {
     CHECK(lp.version == "1.0.0");
     CHECK(lp.file == kFixtures / "tk_probe.so");
     CHECK(lp.plugin->name() == "probe");
-    CHECK(lp.plugin->option_specs().size() == 8);
+    CHECK(lp.plugin->option_specs().size() == 9);
   }
 
   TEST_CASE("each broken library is refused with the file and expected vs found") {
@@ -106,7 +106,7 @@ TEST_SUITE("loader") {
       plugin = loader.load_plugin(file).plugin;
     }
     CHECK(is_loaded(file));
-    CHECK(plugin->option_specs().size() == 8);  // code of the library still runs
+    CHECK(plugin->option_specs().size() == 9);  // code of the library still runs
     auto copy = plugin;
     plugin.reset();
     CHECK(is_loaded(file));

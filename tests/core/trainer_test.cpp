@@ -203,6 +203,7 @@ name = "fake_sync"
     auto r3 = tkt::recipe(sets + out, with_plugins(accum).c_str());
     auto resume = opts;
     resume.resume = "latest";
+    resume.allow_changes = {"plugins"};  // without the probe that made it fail
     tk::Trainer second(r3, resume);
     auto res = second.fit();
     CHECK(res.steps == 10);
