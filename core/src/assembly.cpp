@@ -4,7 +4,9 @@
 #include <spdlog/spdlog.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <limits>
+#include <thread>
 #include <map>
 #include <set>
 
@@ -17,6 +19,10 @@ namespace tk::detail {
 namespace {
 
 const std::vector<std::string> kSections = {"run", "model", "data", "loss", "optimizer", "schedule", "plugins"};
+
+/// Counts of steps, micro-batches or examples beyond this (~10^12) are beyond any machine: they are
+/// refused rather than left to overflow.
+constexpr int64_t kMaxCount = int64_t{1} << 40;
 
 OptionSpecs run_specs() {
   return {opt_string("name", "run", "name of the run"),
@@ -75,6 +81,10 @@ void read_run_section(Run& r, const Recipe& recipe) {
   if (epochs < 0) o.fail("epochs", "must be >= 0");
   if (steps < 0) o.fail("steps", "must be >= 0");
   if (epochs > 0 && steps > 0) o.fail("steps", "give either epochs or steps, not both");
+  for (const char* k : {"epochs", "steps"})
+    if (o.get_int(k) > kMaxCount)
+      o.fail(k, "is " + std::to_string(o.get_int(k)) + ", beyond what any machine can train (at most " +
+                    std::to_string(kMaxCount) + ")");
   r.bound = steps > 0 ? Bound{Bound::Unit::Steps, steps} : Bound{Bound::Unit::Epochs, std::max<int64_t>(1, epochs)};
   for (const char* k : {"log_every", "checkpoint_keep"})
     if (o.get_int(k) < 1) o.fail(k, "must be >= 1");
@@ -82,6 +92,11 @@ void read_run_section(Run& r, const Recipe& recipe) {
     if (o.get_int(k) < 0) o.fail(k, "must be >= 0");
   r.max_time_s = parse_duration(o, "max_time");
   r.tracing = o.get_bool("trace");
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  if (o.get_int("threads") < 0) o.fail("threads", "must be >= 0 (0: LibTorch's default)");
+  if (o.get_int("threads") > 4 * cores)
+    o.fail("threads", "is " + std::to_string(o.get_int("threads")) + " on a machine with " + std::to_string(cores) +
+                          " cores; at most " + std::to_string(4 * cores) + " (4 per core) are accepted");
   if (o.get_int("threads") > 0) at::set_num_threads(static_cast<int>(o.get_int("threads")));
   r.dtype = o.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
   const std::string& dev = o.get_string("device");
@@ -161,9 +176,24 @@ void load_plugins(Run& r, const Recipe& recipe, const PluginLoader& loader) {
       throw;
     } catch (const std::exception& err) {
       throw PluginLoadError(e.where.str() + ": plugin '" + res.plugin + "' (" + res.file +
-                            ") rejected its options: " + err.what());
+                            ") rejected its options: " + message_of(err));
     }
     r.slots.push_back({plugin, res.plugin, res.version, res.file});
+  }
+}
+
+/// Runs `make` (a component's maker) so that whatever it throws names the recipe section: a
+/// LibTorch error in one line, an allocation that failed as such.
+template <class Make>
+auto made_in(const Options& o, const std::string& what, Make&& make) {
+  try {
+    return make();
+  } catch (const RecipeError&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw RecipeError(o.section_loc(), what + ": out of memory while making it");
+  } catch (const std::exception& e) {
+    throw RecipeError(o.section_loc(), what + ": " + message_of(e));
   }
 }
 
@@ -175,7 +205,7 @@ void build_components(Run& r, const Recipe& recipe) {
   r.data_name = dc.name;
   r.data_opts = recipe.options("data", dspecs, true);
   if (r.data_opts.get_int("micro_batch") < 1) r.data_opts.fail("micro_batch", "must be >= 1");
-  r.data = dc.make(r.data_opts, r.seed);
+  r.data = made_in(r.data_opts, "data '" + dc.name + "'", [&] { return dc.make(r.data_opts, r.seed); });
   if (!r.data.train) throw RecipeError(r.data_opts.section_loc(), "data '" + dc.name + "' made no training split");
 
   // `[model] torchscript = "file.pt"` needs no name.
@@ -183,7 +213,7 @@ void build_components(Run& r, const Recipe& recipe) {
   r.model_name = mc.name;
   r.model_opts = recipe.options("model", mc.specs, true);
   torch::manual_seed(r.seed);
-  r.model = mc.make(r.model_opts, r.data.info);
+  r.model = made_in(r.model_opts, "model '" + mc.name + "'", [&] { return mc.make(r.model_opts, r.data.info); });
   if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
   r.model->to(r.device, r.dtype);
   r.model->train();
@@ -225,10 +255,8 @@ void as_plugin(const Slot& slot, const char* what, Fn&& fn) {
     fn();
   } catch (const RecipeError&) {
     throw;
-  } catch (const c10::Error& err) {
-    throw Error("plugin '" + slot.name + "' (" + slot.file + ") failed in " + what + ": " + err.what_without_backtrace());
   } catch (const std::exception& err) {
-    throw Error("plugin '" + slot.name + "' (" + slot.file + ") failed in " + what + ": " + err.what());
+    throw Error("plugin '" + slot.name + "' (" + slot.file + ") failed in " + what + ": " + message_of(err));
   }
 }
 
@@ -292,6 +320,83 @@ void add_plugin(Run& r, std::shared_ptr<Plugin> plugin, const Options& opts) {
 
 void plan_once(Run& r);
 
+/// Checks a split's every example (up to a million) before training: inputs finite, targets of
+/// the kind the loss takes and, for classes, in range. Says which split and example is wrong.
+void check_split(Run& r, const Dataset& ds, const std::string& split) {
+  const DataInfo& info = r.data.info;
+  const std::string where = "data '" + r.data_name + "', " + split + " split";
+  const int64_t n = std::min<int64_t>(ds.size(), 1000000), chunk = 4096;
+  int64_t counted = 0;
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t end = std::min(n, start + chunk);
+    const Batch b = ds.get(at::arange(start, end, at::kLong));
+    counted += b.tokens;
+    auto first_bad = [&](const at::Tensor& bad) {
+      const auto rows = bad.reshape({bad.size(0), -1}).any(1);
+      return start + rows.nonzero().min().item<int64_t>();
+    };
+    if (at::isFloatingType(b.input.scalar_type())) {
+      const auto bad = b.input.isfinite().logical_not();
+      if (bad.any().item<bool>())
+        throw RecipeError(r.data_opts.section_loc(), where + ": example " + std::to_string(first_bad(bad)) +
+                                                         " has NaN or infinite inputs");
+    }
+    const at::Tensor& y = b.target;
+    if (info.classification) {
+      if (at::isFloatingType(y.scalar_type()))
+        throw RecipeError(r.data_opts.section_loc(), where + ": the targets are floating point (" +
+                                                         std::string(c10::toString(y.scalar_type())) +
+                                                         "), but class targets must be integer class indices");
+      auto counts = info.ignore_index ? y != *info.ignore_index : at::ones_like(y, at::kBool);
+      const auto bad = counts.logical_and(y.lt(0).logical_or(y.ge(info.output_dim)));
+      if (bad.any().item<bool>()) {
+        const int64_t i = first_bad(bad);
+        const int64_t v = y.reshape({y.size(0), -1})[i - start].masked_select(bad.reshape({y.size(0), -1})[i - start])[0].item<int64_t>();
+        throw RecipeError(r.data_opts.section_loc(), where + ": example " + std::to_string(i) + " has target " +
+                                                         std::to_string(v) + ", outside the " +
+                                                         std::to_string(info.output_dim) + " classes [0, " +
+                                                         std::to_string(info.output_dim - 1) + "]");
+      }
+    } else if (at::isFloatingType(y.scalar_type())) {
+      const auto bad = y.isfinite().logical_not();
+      if (bad.any().item<bool>())
+        throw RecipeError(r.data_opts.section_loc(), where + ": example " + std::to_string(first_bad(bad)) +
+                                                         " has a NaN or infinite target");
+    }
+  }
+  if (counted == 0 && n > 0) r.warn(where + ": no target counts (every one is masked out): it trains on nothing");
+}
+
+/// Before training (and in a dry run): the data checked, then one micro-batch through the model
+/// and the loss, in eval mode without gradients (no random draws, no statistics updated), so that
+/// a model that does not fit the data is refused naming both.
+void check_data_and_model(Run& r) {
+  check_split(r, *r.data.train, "training");
+  if (r.data.validation) check_split(r, *r.data.validation, "validation");
+  const int64_t m = std::min<int64_t>(r.plan.micro_batch, r.data.train->size());
+  Batch b = r.data.train->get(at::arange(m, at::kLong));
+  auto place = [&](const at::Tensor& t) { return at::isFloatingType(t.scalar_type()) ? t.to(r.device, r.dtype) : t.to(r.device); };
+  b.input = place(b.input);
+  b.target = place(b.target);
+  const std::string what = "model '" + r.model_name + "' on data '" + r.data_name + "' (" + r.data.info.describe() + ")";
+  torch::NoGradGuard no_grad;
+  const bool training = r.model->is_training();
+  r.model->eval();
+  try {
+    const at::Tensor out = r.model->forward(b.input);
+    if (!at::isFloatingType(out.scalar_type()))
+      throw Error("its output is " + std::string(c10::toString(out.scalar_type())) + ", not floating point");
+    const at::Tensor loss = (*r.loss)(out, b);
+    if (loss.numel() != 1) throw Error("loss '" + r.loss_name + "' gave " + c10::str(loss.sizes()) + ", not one value");
+  } catch (const std::exception& e) {
+    r.model->train(training);
+    throw RecipeError(r.model_opts.section_loc(), what + ": one micro-batch of input " + c10::str(b.input.sizes()) +
+                                                      " does not go through the model and loss '" + r.loss_name +
+                                                      "': " + message_of(e));
+  }
+  r.model->train(training);
+}
+
 void plan_run(Run& r) {
   if (r.planned) return;
   if (!r.planning_error.empty()) throw Error("the run could not be planned: " + r.planning_error);
@@ -319,6 +424,13 @@ void plan_once(Run& r) {
     as_plugin(s, "configure", [&] { s.plugin->configure(r.plan); });
     decls.push_back({s.name, s.plugin->contract()});
   }
+  int64_t effective = 0;
+  if (r.plan.accumulation < 1 || r.plan.accumulation > kMaxCount ||
+      __builtin_mul_overflow(r.plan.micro_batch, r.plan.accumulation, &effective) ||
+      __builtin_mul_overflow(effective, r.plan.world_size, &effective) || effective > kMaxCount)
+    throw Error("the plan's effective batch (micro-batch " + std::to_string(r.plan.micro_batch) + " x accumulation " +
+                std::to_string(r.plan.accumulation) + " x world " + std::to_string(r.plan.world_size) +
+                ") is beyond any machine (at most " + std::to_string(kMaxCount) + " examples per optimizer step)");
   std::vector<std::string> notes;
   r.order.clear();
   for (size_t k : order_plugins(decls, &notes)) r.order.push_back(with_plugin[k]);
@@ -345,10 +457,17 @@ void plan_once(Run& r) {
     r.data_opts.fail("micro_batch", "is larger than the " + std::string(r.plan.world_size > 1 ? "rank's share of the " : "") +
                                         "data set (" + std::to_string(n) + " examples) and drop_last is on: an epoch "
                                         "has no micro-batch");
+  int64_t micro_batches = 0;
+  if (!r.bound.by_steps() && (__builtin_mul_overflow(r.bound.count, r.batches_per_epoch, &micro_batches) ||
+                              micro_batches > kMaxCount))
+    r.run.fail("epochs", std::to_string(r.bound.count) + " epochs of " + std::to_string(r.batches_per_epoch) +
+                             " micro-batches are beyond what any machine can train (at most " +
+                             std::to_string(kMaxCount) + " micro-batches)");
   r.windows = std::make_unique<WindowSchedule>(r.batches_per_epoch, r.plan.accumulation, r.plan.last_window,
                                                r.bound.by_steps() ? 0 : r.bound.count);
   r.total_steps = r.bound.by_steps() ? r.bound.count : r.windows->steps_in(r.bound.count);
   if (r.total_steps < 1) throw Error("the run would take no optimizer step");
+  check_data_and_model(r);
   if (r.plan.accumulation > 1 && has_batchnorm(*r.model))
     r.warn("the model has BatchNorm and accumulates " + std::to_string(r.plan.accumulation) +
            " micro-batches per step: its statistics are computed per micro-batch of " + std::to_string(m) +

@@ -205,7 +205,7 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
     optimizer.load(archive);
   } catch (const c10::Error& e) {
     throw Error((dir / "optimizer.pt").string() + ": damaged, or saved for another optimizer: " +
-                e.what_without_backtrace());
+                message_of(e));
   }
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);

@@ -2,9 +2,14 @@
 
 #include <torch/version.h>
 
+#include <dlfcn.h>
+#include <elf.h>
+
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -21,14 +26,60 @@ std::string hex(uint64_t v) {
   return s.str();
 }
 
+/// Refuses what the dynamic loader must not be handed: anything but a complete ELF shared library
+/// for this machine. A truncated library would be mapped beyond its end and crash the process
+/// (SIGBUS) inside dlopen.
+void check_elf(const fs::path& file) {
+  const std::string where = file.string();
+  std::error_code ec;
+  if (fs::is_directory(file, ec)) throw PluginLoadError(where + ": is a folder, not a plugin library");
+  if (!fs::exists(file, ec)) throw PluginLoadError(where + ": plugin file does not exist");
+  if (!fs::is_regular_file(file, ec)) throw PluginLoadError(where + ": is not a regular file (a device or a pipe?)");
+  const uint64_t size = fs::file_size(file, ec);
+  std::ifstream in(file, std::ios::binary);
+  Elf64_Ehdr h{};
+  if (!in.read(reinterpret_cast<char*>(&h), sizeof h) || std::memcmp(h.e_ident, ELFMAG, SELFMAG) != 0)
+    throw PluginLoadError(where + ": not a shared library (" +
+                          (size < sizeof h ? std::to_string(size) + " bytes, too short for an ELF header"
+                                           : std::string("invalid ELF header")) + ")");
+  if (h.e_ident[EI_CLASS] != ELFCLASS64) throw PluginLoadError(where + ": a 32-bit library; this trainkit is 64-bit");
+#if defined(__x86_64__)
+  constexpr uint16_t kMachine = EM_X86_64;
+#elif defined(__aarch64__)
+  constexpr uint16_t kMachine = EM_AARCH64;
+#else
+  const uint16_t kMachine = h.e_machine;
+#endif
+  if (h.e_machine != kMachine)
+    throw PluginLoadError(where + ": built for another processor (ELF machine " + std::to_string(h.e_machine) +
+                          ", this one is " + std::to_string(kMachine) + ")");
+  if (h.e_type != ET_DYN) throw PluginLoadError(where + ": an ELF file, but not a shared library (build it with -shared)");
+  auto truncated = [&](const std::string& what) {
+    return PluginLoadError(where + ": truncated or damaged (" + what + " beyond the file's " + std::to_string(size) +
+                           " bytes); build or copy it again");
+  };
+  if (h.e_phentsize != sizeof(Elf64_Phdr) || h.e_phoff + uint64_t{h.e_phnum} * sizeof(Elf64_Phdr) > size)
+    throw truncated("program headers");
+  if (h.e_shoff != 0 && h.e_shoff + uint64_t{h.e_shnum} * h.e_shentsize > size) throw truncated("section headers");
+  in.seekg(static_cast<std::streamoff>(h.e_phoff));
+  for (int i = 0; i < h.e_phnum; ++i) {
+    Elf64_Phdr ph{};
+    if (!in.read(reinterpret_cast<char*>(&ph), sizeof ph)) throw truncated("program headers");
+    if (ph.p_offset + ph.p_filesz > size) throw truncated("segment " + std::to_string(i));
+  }
+}
+
 /// Opens the library and reads its entry point; the handle stays with `lib`.
 const tk_plugin_info* open(const fs::path& file, boost::dll::shared_library& lib) {
   const std::string where = file.string();
-  std::error_code fec;
-  if (!fs::is_regular_file(file, fec)) throw PluginLoadError(where + ": plugin file does not exist");
+  check_elf(file);
   boost::dll::fs::error_code ec;
+  dlerror();  // Boost.DLL keeps only an error code: the loader's own reason is read here
   lib.load(boost::dll::fs::path(file), boost::dll::load_mode::rtld_lazy | boost::dll::load_mode::rtld_local, ec);
-  if (ec) throw PluginLoadError(where + ": cannot load shared library: " + ec.message());
+  if (ec) {
+    const char* why = dlerror();
+    throw PluginLoadError(where + ": cannot load shared library: " + (why ? std::string(why) : ec.message()));
+  }
   if (!lib.has(TK_PLUGIN_ENTRY_SYMBOL))
     throw PluginLoadError(where + ": not a trainkit plugin: it does not export the entry point '" +
                           std::string(TK_PLUGIN_ENTRY_SYMBOL) + "' (define it with TK_PLUGIN or TK_LIBRARY)");
@@ -142,7 +193,7 @@ LibraryInfo PluginLoader::load(const fs::path& file, Registry& registry) const {
     throw;
   } catch (const std::exception& e) {
     registry.set_origin("(in-process)", nullptr);
-    throw PluginLoadError(file.string() + ": plugin '" + out.name + "' failed to register: " + e.what());
+    throw PluginLoadError(file.string() + ": plugin '" + out.name + "' failed to register: " + message_of(e));
   }
   registry.set_origin("(in-process)", nullptr);
   return out;

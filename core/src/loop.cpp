@@ -60,10 +60,8 @@ void Loop::emit(Event e) {
     };
     try {
       dispatch(*s.plugin, e, ctx_);
-    } catch (const c10::Error& err) {  // LibTorch's own errors: without the C++ stack trace
-      throw failure(err.what_without_backtrace());
-    } catch (const std::exception& err) {
-      throw failure(err.what());
+    } catch (const std::exception& err) {  // LibTorch's among them: one line, no C++ stack
+      throw failure(message_of(err));
     } catch (...) {
       throw failure("an unknown exception");
     }

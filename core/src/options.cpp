@@ -1,6 +1,11 @@
 #include "tk/options.h"
 
+#include <c10/util/Exception.h>
+
+#include <unistd.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <sstream>
 
 namespace tk {
@@ -14,6 +19,49 @@ std::string SourceLoc::str() const {
 
 RecipeError::RecipeError(const SourceLoc& where, const std::string& what)
     : Error(where.str() + ": " + what), where_(where) {}
+
+std::string message_of(const std::exception& e) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+  std::string text = torch_error ? torch_error->what_without_backtrace() : e.what();
+  // LibTorch appends where it was raised and, in what(), the frames of its stack.
+  for (const char* marker : {"Exception raised from ", "\nframe #"}) {
+    const auto at = text.find(marker);
+    if (at != std::string::npos) text.erase(at);
+  }
+  if (torch_error) {
+    const auto nl = text.find('\n');
+    if (nl != std::string::npos) text.erase(nl);
+  }
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+double machine_memory_bytes() {
+  return static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+}
+
+std::string format_bytes(double b) {
+  char buf[32];
+  if (b >= 1024.0 * 1024 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.3g TiB", b / (1024.0 * 1024 * 1024 * 1024));
+  else if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.3g GiB", b / (1024.0 * 1024 * 1024));
+  else std::snprintf(buf, sizeof buf, "%.3g MiB", b / (1024.0 * 1024));
+  return buf;
+}
+
+void require_memory(const Options& o, const std::string& key, double bytes, const std::string& what) {
+  const double have = machine_memory_bytes();
+  if (bytes > have)
+    o.fail(key, what + " needs about " + format_bytes(bytes) + " of memory; this machine has " + format_bytes(have));
+}
+
+std::string require_file(const Options& o, const std::string& key) {
+  const std::string& path = o.get_path(key);
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) o.fail(key, path + " is a folder, not a file");
+  if (!std::filesystem::exists(path, ec)) o.fail(key, "no such file: " + path);
+  if (!std::filesystem::is_regular_file(path, ec)) o.fail(key, path + " is not a regular file (a device or a pipe?)");
+  return path;
+}
 
 std::string join(const std::string* begin, const std::string* end, const char* sep) {
   std::string out;

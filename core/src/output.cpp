@@ -64,7 +64,9 @@ std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   if (s < 60) std::snprintf(buf, sizeof buf, "%.1fs", s);
   else if (s < 3600) std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
-  else std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s) / 3600, (static_cast<int>(s) % 3600) / 60);
+  else if (s < 3600.0 * 1e6)
+    std::snprintf(buf, sizeof buf, "%lldh%02dm", static_cast<long long>(s / 3600), static_cast<int>(std::fmod(s, 3600.0) / 60));
+  else return "over 1000000h";
   return buf;
 }
 

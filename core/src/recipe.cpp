@@ -1,6 +1,7 @@
 #include "tk/recipe.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -47,6 +48,16 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
   auto wrong = [&]() -> RecipeError {
     return RecipeError(where, key + ": expected " + to_string(spec.type) + ", got " + type_name(n));
   };
+  constexpr size_t kMaxListLength = 4096;  // no option of any component needs more
+  auto too_long = [&](size_t n) {
+    return RecipeError(where, key + ": a list of " + std::to_string(n) + " values; at most " +
+                                  std::to_string(kMaxListLength) + " are accepted");
+  };
+  auto text = [&](const toml::value<std::string>* v) {
+    if (!v) throw wrong();
+    if (v->get().find('\0') != std::string::npos) throw RecipeError(where, key + ": contains a NUL character");
+    return v->get();
+  };
   switch (spec.type) {
     case OptionType::Bool:
       if (auto v = n.as_boolean()) return v->get();
@@ -55,26 +66,25 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
       if (auto v = n.as_integer()) return v->get();
       throw wrong();
     case OptionType::Float:
-      if (auto v = n.as_floating_point()) return v->get();
+      if (auto v = n.as_floating_point()) {
+        if (std::isnan(v->get())) throw RecipeError(where, key + ": is nan, which is not a number");
+        return v->get();
+      }
       if (auto v = n.as_integer()) return static_cast<double>(v->get());
       throw wrong();
     case OptionType::String: {
-      auto v = n.as_string();
-      if (!v) throw wrong();
-      std::string s = v->get();
+      std::string s = text(n.as_string());
       if (!spec.choices.empty() &&
           std::find(spec.choices.begin(), spec.choices.end(), s) == spec.choices.end())
         throw RecipeError(where, key + ": expected one of " + list(spec.choices) + ", got \"" + s + "\"");
       return s;
     }
-    case OptionType::Path: {
-      auto v = n.as_string();
-      if (!v) throw wrong();
-      return v->get();
-    }
+    case OptionType::Path:
+      return text(n.as_string());
     case OptionType::IntList: {
       auto arr = n.as_array();
       if (!arr) throw wrong();
+      if (arr->size() > kMaxListLength) throw too_long(arr->size());
       std::vector<int64_t> out;
       for (const auto& e : *arr) {
         auto v = e.as_integer();
@@ -86,9 +96,13 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
     case OptionType::FloatList: {
       auto arr = n.as_array();
       if (!arr) throw wrong();
+      if (arr->size() > kMaxListLength) throw too_long(arr->size());
       std::vector<double> out;
       for (const auto& e : *arr) {
-        if (auto v = e.as_floating_point()) out.push_back(v->get());
+        if (auto v = e.as_floating_point()) {
+          if (std::isnan(v->get())) throw RecipeError(where, key + ": has a nan element, which is not a number");
+          out.push_back(v->get());
+        }
         else if (auto i = e.as_integer()) out.push_back(static_cast<double>(i->get()));
         else throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got an element of type " + type_name(e));
       }
@@ -227,6 +241,15 @@ static toml::table parse_text(const std::string& text, const std::string& name) 
 }
 
 Recipe Recipe::from_file(const std::filesystem::path& file) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(file, ec)) throw Error("recipe '" + file.string() + "' is a folder, not a TOML file");
+  if (std::filesystem::exists(file, ec) && !std::filesystem::is_regular_file(file, ec))
+    throw Error("recipe '" + file.string() + "' is not a regular file (a device or a pipe?)");
+  constexpr uintmax_t kMaxRecipeBytes = 1 << 20;  // far beyond any real recipe; parsing more takes minutes
+  const uintmax_t size = std::filesystem::file_size(file, ec);
+  if (!ec && size > kMaxRecipeBytes)
+    throw Error("recipe '" + file.string() + "' is " + std::to_string(size) +
+                " bytes; a recipe may have at most 1 MiB (keep data in data files)");
   std::ifstream in(file, std::ios::binary);
   if (!in) throw Error("cannot read recipe '" + file.string() + "': no such file or not readable");
   std::stringstream ss;
@@ -255,6 +278,7 @@ void Recipe::apply_override(const std::string& assignment) {
     throw RecipeError({origin}, "expected key=value, e.g. optimizer.lr=0.01");
   std::string key = assignment.substr(0, eq), text = assignment.substr(eq + 1);
   std::vector<std::string> path;
+  if (key.back() == '.') throw RecipeError({origin}, "empty component in key '" + key + "'");
   std::stringstream ks(key);
   for (std::string part; std::getline(ks, part, '.');) {
     if (part.empty()) throw RecipeError({origin}, "empty component in key '" + key + "'");

@@ -62,7 +62,7 @@ std::shared_ptr<Plugin> Registry::make_plugin(const std::string& name) const {
   try {
     p = c->make();
   } catch (const std::exception& e) {
-    throw PluginLoadError(c->library + ": plugin '" + name + "' failed to construct: " + e.what());
+    throw PluginLoadError(c->library + ": plugin '" + name + "' failed to construct: " + message_of(e));
   }
   if (!p) throw PluginLoadError(c->library + ": plugin '" + name + "' factory returned null");
   p->set_name(name);

@@ -49,7 +49,16 @@ NamedTensors load_tensor_dict(const std::filesystem::path& file) {
   try {
     v = torch::jit::pickle_load(bytes);
   } catch (const std::exception& e) {
-    throw Error(file.string() + ": not a tensor file written by torch.save or trainkit: " + e.what());
+    // LibTorch's unpickler reports some foreign objects (an OrderedDict) as its own internal bug.
+    const std::string why = message_of(e);
+    std::string reason = ": " + why;
+    if (why.find("INTERNAL ASSERT") != std::string::npos) reason = ": it holds objects other than a dict of tensors";
+    // Python pickles a dict of one entry with SETITEM, which LibTorch's unpickler lacks.
+    if (why.find("Unknown opcode") != std::string::npos)
+      reason = ": its pickle has an opcode LibTorch cannot read (" + why +
+               "; Python writes a dict of a single tensor that way: save two or more)";
+    throw Error(file.string() + ": not a tensor file written by torch.save or trainkit (a plain dict of name -> tensor)" +
+                reason);
   }
   if (!v.isGenericDict()) throw Error(file.string() + ": expected a dict of tensors, got " + v.tagKind());
   NamedTensors out;

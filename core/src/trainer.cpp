@@ -24,10 +24,8 @@ namespace {
     throw PluginRuntimeError(e.what());
   } catch (const Error& e) {
     throw Error(e.what());
-  } catch (const c10::Error& e) {
-    throw Error(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    throw Error(e.what());
+  } catch (const std::exception& e) {  // LibTorch's among them: one line, no C++ stack
+    throw Error(message_of(e));
   }
 }
 

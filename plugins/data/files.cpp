@@ -54,6 +54,18 @@ IdxArray read_idx(const fs::path& file) {
     out.dims.push_back((int64_t(b[0]) << 24) | (int64_t(b[1]) << 16) | (int64_t(b[2]) << 8) | int64_t(b[3]));
     total *= out.dims.back();
   }
+  // What the header promises must be in the file (gzip packs at most ~1032 bytes into one) and
+  // fit in memory; checked before allocating it.
+  std::error_code ec;
+  const double on_disk = static_cast<double>(fs::file_size(file, ec)), promised = static_cast<double>(total);
+  const bool gz = gzdirect(f.get()) == 0;
+  if (promised > (gz ? 1032.0 : 1.0) * on_disk)
+    throw Error(file.string() + ": truncated or damaged: the header promises " + std::to_string(total) +
+                " bytes of data (shape " + c10::str(out.dims) + "), more than the file's " +
+                std::to_string(static_cast<int64_t>(on_disk)) + " bytes can hold");
+  if (promised > machine_memory_bytes())
+    throw Error(file.string() + ": the header promises " + format_bytes(promised) + " of data; this machine has " +
+                format_bytes(machine_memory_bytes()));
   out.data = at::empty(out.dims, at::kByte);
   const size_t got = read(out.data.data_ptr<uint8_t>(), static_cast<size_t>(total));
   if (got != static_cast<size_t>(total))
@@ -112,7 +124,7 @@ std::pair<torch::Tensor, torch::Tensor> fashion_split(const Options& o, const st
 std::string read_text(const Options& o) {
   const std::string& path = o.get_path("path");
   if (path.empty()) o.fail("path", "needs a text file (e.g. /usr/share/games/fortunes/computers)");
-  if (!fs::is_regular_file(path)) o.fail("path", "no such file: " + path);
+  require_file(o, "path");
   std::ifstream in(path, std::ios::binary);
   std::ostringstream s;
   s << in.rdbuf();
@@ -204,6 +216,9 @@ DataSplits make_fashion_mnist(const Options& o, uint64_t) {
   const int64_t nv = o.get_int("validation_samples");
   if (nv != 0) {
     auto [vx, vy] = fashion_split(o, "t10k", nv);
+    if (vx.sizes().slice(1) != x.sizes().slice(1))
+      o.fail("dir", "the test images are " + c10::str(vx.sizes().slice(1)) + ", the training images " +
+                        c10::str(x.sizes().slice(1)) + ": they must have one size");
     d.validation = std::make_shared<ImageDataset>(vx, vy, mean, stddev);
   }
   d.info.input_dim = x.size(2) * x.size(3);
@@ -255,6 +270,18 @@ DataSplits make_text(const Options& o, uint64_t) {
     for (auto& d : docs)
       for (auto& cp : d) cp = ids[cp];
   }
+
+  // Examples far longer than every document would be mostly padding (and a model of that context).
+  size_t total = 0, longest = 0;
+  for (const auto& d : docs) {
+    total += d.size();
+    longest = std::max(longest, d.size());
+  }
+  if (static_cast<double>(t) > 2.0 * static_cast<double>(longest) + 16.0)
+    o.fail("seq_len", "is " + std::to_string(t) + ", more than twice the longest document of " + path + " (" +
+                          std::to_string(longest) + " tokens): every example would be mostly padding");
+  require_memory(o, "seq_len", 4.0 * 8.0 * static_cast<double>(docs.size() + total / static_cast<size_t>(t) + 1) * static_cast<double>(t + 1),
+                 "sequences of " + std::to_string(t) + " tokens");
 
   // Hold out the end: of the text when it is one document, else whole documents.
   std::vector<std::vector<int64_t>> train, val;

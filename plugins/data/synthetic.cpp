@@ -44,11 +44,22 @@ uint64_t data_seed(const Options& o, uint64_t run_seed) {
 void check_positive(const Options& o, std::initializer_list<const char*> keys) {
   for (const char* k : keys)
     if (o.get_int(k) < 1) o.fail(k, "must be >= 1, got " + std::to_string(o.get_int(k)));
+  if (o.has("noise") && !(std::isfinite(o.get_float("noise")) && o.get_float("noise") >= 0))
+    o.fail("noise", "must be a finite number >= 0, got " + std::to_string(o.get_float("noise")));
+}
+
+/// Refuses synthetic data whose tensors (`values` numbers per example, float32, a few temporaries
+/// while generating) could not fit this machine's memory.
+void require_data_fits(const Options& o, double values_per_example) {
+  const double n = static_cast<double>(o.get_int("samples")) + std::max<double>(0, static_cast<double>(o.get_int("validation_samples")));
+  require_memory(o, "samples", 3 * 4 * n * values_per_example,
+                 std::to_string(o.get_int("samples")) + " examples of " + std::to_string(o.get_int("features")) + " features");
 }
 
 /// A fixed random teacher maps inputs to targets: a learnable task with a known structure.
 DataSplits classification(const Options& o, uint64_t run_seed) {
   check_positive(o, {"samples", "features", "classes"});
+  require_data_fits(o, static_cast<double>(o.get_int("features")) + 5.0 * static_cast<double>(o.get_int("classes")));
   auto gen = generator(data_seed(o, run_seed));
   const int64_t n = o.get_int("samples"), nv = std::max<int64_t>(0, o.get_int("validation_samples"));
   const int64_t f = o.get_int("features"), c = o.get_int("classes");
@@ -66,6 +77,7 @@ DataSplits classification(const Options& o, uint64_t run_seed) {
 
 DataSplits regression(const Options& o, uint64_t run_seed) {
   check_positive(o, {"samples", "features", "outputs"});
+  require_data_fits(o, static_cast<double>(o.get_int("features")) + 33.0 + static_cast<double>(o.get_int("outputs")));
   auto gen = generator(data_seed(o, run_seed));
   const int64_t n = o.get_int("samples"), nv = std::max<int64_t>(0, o.get_int("validation_samples"));
   const int64_t f = o.get_int("features"), k = o.get_int("outputs");
@@ -83,6 +95,8 @@ DataSplits regression(const Options& o, uint64_t run_seed) {
 /// Variable-length sequences: each example has a random length; padded positions are ignored.
 DataSplits tokens(const Options& o, uint64_t run_seed) {
   check_positive(o, {"samples", "features", "classes", "seq_len", "min_len"});
+  require_data_fits(o, static_cast<double>(o.get_int("seq_len")) *
+                           (static_cast<double>(o.get_int("features")) + 2.0 * static_cast<double>(o.get_int("classes")) + 2.0));
   auto gen = generator(data_seed(o, run_seed));
   const int64_t n = o.get_int("samples"), nv = std::max<int64_t>(0, o.get_int("validation_samples"));
   const int64_t f = o.get_int("features"), c = o.get_int("classes"), t = o.get_int("seq_len");
@@ -109,7 +123,7 @@ DataSplits tokens(const Options& o, uint64_t run_seed) {
 DataSplits tensor_file(const Options& o, uint64_t) {
   const std::string& path = o.get_path("path");
   if (path.empty()) o.fail("path", "needs the file written by torch.save({\"inputs\": ..., \"targets\": ...})");
-  if (!std::filesystem::is_regular_file(path)) o.fail("path", "no such file: " + path);
+  require_file(o, "path");
   std::map<std::string, torch::Tensor> t;
   for (auto& [k, v] : load_tensor_dict(path)) t.emplace(k, v);
   auto need = [&](const std::string& key) {
@@ -134,6 +148,10 @@ DataSplits tensor_file(const Options& o, uint64_t) {
   if (tokens_in) x = x.to(at::kLong);
   else if (!at::isFloatingType(x.scalar_type())) x = x.to(c10::elementSize(x.scalar_type()) <= 2 ? at::kFloat : at::kDouble);
   const bool classes = !at::isFloatingType(y.scalar_type());
+  if (!classes && o.get_int("classes") > 0)
+    o.fail("classes", "is " + std::to_string(o.get_int("classes")) + ", but the targets are " +
+                          std::string(c10::toString(y.scalar_type())) +
+                          ": class targets are integer class indices (real-valued targets need no classes)");
   const int64_t ignore = o.get_int("ignore_index");
   std::optional<int64_t> ignore_index;
   if (!o.get_string("mask").empty()) {

@@ -11,6 +11,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 
 #include <tk/abi.h>
@@ -28,6 +29,14 @@ torch::Tensor activate(const std::string& name, const torch::Tensor& x) {
 void check_widths(const Options& o, const char* key) {
   for (int64_t w : o.get_ints(key))
     if (w < 1) o.fail(key, "every entry must be >= 1, got " + std::to_string(w));
+}
+
+/// Refuses a model whose parameters, gradients and optimizer state (16 bytes a parameter in
+/// float32, before any activation) could not fit this machine's memory, before allocating it.
+void require_parameters_fit(const Options& o, const char* key, double parameters) {
+  char n[32];
+  std::snprintf(n, sizeof n, "%.3g", parameters);
+  require_memory(o, key, 16.0 * parameters, "a model of " + std::string(n) + " parameters (weights, gradients, optimizer state)");
 }
 
 /// Refuses token-id inputs for models that take real-valued features.
@@ -272,6 +281,12 @@ OptionSpecs mlp_specs() {
 ModelPtr make_mlp(const Options& o, const DataInfo& d) {
   need_real_inputs(o, d, "mlp");
   check_widths(o, "hidden");
+  double params = 0, in = static_cast<double>(d.input_dim);
+  for (int64_t w : o.get_ints("hidden")) {
+    params += (in + 1) * static_cast<double>(w);
+    in = static_cast<double>(w);
+  }
+  require_parameters_fit(o, "hidden", params + (in + 1) * static_cast<double>(d.output_dim));
   return std::make_shared<Mlp>(d.input_dim, o.get_ints("hidden"), d.output_dim, o.get_string("activation"),
                                o.get_bool("batchnorm"));
 }
@@ -298,6 +313,14 @@ ModelPtr make_cnn(const Options& o, const DataInfo& d) {
   if ((d.input_shape[1] >> pools) < 1 || (d.input_shape[2] >> pools) < 1)
     o.fail("channels", std::to_string(pools) + " stages halve a " + std::to_string(d.input_shape[1]) + "x" +
                            std::to_string(d.input_shape[2]) + " image to nothing");
+  double params = 0, in = static_cast<double>(d.input_shape[0]);
+  for (int64_t c : o.get_ints("channels")) {
+    params += (in * static_cast<double>(k * k) + 1) * static_cast<double>(c);
+    in = static_cast<double>(c);
+  }
+  const double flat = in * static_cast<double>(d.input_shape[1] >> pools) * static_cast<double>(d.input_shape[2] >> pools);
+  const double hidden = static_cast<double>(o.get_int("hidden"));
+  require_parameters_fit(o, "hidden", params + (flat + 1) * hidden + (hidden + 1) * static_cast<double>(d.output_dim));
   return std::make_shared<Cnn>(d.input_shape, o.get_ints("channels"), k, o.get_int("hidden"), d.output_dim,
                                o.get_bool("batchnorm"), p);
 }
@@ -327,6 +350,10 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
   if (d.output_dim != d.vocab)
     o.fail("name", "model 'gpt' predicts the next token, but the data's targets have " + std::to_string(d.output_dim) +
                        " classes for a vocabulary of " + std::to_string(d.vocab));
+  const double w = static_cast<double>(s.width);
+  require_parameters_fit(o, o.get_int("context") > 0 ? "context" : "width",
+                         static_cast<double>(s.vocab) * w * (o.get_bool("tied_head") ? 1 : 2) +
+                             static_cast<double>(s.context) * w + static_cast<double>(s.layers) * (12 * w * w + 13 * w));
   return std::make_shared<Gpt>(s, o.get_bool("tied_head"));
 }
 
@@ -337,7 +364,7 @@ OptionSpecs torchscript_specs() {
 ModelPtr make_torchscript(const Options& o, const DataInfo&) {
   const std::string& file = o.get_path("torchscript");
   if (file.empty()) o.fail("torchscript", "needs the file written by torch.jit.save(torch.jit.script(model), path)");
-  if (!std::filesystem::is_regular_file(file)) o.fail("torchscript", "no such file: " + file);
+  require_file(o, "torchscript");
   torch::jit::Module m;
   try {
     m = torch::jit::load(file, at::Device(at::kCPU));

@@ -70,7 +70,19 @@ TEST_SUITE("loader") {
     CHECK(load_error(kFixtures / "tk_missing.so") == (kFixtures / "tk_missing.so").string() +
                                                           ": plugin file does not exist");
     const fs::path not_a_library = fs::path(TK_SOURCE_DIR) / "tests/fixtures/bad_key.toml";
-    CHECK(load_error(not_a_library).find(not_a_library.string() + ": cannot load shared library") == 0);
+    CHECK(load_error(not_a_library) == not_a_library.string() + ": not a shared library (invalid ELF header)");
+    // A truncated library would crash the dynamic loader (SIGBUS): refused before it sees it.
+    const fs::path truncated = tkt::temp_dir("truncated-lib");
+    fs::create_directories(truncated);
+    {
+      std::ifstream in(kFixtures / "tk_throws.so", std::ios::binary);
+      std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      std::ofstream(truncated / "tk_cut.so", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+    }
+    CHECK(load_error(truncated / "tk_cut.so").find(": truncated or damaged (") != std::string::npos);
+    CHECK(load_error(truncated) == truncated.string() + ": is a folder, not a plugin library");
+    CHECK(load_error("/dev/null") == "/dev/null: is not a regular file (a device or a pipe?)");
+    fs::remove_all(truncated);
   }
 
   TEST_CASE("a plugin not on the search path is reported with the folders searched and what exists") {

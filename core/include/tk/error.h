@@ -51,6 +51,10 @@ class PluginRuntimeError : public Error {
   using Error::Error;
 };
 
+/// The message of `e` for people: a LibTorch error (c10::Error, or an error whose text carries
+/// one) as its first line, without the C++ stack trace; any other error as it is.
+std::string message_of(const std::exception& e);
+
 /// Joins names for messages: "a, b, c".
 std::string join(const std::string* begin, const std::string* end, const char* sep = ", ");
 

@@ -42,6 +42,20 @@ OptionSpec opt_path(std::string name, std::string def, std::string doc);
 OptionSpec opt_ints(std::string name, std::vector<int64_t> def, std::string doc);
 OptionSpec opt_floats(std::string name, std::vector<double> def, std::string doc);
 
+class Options;
+
+/// Physical memory of this machine, in bytes.
+double machine_memory_bytes();
+/// "1.5 GiB", "300 MiB".
+std::string format_bytes(double bytes);
+/// Refuses, naming `key` of `o`, what could not fit this machine's memory: `bytes` is the
+/// estimate of what `what` ("a model of 3.2e9 parameters") needs.
+void require_memory(const Options& o, const std::string& key, double bytes, const std::string& what);
+
+/// The file path option `key` of `o` names, refused (naming the key) when it is missing, a folder,
+/// or not a regular file (a device, a pipe).
+std::string require_file(const Options& o, const std::string& key);
+
 /// Resolved option values (defaults filled in), each with where it was set.
 class Options {
  public:

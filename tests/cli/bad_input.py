@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Each bad input is refused before training in one line that says what and where.
+
+    bad_input.py TK_RUN SOURCE_DIR PLUGIN_DIR WORK_DIR
+
+Every case runs tk-run and checks its exit code, that the expected words are in its output, and
+that no C++ stack trace is.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+STACK = ("frame #", "Exception raised from", "(most recent call first)", "INTERNAL ASSERT")
+
+
+def main():
+    tk_run, src, plugins, work = sys.argv[1:5]
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    quick = os.path.join(src, "recipes", "quickstart.toml")
+    gpt = os.path.join(src, "recipes", "gpt-tiny.toml")
+    base = ('[run]\nsteps = 4\n[model]\nname = "mlp"\nhidden = [8]\n[data]\nname = "tensors"\npath = "%s"\n'
+            'classes = 10\nmicro_batch = 8\n[optimizer]\nname = "sgd"\n')
+
+    def write(name, data):
+        path = os.path.join(work, name)
+        with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        return path
+
+    # A truncated copy of a real plugin library, a text file and a fake ELF header as plugins.
+    with open(os.path.join(plugins, "tk_clip.so"), "rb") as f:
+        lib = f.read()
+    trunc = write("trunc.so", lib[:30000])
+    text = write("text.so", "not a library\n")
+    fake = write("fake.so", b"\x7fELF" + b"\x02\x01\x01" + bytes(200))
+    plugin_recipe = lambda path: write(os.path.basename(path) + ".toml", '[model]\nname = "mlp"\n[data]\nname = '
+                                       '"synthetic-classification"\n[optimizer]\nname = "sgd"\n[[plugins]]\npath = "%s"\n' % path)
+    os.makedirs(os.path.join(work, "folder"))
+
+    have_torch = subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0
+    tensor_cases = []
+    if have_torch:
+        subprocess.run(["/usr/bin/python3", "-c", """
+import collections, torch, sys
+d = sys.argv[1]
+x = torch.randn(64, 8)
+torch.save({"inputs": x, "targets": torch.randint(0, 11, (64,))}, d + "/oob.pt")
+torch.save({"inputs": x, "targets": torch.randint(-5, 0, (64,))}, d + "/negative.pt")
+torch.save({"inputs": x, "targets": torch.randn(64)}, d + "/float.pt")
+y = torch.randint(0, 10, (64,))
+nan = x.clone(); nan[7, 3] = float("nan")
+torch.save({"inputs": nan, "targets": y}, d + "/nan.pt")
+torch.save({"inputs": torch.randn(64, 2, 2, 2, 2), "targets": y}, d + "/five_d.pt")
+torch.save(collections.OrderedDict(inputs=x, targets=y), d + "/ordered.pt")
+torch.save({"inputs": x}, d + "/one_key.pt")
+torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
+"""
+                        , work], check=True)
+        t = lambda f: write(f + ".toml", base % os.path.join(work, f + ".pt"))
+        tensor_cases = [
+            ("target out of the class range", [t("oob"), "--dry-run"], 2, "example", "has target 10, outside the 10 classes"),
+            ("negative targets", [t("negative"), "--dry-run"], 2, "outside the 10 classes"),
+            ("float targets with classes", [t("float"), "--dry-run"], 2, "data.classes: is 10, but the targets are Float"),
+            ("NaN in the data", [t("nan"), "--dry-run"], 2, "example 7 has NaN or infinite inputs"),
+            ("5-D inputs for an MLP", [t("five_d"), "--dry-run"], 2, "does not go through the model"),
+            ("an OrderedDict", [t("ordered"), "--dry-run"], 2, "ordered.pt"),
+            ("a file without targets", [t("no_targets"), "--dry-run"], 2, "data.targets: the file has no tensor 'targets'"),
+            ("a dict of one tensor", [t("one_key"), "--dry-run"], 2, "one_key.pt", "an opcode LibTorch cannot read"),
+        ]
+
+    cases = [
+        ("a truncated plugin library", [plugin_recipe(trunc), "--dry-run"], 2, "trunc.so: truncated or damaged"),
+        ("a text file as plugin", [plugin_recipe(text), "--dry-run"], 2, "text.so: not a shared library"),
+        ("a fake ELF as plugin", [plugin_recipe(fake), "--dry-run"], 2, "fake.so"),
+        ("a folder as plugin", [plugin_recipe(os.path.join(work, "folder")), "--dry-run"], 2, "is a folder"),
+        ("/dev/null as plugin", [plugin_recipe("/dev/null"), "--dry-run"], 2, "/dev/null: is not a regular file"),
+        ("/dev/zero as recipe", ["/dev/zero", "--dry-run"], 2, "is not a regular file"),
+        ("a folder as recipe", [work, "--dry-run"], 2, "is a folder"),
+        ("a huge recipe", [write("huge.toml", "[model]\nhidden = [" + "1, " * 600000 + "1]\n"), "--dry-run"], 2, "at most 1 MiB"),
+        ("threads without bound", [quick, "--dry-run", "--set", "run.threads=100000"], 2, "run.threads: is 100000"),
+        ("epochs beyond any machine", [quick, "--dry-run", "--set", "run.epochs=288230376151711745"], 2, "run.epochs: is 288230376151711745, beyond"),
+        ("epochs that overflow", [quick, "--dry-run", "--set", "run.epochs=1099511627776"], 2, "beyond what any machine can train"),
+        ("accumulation that overflows", [quick, "--dry-run", "--set", "plugins.grad_accum.steps=9223372036854775807"], 2, "effective batch"),
+        ("a model larger than memory", [quick, "--dry-run", "--set", "model.hidden=[100000000,100000000]"], 2, "model.hidden: a model of 1e+16 parameters"),
+        ("data larger than memory", [quick, "--dry-run", "--set", "data.samples=4000000000"], 2, "data.samples: 4000000000 examples"),
+        ("seq_len longer than the text", [gpt, "--dry-run", "--set", "data.seq_len=100000000"], 2, "data.seq_len: is 100000000, more than twice the longest document"),
+        ("noise = nan", [quick, "--dry-run", "--set", "data.noise=nan"], 2, "data.noise: is nan"),
+        ("an empty key in --set", [quick, "--dry-run", "--set", "run.=2"], 2, "--set run.=2: empty component in key"),
+        ("a NUL in run.name", [write("nul.toml", open(quick).read().replace('name = "quickstart"', 'name = "a\\u0000b"')), "--dry-run"],
+         2, "run.name: contains a NUL character"),
+        ("a text path that is a folder", [gpt, "--dry-run", "--set", 'data.path="%s"' % os.path.join(work, "folder")], 2, "is a folder, not a file"),
+    ] + tensor_cases
+    failed = 0
+    for label, args, rc, *expect in cases:
+        p = subprocess.run([tk_run] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120,
+                           env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+        out = p.stdout.decode(errors="replace")
+        problems = []
+        if p.returncode != rc:
+            problems.append("exit code %d, expected %d" % (p.returncode, rc))
+        problems += ["no '%s'" % e for e in expect if e not in out]
+        problems += ["a C++ stack trace ('%s')" % m for m in STACK if m in out]
+        errors = [l for l in out.splitlines() if "error" in l]
+        if rc == 2 and len(errors) != 1:
+            problems.append("%d error lines, expected one" % len(errors))
+        if problems:
+            failed += 1
+            print("FAIL %s: %s\n  tk-run %s\n%s" % (label, "; ".join(problems), " ".join(args)[:300], out[-2000:]))
+        else:
+            print("ok   %s: %s" % (label, errors[0].strip() if errors else ""))
+    print("%d of %d cases failed" % (failed, len(cases)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

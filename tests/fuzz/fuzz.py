@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Feeds tk-run damaged input and checks that every case ends in a clear refusal or a valid plan.
+
+Recipes: every shipped recipe mutated (lines deleted, values swapped, random bytes, extreme
+numbers, wrong types) through `tk-run --dry-run`. Files: damaged IDX, text, tensor and checkpoint
+files through the readers that take them. A case fails on a signal exit, an exit code other than
+0, 1 or 2, a hang, or a C++ stack trace in the output.
+
+    fuzz.py TK_RUN SOURCE_DIR WORK_DIR [--cases N] [--seed S] [--jobs J]
+
+The bounded run (ctest `fuzz`) takes a few hundred cases; `--cases 5000` is the long one.
+"""
+import argparse
+import concurrent.futures
+import gzip
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+
+STACK_MARKERS = ("frame #", "Exception raised from", "(most recent call first)", "INTERNAL ASSERT",
+                 "terminate called", "Segmentation fault", "core dumped")
+EXTREMES = ["0", "-1", "-9223372036854775808", "9223372036854775807", "288230376151711745", "1e300", "-1e300",
+            "nan", "inf", "-inf", "2e17", "1e15", "4294967296", "0.0", "-0.0"]
+WRONG_TYPES = ['"text"', "true", "[1, 2]", "[]", "{ a = 1 }", '["a", 1]', "1979-05-27", "[[1], [2]]", '""']
+
+
+def mutate(text, rng):
+    lines = text.split("\n")
+    kind = rng.randrange(7)
+    assign = [i for i, l in enumerate(lines) if re.match(r"^\s*[A-Za-z_]+\s*=", l)]
+    if kind == 0 and lines:  # delete lines
+        for _ in range(rng.randint(1, 3)):
+            if lines:
+                del lines[rng.randrange(len(lines))]
+    elif kind == 1 and len(assign) > 1:  # swap two values
+        a, b = rng.sample(assign, 2)
+        ka, va = lines[a].split("=", 1)
+        kb, vb = lines[b].split("=", 1)
+        lines[a], lines[b] = ka + "=" + vb, kb + "=" + va
+    elif kind == 2:  # random bytes somewhere
+        data = bytearray("\n".join(lines).encode())
+        for _ in range(rng.randint(1, 8)):
+            pos = rng.randrange(len(data) + 1)
+            data[pos:pos] = bytes([rng.randrange(256)])
+        return bytes(data)
+    elif kind == 3 and assign:  # extreme numbers
+        for _ in range(rng.randint(1, 2)):
+            i = rng.choice(assign)
+            k = lines[i].split("=", 1)[0]
+            lines[i] = k + "= " + rng.choice(EXTREMES)
+    elif kind == 4 and assign:  # wrong types
+        i = rng.choice(assign)
+        k = lines[i].split("=", 1)[0]
+        lines[i] = k + "= " + rng.choice(WRONG_TYPES)
+    elif kind == 5:  # truncated
+        cut = rng.randrange(len(text) + 1)
+        return text[:cut].encode()
+    else:  # duplicated or shuffled lines
+        if lines:
+            i = rng.randrange(len(lines))
+            lines.insert(rng.randrange(len(lines) + 1), lines[i])
+    return "\n".join(lines).encode()
+
+
+def damage(data, rng):
+    data = bytearray(data)
+    kind = rng.randrange(4)
+    if kind == 0 and data:
+        return bytes(data[: rng.randrange(len(data))])
+    if kind == 1:
+        for _ in range(rng.randint(1, 16)):
+            if data:
+                data[rng.randrange(min(len(data), 64 if rng.random() < 0.5 else len(data)))] = rng.randrange(256)
+        return bytes(data)
+    if kind == 2:
+        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 2048)))
+    return bytes(data) + bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+
+
+def run_case(tk_run, args, cwd, timeout):
+    try:
+        p = subprocess.run([tk_run] + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"))
+    except subprocess.TimeoutExpired:
+        return "hung (no exit within %d s)" % timeout, ""
+    out = p.stdout.decode(errors="replace")
+    if p.returncode < 0:
+        return "killed by signal %d" % -p.returncode, out
+    if p.returncode not in (0, 1, 2):
+        return "exit code %d" % p.returncode, out
+    for m in STACK_MARKERS:
+        if m in out:
+            return "output has '%s'" % m, out
+    return None, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tk_run")
+    ap.add_argument("source_dir")
+    ap.add_argument("work_dir")
+    ap.add_argument("--cases", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=60)
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    shutil.rmtree(a.work_dir, ignore_errors=True)
+    os.makedirs(a.work_dir)
+    recipes_dir = os.path.join(a.source_dir, "recipes")
+    recipes = {f: open(os.path.join(recipes_dir, f)).read() for f in sorted(os.listdir(recipes_dir)) if f.endswith(".toml")}
+
+    # Inputs for the file readers: a small text, an IDX pair, a tensors file, a checkpoint.
+    files = os.path.join(a.work_dir, "inputs")
+    os.makedirs(files)
+    text = "".join("line %d of a small text, with some words in it.\n%%\n" % i for i in range(200))
+    with open(os.path.join(files, "text.txt"), "w") as f:
+        f.write(text)
+    fm = "/usr/share/datasets/fashion-mnist"
+    idx = {}
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        src = os.path.join(fm, name + ".gz")
+        if os.path.exists(src):
+            with gzip.open(src) as g:
+                idx[name] = g.read(16 + 200 * 784 if "images" in name else 8 + 200)
+    quick = recipes["quickstart.toml"]
+    tiny = re.sub(r"samples = 8192", "samples = 256", quick)
+    tiny = re.sub(r"validation_samples = 2048", "validation_samples = 64", tiny)
+    tiny = re.sub(r"epochs = 8", "epochs = 1", tiny)
+    ck_dir = os.path.join(files, "ck")
+    with open(os.path.join(files, "tiny.toml"), "w") as f:
+        f.write(tiny)
+    err, out = run_case(a.tk_run, [os.path.join(files, "tiny.toml"), "--progress", "none", "--set",
+                                   'run.output="%s"' % ck_dir, "--set", "run.checkpoint_every=2"], a.work_dir, a.timeout)
+    if err or not os.path.isdir(os.path.join(ck_dir, "checkpoints")):
+        print("cannot make the checkpoint to damage: %s\n%s" % (err, out))
+        return 1
+    checkpoint = os.path.join(ck_dir, "checkpoints", open(os.path.join(ck_dir, "checkpoints", "latest")).read().strip())
+    tensors = os.path.join(checkpoint, "model.pt")
+
+    def make_case(i):
+        d = os.path.join(a.work_dir, "case-%d" % i)
+        os.makedirs(d)
+        kind = rng.random()
+        if kind < 0.6:  # a mutated recipe, dry run
+            name = rng.choice(sorted(recipes))
+            path = os.path.join(d, name)
+            with open(path, "wb") as f:
+                f.write(mutate(recipes[name], rng))
+            return "mutated " + name, [path, "--dry-run"], d
+        what = rng.choice(["text", "idx", "tensors", "checkpoint"] if idx else ["text", "tensors", "checkpoint"])
+        if what == "text":
+            path = os.path.join(d, "text.txt")
+            with open(path, "wb") as f:
+                f.write(damage(text.encode(), rng))
+            recipe = recipes["gpt-tiny.toml"]
+            return "damaged text", [os.path.join(recipes_dir, "gpt-tiny.toml"), "--dry-run", "--set",
+                                    'data.path="%s"' % path, "--set", "data.seq_len=16"], d
+        if what == "idx":
+            for name, data in idx.items():
+                with open(os.path.join(d, name), "wb") as f:
+                    f.write(damage(data, rng) if rng.random() < 0.5 else data)
+            return "damaged IDX", [os.path.join(recipes_dir, "fashion-mnist.toml"), "--dry-run", "--set",
+                                   'data.dir="%s"' % d], d
+        if what == "tensors":
+            path = os.path.join(d, "data.pt")
+            x = open(tensors, "rb").read()
+            with open(path, "wb") as f:
+                f.write(damage(x, rng))
+            rpath = os.path.join(d, "r.toml")
+            with open(rpath, "w") as f:
+                f.write('[model]\nname = "mlp"\n[data]\nname = "tensors"\npath = "%s"\ninputs = "%s"\ntargets = "%s"\n'
+                        '[optimizer]\nname = "sgd"\n' % (path, rng.choice(["layers.0.weight", "inputs"]),
+                                                         rng.choice(["layers.0.bias", "targets"])))
+            return "damaged tensors file", [rpath, "--dry-run"], d
+        # A checkpoint with one file damaged, resumed (into a copy of its run folder).
+        run = os.path.join(d, "run")
+        shutil.copytree(ck_dir, run)
+        ck = os.path.join(run, "checkpoints", os.path.basename(checkpoint))
+        victim = os.path.join(ck, rng.choice(sorted(os.listdir(ck))))
+        data = open(victim, "rb").read()
+        with open(victim, "wb") as f:
+            f.write(damage(data, rng))
+        return "damaged " + os.path.basename(victim), [os.path.join(files, "tiny.toml"), "--progress", "none", "--set",
+                                                      'run.output="%s"' % run, "--resume", "latest"], d
+
+    cases = [make_case(i) for i in range(a.cases)]
+    failures = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        results = pool.map(lambda c: (c, run_case(a.tk_run, c[1], c[2], a.timeout)), cases)
+        for (label, args, d), (err, out) in results:
+            if err:
+                failures.append("%s: %s\n  tk-run %s\n%s" % (label, err, " ".join(args), out[-3000:]))
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+    print("fuzz: %d cases, %d failed" % (len(cases), len(failures)))
+    for f in failures[:20]:
+        print("----\n" + f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
