@@ -386,6 +386,13 @@ void check_data_and_model(Run& r) {
     const at::Tensor out = r.model->forward(b.input);
     if (!at::isFloatingType(out.scalar_type()))
       throw Error("its output is " + std::string(c10::toString(out.scalar_type())) + ", not floating point");
+    const DataInfo& info = r.data.info;
+    if (info.classification && out.dim() < 2)
+      throw Error("its output " + c10::str(out.sizes()) + " has no class dimension (expected [N, " +
+                  std::to_string(info.output_dim) + "] or [N, T, " + std::to_string(info.output_dim) + "])");
+    if (info.classification && out.dim() >= 2 && out.size(-1) != info.output_dim)
+      throw Error("it gives " + std::to_string(out.size(-1)) + " scores per prediction (output " + c10::str(out.sizes()) +
+                  "), the data has " + std::to_string(info.output_dim) + " classes");
     const at::Tensor loss = (*r.loss)(out, b);
     if (loss.numel() != 1) throw Error("loss '" + r.loss_name + "' gave " + c10::str(loss.sizes()) + ", not one value");
   } catch (const std::exception& e) {
@@ -447,7 +454,7 @@ void plan_once(Run& r) {
   for (const auto& p : r.model->parameters())
     if (p.requires_grad()) trainable.push_back(p);
   if (trainable.empty())
-    throw Error("model '" + r.model_name + "' has no trainable parameter" +
+    throw RecipeError(r.model_opts.section_loc(), "model '" + r.model_name + "' has no trainable parameter" +
                 (r.model->parameters().empty() ? std::string() : " (every parameter has requires_grad = false)"));
   r.optimizer = r.optimizer_maker->make(r.opt_opts, trainable);
 

@@ -23,6 +23,12 @@ RecipeError::RecipeError(const SourceLoc& where, const std::string& what)
 std::string message_of(const std::exception& e) {
   const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
   std::string text = torch_error ? torch_error->what_without_backtrace() : e.what();
+  // The TorchScript interpreter prints the script's stack, then the error on its last line.
+  if (text.find("Traceback of TorchScript") != std::string::npos) {
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    const auto nl = text.rfind('\n');
+    if (nl != std::string::npos) text.erase(0, nl + 1);
+  }
   // LibTorch appends where it was raised and, in what(), the frames of its stack.
   for (const char* marker : {"Exception raised from ", "\nframe #"}) {
     const auto at = text.find(marker);

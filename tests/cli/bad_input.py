@@ -58,8 +58,22 @@ torch.save({"inputs": x}, d + "/one_key.pt")
 torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
 """
                         , work], check=True)
+        # TorchScript models that do not fit 8-feature data of 10 classes.
+        subprocess.run(["/usr/bin/python3", os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_bad_models.py"),
+                        work], check=True)
+        ts = lambda f: write("ts_" + f + ".toml", '[run]\nsteps = 2\n[model]\ntorchscript = "%s"\n[data]\nname = '
+                             '"synthetic-classification"\nfeatures = 8\nclasses = 10\nsamples = 64\n[optimizer]\n'
+                             'name = "sgd"\n' % os.path.join(work, f + ".ts"))
+        tensor_cases += [
+            ("a TorchScript forward of two arguments", [ts("two_args"), "--dry-run"], 2, "does not go through the model", "missing value for argument 'y'"),
+            ("a TorchScript model that returns [N]", [ts("flat"), "--dry-run"], 2, "its output [32] has no class dimension"),
+            ("a TorchScript model with 5 outputs for 10 classes", [ts("five_out"), "--dry-run"], 2, "gives 5 scores per prediction", "10 classes"),
+            ("a TorchScript model for 64 inputs on 8 features", [ts("wide"), "--dry-run"], 2, "mat1 and mat2 shapes cannot be multiplied"),
+            ("a TorchScript model that returns integers", [ts("ints"), "--dry-run"], 2, "its output is Long, not floating point"),
+            ("a TorchScript model with every parameter frozen", [ts("frozen"), "--dry-run"], 2, "ts_frozen.toml:3:1: model 'torchscript' has no trainable parameter"),
+        ]
         t = lambda f: write(f + ".toml", base % os.path.join(work, f + ".pt"))
-        tensor_cases = [
+        tensor_cases += [
             ("target out of the class range", [t("oob"), "--dry-run"], 2, "example", "has target 10, outside the 10 classes"),
             ("negative targets", [t("negative"), "--dry-run"], 2, "outside the 10 classes"),
             ("float targets with classes", [t("float"), "--dry-run"], 2, "data.classes: is 10, but the targets are Float"),
