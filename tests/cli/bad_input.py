@@ -81,7 +81,10 @@ torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
             ("5-D inputs for an MLP", [t("five_d"), "--dry-run"], 2, "does not go through the model"),
             ("an OrderedDict", [t("ordered"), "--dry-run"], 2, "ordered.pt"),
             ("a file without targets", [t("no_targets"), "--dry-run"], 2, "data.targets: the file has no tensor 'targets'"),
-            ("a dict of one tensor", [t("one_key"), "--dry-run"], 2, "one_key.pt", "an opcode LibTorch cannot read"),
+            # LibTorch 1.13 cannot unpickle a dict of one entry; 2.x reads it and finds no targets.
+            ("a dict of one tensor", [t("one_key"), "--dry-run"], 2,
+             ("one_key.pt: not a tensor file written by torch.save or trainkit (a plain dict of name -> tensor): its "
+              "pickle has an opcode LibTorch cannot read", "data.targets: the file has no tensor 'targets'; it has: inputs")),
         ]
 
     cases = [
@@ -114,7 +117,9 @@ torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
         problems = []
         if p.returncode != rc:
             problems.append("exit code %d, expected %d" % (p.returncode, rc))
-        problems += ["no '%s'" % e for e in expect if e not in out]
+        # An expectation is a text, or a tuple of texts of which one must be there.
+        problems += ["no '%s'" % (e,) for e in expect
+                     if not any(x in out for x in (e if isinstance(e, tuple) else (e,)))]
         problems += ["a C++ stack trace ('%s')" % m for m in STACK if m in out]
         errors = [l for l in out.splitlines() if "error" in l]
         if rc == 2 and len(errors) != 1:
