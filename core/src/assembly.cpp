@@ -288,6 +288,14 @@ at::Tensor Run::shard_order(int64_t epoch) const {
   return all.slice(0, plan.rank, shard_size() * plan.world_size, plan.world_size);
 }
 
+Batch Run::fetch(const Dataset& ds, const at::Tensor& indices) const {
+  Batch b = ds.get(indices);
+  auto place = [&](const at::Tensor& t) { return at::isFloatingType(t.scalar_type()) ? t.to(device, dtype) : t.to(device); };
+  b.input = place(b.input);
+  b.target = place(b.target);
+  return b;
+}
+
 void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
   read_run_section(r, recipe);
   const PluginLoader loader(opts.plugin_dirs ? *opts.plugin_dirs : PluginLoader::default_dirs(recipe.dir()));
@@ -374,10 +382,7 @@ void check_data_and_model(Run& r) {
   check_split(r, *r.data.train, "training");
   if (r.data.validation) check_split(r, *r.data.validation, "validation");
   const int64_t m = std::min<int64_t>(r.plan.micro_batch, r.data.train->size());
-  Batch b = r.data.train->get(at::arange(m, at::kLong));
-  auto place = [&](const at::Tensor& t) { return at::isFloatingType(t.scalar_type()) ? t.to(r.device, r.dtype) : t.to(r.device); };
-  b.input = place(b.input);
-  b.target = place(b.target);
+  const Batch b = r.fetch(*r.data.train, at::arange(m, at::kLong));
   const std::string what = "model '" + r.model_name + "' on data '" + r.data_name + "' (" + r.data.info.describe() + ")";
   torch::NoGradGuard no_grad;
   const bool training = r.model->is_training();

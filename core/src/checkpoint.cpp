@@ -150,10 +150,10 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
 fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, std::string* note) {
   const fs::path root = arg == "latest" ? output_dir / "checkpoints" : fs::path(arg);
   if (is_complete(root)) return root;
-  const auto all = fs::is_directory(root) ? complete_checkpoints(root) : std::vector<fs::path>{};
   std::string latest;
   std::ifstream(root / "latest") >> latest;
   if (!latest.empty() && is_complete(root / latest)) return root / latest;
+  const auto all = complete_checkpoints(root);  // empty when `root` is no folder
   if (!all.empty()) {
     if (note)
       *note = (latest.empty() ? "'" + (root / "latest").string() + "' is missing"

@@ -76,7 +76,9 @@ void write_file_atomic(const fs::path& file, const std::string& data) {
   sync_folder(file.parent_path());
 }
 
-AppendFile::~AppendFile() { close(); }
+AppendFile::~AppendFile() {
+  if (fd_ >= 0) ::close(fd_);  // no throwing here: a run that wants the error calls close()
+}
 
 void AppendFile::open(const fs::path& file, bool truncate) {
   close();
@@ -94,6 +96,7 @@ void AppendFile::append(const std::string& line) {
   } catch (...) {
     // A write cut short (the disk filled up mid-line) leaves no torn record behind.
     if (end >= 0 && ::ftruncate(fd_, end) != 0) {
+      // The write's error is the one to report.
     }
     throw;
   }

@@ -20,7 +20,6 @@ class Loop {
 
  private:
   void emit(Event e);
-  Batch fetch(const Dataset& ds, const at::Tensor& idx) const;
   void micro_batch(Batch& batch);
   bool optimizer_step();
   std::pair<double, double> validate();
@@ -73,16 +72,6 @@ void Loop::emit(Event e) {
     ++i;
   }
   ctx_.current_plugin_.clear();
-}
-
-Batch Loop::fetch(const Dataset& ds, const at::Tensor& idx) const {
-  Batch b = ds.get(idx);
-  auto place = [&](const at::Tensor& t) {
-    return at::isFloatingType(t.scalar_type()) ? t.to(r_.device, r_.dtype) : t.to(r_.device);
-  };
-  b.input = place(b.input);
-  b.target = place(b.target);
-  return b;
 }
 
 void Loop::micro_batch(Batch& batch) {
@@ -141,7 +130,7 @@ std::pair<double, double> Loop::validate() {
     emit(Event::ValidationStart);
     const int64_t n = r_.data.validation->size(), m = r_.plan.micro_batch;
     for (int64_t start = 0; start < n; start += m) {
-      Batch b = fetch(*r_.data.validation, at::arange(start, std::min(n, start + m), at::kLong));
+      Batch b = r_.fetch(*r_.data.validation, at::arange(start, std::min(n, start + m), at::kLong));
       auto out = r_.model->forward(b.input);
       const double l = (*r_.loss)(out, b).item<double>();
       loss_sum += ctx_.reduction_ == Reduction::Mean ? l * static_cast<double>(b.tokens) : l;
@@ -196,7 +185,7 @@ FitResult Loop::fit(const Recipe& recipe) {
   // Resuming: model, optimizer and RNG come back now, plugin states before fit_start.
   std::optional<Checkpoint> resumed;
   if (opts_.resume)
-    resumed = resume_from(r_, *opts_.resume, outputs.dir(), run_identity(r_, recipe), opts_.allow_changes);
+    resumed = resume_from(r_, *opts_.resume, outputs.dir(), outputs.identity(), opts_.allow_changes);
   if (outputs.active()) result.output_dir = ctx_.output_dir_ = outputs.dir();
   if (resumed && resumed->position.counters.step >= r_.total_steps) {
     // The final checkpoint: the run is complete. Nothing is trained, recorded or rewritten, but
@@ -244,7 +233,7 @@ FitResult Loop::fit(const Recipe& recipe) {
       for (int64_t b = first; b < r_.batches_per_epoch && !done; ++b) {
         auto w = r_.windows->at(epoch, b);
         if (!w) break;  // the policy drops the rest of this epoch
-        Batch batch = fetch(*r_.data.train, order.slice(0, b * m, std::min(n, (b + 1) * m)));
+        Batch batch = r_.fetch(*r_.data.train, order.slice(0, b * m, std::min(n, (b + 1) * m)));
         ctx_.window_ = *w;
         ctx_.batch_ = &batch;
         c.batch_in_epoch = b;

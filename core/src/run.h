@@ -67,6 +67,8 @@ struct Run {
   int64_t shard_size() const { return data.train->size() / plan.world_size; }
   /// This rank's examples of `epoch`, in order: the same seeded shuffle on every rank, strided by rank.
   at::Tensor shard_order(int64_t epoch) const;
+  /// The examples at `indices` of `ds`, on the run's device; floating tensors in the run's dtype.
+  Batch fetch(const Dataset& ds, const at::Tensor& indices) const;
 };
 
 /// Loads the run's libraries and builds data, model, loss, schedule and plugins from `recipe`.
@@ -122,6 +124,8 @@ class RunOutputs {
   RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts);
   bool active() const noexcept { return active_; }
   const std::filesystem::path& dir() const noexcept { return dir_; }
+  /// What determines this run, as its checkpoints record it.
+  const RunIdentity& identity() const noexcept { return identity_; }
   /// Creates the folder and locks it for this run's life (another live run there is refused,
   /// naming its PID). Unless resuming, a folder that holds another run is refused, or with
   /// `overwrite` cleared of that run's files.

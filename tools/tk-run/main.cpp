@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -217,10 +218,15 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(level));
 
-  std::unique_ptr<tk::Trainer> trainer;
+  auto print_dry_run = [](const std::string& plan) {
+    std::printf("%s", plan.c_str());
+    std::printf("dry run: the recipe is valid and every plugin loaded; nothing was trained\n");
+    return 0;
+  };
+  std::optional<tk::Recipe> recipe;
   try {
-    tk::Recipe recipe = tk::Recipe::from_file(recipe_path);
-    for (const auto& o : overrides) recipe.apply_override(o);
+    recipe.emplace(tk::Recipe::from_file(recipe_path));
+    for (const auto& o : overrides) recipe->apply_override(o);
     if (launch.nproc > 1) {
       // Plan rank 0 of that world here, once: a bad recipe is reported before any worker starts,
       // and so is a recipe in which no plugin makes a world (every worker would train the whole
@@ -229,17 +235,13 @@ int main(int argc, char** argv) {
       setenv("RANK", "0", 1);
       tk::TrainerOptions probe_opts = topts;
       probe_opts.write_outputs = false;
-      tk::Trainer probe(recipe, probe_opts);
+      tk::Trainer probe(*recipe, probe_opts);
       const tk::RunPlan& plan = probe.plan();
       if (plan.world_size != launch.nproc)
         return die_usage("--nproc " + std::to_string(launch.nproc) + " needs a plugin that provides the world (" +
                          tk::cap::kWorld + "), such as ddp: add [[plugins]] name = \"ddp\" to the recipe; this one "
                          "would train " + std::to_string(launch.nproc) + " independent copies of the run");
-      if (dry_run) {
-        std::printf("%s", probe.describe().c_str());
-        std::printf("dry run: the recipe is valid and every plugin loaded; nothing was trained\n");
-        return 0;
-      }
+      if (dry_run) return print_dry_run(probe.describe());
       unsetenv("WORLD_SIZE");
       unsetenv("RANK");
     }
@@ -259,9 +261,8 @@ int main(int argc, char** argv) {
     }
   }
 
+  std::unique_ptr<tk::Trainer> trainer;
   try {
-    tk::Recipe recipe = tk::Recipe::from_file(recipe_path);
-    for (const auto& o : overrides) recipe.apply_override(o);
     if (const char* dir = std::getenv("TK_FAILURE_DIR")) {
       const std::string file = std::string(dir) + "/" + (rank ? rank : "0");
       topts.on_failure = [file] {
@@ -278,13 +279,9 @@ int main(int argc, char** argv) {
       };
     }
     topts.stop_requested = [] { return g_stop_signal != 0; };
-    trainer = std::make_unique<tk::Trainer>(std::move(recipe), topts);
+    trainer = std::make_unique<tk::Trainer>(std::move(*recipe), topts);
     const std::string plan = trainer->describe();
-    if (dry_run) {
-      std::printf("%s", plan.c_str());
-      std::printf("dry run: the recipe is valid and every plugin loaded; nothing was trained\n");
-      return 0;
-    }
+    if (dry_run) return print_dry_run(plan);
     spdlog::info("plan:\n{}", plan);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_stop_signal);
     try {
