@@ -20,10 +20,6 @@ namespace {
 
 const std::vector<std::string> kSections = {"run", "model", "data", "loss", "optimizer", "schedule", "plugins"};
 
-/// Counts of steps, micro-batches or examples beyond this (~10^12) are beyond any machine: they are
-/// refused rather than left to overflow.
-constexpr int64_t kMaxCount = int64_t{1} << 40;
-
 OptionSpecs run_specs() {
   return {opt_string("name", "run", "name of the run"),
           opt_int("seed", 0, "seed of initialization, data order and synthetic data"),
@@ -42,7 +38,9 @@ OptionSpecs run_specs() {
 }
 
 OptionSpecs loader_specs() {
-  return {opt_int("micro_batch", 32, "examples per micro-batch"),
+  OptionSpec micro_batch = opt_int("micro_batch", 32, "examples per micro-batch (\"auto\": picked by memory, see grad_accum)");
+  micro_batch.choices = {"auto"};
+  return {micro_batch,
           opt_bool("shuffle", true, "shuffle every epoch (a pure function of seed and epoch)"),
           opt_bool("drop_last", false, "drop an epoch's last, smaller micro-batch")};
 }
@@ -204,7 +202,8 @@ void build_components(Run& r, const Recipe& recipe) {
   dspecs.insert(dspecs.end(), dc.specs.begin(), dc.specs.end());
   r.data_name = dc.name;
   r.data_opts = recipe.options("data", dspecs, true);
-  if (r.data_opts.get_int("micro_batch") < 1) r.data_opts.fail("micro_batch", "must be >= 1");
+  if (r.data_opts.get_word("micro_batch").empty() && r.data_opts.get_int("micro_batch") < 1)
+    r.data_opts.fail("micro_batch", "must be >= 1");
   r.data = made_in(r.data_opts, "data '" + dc.name + "'", [&] { return dc.make(r.data_opts, r.seed); });
   if (!r.data.train) throw RecipeError(r.data_opts.section_loc(), "data '" + dc.name + "' made no training split");
 
@@ -420,9 +419,20 @@ void plan_run(Run& r) {
   }
 }
 
+void make_optimizer(Run& r) {
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : r.model->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  if (trainable.empty())
+    throw RecipeError(r.model_opts.section_loc(), "model '" + r.model_name + "' has no trainable parameter" +
+                (r.model->parameters().empty() ? std::string() : " (every parameter has requires_grad = false)"));
+  r.optimizer = r.optimizer_maker->make(r.opt_opts, trainable);
+}
+
 void plan_once(Run& r) {
   r.plan = RunPlan{};
-  r.plan.micro_batch = r.data_opts.get_int("micro_batch");
+  r.plan.micro_batch_auto = r.data_opts.get_word("micro_batch") == "auto";
+  r.plan.micro_batch = r.plan.micro_batch_auto ? 0 : r.data_opts.get_int("micro_batch");
   r.plan.loss_reduction = to_string(r.loss->reduction());
   r.plan.device = r.device.type();
   std::vector<size_t> with_plugin;
@@ -436,10 +446,12 @@ void plan_once(Run& r) {
     as_plugin(s, "configure", [&] { s.plugin->configure(r.plan); });
     decls.push_back({s.name, s.plugin->contract()});
   }
+  settle_window(r);
   int64_t effective = 0;
-  if (r.plan.accumulation < 1 || r.plan.accumulation > kMaxCount ||
-      __builtin_mul_overflow(r.plan.micro_batch, r.plan.accumulation, &effective) ||
-      __builtin_mul_overflow(effective, r.plan.world_size, &effective) || effective > kMaxCount)
+  if (!r.plan.micro_batch_auto &&
+      (r.plan.accumulation < 1 || r.plan.accumulation > kMaxCount ||
+       __builtin_mul_overflow(r.plan.micro_batch, r.plan.accumulation, &effective) ||
+       __builtin_mul_overflow(effective, r.plan.world_size, &effective) || effective > kMaxCount))
     throw Error("the plan's effective batch (micro-batch " + std::to_string(r.plan.micro_batch) + " x accumulation " +
                 std::to_string(r.plan.accumulation) + " x world " + std::to_string(r.plan.world_size) +
                 ") is beyond any machine (at most " + std::to_string(kMaxCount) + " examples per optimizer step)");
@@ -455,35 +467,16 @@ void plan_once(Run& r) {
     as_plugin(r.slots[i], "setup", [&] { r.slots[i].plugin->setup(setup); });
   }
   r.model->to(r.device, r.dtype);
-  std::vector<at::Tensor> trainable;
-  for (const auto& p : r.model->parameters())
-    if (p.requires_grad()) trainable.push_back(p);
-  if (trainable.empty())
-    throw RecipeError(r.model_opts.section_loc(), "model '" + r.model_name + "' has no trainable parameter" +
-                (r.model->parameters().empty() ? std::string() : " (every parameter has requires_grad = false)"));
-  r.optimizer = r.optimizer_maker->make(r.opt_opts, trainable);
-
-  const int64_t n = r.shard_size(), m = r.plan.micro_batch;
-  r.batches_per_epoch = r.data_opts.get_bool("drop_last") ? n / m : (n + m - 1) / m;
-  if (r.batches_per_epoch < 1)
-    r.data_opts.fail("micro_batch", "is larger than the " + std::string(r.plan.world_size > 1 ? "rank's share of the " : "") +
-                                        "data set (" + std::to_string(n) + " examples) and drop_last is on: an epoch "
-                                        "has no micro-batch");
-  int64_t micro_batches = 0;
-  if (!r.bound.by_steps() && (__builtin_mul_overflow(r.bound.count, r.batches_per_epoch, &micro_batches) ||
-                              micro_batches > kMaxCount))
-    r.run.fail("epochs", std::to_string(r.bound.count) + " epochs of " + std::to_string(r.batches_per_epoch) +
-                             " micro-batches are beyond what any machine can train (at most " +
-                             std::to_string(kMaxCount) + " micro-batches)");
-  r.windows = std::make_unique<WindowSchedule>(r.batches_per_epoch, r.plan.accumulation, r.plan.last_window,
-                                               r.bound.by_steps() ? 0 : r.bound.count);
-  r.total_steps = r.bound.by_steps() ? r.bound.count : r.windows->steps_in(r.bound.count);
-  if (r.total_steps < 1) throw Error("the run would take no optimizer step");
+  make_optimizer(r);
+  pick_micro_batch(r);
+  shape_windows(r);
   check_data_and_model(r);
   if (r.plan.accumulation > 1 && has_batchnorm(*r.model))
     r.warn("the model has BatchNorm and accumulates " + std::to_string(r.plan.accumulation) +
-           " micro-batches per step: its statistics are computed per micro-batch of " + std::to_string(m) +
-           " examples, not per window of " + std::to_string(m * r.plan.accumulation));
+           " micro-batches per step: its statistics are computed per micro-batch of " +
+           std::to_string(r.plan.micro_batch) + " examples, not per window of " +
+           std::to_string(r.plan.micro_batch * r.plan.accumulation) +
+           " (tk-run --verify-accumulation measures the difference)");
   r.planned = true;
 }
 

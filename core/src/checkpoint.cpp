@@ -20,6 +20,7 @@
 #include "tk/output.h"
 #include "tk/tensor_io.h"
 #include "files.h"
+#include "run.h"
 
 namespace fs = std::filesystem;
 
@@ -54,9 +55,11 @@ std::string step_name(int64_t step) {
   return buf;
 }
 
+}  // namespace
+
 /// The process's random generators by checkpoint key: the CPU's, and each visible GPU's (dropout
 /// and other random ops on CUDA draw from those).
-std::vector<std::pair<std::string, at::Generator>> generators() {
+std::vector<std::pair<std::string, at::Generator>> detail::generators() {
   std::vector<std::pair<std::string, at::Generator>> out{{"cpu_rng", at::detail::getDefaultCPUGenerator()}};
   const int gpus = at::hasCUDA() ? static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()) : 0;
   for (int i = 0; i < gpus; ++i)
@@ -64,13 +67,15 @@ std::vector<std::pair<std::string, at::Generator>> generators() {
   return out;
 }
 
+namespace {
+
 NamedTensors position_tensors(const TrainingPosition& p) {
   const Counters& c = p.counters;
   auto t = torch::tensor({c.step, c.micro_step, c.epoch, c.batch_in_epoch, c.samples_seen, c.tokens_seen,
-                          c.skipped_steps, c.schedule_step, c.total_steps, p.next_epoch, p.next_batch},
+                          c.skipped_steps, c.schedule_step, c.total_steps, p.next_epoch, p.next_batch, p.micro_batch},
                          torch::kLong);
   NamedTensors out{{"position", t}};
-  for (auto& [name, rng] : generators()) {
+  for (auto& [name, rng] : detail::generators()) {
     std::lock_guard<std::mutex> lock(rng.mutex());
     out.emplace_back(name, rng.get_state());
   }
@@ -78,7 +83,9 @@ NamedTensors position_tensors(const TrainingPosition& p) {
 }
 
 TrainingPosition position_from(const torch::Tensor& t) {
-  if (t.numel() != 11) throw Error("checkpoint position has " + std::to_string(t.numel()) + " fields, expected 11");
+  // 11 fields: written before the micro-batch was recorded.
+  if (t.numel() != 11 && t.numel() != 12)
+    throw Error("checkpoint position has " + std::to_string(t.numel()) + " fields, expected 12");
   auto v = t.to(torch::kLong);
   auto at = [&](int i) { return v[i].item<int64_t>(); };
   TrainingPosition p;
@@ -93,6 +100,7 @@ TrainingPosition position_from(const torch::Tensor& t) {
   p.counters.total_steps = at(8);
   p.next_epoch = at(9);
   p.next_batch = at(10);
+  if (t.numel() == 12) p.micro_batch = at(11);
   return p;
 }
 
@@ -210,7 +218,7 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
   ck.position = position_from(trainer.at("position"));
-  for (auto& [name, rng] : generators()) {  // handles to the process's generators
+  for (auto& [name, rng] : detail::generators()) {  // handles to the process's generators
     auto it = trainer.find(name);
     if (it == trainer.end()) {
       if (name == "cpu_rng") throw Error(dir.string() + ": trainer.pt has no cpu_rng");

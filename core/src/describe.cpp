@@ -1,4 +1,5 @@
 // The printed plan of a run: what `tk-run --dry-run` shows.
+#include <algorithm>
 #include <sstream>
 
 #include "run.h"
@@ -29,13 +30,28 @@ std::string describe(Run& d, const Recipe& recipe) {
       << "schedule      " << d.sched_name << ", advanced once per optimizer step\n"
       << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " per epoch"
       << (p.world_size > 1 ? " (each rank reads " + std::to_string(d.shard_size()) + " examples per epoch)" : "")
-      << "\n"
-      << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
+      << "\n";
+  if (p.micro_batch_auto) {
+    out << "              picked by memory (budget " << (p.memory_budget > 0 ? format_bytes(p.memory_budget) : "the GPU's free memory")
+        << "); peak of a training step measured at";
+    for (const auto& [m, bytes] : p.measured_peaks) out << " " << m << ": " << format_bytes(bytes) << (m == p.micro_batch ? " (picked)" : "") << ";";
+    out << "\n";
+  }
+  out << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
       << (p.window_owner.empty() ? "" : ", set by " + p.window_owner) << ")\n"
       << "world size    " << p.world_size << (p.world_owner.empty() ? "" : " (set by " + p.world_owner + ")") << "\n"
       << "effective     " << p.effective_batch() << " examples per optimizer step (" << p.micro_batch << " x "
       << p.accumulation << " x " << p.world_size << ")"
-      << (p.world_size > 1 ? "; " + std::to_string(p.micro_batch * p.accumulation) + " per rank" : "") << "\n"
+      << (p.world_size > 1 ? "; " + std::to_string(p.micro_batch * p.accumulation) + " per rank" : "")
+      << (p.effective_batch_goal > 0 ? "; as asked (effective_batch)" : "") << "\n";
+  if (p.ramp.active()) {
+    const int64_t unit = p.micro_batch * p.world_size;
+    out << "ramp          effective batch " << std::max(unit, p.ramp.from / unit * unit) << " -> " << p.effective_batch()
+        << " over the first " << p.ramp.over << (p.ramp.by_samples ? " examples" : " optimizer steps") << " ("
+        << d.windows->size_at(0, 0) << " -> " << p.accumulation << " micro-batches per step, in steps of " << unit
+        << " examples)\n";
+  }
+  out
       << "steps         " << d.total_steps << " optimizer steps"
       << (d.bound.by_steps() ? "" : " (" + std::to_string(d.bound.count) + " epochs)") << "\n"
       << "plugins       " << (d.order.empty() ? "(none)" : "in dispatch order:") << "\n";

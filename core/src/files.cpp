@@ -145,7 +145,7 @@ void FolderLock::release() {
   fd_ = -1;
 }
 
-void fault_point(const char* name) {
+bool fault_due(const char* name) {
   static const std::pair<std::string, long> target = [] {
     const char* v = std::getenv("TK_FAULT");
     if (!v) return std::pair<std::string, long>{};
@@ -154,11 +154,15 @@ void fault_point(const char* name) {
     if (colon == std::string::npos) return std::pair<std::string, long>{s, 1};
     return std::pair<std::string, long>{s.substr(0, colon), std::strtol(s.c_str() + colon + 1, nullptr, 10)};
   }();
-  if (target.first.empty() || target.first != name) return;
+  if (target.first.empty() || target.first != name) return false;
   static std::mutex m;
   static long passed = 0;
   std::lock_guard<std::mutex> lock(m);
-  if (++passed == target.second) std::raise(SIGKILL);
+  return ++passed == target.second;
+}
+
+void fault_point(const char* name) {
+  if (fault_due(name)) std::raise(SIGKILL);
 }
 
 }  // namespace detail

@@ -60,5 +60,8 @@ class FolderLock {
 /// "<name>:<n>", the n-th time the run passes point `name` the process kills itself with SIGKILL.
 /// Points: metrics-written, checkpoint-partial, checkpoint-renamed, checkpoint-done.
 void fault_point(const char* name);
+/// Whether TK_FAULT is "<name>:<n>" and this is the n-th time point `name` is passed (for faults
+/// other than a kill: "oom" makes the n-th micro-batch of the process fail as out of memory).
+bool fault_due(const char* name);
 
 }  // namespace tk::detail

@@ -5,6 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <mutex>
 
 #include "run.h"
 
@@ -26,14 +27,30 @@ class Loop {
   std::string validation_record(JsonLine& line, FitResult& result);
   void fit_end_after_failure();
 
+  /// What a window changes before its step, kept at its start to redo it after a back-off.
+  struct WindowStart {
+    int64_t batch = 0;  // its first micro-batch in the epoch
+    Counters counters;
+    std::vector<std::pair<at::Generator, at::Tensor>> rng;
+  };
+  /// With a micro-batch picked by memory, an out-of-memory error halves it.
+  bool back_off_ready() const noexcept { return r_.plan.micro_batch_auto; }
+  WindowStart open_window(int64_t b);
+  /// Undoes the window that began at `w`, halves the micro-batch (k doubles) and returns the
+  /// micro-batch, in the new size, where the window starts again; refuses when it cannot.
+  int64_t back_off(const WindowStart& w, const std::string& what);
+
   Run& r_;
   const TrainerOptions& opts_;
   std::vector<TraceEntry>& trace_;
   LoopContext ctx_;
+  const int64_t n_;  // examples this rank reads per epoch
+  std::string backoff_note_;  // for the next step's record
   std::array<std::vector<const Slot*>, kEventCount> handlers_;  // who still handles each event, in order
 };
 
-Loop::Loop(Run& run, const TrainerOptions& opts, std::vector<TraceEntry>& trace) : r_(run), opts_(opts), trace_(trace) {
+Loop::Loop(Run& run, const TrainerOptions& opts, std::vector<TraceEntry>& trace)
+    : r_(run), opts_(opts), trace_(trace), n_(run.shard_size()) {
   ctx_.model_ = run.model.get();
   ctx_.optimizer_ = run.optimizer.get();
   ctx_.plan_ = &run.plan;
@@ -75,6 +92,7 @@ void Loop::emit(Event e) {
 }
 
 void Loop::micro_batch(Batch& batch) {
+  if (fault_due("oom")) TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (injected by TK_FAULT=oom)");
   emit(Event::MicroBatch);
   at::Tensor out = r_.model->forward(batch.input);
   ctx_.loss_ = (*r_.loss)(out, batch);
@@ -117,6 +135,43 @@ bool Loop::optimizer_step() {
   if (!skipped || ctx_.veto_advances_schedule_) ++ctx_.counters_.schedule_step;
   emit(Event::StepEnd);
   return skipped;
+}
+
+Loop::WindowStart Loop::open_window(int64_t b) {
+  WindowStart w{b, ctx_.counters_, {}};
+  for (auto& [name, gen] : generators()) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    w.rng.emplace_back(gen, gen.get_state());
+  }
+  return w;
+}
+
+int64_t Loop::back_off(const WindowStart& w, const std::string& what) {
+  const int64_t m = r_.plan.micro_batch, k = r_.plan.accumulation;
+  std::string why_not;
+  if (r_.plan.world_size > 1) why_not = "under DDP, where every rank would have to back off together";
+  else if (r_.plan.ramp.active()) why_not = "during a batch ramp";
+  else if (r_.plan.last_window == LastWindow::Carry) why_not = "with last_window = \"carry\"";
+  const int64_t smaller = why_not.empty() ? backed_off_micro_batch(r_) : 0;
+  if (why_not.empty() && smaller == 0) why_not = "below a micro-batch of " + std::to_string(m);
+  const std::string where = "out of memory at step " + std::to_string(w.counters.step + 1) + " with micro-batches of " +
+                            std::to_string(m) + " (" + what + ")";
+  if (!why_not.empty()) throw Error(where + "; it cannot back off " + why_not);
+  // Nothing of the window stays: its gradients, counts and random draws.
+  ctx_.loss_ = at::Tensor();
+  for (auto& p : r_.model->parameters()) p.mutable_grad() = at::Tensor();
+  ctx_.counters_ = w.counters;
+  for (auto [gen, state] : w.rng) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+  const int64_t first_example = w.batch * m;
+  rebatch(r_, smaller);
+  backoff_note_ = "micro-batch " + std::to_string(m) + " x " + std::to_string(k) + " -> " + std::to_string(smaller) +
+                  " x " + std::to_string(r_.plan.accumulation);
+  r_.warn(where + "; backing off to " + std::to_string(smaller) + " x " + std::to_string(r_.plan.accumulation) +
+          " micro-batches, and the step is redone from its first");
+  return first_example / smaller;
 }
 
 /// Loss (item-weighted) and accuracy over the validation split.
@@ -202,6 +257,16 @@ FitResult Loop::fit(const Recipe& recipe) {
   outputs.open(resumed);
   int64_t start_epoch = 0, start_batch = 0;
   if (resumed) {
+    // The checkpoint counts micro-batches in the size it trained with: after a back-off from an
+    // out-of-memory error, a smaller one than this run picked.
+    const int64_t saved_m = resumed->position.micro_batch;
+    if (saved_m > 0 && saved_m != r_.plan.micro_batch) {
+      if (!r_.plan.micro_batch_auto)
+        throw RunRefused(resumed->dir.string() + " was trained with micro-batches of " + std::to_string(saved_m) +
+                         ", this run has " + std::to_string(r_.plan.micro_batch));
+      spdlog::info("micro-batch {} as in the checkpoint (this run measured {})", saved_m, r_.plan.micro_batch);
+      rebatch(r_, saved_m);
+    }
     ctx_.counters_ = resumed->position.counters;
     start_epoch = resumed->position.next_epoch;
     start_batch = resumed->position.next_batch;
@@ -210,7 +275,6 @@ FitResult Loop::fit(const Recipe& recipe) {
   }
   Progress progress(r_.plan.rank == 0 ? opts_.progress : ProgressMode::None, r_.total_steps,
                     r_.run.get_int("log_every"));
-  const int64_t n = r_.shard_size(), m = r_.plan.micro_batch;
   const int64_t checkpoint_every = r_.run.get_int("checkpoint_every"), validate_every = r_.run.get_int("validate_every");
   const auto t0 = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
@@ -225,22 +289,41 @@ FitResult Loop::fit(const Recipe& recipe) {
     emit(Event::FitStart);
     r_.optimizer->zero_grad();
     bool done = c.step >= r_.total_steps;
+    const int64_t world = r_.plan.world_size;
+    bool in_window = false;  // checkpoints and resumes are at boundaries: a run starts outside a window
+    WindowStart opened;
     for (int64_t epoch = start_epoch; !done && (r_.bound.by_steps() || epoch < r_.bound.count); ++epoch) {
-      const at::Tensor order = r_.shard_order(epoch);
+      at::Tensor order = r_.shard_order(epoch);
       c.epoch = epoch;
       const int64_t first = epoch == start_epoch ? start_batch : 0;
       if (first == 0) emit(Event::EpochStart);
       for (int64_t b = first; b < r_.batches_per_epoch && !done; ++b) {
-        auto w = r_.windows->at(epoch, b);
-        if (!w) break;  // the policy drops the rest of this epoch
-        Batch batch = r_.fetch(*r_.data.train, order.slice(0, b * m, std::min(n, (b + 1) * m)));
-        ctx_.window_ = *w;
+        if (!in_window) {
+          auto w = r_.windows->start(epoch, b, c.step, c.samples_seen * world);
+          if (!w) break;  // the policy drops the rest of this epoch
+          ctx_.window_ = *w;
+          ctx_.totals_ = WindowTotals{};
+          in_window = true;
+          if (back_off_ready()) opened = open_window(b);
+        } else {
+          ++ctx_.window_.index;
+        }
+        const int64_t m = r_.plan.micro_batch;
+        Batch batch = r_.fetch(*r_.data.train, order.slice(0, b * m, std::min(n_, (b + 1) * m)));
         ctx_.batch_ = &batch;
         c.batch_in_epoch = b;
-        if (w->is_first()) ctx_.totals_ = WindowTotals{};
-        micro_batch(batch);
+        try {
+          micro_batch(batch);
+        } catch (const c10::OutOfMemoryError& e) {
+          ctx_.batch_ = nullptr;
+          if (!back_off_ready()) throw;
+          b = back_off(opened, message_of(e)) - 1;  // the window again, from its first micro-batch
+          in_window = false;
+          continue;
+        }
         ctx_.batch_ = nullptr;
-        if (!w->is_last()) continue;
+        if (!ctx_.window_.is_last()) continue;
+        in_window = false;
 
         // The window is complete: one optimizer step.
         const bool skipped = optimizer_step();
@@ -248,6 +331,11 @@ FitResult Loop::fit(const Recipe& recipe) {
         result.step_metrics.emplace_back(ctx_.metrics_.begin(), ctx_.metrics_.end());
         const double t = elapsed();
         JsonLine line = step_record(ctx_, epoch, skipped, t);
+        if (r_.plan.micro_batch_auto) line.add("micro_batch", r_.plan.micro_batch);
+        if (!backoff_note_.empty()) {
+          line.add("backoff", backoff_note_);
+          backoff_note_.clear();
+        }
         done = c.step >= r_.total_steps;
         if (r_.data.validation && ((validate_every > 0 && c.step % validate_every == 0) || done))
           record_validation(line);

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
@@ -58,6 +59,26 @@ void require_memory(const Options& o, const std::string& key, double bytes, cons
   const double have = machine_memory_bytes();
   if (bytes > have)
     o.fail(key, what + " needs about " + format_bytes(bytes) + " of memory; this machine has " + format_bytes(have));
+}
+
+double parse_bytes(const Options& o, const std::string& key) {
+  const std::string& v = o.get_string(key);
+  size_t pos = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &pos);
+  } catch (const std::exception&) {
+    pos = 0;
+  }
+  std::string unit = v.substr(pos);
+  unit.erase(0, unit.find_first_not_of(' '));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1},          {"B", 1},         {"KiB", 1024.0},  {"MiB", 1024.0 * 1024}, {"GiB", 1024.0 * 1024 * 1024},
+      {"TiB", 1024.0 * 1024 * 1024 * 1024}, {"kB", 1e3}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+  if (pos > 0 && std::isfinite(x) && x > 0)
+    for (const auto& [name, scale] : kUnits)
+      if (unit == name) return x * scale;
+  o.fail(key, "expected a size > 0 like \"1.5GiB\", \"800MiB\" or \"2GB\", got \"" + v + "\"");
 }
 
 std::string require_file(const Options& o, const std::string& key) {
@@ -133,7 +154,18 @@ const OptionValue& Options::at(const std::string& name, OptionType t) const {
 }
 
 bool Options::get_bool(const std::string& n) const { return std::get<bool>(at(n, OptionType::Bool)); }
-int64_t Options::get_int(const std::string& n) const { return std::get<int64_t>(at(n, OptionType::Int)); }
+int64_t Options::get_int(const std::string& n) const {
+  auto it = values_.find(n);
+  if (it != values_.end() && std::holds_alternative<std::string>(it->second))
+    throw Error("option '" + n + "' of " + context_ + " is \"" + std::get<std::string>(it->second) +
+                "\", not a number: read it with get_word");
+  return std::get<int64_t>(at(n, OptionType::Int));
+}
+std::string Options::get_word(const std::string& n) const {
+  auto it = values_.find(n);
+  if (it != values_.end() && std::holds_alternative<std::string>(it->second)) return std::get<std::string>(it->second);
+  return "";
+}
 double Options::get_float(const std::string& n) const { return std::get<double>(at(n, OptionType::Float)); }
 const std::string& Options::get_string(const std::string& n) const {
   return std::get<std::string>(at(n, OptionType::String));

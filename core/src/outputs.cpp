@@ -30,6 +30,7 @@ JsonLine step_record(const LoopContext& ctx, int64_t epoch, bool skipped, double
       .add("loss", ctx.window_loss_)
       .add("lr", ctx.lr_)
       .add("micro_batches", ctx.totals_.micro_batches)
+      .add("effective_batch", ctx.totals_.samples)
       .add("samples", ctx.counters_.samples_seen)
       .add("tokens", ctx.counters_.tokens_seen)
       .add("wall_time", wall_time)
@@ -110,8 +111,9 @@ void RunOutputs::record(const JsonLine& line) {
 }
 
 fs::path RunOutputs::checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b) {
-  TrainingPosition pos{counters, epoch, b + 1};
-  if (pos.next_batch >= run.batches_per_epoch || !run.windows->at(epoch, pos.next_batch)) {
+  TrainingPosition pos{counters, epoch, b + 1, run.plan.micro_batch};
+  if (pos.next_batch >= run.batches_per_epoch ||
+      !run.windows->start(epoch, pos.next_batch, counters.step, counters.samples_seen * run.plan.world_size)) {
     pos.next_epoch = epoch + 1;
     pos.next_batch = 0;
   }

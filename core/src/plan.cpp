@@ -107,7 +107,9 @@ void RunPlan::set_window(int64_t k, LastWindow policy, const std::string& by) {
   if (!window_owner.empty() && window_owner != by)
     throw Error("plugins '" + window_owner + "' and '" + by +
                 "' both set the accumulation window; keep one of them");
-  if (k < 1) throw Error("plugin '" + by + "' set an accumulation window of " + std::to_string(k) + " (must be >= 1)");
+  if (k < 0 || (k == 0 && effective_batch_goal < 1))
+    throw Error("plugin '" + by + "' set an accumulation window of " + std::to_string(k) +
+                " (must be >= 1, or 0 with an effective batch to infer it from)");
   accumulation = k;
   last_window = policy;
   window_owner = by;
@@ -132,44 +134,91 @@ WindowSchedule::WindowSchedule(int64_t batches_per_epoch, int64_t k, LastWindow 
                 std::to_string(m_) + " per epoch: no window would ever complete");
 }
 
-std::optional<Window> WindowSchedule::at(int64_t epoch, int64_t b) const {
+void WindowSchedule::set_ramp(const BatchRamp& ramp, int64_t effective, int64_t unit,
+                              std::function<int64_t(int64_t, int64_t)> samples_in) {
+  if (unit < 1 || effective < unit) throw Error("a batch ramp needs an effective batch of at least one micro-batch per rank");
+  ramp_ = ramp;
+  effective_ = effective;
+  unit_ = unit;
+  samples_in_ = std::move(samples_in);
+}
+
+int64_t WindowSchedule::size_at(int64_t step, int64_t samples) const {
+  if (!ramp_.active()) return k_;
+  const int64_t pos = ramp_.by_samples ? samples : step;
+  if (pos >= ramp_.over) return k_;
+  // Linear in the position, rounded down to whole micro-batches per rank, at least one.
+  const long double x = static_cast<long double>(ramp_.from) +
+                        static_cast<long double>(effective_ - ramp_.from) * pos / ramp_.over;
+  return std::max<int64_t>(1, static_cast<int64_t>(x) / unit_);
+}
+
+std::optional<Window> WindowSchedule::start(int64_t epoch, int64_t b, int64_t step, int64_t samples) const {
   Window w;
-  w.configured = k_;
+  w.configured = w.size = size_at(step, samples);
   switch (policy_) {
-    case LastWindow::Step: {
-      int64_t start = b - b % k_;
-      w.index = b % k_;
-      w.size = std::min(k_, m_ - start);
-      return w;
-    }
-    case LastWindow::Drop: {
-      if (b >= (m_ / k_) * k_) return std::nullopt;
-      w.index = b % k_;
-      w.size = k_;
-      return w;
-    }
-    case LastWindow::Carry: {
-      int64_t g = epoch * m_ + b;
-      w.index = g % k_;
-      w.size = k_;
-      if (epochs_ > 0) {
-        int64_t total = epochs_ * m_;
-        int64_t last_start = (total / k_) * k_;
-        if (g >= last_start) w.size = total - last_start;
-      }
-      return w;
-    }
+    case LastWindow::Step: w.size = std::min(w.configured, m_ - b); break;
+    case LastWindow::Drop:
+      if (m_ - b < w.configured) return std::nullopt;
+      break;
+    case LastWindow::Carry:
+      if (epochs_ > 0) w.size = std::min(w.configured, epochs_ * m_ - (epoch * m_ + b));
+      break;
   }
   return w;
 }
 
-int64_t WindowSchedule::steps_in(int64_t epochs) const {
+std::optional<Window> WindowSchedule::at(int64_t epoch, int64_t b) const {
+  // Fixed windows start at multiples of k: within the epoch, or over the whole run for carry.
+  const int64_t first = policy_ == LastWindow::Carry ? epoch * m_ + b : b;
+  const int64_t offset = first % k_;
+  auto w = start(epoch, b - offset, 0, 0);
+  if (w) w->index = offset;
+  return w;
+}
+
+int64_t WindowSchedule::fixed_steps_from(int64_t epoch, int64_t b, int64_t epochs) const {
   switch (policy_) {
-    case LastWindow::Step: return epochs * ((m_ + k_ - 1) / k_);
-    case LastWindow::Drop: return epochs * (m_ / k_);
-    case LastWindow::Carry: return (epochs * m_ + k_ - 1) / k_;
+    case LastWindow::Step: return (m_ - b + k_ - 1) / k_ + (epochs - epoch - 1) * ((m_ + k_ - 1) / k_);
+    case LastWindow::Drop: return (m_ - b) / k_ + (epochs - epoch - 1) * (m_ / k_);
+    case LastWindow::Carry: return (epochs * m_ - (epoch * m_ + b) + k_ - 1) / k_;
   }
   return 0;
+}
+
+int64_t WindowSchedule::steps_in(int64_t epochs) const {
+  if (!ramp_.active()) return fixed_steps_from(0, 0, epochs);
+  // With a ramp: window by window while it lasts, in closed form after it.
+  constexpr int64_t kMaxRampSteps = 10'000'000;
+  int64_t step = 0, samples = 0;
+  auto ramp_done = [&] { return (ramp_.by_samples ? samples : step) >= ramp_.over; };
+  auto too_long = [&] {
+    if (step > kMaxRampSteps)
+      throw Error("the batch ramp lasts more than " + std::to_string(kMaxRampSteps) + " optimizer steps; shorten it");
+  };
+  if (policy_ == LastWindow::Carry) {
+    for (int64_t g = 0; g < epochs * m_; ++step, too_long()) {
+      if (ramp_done()) return step + fixed_steps_from(g / m_, g % m_, epochs);
+      const auto w = start(g / m_, g % m_, step, samples);
+      for (int64_t left = w->size; left > 0;) {  // a carried window may span epochs
+        const int64_t b = g % m_, take = std::min(left, m_ - b);
+        samples += samples_in_(b, b + take);
+        g += take;
+        left -= take;
+      }
+    }
+    return step;
+  }
+  for (int64_t e = 0; e < epochs; ++e) {
+    for (int64_t b = 0; b < m_; ++step, too_long()) {
+      if (ramp_done()) return step + fixed_steps_from(e, b, epochs);
+      const auto w = start(e, b, step, samples);
+      if (!w) break;
+      samples += samples_in_(b, b + w->size);
+      b += w->size;
+    }
+  }
+  return step;
 }
 
 std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins, std::vector<std::string>* warnings) {

@@ -64,6 +64,11 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
       throw wrong();
     case OptionType::Int:
       if (auto v = n.as_integer()) return v->get();
+      // An integer option may also take one of its words (micro_batch = "auto").
+      if (auto v = n.as_string(); v && !spec.choices.empty()) {
+        if (std::find(spec.choices.begin(), spec.choices.end(), v->get()) != spec.choices.end()) return v->get();
+        throw RecipeError(where, key + ": expected an integer or one of " + list(spec.choices) + ", got \"" + v->get() + "\"");
+      }
       throw wrong();
     case OptionType::Float:
       if (auto v = n.as_floating_point()) {

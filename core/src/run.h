@@ -21,6 +21,10 @@
 
 namespace tk::detail {
 
+/// Counts of steps, micro-batches or examples beyond this (~10^12) are beyond any machine: they are
+/// refused rather than left to overflow.
+constexpr int64_t kMaxCount = int64_t{1} << 40;
+
 /// One `[[plugins]]` entry (or a plugin added in code). A library that only registers components
 /// has no instance.
 struct Slot {
@@ -77,6 +81,24 @@ void assemble(Run& run, const Recipe& recipe, const TrainerOptions& opts);
 void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const Options& opts);
 /// Lets the plugins shape the plan and the model, orders them, makes the optimizer (idempotent).
 void plan_run(Run& run);
+/// Makes the optimizer over the model's trainable parameters (again, after a trial step).
+void make_optimizer(Run& run);
+/// After the plugins' configure: infers the window size or the micro-batch from an effective
+/// batch a plugin asked for, refusing a combination that does not add up (batching.cpp).
+void settle_window(Run& run);
+/// With [data] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
+/// micro-batch that fits the budget; every trial is undone.
+void pick_micro_batch(Run& run);
+/// Micro-batches per epoch, the window schedule and the run's length, from the plan.
+void shape_windows(Run& run);
+/// Changes the micro-batch to `m`, keeping the examples per optimizer step (k grows to match).
+void rebatch(Run& run, int64_t m);
+/// The micro-batch to fall back to after an out-of-memory error: the largest that divides the
+/// examples per step and is at most half the current one (0: none).
+int64_t backed_off_micro_batch(const Run& run);
+/// The process's random generators by checkpoint key (the CPU's, each GPU's).
+std::vector<std::pair<std::string, at::Generator>> generators();
+
 /// Hands each plugin its state from a checkpoint (before fit_start); warns about states nobody loads.
 void restore_plugin_states(Run& run, Checkpoint& resumed);
 /// What determines `run`: its resolved recipe without the keys that may change on resume, and its
@@ -87,6 +109,22 @@ RunIdentity run_identity(const Run& run, const Recipe& recipe);
 /// `identity` in anything but the keys `allowed` names.
 Checkpoint resume_from(Run& run, const std::string& which, const std::filesystem::path& output_dir,
                        const RunIdentity& identity, const std::vector<std::string>& allowed);
+/// The first window's gradient accumulated vs in one batch (verify.cpp); the run is planned.
+AccumulationCheck verify_accumulation(Run& run);
+/// Undoes a trial step on the run's model when it goes out of scope: parameters, buffers and
+/// random generators put back, gradients cleared, the optimizer made anew (batching.cpp).
+class TrialGuard {
+ public:
+  explicit TrialGuard(Run& r);
+  ~TrialGuard();
+  TrialGuard(const TrialGuard&) = delete;
+  TrialGuard& operator=(const TrialGuard&) = delete;
+
+ private:
+  Run& r_;
+  std::vector<at::Tensor> params_, buffers_;
+  std::vector<std::pair<at::Generator, at::Tensor>> rng_;
+};
 /// The resolved plan as `tk-run --dry-run` prints it.
 std::string describe(Run& run, const Recipe& recipe);
 

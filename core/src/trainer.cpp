@@ -71,6 +71,15 @@ FitResult Trainer::fit() {
   }
 }
 
+AccumulationCheck Trainer::verify_accumulation() {
+  try {
+    detail::plan_run(impl_->run);
+    return detail::verify_accumulation(impl_->run);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
 Model& Trainer::model() { return *impl_->run.model; }
 /// Plans the run, with errors made in libtrainkit.
 static void plan_from_core(detail::Run& run) {

@@ -164,6 +164,22 @@ class Ddp final : public tk::Plugin {
 #endif
     ctx.info("rank " + std::to_string(world_.rank) + " of " + std::to_string(world_.size) + " joined (" + backend_ +
              ", " + world_.source + ", rendezvous " + world_.addr + ":" + std::to_string(world_.port) + ")");
+    // Every rank must step with the same window; a micro-batch picked by memory was measured by
+    // each rank on its own.
+    const tk::RunPlan& plan = ctx.plan();
+    auto shape = torch::tensor({plan.micro_batch, plan.accumulation, -plan.micro_batch, -plan.accumulation}, torch::kLong);
+    {
+      std::vector<torch::Tensor> v{shape};
+      c10d::AllreduceOptions ao;
+      ao.reduceOp = c10d::ReduceOp::MAX;
+      pg_->allreduce(v, ao)->wait();
+    }
+    if (shape[0].item<int64_t>() != -shape[2].item<int64_t>() || shape[1].item<int64_t>() != -shape[3].item<int64_t>())
+      throw std::runtime_error("the ranks planned different windows (rank " + std::to_string(world_.rank) + ": " +
+                               std::to_string(plan.micro_batch) + " x " + std::to_string(plan.accumulation) +
+                               " micro-batches; over all ranks the micro-batch ranges from " +
+                               std::to_string(-shape[2].item<int64_t>()) + " to " + std::to_string(shape[0].item<int64_t>()) +
+                               "): give [data] micro_batch, or the same memory_budget on every rank");
     // Every rank starts from rank 0's parameters and buffers.
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> state;

@@ -113,8 +113,8 @@ TEST_SUITE("recipe") {
   TEST_CASE("plugin options are validated against the plugin's declaration") {
     auto text = std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nstep = 2\n";
     std::string e = build_error(text);
-    CHECK(e.find("test.toml:26:1: unknown key 'step' in [plugins.grad_accum]; valid keys: name, steps, normalize, "
-                 "last_window") == 0);
+    CHECK(e.find("test.toml:26:1: unknown key 'step' in [plugins.grad_accum]; valid keys: name, steps, "
+                 "effective_batch, memory_budget, ramp_from, ramp_steps, ramp_samples, normalize, last_window") == 0);
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = \"four\"\n");
     CHECK(e.find("plugins.grad_accum.steps: expected integer, got string") != std::string::npos);
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 0\n");

@@ -1,6 +1,6 @@
 // tk-run: trains what a recipe describes.
 //
-//   tk-run recipe.toml [--set key=value]... [--dry-run] [--resume CKPT] [--overwrite] [--nproc N] ...
+//   tk-run recipe.toml [--set key=value]... [--dry-run] [--verify-accumulation] [--resume CKPT] [--overwrite] [--nproc N] ...
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -129,6 +129,30 @@ int list_all() {
   return 0;
 }
 
+/// The verifier's report: the worst parameters, what explains a difference, the verdict.
+int print_accumulation_check(const tk::AccumulationCheck& c) {
+  std::printf("accumulation check: the first step as %lld micro-batches of %lld vs one batch of %lld, in float64\n",
+              static_cast<long long>(c.micro_batches), static_cast<long long>(c.micro_batch),
+              static_cast<long long>(c.micro_batches * c.micro_batch));
+  auto params = c.parameters;
+  std::stable_sort(params.begin(), params.end(),
+                   [](const auto& a, const auto& b) { return a.relative_difference > b.relative_difference; });
+  const size_t shown = std::min<size_t>(params.size(), 10);
+  std::printf("  %-40s %s\n", "parameter", "max relative difference");
+  for (size_t i = 0; i < shown; ++i)
+    std::printf("  %-40s %.3g%s\n", params[i].name.c_str(), params[i].relative_difference,
+                params[i].relative_difference > c.tolerance ? "  (over)" : "");
+  if (params.size() > shown) std::printf("  ... and %zu more parameters, none larger\n", params.size() - shown);
+  for (const auto& f : c.findings) std::printf("  found: %s\n", f.c_str());
+  if (c.exact()) {
+    std::printf("exact: largest difference %.3g, within the tolerance %.0e of the run's dtype\n", c.max_difference, c.tolerance);
+    return 0;
+  }
+  std::printf("NOT exact: largest difference %.3g, over the tolerance %.0e of the run's dtype; k x m micro-batches do "
+              "not take the step one batch of k*m would\n", c.max_difference, c.tolerance);
+  return kExitFailed;
+}
+
 }  // namespace
 
 /// OpenMP worker threads that spin after each parallel region fight OpenBLAS's own threads for the
@@ -146,7 +170,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Trains the run a TOML recipe describes and writes it to the recipe's output folder.", "tk-run"};
   std::string recipe_path, level = "info", progress = "auto", resume;
   std::vector<std::string> overrides;
-  bool dry_run = false, list = false, version = false;
+  bool dry_run = false, list = false, version = false, verify = false;
   tk::TrainerOptions topts;
   tk::LaunchOptions launch;
   app.add_option("recipe", recipe_path, "the recipe (TOML) to train");
@@ -156,6 +180,10 @@ int main(int argc, char** argv) {
       ->type_name("KEY=VALUE")
       ->allow_extra_args(false);
   app.add_flag("--dry-run", dry_run, "validate the recipe, load the plugins, print the resolved plan; no training");
+  app.add_flag("--verify-accumulation", verify,
+               "compare the first step's gradient accumulated over its micro-batches with one batch of the same "
+               "examples (float64, the recipe's model and data), name what makes them differ; exit 1 when they "
+               "differ beyond the dtype's tolerance; no training");
   app.add_option("--resume", resume,
                  "continue a run from a checkpoint folder, or \"latest\" (of the recipe's output); with the same "
                  "recipe, the result is bit-identical to an uninterrupted run")
@@ -280,6 +308,7 @@ int main(int argc, char** argv) {
     }
     topts.stop_requested = [] { return g_stop_signal != 0; };
     trainer = std::make_unique<tk::Trainer>(std::move(*recipe), topts);
+    if (verify) return print_accumulation_check(trainer->verify_accumulation());
     const std::string plan = trainer->describe();
     if (dry_run) return print_dry_run(plan);
     spdlog::info("plan:\n{}", plan);

@@ -15,7 +15,7 @@
 #include "tk/version.h"
 
 /// Bumped whenever the entry point, tk::Plugin's hooks or tk::Context change incompatibly.
-#define TK_PLUGIN_ABI_VERSION 2u
+#define TK_PLUGIN_ABI_VERSION 3u
 /// The symbol the loader looks up in a plugin library.
 #define TK_PLUGIN_ENTRY_SYMBOL "tk_plugin_entry"
 

@@ -20,6 +20,7 @@ struct TrainingPosition {
   Counters counters;
   int64_t next_epoch = 0;
   int64_t next_batch = 0;
+  int64_t micro_batch = 0;  ///< examples per micro-batch (per rank) that next_batch counts in (0: not recorded)
 };
 
 /// What determines a run, recorded in each checkpoint (run.json) so that resuming it with anything

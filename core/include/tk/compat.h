@@ -2,9 +2,15 @@
 /// Differences between LibTorch versions live here and only here.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/Allocator.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <torch/version.h>
+#if defined(TK_WITH_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
+#endif
 
 #define TK_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -82,5 +88,35 @@ auto use_classic_tcpstore(StoreOptions& o, int) -> decltype(o.useLibUV = false, 
 }
 template <class StoreOptions>
 void use_classic_tcpstore(StoreOptions&, long) {}
+
+/// A CPU allocator that forwards to `allocate_bytes`: LibTorch 2.3 made Allocator::allocate
+/// non-const and added the pure virtual copy_data.
+struct AllocatorBase : c10::Allocator {
+  virtual c10::DataPtr allocate_bytes(size_t n) const = 0;
+#if TK_TORCH_AT_LEAST(2, 3)
+  c10::DataPtr allocate(size_t n) override { return allocate_bytes(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+#else
+  c10::DataPtr allocate(size_t n) const override { return allocate_bytes(n); }
+#endif
+};
+
+/// CUDA memory figures of the caching allocator (a build against a CUDA LibTorch defines
+/// TK_WITH_CUDA); 0 elsewhere.
+#if defined(TK_WITH_CUDA)
+inline void cuda_reset_peak(at::Device d) { c10::cuda::CUDACachingAllocator::resetPeakStats(d.index() < 0 ? 0 : d.index()); }
+inline double cuda_peak_bytes(at::Device d) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index() < 0 ? 0 : d.index());
+  return static_cast<double>(stats.allocated_bytes[0].peak);  // [0]: the aggregate over pool kinds
+}
+inline double cuda_free_bytes(at::Device) {
+  size_t free = 0, total = 0;
+  return cudaMemGetInfo(&free, &total) == cudaSuccess ? static_cast<double>(free) : 0.0;
+}
+#else
+inline void cuda_reset_peak(at::Device) {}
+inline double cuda_peak_bytes(at::Device) { return 0.0; }
+inline double cuda_free_bytes(at::Device) { return 0.0; }
+#endif
 
 }  // namespace tk::compat

@@ -26,6 +26,8 @@ struct OptionSpec {
   OptionType type = OptionType::String;
   OptionValue default_value;
   std::string doc;
+  /// The values a string option may take; the words an integer option may take instead of a
+  /// number (micro_batch = "auto").
   std::vector<std::string> choices = {};
   bool required = false;
 };
@@ -52,6 +54,10 @@ std::string format_bytes(double bytes);
 /// estimate of what `what` ("a model of 3.2e9 parameters") needs.
 void require_memory(const Options& o, const std::string& key, double bytes, const std::string& what);
 
+/// A size in bytes from text such as "1.5GiB", "800MiB", "2GB" or "4096" (binary units KiB, MiB,
+/// GiB, TiB; decimal kB, MB, GB, TB); refused, naming `key` of `o`, when it is not one or not > 0.
+double parse_bytes(const Options& o, const std::string& key);
+
 /// The file path option `key` of `o` names, refused (naming the key) when it is missing, a folder,
 /// or not a regular file (a device, a pipe).
 std::string require_file(const Options& o, const std::string& key);
@@ -68,6 +74,8 @@ class Options {
 
   bool get_bool(const std::string& name) const;
   int64_t get_int(const std::string& name) const;
+  /// The word an integer option holds instead of a number (one of its spec's choices), else "".
+  std::string get_word(const std::string& name) const;
   double get_float(const std::string& name) const;
   const std::string& get_string(const std::string& name) const;
   /// A Path option: absolute once read from a recipe (empty stays empty).

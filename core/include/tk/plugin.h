@@ -1,5 +1,5 @@
 #pragma once
-/// The plugin interface (ABI version 2): one hook per event, a setup hook, a declared contract.
+/// The plugin interface (ABI version 3): one hook per event, a setup hook, a declared contract.
 #include <string>
 #include <vector>
 

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace tk {
 
@@ -56,10 +58,35 @@ struct Bound {
   bool by_steps() const noexcept { return unit == Unit::Steps; }
 };
 
-/// The shape of a run, settled before training: plugins adjust it in Plugin::configure.
+/// A linear ramp of the effective batch at the start of a run: from `from` examples per optimizer
+/// step to the run's effective batch over the first `over` optimizer steps (or examples, over all
+/// ranks), in whole micro-batches per rank. The core turns it into a window size per step.
+struct BatchRamp {
+  int64_t from = 0;          ///< effective batch of the first step (0: no ramp)
+  int64_t over = 0;          ///< length of the ramp, in optimizer steps or examples
+  bool by_samples = false;   ///< `over` counts examples (all ranks) rather than optimizer steps
+  bool active() const noexcept { return from > 0 && over > 0; }
+};
+
+/// The shape of a run, settled before training: plugins adjust it in Plugin::configure; the core
+/// then settles what they left open (the window size from an effective batch, the micro-batch
+/// from a memory budget). From on_fit_start on, every field is final.
 struct RunPlan {
   int64_t micro_batch = 1;      ///< examples per micro-batch (per rank)
-  int64_t accumulation = 1;     ///< micro-batches per optimizer step (window size k)
+  int64_t accumulation = 1;     ///< micro-batches per optimizer step (window size k; the final one under a ramp)
+  /// Examples per optimizer step over all ranks a plugin asked for (0: none). With it, a window
+  /// size of 0 is inferred (effective / (micro_batch x world_size)), an unset [data] micro_batch
+  /// too (from the window size), and a set one is checked against it.
+  int64_t effective_batch_goal = 0;
+  /// [data] micro_batch = "auto": the core picks the largest micro-batch whose training step fits
+  /// memory_budget (set by the core before configure).
+  bool micro_batch_auto = false;
+  /// Bytes one training step (parameters, gradients, optimizer state, activations) may take when
+  /// the micro-batch is picked by memory; 0: the device's free memory (CUDA only).
+  double memory_budget = 0;
+  /// Peak bytes of one training step measured at candidate micro-batches, when picked by memory.
+  std::vector<std::pair<int64_t, double>> measured_peaks;
+  BatchRamp ramp;               ///< the effective batch's ramp, if any
   LastWindow last_window = LastWindow::Step;
   int world_size = 1;           ///< processes that train together
   int rank = 0;
@@ -69,7 +96,8 @@ struct RunPlan {
   std::string window_owner;     ///< plugin that set the window, for error messages
   std::string world_owner;      ///< plugin that set the world, for error messages
 
-  /// Sets the accumulation window; a second plugin trying to set it is refused, naming both.
+  /// Sets the accumulation window (k = 0: inferred from effective_batch_goal); a second plugin
+  /// trying to set it is refused, naming both.
   void set_window(int64_t k, LastWindow policy, const std::string& by);
   /// Sets world size and rank; a second plugin trying to set it is refused, naming both.
   void set_world(int world, int rank_, const std::string& by);

@@ -67,6 +67,23 @@ struct FitResult {
   FitStatus status = FitStatus::Running;  ///< Completed, StoppedByTime or StoppedBySignal
 };
 
+/// What Trainer::verify_accumulation found: the first window's gradient computed as its k
+/// micro-batches and as one batch of all their examples, in float64, parameter by parameter.
+struct AccumulationCheck {
+  struct Parameter {
+    std::string name;
+    double relative_difference = 0.0;  ///< max |accumulated - one batch| / max |one batch|
+  };
+  int64_t micro_batch = 0, micro_batches = 0;  ///< m and k of the window compared
+  double tolerance = 0.0;      ///< the run's dtype's: 1e-5 for float32, 1e-9 for float64
+  double max_difference = 0.0; ///< the largest relative difference over all parameters
+  std::vector<Parameter> parameters;  ///< every trainable parameter, in the model's order
+  /// Modules that make accumulation inexact, each with the reason (BatchNorm in training mode,
+  /// dropout), and for a difference no known module explains, the modules whose parameters differ.
+  std::vector<std::string> findings;
+  bool exact() const noexcept { return max_difference <= tolerance; }
+};
+
 class Trainer {
  public:
   /// Builds model, data, loss, schedule and plugins from `recipe` (the Trainer keeps its own
@@ -83,6 +100,10 @@ class Trainer {
 
   /// The resolved plan as text: what `tk-run --dry-run` prints.
   std::string describe();
+  /// Compares, on the run's model and data, the first optimizer step's gradient accumulated over
+  /// its micro-batches with the gradient of one batch of the same examples, in float64 on the
+  /// model's parameters (restored afterwards, with buffers and random generators). Plans the run.
+  AccumulationCheck verify_accumulation();
   /// Trains. Throws PluginRuntimeError / Error; the output folder keeps what was written.
   FitResult fit();
 
