@@ -1,6 +1,8 @@
 """A TorchScript model trained by tk-run, checked against the same training in Python.
 
-usage: python3 torchscript_model.py make DIR    writes DIR/model.pt (torch.jit.script) and DIR/data.pt
+usage: python3 torchscript_model.py make DIR    writes DIR/model.pt (torch.jit.script), DIR/data.pt and
+                                                DIR/model_bn.pt (the same with BatchNorm, for the
+                                                accumulation verifier)
        python3 torchscript_model.py check RUN   RUN = DIR/run, the tk-run output folder
 
 `check` loads RUN/weights.pt, requires exactly the module's parameter and buffer names, and
@@ -25,10 +27,23 @@ class Net(torch.nn.Module):
         return self.head(torch.relu(self.body(x)) * self.scale)
 
 
+class NormNet(torch.nn.Module):
+    """Net with BatchNorm1d inside its body: accumulation is not exact for it in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
 def make(out: pathlib.Path):
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     torch.jit.save(torch.jit.script(Net()), str(out / "model.pt"))
+    torch.jit.save(torch.jit.script(NormNet()), str(out / "model_bn.pt"))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(96, 6, generator=g)
     y = (x @ torch.randn(6, 3, generator=g)).argmax(1)

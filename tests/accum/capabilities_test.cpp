@@ -1,0 +1,373 @@
+// What grad_accum offers beyond a fixed k: the effective batch as the knob, the micro-batch picked
+// by measured memory (with a back-off after an out-of-memory error), a ramp of the effective
+// batch, and the accumulation verifier. Each is checked against an independent computation:
+// windows built by hand from the data order and stepped as one big batch, a configuration set by
+// hand, or a formula written out here.
+#include <c10/util/Exception.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "support.h"
+
+namespace fs = std::filesystem;
+using torch::Tensor;
+
+namespace {
+
+const char* kBase = R"(
+[run]
+seed = 11
+steps = 5
+dtype = "float64"
+
+[model]
+name = "mlp"
+hidden = [24, 16]
+activation = "tanh"
+
+[data]
+name = "synthetic-classification"
+samples = 256
+validation_samples = 0
+features = 10
+classes = 5
+micro_batch = 8
+
+[optimizer]
+name = "sgd"
+lr = 0.1
+)";
+
+/// kBase without its micro_batch line (the default of 32 then applies unless inferred).
+std::string without_micro_batch() {
+  std::string s = kBase;
+  s.erase(s.find("micro_batch = 8\n"), 16);
+  return s;
+}
+
+std::string with_accum(const std::string& accum, const std::string& base = kBase) {
+  return base + "[[plugins]]\nname = \"grad_accum\"\n" + accum + "\n";
+}
+
+struct Trained {
+  Tensor params;
+  std::shared_ptr<tkt::Capture> capture;
+  tk::FitResult result;
+  tk::RunPlan plan;
+  std::vector<std::string> warnings;
+};
+
+Trained train(const std::vector<std::string>& sets, const std::string& text, tk::TrainerOptions opts = tkt::quiet()) {
+  tk::Trainer t(tkt::recipe(sets, text.c_str()), opts);
+  auto cap = std::make_shared<tkt::Capture>();
+  t.add_plugin(cap, {});
+  Trained out;
+  out.result = t.fit();
+  out.params = tkt::flat_params(t.model());
+  out.capture = cap;
+  out.plan = t.plan();
+  out.warnings = t.warnings();
+  return out;
+}
+
+std::string plan_error(const std::vector<std::string>& sets, const std::string& text) {
+  try {
+    tk::Trainer t(tkt::recipe(sets, text.c_str()), tkt::quiet());
+    t.plan();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+/// The effective batch of step `j` of a linear ramp, written from its definition: from + (goal -
+/// from) * position / over, rounded down to whole units (micro-batch x world), at least one unit.
+int64_t ramp_effective(int64_t from, int64_t goal, int64_t over, int64_t position, int64_t unit) {
+  if (position >= over) return goal;
+  const int64_t x = from + (goal - from) * position / over;
+  return std::max(unit, x / unit * unit);
+}
+
+/// The windows of `sizes` (micro-batches per step) over epochs of `n` examples in micro-batches of
+/// `m`, from the data order itself; a window never crosses an epoch (it is cut short there).
+std::vector<Tensor> windows_of(int64_t n, int64_t m, const std::vector<int64_t>& sizes, uint64_t seed) {
+  std::vector<Tensor> out;
+  size_t step = 0;
+  for (int64_t e = 0; step < sizes.size(); ++e) {
+    Tensor order = tk::epoch_order(n, seed, e, true);
+    for (int64_t b = 0; b * m < n && step < sizes.size(); ++step) {
+      const int64_t take = std::min(sizes[step], (n + m - 1) / m - b);
+      out.push_back(order.slice(0, b * m, std::min(n, (b + take) * m)));
+      b += take;
+    }
+  }
+  return out;
+}
+
+/// Mean cross-entropy written out, and one SGD step per window on a fresh copy of the model.
+std::vector<Tensor> big_batch_grads(const std::string& text, const std::vector<Tensor>& windows, Tensor* params) {
+  tk::Trainer fresh(tkt::recipe({}, text.c_str()), tkt::quiet());
+  auto& model = fresh.model();
+  auto& ds = dynamic_cast<const tk::TensorDataset&>(*fresh.data().train);
+  torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+  std::vector<Tensor> grads;
+  for (const auto& idx : windows) {
+    Tensor x = ds.inputs().index_select(0, idx).to(torch::kDouble);
+    Tensor y = ds.targets().index_select(0, idx);
+    Tensor logp = torch::log_softmax(model.forward(x), 1);
+    (-logp.gather(1, y.unsqueeze(1)).mean()).backward();
+    grads.push_back(tkt::flat_grads(model));
+    opt.step();
+    opt.zero_grad();
+  }
+  *params = tkt::flat_params(model);
+  return grads;
+}
+
+/// A budget between the measured peaks of micro-batches `lo` and `2 lo` (with the 10% margin):
+/// the picker must take `lo`.
+double budget_between(const tk::RunPlan& measured, int64_t lo) {
+  double a = 0, b = 0;
+  for (const auto& [m, bytes] : measured.measured_peaks) {
+    if (m == lo) a = bytes;
+    if (m == 2 * lo) b = bytes;
+  }
+  REQUIRE(a > 0);
+  REQUIRE(b > a);
+  return 1.1 * (a + b) / 2;
+}
+
+/// The plan of an auto micro-batch run of effective batch 64 under `budget` bytes.
+tk::RunPlan auto_plan(double budget, const std::vector<std::string>& sets = {}) {
+  tk::Trainer t(tkt::recipe(sets + std::vector<std::string>{"data.micro_batch=\"auto\""},
+                            with_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\"").c_str()),
+                tkt::quiet());
+  return t.plan();
+}
+
+}  // namespace
+
+TEST_SUITE("accumulation capabilities") {
+  TEST_CASE("any two of steps, micro_batch and effective_batch give the third") {
+    const Trained by_steps = train({}, with_accum("steps = 4"));
+    // effective batch + micro-batch: k = 32 / 8.
+    const Trained by_effective = train({}, with_accum("effective_batch = 32"));
+    CHECK(by_effective.plan.accumulation == 4);
+    CHECK(torch::equal(by_effective.params, by_steps.params));
+    // effective batch + steps: the micro-batch is 32 / 4 (the recipe leaves it unset).
+    const Trained by_two = train({}, with_accum("steps = 4\neffective_batch = 32", without_micro_batch()));
+    CHECK(by_two.plan.micro_batch == 8);
+    CHECK(torch::equal(by_two.params, by_steps.params));
+    // All three, consistent: accepted as they are.
+    CHECK(train({}, with_accum("steps = 4\neffective_batch = 32")).plan.effective_batch() == 32);
+
+    // The dry run shows the resolved numbers.
+    tk::Trainer t(tkt::recipe({}, with_accum("effective_batch = 32").c_str()), tkt::quiet());
+    CHECK(t.describe().find("effective     32 examples per optimizer step (8 x 4 x 1); as asked") != std::string::npos);
+  }
+
+  TEST_CASE("an effective batch that does not add up is refused, naming all three values and the world size") {
+    std::string e = plan_error({}, with_accum("steps = 4\neffective_batch = 40"));
+    CHECK(e.find("test.toml:") == 0);
+    CHECK(e.find("effective_batch = 40, micro_batch = 8, steps = 4, world size 1") != std::string::npos);
+    CHECK(e.find("8 x 4 x 1 = 32, not 40") != std::string::npos);
+    e = plan_error({}, with_accum("effective_batch = 36"));
+    CHECK(e.find("36 examples per rank are not a whole number of micro-batches of 8") != std::string::npos);
+    e = plan_error({}, with_accum("steps = 5\neffective_batch = 32", without_micro_batch()));
+    CHECK(e.find("do not split into 5 equal micro-batches") != std::string::npos);
+    e = plan_error({"data.micro_batch=\"auto\""}, with_accum("steps = 2\neffective_batch = 32\nmemory_budget = \"1GiB\""));
+    CHECK(e.find("with micro_batch = \"auto\" the steps follow from the micro-batch picked") != std::string::npos);
+    e = plan_error({"data.micro_batch=\"auto\""}, with_accum("steps = 2"));
+    CHECK(e.find("\"auto\" picks the micro-batch for an effective batch") != std::string::npos);
+    e = plan_error({"data.micro_batch=\"big\""}, with_accum("steps = 2"));
+    CHECK(e.find("data.micro_batch: expected an integer or one of auto, got \"big\"") != std::string::npos);
+    e = plan_error({}, with_accum("effective_batch = 32\nmemory_budget = \"1GiB\""));
+    CHECK(e.find("memory_budget: applies to a micro-batch picked by memory") != std::string::npos);
+  }
+
+  TEST_CASE("the world size divides the effective batch (two ranks, planned)") {
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("RANK", "1", 1);
+    const std::string ddp = "[[plugins]]\nname = \"ddp\"\n";
+    // Listed before or after grad_accum: the world is known when the window is inferred.
+    tk::Trainer a(tkt::recipe({}, (with_accum("effective_batch = 64") + ddp).c_str()), tkt::quiet());
+    CHECK(a.plan().accumulation == 4);  // 64 / (8 x 2)
+    CHECK(a.plan().effective_batch() == 64);
+    tk::Trainer b(tkt::recipe({}, (std::string(kBase) + ddp + "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 64\n").c_str()),
+                  tkt::quiet());
+    CHECK(b.plan().accumulation == 4);
+    std::string e = plan_error({}, with_accum("effective_batch = 33") + ddp);
+    CHECK(e.find("world size 2: the effective batch does not divide evenly over the 2 ranks") != std::string::npos);
+    e = plan_error({}, with_accum("effective_batch = 24") + ddp);
+    CHECK(e.find("12 examples per rank are not a whole number of micro-batches of 8") != std::string::npos);
+    unsetenv("WORLD_SIZE");
+    unsetenv("RANK");
+  }
+
+  TEST_CASE("micro_batch = \"auto\" takes the largest micro-batch whose measured step fits, and trains as that set by hand") {
+    const tk::RunPlan roomy = auto_plan(1e9);
+    CHECK(roomy.micro_batch == 64);  // everything fits: one micro-batch per step
+    // Peaks were measured for each doubling and grow with the micro-batch.
+    REQUIRE(roomy.measured_peaks.size() >= 4);
+    for (size_t i = 1; i < roomy.measured_peaks.size(); ++i)
+      CHECK(roomy.measured_peaks[i].second >= roomy.measured_peaks[i - 1].second);
+
+    const double budget = budget_between(roomy, 16);
+    const tk::RunPlan picked = auto_plan(budget);
+    CHECK(picked.micro_batch == 16);
+    CHECK(picked.accumulation == 4);
+    const Trained automatic = train({"data.micro_batch=\"auto\""},
+                                    with_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\""));
+    const Trained by_hand = train({"data.micro_batch=16"}, with_accum("steps = 4"));
+    CHECK(torch::equal(automatic.params, by_hand.params));  // the trials left nothing behind
+
+    // Too small a budget, and no budget on the CPU, are refused with the figures.
+    std::string e = plan_error({"data.micro_batch=\"auto\""}, with_accum("effective_batch = 64\nmemory_budget = \"1kB\""));
+    CHECK(e.find("a training step of one micro-batch of 1 takes") != std::string::npos);
+    CHECK(e.find("more than the budget of") != std::string::npos);
+    e = plan_error({"data.micro_batch=\"auto\""}, with_accum("effective_batch = 64"));
+    CHECK(e.find("on the CPU needs a memory budget") != std::string::npos);
+    e = plan_error({"data.micro_batch=\"auto\""}, with_accum("effective_batch = 64\nmemory_budget = \"lots\""));
+    CHECK(e.find("memory_budget: expected a size > 0 like \"1.5GiB\"") != std::string::npos);
+  }
+
+  // Run by ctest with TK_FAULT=oom:3 (the third micro-batch of the process fails as out of memory):
+  // skipped in the plain run of this suite.
+  TEST_CASE("an out-of-memory error halves the micro-batch and redoes the window" * doctest::skip()) {
+    REQUIRE(std::string(std::getenv("TK_FAULT") ? std::getenv("TK_FAULT") : "") == "oom:3");
+    const double budget = budget_between(auto_plan(1e9), 16);
+    const std::string accum = with_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\"");
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    const fs::path dir = tkt::temp_dir("backoff");
+    const std::vector<std::string> sets = {"data.micro_batch=\"auto\"", "run.steps=6", "run.checkpoint_every=2",
+                                           "run.output=\"" + dir.string() + "\""};
+    // 16 x 4 fails in its third micro-batch; the window is redone as 8 x 8 from its first.
+    const Trained backed = train(sets, accum, opts);
+    CHECK(backed.plan.micro_batch == 8);
+    CHECK(backed.plan.accumulation == 8);
+    CHECK(backed.result.steps == 6);
+    CHECK(backed.result.micro_steps == 48);  // the two micro-batches before the error are not counted
+    CHECK(backed.capture->window_sizes == std::vector<int64_t>(6, 8));
+    REQUIRE(!backed.warnings.empty());
+    CHECK(backed.warnings.back().find("out of memory at step 1 with micro-batches of 16") != std::string::npos);
+    CHECK(backed.warnings.back().find("backing off to 8 x 8 micro-batches") != std::string::npos);
+    // Nothing of the failed window stayed: the run is the one configured as 8 x 8 from the start.
+    const Trained by_hand = train({"run.steps=6"}, with_accum("steps = 8"));
+    CHECK(torch::equal(backed.params, by_hand.params));
+    const auto records = tkt::metric(dir / "metrics.jsonl", "micro_batch");
+    CHECK(records == std::vector<double>(6, 8.0));
+    // A resume measures 16 again, takes the checkpoint's 8 and ends where the run ended.
+    auto resume = opts;
+    resume.resume = (dir / "checkpoints/step-00000004").string();
+    const Trained resumed = train(sets, accum, resume);
+    CHECK(resumed.plan.micro_batch == 8);
+    CHECK(torch::equal(resumed.params, backed.params));
+  }
+
+  TEST_CASE("each step of a ramp equals one big batch of that step's size") {
+    // Effective batch 16 -> 64 over 4 steps, in micro-batches of 8: sizes from the definition.
+    std::vector<int64_t> sizes;
+    for (int64_t j = 0; j < 10; ++j) sizes.push_back(ramp_effective(16, 64, 4, j, 8) / 8);
+    CHECK(sizes == std::vector<int64_t>{2, 3, 5, 6, 8, 8, 8, 8, 8, 8});
+    const std::vector<std::string> sets = {"run.steps=0", "run.epochs=2"};
+    const std::string accum = with_accum("effective_batch = 64\nramp_from = 16\nramp_steps = 4");
+    const Trained ramp = train(sets, accum);
+    // 32 micro-batches per epoch: 2 + 3 + 5 + 6 + 8 + 8, then 4 x 8.
+    CHECK(ramp.capture->window_sizes == sizes);
+    CHECK(ramp.result.steps == 10);
+    CHECK(ramp.capture->lrs.size() == 10);  // the schedule counts optimizer steps
+    Tensor ref_params;
+    const auto ref = big_batch_grads(kBase, windows_of(256, 8, sizes, 11), &ref_params);
+    REQUIRE(ref.size() == ramp.capture->grads.size());
+    for (size_t i = 0; i < ref.size(); ++i) {
+      CAPTURE(i);
+      CHECK(tkt::rel_diff(ramp.capture->grads[i], ref[i]) < 1e-12);
+    }
+    CHECK(tkt::rel_diff(ramp.params, ref_params) < 1e-12);
+  }
+
+  TEST_CASE("a ramp over examples; its metrics record each step's effective batch; a resume mid-ramp is bit-identical") {
+    // 16 -> 64 over the first 160 examples: the position is the examples of the steps before;
+    // a window is cut short at the end of an epoch (32 micro-batches).
+    std::vector<int64_t> sizes;
+    for (int64_t j = 0, seen = 0, b = 0; j < 12; ++j, b %= 32) {
+      sizes.push_back(std::min(ramp_effective(16, 64, 160, seen, 8) / 8, 32 - b));
+      seen += sizes.back() * 8;
+      b += sizes.back();
+    }
+    CHECK(sizes == std::vector<int64_t>{2, 2, 3, 4, 5, 6, 8, 2, 8, 8, 8, 8});
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    const std::string accum = with_accum("effective_batch = 64\nramp_from = 16\nramp_samples = 160");
+    const fs::path one = tkt::temp_dir("ramp-one"), two = tkt::temp_dir("ramp-two");
+    const Trained whole = train({"run.steps=12", "run.output=\"" + one.string() + "\""}, accum, opts);
+    CHECK(whole.capture->window_sizes == sizes);
+    std::vector<double> effective;
+    for (int64_t k : sizes) effective.push_back(static_cast<double>(k * 8));
+    CHECK(tkt::metric(one / "metrics.jsonl", "effective_batch") == effective);
+
+    const std::vector<std::string> sets = {"run.steps=12", "run.checkpoint_every=3", "run.output=\"" + two.string() + "\""};
+    auto stopping = opts;
+    int boundaries = 0;
+    stopping.stop_requested = [&] { return ++boundaries == 4; };  // stops at step 4, mid-ramp
+    const Trained first = train(sets, accum, stopping);
+    CHECK(first.result.steps == 4);
+    auto resume = opts;
+    resume.resume = "latest";
+    const Trained rest = train(sets, accum, resume);
+    CHECK(rest.result.steps == 12);
+    CHECK(torch::equal(rest.params, whole.params));
+    CHECK(tkt::metric(two / "metrics.jsonl", "effective_batch") == effective);
+    CHECK(tkt::metric(two / "metrics.jsonl", "loss") == tkt::metric(one / "metrics.jsonl", "loss"));
+  }
+
+  TEST_CASE("a ramp is refused without what it needs") {
+    std::string e = plan_error({}, with_accum("steps = 4\nramp_from = 8\nramp_steps = 3"));
+    CHECK(e.find("ramp_from: a ramp goes up to effective_batch: set effective_batch too") != std::string::npos);
+    e = plan_error({}, with_accum("effective_batch = 32\nramp_from = 32\nramp_steps = 3"));
+    CHECK(e.find("not below effective_batch = 32") != std::string::npos);
+    e = plan_error({}, with_accum("effective_batch = 32\nramp_from = 8"));
+    CHECK(e.find("give the ramp's length") != std::string::npos);
+    e = plan_error({}, with_accum("effective_batch = 32\nramp_from = 8\nramp_steps = 2\nramp_samples = 10"));
+    CHECK(e.find("not both") != std::string::npos);
+    e = plan_error({}, with_accum("effective_batch = 32\nramp_steps = 2"));
+    CHECK(e.find("a ramp needs ramp_from") != std::string::npos);
+  }
+
+  TEST_CASE("the verifier: exact for an MLP; BatchNorm named; a mean over unequal token counts explained") {
+    tk::Trainer mlp(tkt::recipe({}, with_accum("steps = 4").c_str()), tkt::quiet());
+    const Tensor before = tkt::flat_params(mlp.model());
+    const tk::AccumulationCheck exact = mlp.verify_accumulation();
+    CHECK(exact.exact());
+    CHECK(exact.micro_batches == 4);
+    CHECK(exact.max_difference < 1e-12);
+    CHECK(exact.parameters.size() == 6);
+    CHECK(exact.findings.empty());
+    CHECK(torch::equal(tkt::flat_params(mlp.model()), before));  // the model is left as it was
+    CHECK((mlp.model().parameters()[0].scalar_type() == torch::kDouble));
+
+    tk::Trainer bn(tkt::recipe({"model.batchnorm=true", "run.dtype=\"float32\""}, with_accum("steps = 4").c_str()),
+                   tkt::quiet());
+    const tk::AccumulationCheck flagged = bn.verify_accumulation();
+    CHECK_FALSE(flagged.exact());
+    CHECK(flagged.tolerance == 1e-5);
+    CHECK(flagged.max_difference > 1e-3);
+    REQUIRE(flagged.findings.size() == 2);  // one per BatchNorm layer
+    CHECK(flagged.findings[0].find("model.norms.0 (torch::nn::BatchNorm1dImpl): BatchNorm in training mode") == 0);
+    CHECK(flagged.findings[1].find("model.norms.1") == 0);
+    CHECK((bn.model().parameters()[0].scalar_type() == torch::kFloat));
+
+    // Sequences of different lengths with a mean loss: a mean of micro-batch means is not the
+    // window's token mean, and the verifier says what to use instead.
+    const std::vector<std::string> tokens = {"data.name=synthetic-tokens", "data.seq_len=12", "data.min_len=1",
+                                             "data.samples=128", "data.micro_batch=4"};
+    tk::Trainer seq(tkt::recipe(tokens, with_accum("steps = 4").c_str()), tkt::quiet());
+    const tk::AccumulationCheck uneven = seq.verify_accumulation();
+    CHECK_FALSE(uneven.exact());
+    REQUIRE(uneven.findings.size() == 1);
+    CHECK(uneven.findings[0].find("use reduction = \"sum\" with grad_accum normalize = \"tokens\"") != std::string::npos);
+  }
+}
