@@ -42,16 +42,19 @@ class CountingAllocator final : public compat::AllocatorBase {
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
-  /// Installs it in front of `base`, the peak starting from now.
+  /// Installs it in front of `base`, counting from now.
   void start(c10::Allocator* base) {
     std::lock_guard<std::mutex> lock(mutex_);
     base_ = base;
     start_ = peak_ = current_;
   }
-  /// Bytes at the peak since start(), beyond what was held then.
-  int64_t peak() const {
+  /// Bytes at the peak since the last call (or start()), beyond what was held at start(); a new
+  /// stretch starts.
+  int64_t take_peak() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return peak_ - start_;
+    const int64_t p = peak_ - start_;
+    peak_ = current_;
+    return p;
   }
 
  private:
@@ -67,10 +70,14 @@ class CountingAllocator final : public compat::AllocatorBase {
     {
       std::lock_guard<std::mutex> lock(self.mutex_);
       auto it = self.held_.find(data);
-      if (it == self.held_.end()) return;  // cannot happen: every pointer it handed out is held
-      h = it->second;
-      self.held_.erase(it);
-      self.current_ -= static_cast<int64_t>(h.n);
+      if (it == self.held_.end()) {  // raw-allocated before it was installed: the base's to free
+        h.free_fn = self.base_ ? self.base_->raw_deleter() : nullptr;
+        h.ctx = data;
+      } else {
+        h = it->second;
+        self.held_.erase(it);
+        self.current_ -= static_cast<int64_t>(h.n);
+      }
     }
     if (h.free_fn) h.free_fn(h.ctx);
   }
@@ -82,48 +89,33 @@ class CountingAllocator final : public compat::AllocatorBase {
   int64_t start_ = 0;
 };
 
-/// Installs the CountingAllocator as LibTorch's CPU allocator for its lifetime.
-class CountingScope {
- public:
-  CountingScope() : previous_(c10::GetCPUAllocator()) {
-    CountingAllocator::instance().start(previous_);
-    c10::SetCPUAllocator(&CountingAllocator::instance(), kPriority);
-  }
-  ~CountingScope() { c10::SetCPUAllocator(previous_, kPriority); }
-  CountingScope(const CountingScope&) = delete;
-  CountingScope& operator=(const CountingScope&) = delete;
-  int64_t peak() const { return CountingAllocator::instance().peak(); }
-
- private:
-  static constexpr uint8_t kPriority = 200;  // above LibTorch's own registration
-  c10::Allocator* previous_;
-};
-
 double bytes_of(const std::vector<at::Tensor>& ts) {
   double total = 0;
   for (const auto& t : ts) total += static_cast<double>(t.nbytes());
   return total;
 }
 
-/// Peak bytes of one training step at micro-batch `m` (its first m examples): the model's
-/// parameters and buffers, the batch, activations, gradients and the optimizer's state.
-double measure_step(Run& r, int64_t m) {
+/// Peak bytes of a training step at micro-batch `m` in its steady state: the model's parameters
+/// and buffers, the batch, activations, gradients and the optimizer's state. Two steps are taken
+/// and the second is measured (the optimizer's state and the gradients kept by zero_grad exist by
+/// then); with more than one micro-batch per step, two go through forward and backward in each
+/// (the second adds its gradients into the first's, through a temporary per parameter).
+double measure_step(Run& r, int64_t m, int64_t k) {
   TrialGuard guard(r);
-  const double resident = bytes_of(r.model->parameters()) + bytes_of(r.model->buffers());
-  auto step = [&] {
-    Batch b = r.fetch(*r.data.train, at::arange(std::min(m, r.data.train->size()), at::kLong));
-    at::Tensor loss = (*r.loss)(r.model->forward(b.input), b);
-    loss.backward();
+  MemoryMeter meter(r);
+  const at::Tensor order = r.shard_order(0);  // the first micro-batches of training, and their index
+  const int64_t n = order.size(0);
+  for (int step = 0; step < 2; ++step) {
+    meter.take_peak();  // the second step's stretch starts here
+    for (int64_t i = 0; i < std::min<int64_t>(k, 2); ++i) {
+      Batch b = r.fetch(*r.data.train, order.slice(0, std::min(i * m, n - 1), std::min((i + 1) * m, n)));
+      at::Tensor loss = (*r.loss)(r.model->forward(b.input), b);
+      loss.backward();
+    }
     r.optimizer->step();
-  };
-  if (r.device.is_cuda()) {
-    compat::cuda_reset_peak(r.device);
-    step();
-    return compat::cuda_peak_bytes(r.device);
+    r.optimizer->zero_grad();
   }
-  CountingScope counting;
-  step();
-  return resident + static_cast<double>(counting.peak());
+  return meter.take_peak();
 }
 
 std::vector<int64_t> divisors_of(int64_t n) {
@@ -146,6 +138,31 @@ std::vector<int64_t> divisors_of(int64_t n) {
 }
 
 }  // namespace
+
+MemoryMeter::MemoryMeter(const Run& r) : device_(r.device) {
+  resident_ = bytes_of(r.model->parameters()) + bytes_of(r.model->buffers());
+  if (device_.is_cuda()) {
+    compat::cuda_reset_peak(device_);
+    return;
+  }
+  previous_ = c10::GetCPUAllocator();
+  if (previous_ == &CountingAllocator::instance()) throw Error("memory meters do not nest");
+  CountingAllocator::instance().start(previous_);
+  c10::SetCPUAllocator(&CountingAllocator::instance(), kPriority);
+}
+
+MemoryMeter::~MemoryMeter() {
+  if (previous_) c10::SetCPUAllocator(previous_, kPriority);
+}
+
+double MemoryMeter::take_peak() {
+  if (device_.is_cuda()) {
+    const double p = compat::cuda_peak_bytes(device_);
+    compat::cuda_reset_peak(device_);
+    return p;
+  }
+  return resident_ + static_cast<double>(CountingAllocator::instance().take_peak());
+}
 
 TrialGuard::TrialGuard(Run& r) : r_(r) {
   torch::NoGradGuard no_grad;
@@ -235,7 +252,7 @@ void pick_micro_batch(Run& r) {
     if (!r.device.is_cuda())
       refuse(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set memory_budget "
                                  "(e.g. \"2GiB\") in the grad_accum entry");
-    budget = compat::cuda_free_bytes(r.device);
+    budget = p.memory_budget = compat::cuda_free_bytes(r.device);
     source = "free memory of " + r.device.str();
   }
   const int64_t per_rank = p.effective_batch_goal / p.world_size;
@@ -245,7 +262,7 @@ void pick_micro_batch(Run& r) {
   constexpr double kMargin = 0.10;  // the picked step's measured peak is at most 90% of the budget
   auto fits = [&](double peak) { return peak * (1 + kMargin) <= budget; };
   std::map<int64_t, double> peaks;
-  auto measure = [&](int64_t m) { return peaks[m] = measure_step(r, m); };
+  auto measure = [&](int64_t m) { return peaks[m] = measure_step(r, m, per_rank / m); };
   // The peak grows about linearly with the micro-batch: from the last two measured, predict.
   auto predict = [&](int64_t m) {
     auto hi = peaks.rbegin();
@@ -257,8 +274,8 @@ void pick_micro_batch(Run& r) {
   int64_t chosen = candidates.front();
   if (!fits(measure(chosen)))
     refuse(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(chosen) + " takes " +
-                                   format_bytes(peaks[chosen]) + " (with a " + std::to_string(int(kMargin * 100)) +
-                                   "% margin), more than the budget of " + format_bytes(budget) + " (" + source + ")");
+                                   format_bytes(peaks[chosen]) + "; with a " + std::to_string(int(kMargin * 100)) +
+                                   "% margin that is more than the budget of " + format_bytes(budget) + " (" + source + ")");
   // Up in doublings while the prediction and then the measurement fit; then the largest divisor
   // in between whose measurement fits.
   int64_t over = 0;

@@ -292,6 +292,9 @@ FitResult Loop::fit(const Recipe& recipe) {
     const int64_t world = r_.plan.world_size;
     bool in_window = false;  // checkpoints and resumes are at boundaries: a run starts outside a window
     WindowStart opened;
+    // A micro-batch picked by memory: each step's record says how much it took.
+    std::optional<MemoryMeter> meter;
+    if (r_.plan.micro_batch_auto) meter.emplace(r_);
     for (int64_t epoch = start_epoch; !done && (r_.bound.by_steps() || epoch < r_.bound.count); ++epoch) {
       at::Tensor order = r_.shard_order(epoch);
       c.epoch = epoch;
@@ -331,14 +334,20 @@ FitResult Loop::fit(const Recipe& recipe) {
         result.step_metrics.emplace_back(ctx_.metrics_.begin(), ctx_.metrics_.end());
         const double t = elapsed();
         JsonLine line = step_record(ctx_, epoch, skipped, t);
-        if (r_.plan.micro_batch_auto) line.add("micro_batch", r_.plan.micro_batch);
+        if (meter) {
+          constexpr double kMiB = 1024.0 * 1024.0;
+          line.add("micro_batch", r_.plan.micro_batch).add("step_peak_mib", meter->take_peak() / kMiB);
+          if (r_.plan.memory_budget > 0) line.add("memory_budget_mib", r_.plan.memory_budget / kMiB);
+        }
         if (!backoff_note_.empty()) {
           line.add("backoff", backoff_note_);
           backoff_note_.clear();
         }
         done = c.step >= r_.total_steps;
-        if (r_.data.validation && ((validate_every > 0 && c.step % validate_every == 0) || done))
+        if (r_.data.validation && ((validate_every > 0 && c.step % validate_every == 0) || done)) {
           record_validation(line);
+          if (meter) meter->take_peak();  // validation's memory is not the next step's
+        }
         // Stop early at this boundary when asked to (a signal) or out of time; with a checkpoint.
         if (!done && opts_.stop_requested && opts_.stop_requested()) result.status = FitStatus::StoppedBySignal;
         else if (!done && elapsed() >= r_.max_time_s) result.status = FitStatus::StoppedByTime;

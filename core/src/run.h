@@ -125,6 +125,24 @@ class TrialGuard {
   std::vector<at::Tensor> params_, buffers_;
   std::vector<std::pair<at::Generator, at::Tensor>> rng_;
 };
+/// Peak tensor memory of one stretch of a run (a trial step, a training step) on the run's
+/// device: on the CPU, every byte LibTorch's CPU allocator hands out while the meter lives, plus
+/// the model's parameters and buffers; on CUDA, the caching allocator's peak.
+class MemoryMeter {
+ public:
+  explicit MemoryMeter(const Run& r);
+  ~MemoryMeter();
+  MemoryMeter(const MemoryMeter&) = delete;
+  MemoryMeter& operator=(const MemoryMeter&) = delete;
+  /// Peak bytes since the previous call (or the start); a new stretch starts.
+  double take_peak();
+
+ private:
+  static constexpr uint8_t kPriority = 200;  // above LibTorch's own CPU allocator registration
+  at::Device device_;
+  double resident_ = 0;
+  c10::Allocator* previous_ = nullptr;
+};
 /// The resolved plan as `tk-run --dry-run` prints it.
 std::string describe(Run& run, const Recipe& recipe);
 
