@@ -266,7 +266,7 @@ void pick_micro_batch(Run& r) {
   // The peak grows about linearly with the micro-batch: from the last two measured, predict.
   auto predict = [&](int64_t m) {
     auto hi = peaks.rbegin();
-    if (peaks.size() < 2) return hi->second * static_cast<double>(m) / static_cast<double>(hi->first);
+    if (peaks.size() < 2) return hi->second;  // one point: no slope yet; the measurement decides
     auto lo = std::next(hi);
     const double slope = (hi->second - lo->second) / static_cast<double>(hi->first - lo->first);
     return hi->second + slope * static_cast<double>(m - hi->first);

@@ -18,7 +18,7 @@ class GradAccum final : public tk::Plugin {
  public:
   tk::OptionSpecs option_specs() const override {
     return {
-        tk::opt_int("steps", 1, "micro-batches per optimizer step (k); inferred when effective_batch is given instead"),
+        tk::opt_int("steps", 1, "micro-batches per optimizer step (k); inferred when effective_batch is given instead (or steps = 0)"),
         tk::opt_int("effective_batch", 0,
                     "examples per optimizer step over all ranks (0: steps x micro_batch x world size); give two of "
                     "steps, [data] micro_batch and this, and the third is inferred"),
@@ -41,11 +41,12 @@ class GradAccum final : public tk::Plugin {
 
   void init(const tk::Options& o) override {
     steps_ = o.get_int("steps");
-    if (steps_ < 1) o.fail("steps", "must be >= 1, got " + std::to_string(steps_));
     effective_ = o.get_int("effective_batch");
     if (effective_ < 0) o.fail("effective_batch", "must be >= 1 (or 0: not given), got " + std::to_string(effective_));
+    if (steps_ < 0 || (steps_ == 0 && effective_ == 0))
+      o.fail("steps", "must be >= 1 (or 0 with effective_batch: inferred), got " + std::to_string(steps_));
     // Given steps with an effective batch: the micro-batch is inferred (or checked).
-    infer_steps_ = effective_ > 0 && !o.is_set("steps");
+    infer_steps_ = effective_ > 0 && (steps_ == 0 || !o.is_set("steps"));
     if (!o.get_string("memory_budget").empty()) budget_ = tk::parse_bytes(o, "memory_budget");
     ramp_.from = o.get_int("ramp_from");
     const int64_t by_steps = o.get_int("ramp_steps"), by_samples = o.get_int("ramp_samples");

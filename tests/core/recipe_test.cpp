@@ -62,7 +62,7 @@ TEST_SUITE("recipe") {
     e = build_error(kMinimal, {"model.hidden=[16, 2.5]"});
     CHECK(e == "--set model.hidden=[16, 2.5]: model.hidden: expected array of integers, got an element of type float");
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\n", {"plugins.0.steps=0"});
-    CHECK(e == "--set plugins.0.steps=0: plugins.grad_accum.steps: must be >= 1, got 0");
+    CHECK(e == "--set plugins.0.steps=0: plugins.grad_accum.steps: must be >= 1 (or 0 with effective_batch: inferred), got 0");
   }
 
   TEST_CASE("a string outside its choices lists them") {
@@ -118,7 +118,7 @@ TEST_SUITE("recipe") {
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = \"four\"\n");
     CHECK(e.find("plugins.grad_accum.steps: expected integer, got string") != std::string::npos);
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 0\n");
-    CHECK(e.find("test.toml:26:9: plugins.grad_accum.steps: must be >= 1, got 0") == 0);
+    CHECK(e.find("test.toml:26:9: plugins.grad_accum.steps: must be >= 1 (or 0 with effective_batch: inferred), got 0") == 0);
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nsteps = 2\n");
     CHECK(e.find("test.toml:24:1: a [[plugins]] entry needs a name") == 0);
   }
