@@ -164,14 +164,26 @@ double MemoryMeter::take_peak() {
   return resident_ + static_cast<double>(CountingAllocator::instance().take_peak());
 }
 
-TrialGuard::TrialGuard(Run& r) : r_(r) {
+RngStates save_rng() {
+  RngStates out;
+  for (auto& [name, gen] : generators()) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.emplace_back(gen, gen.get_state());
+  }
+  return out;
+}
+
+void restore_rng(const RngStates& states) {
+  for (auto [gen, state] : states) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+}
+
+TrialGuard::TrialGuard(Run& r) : r_(r), rng_(save_rng()) {
   torch::NoGradGuard no_grad;
   for (const auto& p : r.model->parameters()) params_.push_back(p.detach().clone());
   for (const auto& b : r.model->buffers()) buffers_.push_back(b.detach().clone());
-  for (auto& [name, gen] : generators()) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng_.emplace_back(gen, gen.get_state());
-  }
 }
 
 TrialGuard::~TrialGuard() {
@@ -184,10 +196,7 @@ TrialGuard::~TrialGuard() {
   }
   auto buffers = r_.model->buffers();
   for (size_t i = 0; i < buffers.size() && i < buffers_.size(); ++i) buffers[i].copy_(buffers_[i]);
-  for (auto& [gen, state] : rng_) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  }
+  restore_rng(rng_);
   try {
     make_optimizer(r_);
   } catch (...) {  // it was made from these parameters before: cannot fail now

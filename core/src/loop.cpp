@@ -31,7 +31,7 @@ class Loop {
   struct WindowStart {
     int64_t batch = 0;  // its first micro-batch in the epoch
     Counters counters;
-    std::vector<std::pair<at::Generator, at::Tensor>> rng;
+    RngStates rng;
   };
   /// With a micro-batch picked by memory, an out-of-memory error halves it.
   bool back_off_ready() const noexcept { return r_.plan.micro_batch_auto; }
@@ -137,14 +137,7 @@ bool Loop::optimizer_step() {
   return skipped;
 }
 
-Loop::WindowStart Loop::open_window(int64_t b) {
-  WindowStart w{b, ctx_.counters_, {}};
-  for (auto& [name, gen] : generators()) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    w.rng.emplace_back(gen, gen.get_state());
-  }
-  return w;
-}
+Loop::WindowStart Loop::open_window(int64_t b) { return {b, ctx_.counters_, save_rng()}; }
 
 int64_t Loop::back_off(const WindowStart& w, const std::string& what) {
   const int64_t m = r_.plan.micro_batch, k = r_.plan.accumulation;
@@ -161,10 +154,7 @@ int64_t Loop::back_off(const WindowStart& w, const std::string& what) {
   ctx_.loss_ = at::Tensor();
   for (auto& p : r_.model->parameters()) p.mutable_grad() = at::Tensor();
   ctx_.counters_ = w.counters;
-  for (auto [gen, state] : w.rng) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  }
+  restore_rng(w.rng);
   const int64_t first_example = w.batch * m;
   rebatch(r_, smaller);
   backoff_note_ = "micro-batch " + std::to_string(m) + " x " + std::to_string(k) + " -> " + std::to_string(smaller) +

@@ -98,6 +98,10 @@ void rebatch(Run& run, int64_t m);
 int64_t backed_off_micro_batch(const Run& run);
 /// The process's random generators by checkpoint key (the CPU's, each GPU's).
 std::vector<std::pair<std::string, at::Generator>> generators();
+/// The states of the process's random generators, to put back later.
+using RngStates = std::vector<std::pair<at::Generator, at::Tensor>>;
+RngStates save_rng();
+void restore_rng(const RngStates& states);
 
 /// Hands each plugin its state from a checkpoint (before fit_start); warns about states nobody loads.
 void restore_plugin_states(Run& run, Checkpoint& resumed);
@@ -123,7 +127,7 @@ class TrialGuard {
  private:
   Run& r_;
   std::vector<at::Tensor> params_, buffers_;
-  std::vector<std::pair<at::Generator, at::Tensor>> rng_;
+  RngStates rng_;
 };
 /// Peak tensor memory of one stretch of a run (a trial step, a training step) on the run's
 /// device: on the CPU, every byte LibTorch's CPU allocator hands out while the meter lives, plus

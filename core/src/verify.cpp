@@ -60,11 +60,7 @@ AccumulationCheck verify_accumulation(Run& r) {
       const_cast<at::Tensor&>(item.value()).mutable_grad() = at::Tensor();
     }
   // Both passes draw from the same random state: dropout's difference is its mask, not its seed.
-  std::vector<std::pair<at::Generator, at::Tensor>> rng;
-  for (auto& [name, gen] : generators()) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng.emplace_back(gen, gen.get_state());
-  }
+  const RngStates rng = save_rng();
   const bool mean = r.loss->reduction() == Reduction::Mean;
   int64_t pieces = 0;
   for (int64_t start = 0; start < used; start += m, ++pieces) {
@@ -74,10 +70,7 @@ AccumulationCheck verify_accumulation(Run& r) {
   auto accumulated = gradients_of(r, params);
   if (mean)  // mean losses: the window's gradient is the mean over its micro-batches
     for (auto& g : accumulated) g.div_(static_cast<double>(pieces));
-  for (auto& [gen, state] : rng) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  }
+  restore_rng(rng);
   {
     Batch b = r.fetch(*r.data.train, order.slice(0, 0, used));
     (*r.loss)(r.model->forward(b.input), b).backward();

@@ -151,23 +151,37 @@ class MixedPrecision final : public tk::Plugin {
     active_ = false;
   }
 
-  bool all_finite(tk::Context& ctx) const {
-    torch::NoGradGuard no_grad;
+  static std::vector<at::Tensor> grads_of(tk::Context& ctx) {
+    std::vector<at::Tensor> grads;
     for (const auto& p : ctx.model().parameters())
-      if (p.grad().defined() && !at::isfinite(p.grad()).all().item<bool>()) return false;
-    return true;
+      if (p.grad().defined()) grads.push_back(p.grad());
+    return grads;
   }
+
+  /// Multiplies the gradients by `inv_scale` (1: leaves them) and tells whether any holds an inf
+  /// or a NaN, reading one flag from the device: on CUDA with the fused kernel GradScaler uses,
+  /// elsewhere with foreach ops and one reduction over all gradients.
+  static bool unscale_and_find_inf(std::vector<at::Tensor> grads, double inv_scale) {
+    if (grads.empty()) return false;
+    torch::NoGradGuard no_grad;
+    const auto opts = grads.front().options().dtype(at::kFloat);
+    if (grads.front().is_cuda()) {
+      at::Tensor found = at::zeros({1}, opts);
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, at::full({1}, inv_scale, opts));
+      return found.item<float>() != 0.0f;
+    }
+    if (inv_scale != 1.0) at::_foreach_mul_(grads, inv_scale);
+    std::vector<at::Tensor> bad;
+    for (const auto& g : grads) bad.push_back(at::logical_not(at::isfinite(g)).any());
+    return at::stack(bad).any().item<bool>();
+  }
+
+  bool all_finite(tk::Context& ctx) const { return !unscale_and_find_inf(grads_of(ctx), 1.0); }
 
   void boundary(tk::Context& ctx) {
     const double used = scale_;
     bool found_inf = overflow_;
-    if (!found_inf) {
-      torch::NoGradGuard no_grad;
-      const double inv = 1.0 / scale_;
-      for (const auto& p : ctx.model().parameters())
-        if (p.grad().defined()) p.mutable_grad().mul_(inv);
-      found_inf = !all_finite(ctx);
-    }
+    if (!found_inf) found_inf = unscale_and_find_inf(grads_of(ctx), 1.0 / scale_);
     overflow_ = false;
     ctx.metric("loss_scale", used);
     if (found_inf) {

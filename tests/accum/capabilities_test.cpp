@@ -324,6 +324,16 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(tkt::metric(two / "metrics.jsonl", "loss") == tkt::metric(one / "metrics.jsonl", "loss"));
   }
 
+  TEST_CASE("an effective batch composes with mixed precision and clipping in any listing order") {
+    const std::string mp = "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\n";
+    const std::string clip = "[[plugins]]\nname = \"clip\"\nmax_norm = 0.5\n";
+    const std::vector<std::string> f32 = {"run.dtype=\"float32\""};
+    const Trained by_steps = train(f32, with_accum("steps = 4") + mp + clip);
+    const Trained by_effective = train(f32, std::string(kBase) + clip + mp + "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 32\n");
+    CHECK(by_effective.plan.accumulation == 4);
+    CHECK(torch::equal(by_effective.params, by_steps.params));
+  }
+
   TEST_CASE("a ramp is refused without what it needs") {
     std::string e = plan_error({}, with_accum("steps = 4\nramp_from = 8\nramp_steps = 3"));
     CHECK(e.find("ramp_from: a ramp goes up to effective_batch: set effective_batch too") != std::string::npos);
