@@ -96,7 +96,9 @@ void Loop::micro_batch(Batch& batch) {
   emit(Event::MicroBatch);
   at::Tensor out = r_.model->forward(batch.input);
   ctx_.loss_ = (*r_.loss)(out, batch);
-  ctx_.loss_value_ = ctx_.loss_.item<double>();
+  // The loss stays on the device: no host read per micro-batch (loss_value() reads on demand).
+  ctx_.loss_item_ = ctx_.loss_.detach();
+  ctx_.loss_read_ = false;
   emit(Event::Loss);
   ctx_.loss_.backward();
   ctx_.loss_ = at::Tensor();
@@ -108,8 +110,9 @@ void Loop::micro_batch(Batch& batch) {
   t.micro_batches += 1;
   t.samples += batch.samples;
   t.tokens += batch.tokens;
-  t.loss_sum += ctx_.reduction_ == Reduction::Mean ? ctx_.loss_value_ * static_cast<double>(batch.tokens)
-                                                   : ctx_.loss_value_;
+  at::Tensor weighted = ctx_.loss_item_.to(at::kDouble);
+  if (ctx_.reduction_ == Reduction::Mean) weighted = weighted * static_cast<double>(batch.tokens);
+  t.loss = t.loss.defined() ? t.loss + weighted : weighted;
   emit(Event::Backward);
 }
 
@@ -120,8 +123,12 @@ bool Loop::optimizer_step() {
   ctx_.vetoed_by_.clear();
   ctx_.veto_advances_schedule_ = false;
   ctx_.metrics_.clear();
+  ctx_.deferred_.clear();
+  ctx_.flagged_.clear();
   emit(Event::Boundary);
-  // After the boundary: a sync plugin may have replaced the totals with sums over all ranks.
+  // After the boundary (a sync plugin may have replaced the totals with sums over all ranks):
+  // the step's one read from the device.
+  ctx_.read_step_values();
   const WindowTotals& t = ctx_.totals_;
   ctx_.window_loss_ = t.tokens > 0 ? t.loss_sum / static_cast<double>(t.tokens) : 0.0;
   const bool skipped = ctx_.step_vetoed();
@@ -296,6 +303,7 @@ FitResult Loop::fit(const Recipe& recipe) {
           if (!w) break;  // the policy drops the rest of this epoch
           ctx_.window_ = *w;
           ctx_.totals_ = WindowTotals{};
+          ctx_.host_reads_ = 0;
           in_window = true;
           if (back_off_ready()) opened = open_window(b);
         } else {

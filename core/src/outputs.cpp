@@ -34,7 +34,8 @@ JsonLine step_record(const LoopContext& ctx, int64_t epoch, bool skipped, double
       .add("samples", ctx.counters_.samples_seen)
       .add("tokens", ctx.counters_.tokens_seen)
       .add("wall_time", wall_time)
-      .add("peak_rss_mib", peak_rss_mib());
+      .add("peak_rss_mib", peak_rss_mib())
+      .add("host_reads", ctx.host_reads_);
   if (skipped) line.add("skipped", ctx.vetoed_by_ + ": " + ctx.veto_reason_);
   for (const auto& [k, v] : ctx.metrics_) line.add(k, v);
   return line;

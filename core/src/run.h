@@ -156,6 +156,11 @@ class LoopContext final : public Context {
   using Context::batch_;
   using Context::counters_;
   using Context::current_plugin_;
+  using Context::deferred_;
+  using Context::flagged_;
+  using Context::host_reads_;
+  using Context::loss_item_;
+  using Context::loss_read_;
   using Context::log_;
   using Context::loss_;
   using Context::loss_value_;
@@ -164,6 +169,7 @@ class LoopContext final : public Context {
   using Context::model_;
   using Context::optimizer_;
   using Context::output_dir_;
+  using Context::read_step_values;
   using Context::plan_;
   using Context::reduction_;
   using Context::status_;

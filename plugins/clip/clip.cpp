@@ -2,7 +2,8 @@
 //
 // Runs once per optimizer step, after gradient sync, normalization and unscaling (its contract
 // says so), never per micro-batch; with accumulation the norm is that of the whole window's
-// gradient. The total norm before clipping goes to metrics.jsonl as `grad_norm` every step.
+// gradient. The total norm before clipping goes to metrics.jsonl as `grad_norm` every step. No
+// value is read to the host: the norm and the factor stay on the device.
 // The arithmetic follows torch.nn.utils.clip_grad_norm_ / clip_grad_value_.
 #include <tk/abi.h>
 
@@ -44,35 +45,38 @@ class Clip final : public tk::Plugin {
     for (const auto& p : ctx.model().parameters())
       if (p.grad().defined()) grads.push_back(p.grad());
     if (grads.empty()) return;
-    const double norm = total_norm(grads);
-    ctx.metric("grad_norm", norm);
-    if (ctx.step_vetoed()) return;  // the step will not be taken (e.g. an fp16 overflow)
     torch::NoGradGuard no_grad;
+    // Everything stays on the device: the norm goes to the record through the core's one read.
+    const torch::Tensor norm = total_norm(grads);
+    ctx.metric("grad_norm", norm);
+    if (ctx.step_vetoed()) return;  // the step will not be taken (e.g. an overflow found on the host)
     if (max_value_ > 0) {
       for (auto& g : grads) g.clamp_(-max_value_, max_value_);
-    } else {
-      const double coef = max_norm_ / (norm + 1e-6);
-      if (coef >= 1.0) return;  // multiplying by the clamped 1.0 would change nothing
-      ++clipped_steps_;
-      for (auto& g : grads) g.mul_(coef);
+      return;
     }
+    // clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when that is below 1. A factor of
+    // exactly 1 leaves every gradient as it was.
+    const torch::Tensor coef = (max_norm_ / (norm + 1e-6)).clamp_max(1.0);
+    if (clipped_steps_.device() != coef.device()) clipped_steps_ = clipped_steps_.to(coef.device());
+    clipped_steps_ += (coef < 1.0).to(at::kLong);
+    for (auto& g : grads) g.mul_(coef);
   }
 
-  tk::StateDict state() const override { return {{"clipped_steps", torch::tensor(clipped_steps_)}}; }
-  void load_state(const tk::StateDict& s) override { clipped_steps_ = s.at("clipped_steps").item<int64_t>(); }
+  tk::StateDict state() const override { return {{"clipped_steps", clipped_steps_.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)}}; }
+  void load_state(const tk::StateDict& s) override { clipped_steps_ = s.at("clipped_steps").to(at::kLong).reshape({}); }
 
  private:
-  double total_norm(const std::vector<torch::Tensor>& grads) const {
-    torch::NoGradGuard no_grad;
+  /// The total norm of the gradients, a float64 scalar on their device.
+  torch::Tensor total_norm(const std::vector<torch::Tensor>& grads) const {
     std::vector<torch::Tensor> norms;
     norms.reserve(grads.size());
     for (const auto& g : grads) norms.push_back(at::linalg_vector_norm(g, norm_type_).to(at::kDouble));
     auto all = at::stack(norms);
-    return (std::isinf(norm_type_) ? all.max() : at::linalg_vector_norm(all, norm_type_)).item<double>();
+    return std::isinf(norm_type_) ? all.max() : at::linalg_vector_norm(all, norm_type_);
   }
 
   double max_norm_ = 1.0, norm_type_ = 2.0, max_value_ = 0.0;
-  int64_t clipped_steps_ = 0;
+  torch::Tensor clipped_steps_ = torch::zeros({}, at::kLong);  // steps whose gradients were scaled down
 };
 
 }  // namespace

@@ -208,14 +208,21 @@ class Ddp final : public tk::Plugin {
       if (average_) flat.div_(world_.size);
       unflatten(flat, bucket);
     }
-    auto totals = torch::tensor({static_cast<double>(ctx.totals().micro_batches), static_cast<double>(ctx.totals().samples),
-                                 static_cast<double>(ctx.totals().tokens), ctx.totals().loss_sum},
-                                torch::kDouble);
+    // The window's counts and its loss (still on the device) in one all-reduce; the counts come
+    // back to the host (normalization needs them there), the loss stays for the core's read.
+    tk::WindowTotals& t = ctx.totals();
+    const at::Device device = grads.empty() ? at::Device(at::kCPU) : grads.front().device();
+    auto totals = torch::tensor({static_cast<double>(t.micro_batches), static_cast<double>(t.samples),
+                                 static_cast<double>(t.tokens), 0.0},
+                                torch::kDouble)
+                      .to(device);
+    if (t.loss.defined()) totals.select(0, 3).copy_(t.loss);
     allreduce(totals);
-    ctx.totals().micro_batches = std::llround(totals[0].item<double>());
-    ctx.totals().samples = std::llround(totals[1].item<double>());
-    ctx.totals().tokens = std::llround(totals[2].item<double>());
-    ctx.totals().loss_sum = totals[3].item<double>();
+    const std::vector<double> counts = ctx.read(totals.slice(0, 0, 3));
+    t.micro_batches = std::llround(counts[0]);
+    t.samples = std::llround(counts[1]);
+    t.tokens = std::llround(counts[2]);
+    t.loss = totals.select(0, 3);
     ++syncs_;
     ctx.metric("ddp_sync_ms", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     ctx.metric("ddp_syncs", static_cast<double>(syncs_));

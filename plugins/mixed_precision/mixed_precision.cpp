@@ -108,6 +108,10 @@ class MixedPrecision final : public tk::Plugin {
     if (!scaling_) return decline(tk::Event::Boundary);  // bf16 needs no unscaling
     boundary(ctx);
   }
+  void on_step_end(tk::Context& ctx) override {
+    if (!scaling_) return decline(tk::Event::StepEnd);
+    step_end(ctx);
+  }
   void on_validation_start(tk::Context&) override { enter(); }
   void on_validation_end(tk::Context&) override { leave(); }
   void on_fit_end(tk::Context&) override { leave(); }
@@ -158,40 +162,51 @@ class MixedPrecision final : public tk::Plugin {
     return grads;
   }
 
-  /// Multiplies the gradients by `inv_scale` (1: leaves them) and tells whether any holds an inf
-  /// or a NaN, reading one flag from the device: on CUDA with the fused kernel GradScaler uses,
-  /// elsewhere with foreach ops and one reduction over all gradients.
-  static bool unscale_and_find_inf(std::vector<at::Tensor> grads, double inv_scale) {
-    if (grads.empty()) return false;
+  /// Multiplies the gradients by `inv_scale` (1: leaves them) and returns a flag on the device,
+  /// nonzero when any holds an inf or a NaN: on CUDA from the fused kernel GradScaler uses,
+  /// elsewhere from foreach ops and one reduction over all gradients. Nothing is read to the host.
+  static at::Tensor unscale_and_find_inf(std::vector<at::Tensor> grads, double inv_scale) {
     torch::NoGradGuard no_grad;
+    if (grads.empty()) return at::zeros({1});
     const auto opts = grads.front().options().dtype(at::kFloat);
     if (grads.front().is_cuda()) {
       at::Tensor found = at::zeros({1}, opts);
       at::_amp_foreach_non_finite_check_and_unscale_(grads, found, at::full({1}, inv_scale, opts));
-      return found.item<float>() != 0.0f;
+      return found;
     }
     if (inv_scale != 1.0) at::_foreach_mul_(grads, inv_scale);
     std::vector<at::Tensor> bad;
     for (const auto& g : grads) bad.push_back(at::logical_not(at::isfinite(g)).any());
-    return at::stack(bad).any().item<bool>();
+    return at::stack(bad).any().reshape({1});
   }
 
-  bool all_finite(tk::Context& ctx) const { return !unscale_and_find_inf(grads_of(ctx), 1.0); }
+  /// With check_every_micro_batch: a host read per micro-batch, as that option asks.
+  bool all_finite(tk::Context& ctx) const { return ctx.read(unscale_and_find_inf(grads_of(ctx), 1.0)).front() == 0.0; }
 
   void boundary(tk::Context& ctx) {
-    const double used = scale_;
-    bool found_inf = overflow_;
-    if (!found_inf) found_inf = unscale_and_find_inf(grads_of(ctx), 1.0 / scale_);
+    used_ = scale_;
+    ctx.metric("loss_scale", used_);
+    vetoed_here_ = overflow_;
+    if (overflow_) {
+      ctx.veto_step("gradient overflow (inf or NaN) at loss scale " + format(used_), advance_on_skip_);
+    } else {
+      // Unscaled and checked on the device; the core reads the flag with the step's other values
+      // and skips the step when it is set. The scale follows in on_step_end.
+      ctx.veto_step_if(unscale_and_find_inf(grads_of(ctx), 1.0 / scale_),
+                       "gradient overflow (inf or NaN) at loss scale " + format(used_), advance_on_skip_);
+    }
     overflow_ = false;
-    ctx.metric("loss_scale", used);
-    if (found_inf) {
-      scale_ *= backoff_;
+  }
+
+  /// The loss scale after the step: backed off after an overflow (the step was skipped), grown
+  /// after `growth_interval` steps without one.
+  void step_end(tk::Context& ctx) {
+    if (vetoed_here_ || ctx.flag_was_set()) {
+      scale_ = used_ * backoff_;
       tracker_ = 0;
       ++skipped_;
-      std::ostringstream why;
-      why << "gradient overflow; loss scale " << used << " -> " << scale_;
-      ctx.veto_step(why.str(), advance_on_skip_);
-      ctx.info("step " + std::to_string(ctx.counters().step + 1) + " skipped: " + why.str());
+      ctx.info("step " + std::to_string(ctx.counters().step) + " skipped: gradient overflow; loss scale " +
+               format(used_) + " -> " + format(scale_));
     } else if (++tracker_ == interval_) {
       scale_ *= growth_;
       tracker_ = 0;
@@ -199,10 +214,16 @@ class MixedPrecision final : public tk::Plugin {
     ctx.metric("amp_skipped_steps", static_cast<double>(skipped_));
   }
 
+  static std::string format(double v) {
+    std::ostringstream s;
+    s << v;
+    return s.str();
+  }
+
   bool fp16_ = false, scaling_ = false, check_each_ = false, advance_on_skip_ = false;
-  double scale_ = 65536.0, growth_ = 2.0, backoff_ = 0.5;
+  double scale_ = 65536.0, growth_ = 2.0, backoff_ = 0.5, used_ = 65536.0;
   int64_t interval_ = 2000, tracker_ = 0, skipped_ = 0;
-  bool overflow_ = false;
+  bool overflow_ = false, vetoed_here_ = false;
   std::vector<std::string> notes_;
   at::DeviceType device_ = at::kCPU;
   at::ScalarType dtype_ = at::kBFloat16;

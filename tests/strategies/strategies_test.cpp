@@ -326,6 +326,33 @@ TEST_SUITE("composition") {
     }
   }
 
+  TEST_CASE("one host read per optimizer step with accumulation, the loss scaler and clipping, whatever k and the model's size") {
+    std::vector<std::string> dtypes = {"bf16"};  // with loss_scale = "dynamic": the scaler's overflow check runs
+    if (fp16_available()) dtypes.push_back("fp16");
+    for (const auto& dt : dtypes)
+      for (int k : {2, 8})
+        for (const std::string hidden : {"[16]", "[64, 64, 64, 64, 64]"}) {
+          CAPTURE(dt);
+          CAPTURE(k);
+          CAPTURE(hidden);
+          // An overflow at step 2 too: the skipped step is decided from the same single read.
+          auto inject = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}});
+          auto r = run("[[plugins]]\nname = \"grad_accum\"\nsteps = " + std::to_string(k) + "\n" + scaler(dt) + kClip,
+                       {"run.steps=5", "model.hidden=" + hidden}, {inject}, "reads");
+          CHECK(tkt::metric(r.dir / "metrics.jsonl", "host_reads") == std::vector<double>(5, 1.0));
+          CHECK(tkt::skipped(r.dir / "metrics.jsonl") == std::vector<bool>{false, false, true, false, false});
+          fs::remove_all(r.dir);
+        }
+    // A plugin that asks for a micro-batch's loss on the host pays a read per micro-batch, counted.
+    struct Reader : tk::Plugin {
+      Reader() { set_name("reader"); }
+      void on_loss(tk::Context& ctx) override { ctx.loss_value(); }
+    };
+    auto r = run("[[plugins]]\nname = \"grad_accum\"\nsteps = 4\n", {"run.steps=2"}, {std::make_shared<Reader>()}, "reads-loss");
+    CHECK(tkt::metric(r.dir / "metrics.jsonl", "host_reads") == std::vector<double>(2, 5.0));
+    fs::remove_all(r.dir);
+  }
+
   TEST_CASE("a combination that cannot be correct is refused at load, naming both plugins") {
     auto text = std::string(kRecipe) + kClip + "[[plugins]]\nname = \"fake_clip\"\n";
     auto r = tkt::recipe({}, text.c_str());

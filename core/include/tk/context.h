@@ -57,8 +57,9 @@ class Context : public PluginLog {
   const Batch* batch() const noexcept { return batch_; }
   /// The tensor backward runs on (loss event); a plugin may replace it (a loss scale, say).
   at::Tensor& loss() noexcept { return loss_; }
-  /// This micro-batch's loss as computed, before any rescaling (loss and backward events).
-  double loss_value() const noexcept { return loss_value_; }
+  /// This micro-batch's loss as computed, before any rescaling (loss and backward events). Read
+  /// from the device when first asked for: a host synchronisation, counted in host_reads.
+  double loss_value() const;
   /// The true loss of the window over all ranks (step_end event).
   double window_loss() const noexcept { return window_loss_; }
   /// The validation loss (validation_end event).
@@ -73,17 +74,37 @@ class Context : public PluginLog {
 
   /// Adds a value to this step's record in metrics.jsonl (boundary and step_end events).
   void metric(const std::string& name, double value);
+  /// The same for a value still on the device (a 1-element tensor), given in on_boundary: the core
+  /// reads it with the step's other device values in its one read per step.
+  void metric(const std::string& name, const at::Tensor& value);
 
   /// Votes against the optimizer step of this window; the core skips it and counts it. The LR
   /// schedule stays where it is unless `advance_schedule`. The first veto of a window wins.
   void veto_step(const std::string& reason, bool advance_schedule = false);
-  /// Whether a plugin dispatched earlier in this boundary vetoed the step. Valid in on_boundary
-  /// (for plugins ordered after the vetoing one) and in on_step_end; false elsewhere.
+  /// Votes against the step if `flag` (a 1-element tensor on the device, given in on_boundary) is
+  /// nonzero, decided when the core reads it after the boundary, without a read of its own. Host
+  /// vetoes, and earlier flags, win.
+  void veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule = false);
+  /// Whether the step is vetoed: in on_boundary, by a host veto of a plugin dispatched earlier (a
+  /// veto_step_if is not known yet); in on_step_end, by any veto.
   bool step_vetoed() const noexcept { return !veto_reason_.empty(); }
+  /// Whether this plugin's veto_step_if flag of this step was set (step_end event), whichever
+  /// veto won.
+  bool flag_was_set() const;
+
+  /// Reads a tensor's values to the host (as float64, flattened), counted as one of the step's
+  /// host_reads (metrics.jsonl): for what a plugin must know on the host now. Prefer the deferred
+  /// metric() and veto_step_if().
+  std::vector<double> read(const at::Tensor& values) const;
+  /// Host reads of the current step so far: the core's one, loss_value() and read() calls.
+  int64_t host_reads() const noexcept { return host_reads_; }
 
  protected:
   Context() = default;
   ~Context() = default;
+  /// After the boundary event: reads the window's loss (totals().loss) and the deferred metrics
+  /// and veto flags to the host, all in one read, and applies them.
+  void read_step_values();
 
   Model* model_ = nullptr;
   torch::optim::Optimizer* optimizer_ = nullptr;
@@ -94,10 +115,22 @@ class Context : public PluginLog {
   WindowTotals totals_;
   const Batch* batch_ = nullptr;
   at::Tensor loss_;
-  double loss_value_ = 0.0, window_loss_ = 0.0, validation_loss_ = 0.0, lr_ = 0.0;
+  at::Tensor loss_item_;  // this micro-batch's loss, detached, on the device
+  mutable double loss_value_ = 0.0;
+  mutable bool loss_read_ = false;
+  mutable int64_t host_reads_ = 0;
+  double window_loss_ = 0.0, validation_loss_ = 0.0, lr_ = 0.0;
   std::filesystem::path output_dir_;
   FitStatus status_ = FitStatus::Running;
   std::vector<std::pair<std::string, double>> metrics_;
+  struct Deferred {  // a device value read after the boundary: a metric, or a veto flag
+    std::string name;  // the metric's; the veto's reason
+    at::Tensor value;
+    std::string plugin;
+    bool veto = false, advance_schedule = false;
+  };
+  std::vector<Deferred> deferred_;
+  std::vector<std::string> flagged_;  // plugins whose veto flag of this step was set
   std::string veto_reason_, vetoed_by_;
   bool veto_advances_schedule_ = false;
 };

@@ -1,5 +1,6 @@
 #pragma once
 /// The engine's vocabulary: the shape of a run, where a micro-batch sits in its window, counters.
+#include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 
 #include <cstdint>
@@ -47,7 +48,11 @@ struct WindowTotals {
   int64_t micro_batches = 0;  ///< micro-batches whose backward is done
   int64_t samples = 0;        ///< their examples
   int64_t tokens = 0;         ///< their counted target items
-  double loss_sum = 0.0;      ///< sum of item-weighted losses, for the true window loss
+  /// Sum of the micro-batches' item-weighted losses, on the device (float64, 0-dim; undefined
+  /// before the first backward). It stays there until the boundary; a sync plugin all-reduces it
+  /// in place. The core reads it once per step, after the boundary event, into loss_sum.
+  at::Tensor loss;
+  double loss_sum = 0.0;      ///< `loss` read to the host (after the boundary event), for the true window loss
 };
 
 /// How long a run trains: a number of epochs or a number of optimizer steps, never both.

@@ -32,7 +32,10 @@ class ManualContext final : public Context {
   Counters& mutable_counters() noexcept { return counters_; }
   void set_window(const Window& w) noexcept { window_ = w; }
   void set_batch(const Batch* b) noexcept { batch_ = b; }
-  void set_loss_value(double v) noexcept { loss_value_ = v; }
+  void set_loss_value(double v) noexcept {
+    loss_value_ = v;
+    loss_read_ = true;
+  }
   void set_window_loss(double v) noexcept { window_loss_ = v; }
   void set_validation_loss(double v) noexcept { validation_loss_ = v; }
   void set_lr(double v) noexcept { lr_ = v; }
@@ -54,14 +57,18 @@ class ManualContext final : public Context {
   /// Forgets the metrics and the veto, as the core does before each boundary.
   void clear_step() {
     metrics_.clear();
+    deferred_.clear();
     veto_reason_.clear();
     vetoed_by_.clear();
     veto_advances_schedule_ = false;
   }
-  /// Calls the hook of `e` on `p` as the core does (with `p`'s name as the current plugin).
+  /// Calls the hook of `e` on `p` as the core does (with `p`'s name as the current plugin). After
+  /// a boundary hook, what the plugin left on the device (metrics, veto flags) is read, as the
+  /// core reads it after the boundary event.
   void call(Plugin& p, Event e) {
     current_plugin_ = p.name();
     dispatch(p, e, *this);
+    if (e == Event::Boundary) read_step_values();
     current_plugin_.clear();
   }
 };
