@@ -10,35 +10,13 @@
 #include <cmath>
 #include <functional>
 
+#include "recipe.h"
 #include "support.h"
 
 using torch::Tensor;
 
 namespace {
 
-const char* kAccumRecipe = R"(
-[run]
-seed = 11
-steps = 5
-dtype = "float64"
-
-[model]
-name = "mlp"
-hidden = [24, 16]
-activation = "tanh"
-
-[data]
-name = "synthetic-classification"
-samples = 256
-validation_samples = 0
-features = 10
-classes = 5
-micro_batch = 8
-
-[optimizer]
-name = "sgd"
-lr = 0.1
-)";
 
 struct Run {
   Tensor params;

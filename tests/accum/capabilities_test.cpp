@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "recipe.h"
 #include "support.h"
 
 namespace fs = std::filesystem;
@@ -16,38 +17,14 @@ using torch::Tensor;
 
 namespace {
 
-const char* kBase = R"(
-[run]
-seed = 11
-steps = 5
-dtype = "float64"
-
-[model]
-name = "mlp"
-hidden = [24, 16]
-activation = "tanh"
-
-[data]
-name = "synthetic-classification"
-samples = 256
-validation_samples = 0
-features = 10
-classes = 5
-micro_batch = 8
-
-[optimizer]
-name = "sgd"
-lr = 0.1
-)";
-
-/// kBase without its micro_batch line (the default of 32 then applies unless inferred).
+/// kAccumRecipe without its micro_batch line (the default of 32 then applies unless inferred).
 std::string without_micro_batch() {
-  std::string s = kBase;
+  std::string s = kAccumRecipe;
   s.erase(s.find("micro_batch = 8\n"), 16);
   return s;
 }
 
-std::string with_accum(const std::string& accum, const std::string& base = kBase) {
+std::string with_accum(const std::string& accum, const std::string& base = kAccumRecipe) {
   return base + "[[plugins]]\nname = \"grad_accum\"\n" + accum + "\n";
 }
 
@@ -195,7 +172,7 @@ TEST_SUITE("accumulation capabilities") {
     tk::Trainer a(tkt::recipe({}, (with_accum("effective_batch = 64") + ddp).c_str()), tkt::quiet());
     CHECK(a.plan().accumulation == 4);  // 64 / (8 x 2)
     CHECK(a.plan().effective_batch() == 64);
-    tk::Trainer b(tkt::recipe({}, (std::string(kBase) + ddp + "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 64\n").c_str()),
+    tk::Trainer b(tkt::recipe({}, (std::string(kAccumRecipe) + ddp + "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 64\n").c_str()),
                   tkt::quiet());
     CHECK(b.plan().accumulation == 4);
     std::string e = plan_error({}, with_accum("effective_batch = 33") + ddp);
@@ -280,7 +257,7 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(ramp.result.steps == 10);
     CHECK(ramp.capture->lrs.size() == 10);  // the schedule counts optimizer steps
     Tensor ref_params;
-    const auto ref = big_batch_grads(kBase, windows_of(256, 8, sizes, 11), &ref_params);
+    const auto ref = big_batch_grads(kAccumRecipe, windows_of(256, 8, sizes, 11), &ref_params);
     REQUIRE(ref.size() == ramp.capture->grads.size());
     for (size_t i = 0; i < ref.size(); ++i) {
       CAPTURE(i);
@@ -329,7 +306,7 @@ TEST_SUITE("accumulation capabilities") {
     const std::string clip = "[[plugins]]\nname = \"clip\"\nmax_norm = 0.5\n";
     const std::vector<std::string> f32 = {"run.dtype=\"float32\""};
     const Trained by_steps = train(f32, with_accum("steps = 4") + mp + clip);
-    const Trained by_effective = train(f32, std::string(kBase) + clip + mp + "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 32\n");
+    const Trained by_effective = train(f32, std::string(kAccumRecipe) + clip + mp + "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 32\n");
     CHECK(by_effective.plan.accumulation == 4);
     CHECK(torch::equal(by_effective.params, by_steps.params));
   }
