@@ -8,6 +8,7 @@ packages=(
   libboost-dev libboost-filesystem-dev zlib1g-dev
   libtomlplusplus-dev libspdlog-dev libfmt-dev doctest-dev libgloo-dev libcli11-dev nlohmann-json3-dev
   python3 python3-torch
+  chromium
   dataset-fashion-mnist fortunes
 )
 

@@ -252,6 +252,7 @@ FitResult Loop::fit(const Recipe& recipe) {
     return result;
   }
   outputs.open(resumed);
+  outputs.status("running", resumed ? resumed->position.counters.step : 0);
   int64_t start_epoch = 0, start_batch = 0;
   if (resumed) {
     // The checkpoint counts micro-batches in the size it trained with: after a back-off from an
@@ -372,10 +373,22 @@ FitResult Loop::fit(const Recipe& recipe) {
     if (opts_.on_failure) opts_.on_failure();
     progress.finish();
     fit_end_after_failure();
+    try {
+      std::string what = "an unknown exception";
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        what = message_of(e);
+      } catch (...) {
+      }
+      outputs.status("failed", c.step, what);
+    } catch (...) {  // the run's own error is the one to report
+    }
     throw;
   }
   progress.finish();
   outputs.finish(r_, trace_);
+  outputs.status(to_string(result.status), c.step);
   result.stopped = result.status == FitStatus::StoppedBySignal ? "signal"
                    : result.status == FitStatus::StoppedByTime ? "max_time" : "";
   result.steps = c.step;

@@ -1,5 +1,8 @@
 // What a run writes: the output folder, its metrics records, checkpoints, weights and trace.
 #include <sys/resource.h>
+#include <unistd.h>
+
+#include <ctime>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -41,10 +44,14 @@ JsonLine step_record(const LoopContext& ctx, int64_t epoch, bool skipped, double
   return line;
 }
 
+fs::path output_dir_of(const Run& run) {
+  const std::string& o = run.run.get_string("output");
+  return o.empty() ? fs::path("runs") / run.run.get_string("name") : fs::path(o);
+}
+
 RunOutputs::RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts)
     : resuming_(opts.resume.has_value()), overwrite_(opts.overwrite), recipe_(recipe) {
-  const std::string& o = run.run.get_string("output");
-  dir_ = o.empty() ? fs::path("runs") / run.run.get_string("name") : fs::path(o);
+  dir_ = output_dir_of(run);
   active_ = opts.write_outputs && run.plan.rank == 0;  // one rank writes for the world
   identity_ = run_identity(run, recipe);
 }
@@ -78,7 +85,7 @@ void RunOutputs::claim() {
                 "): continue it with --resume latest, replace it with --overwrite, or give this run another "
                 "run.output");
   spdlog::warn("--overwrite: deleting the run in '{}' ({})", dir_.string(), join(found.data(), found.data() + found.size()));
-  for (const char* f : {"metrics.jsonl", "weights.pt", "trace.jsonl", "recipe.toml", "checkpoints"}) {
+  for (const char* f : {"metrics.jsonl", "weights.pt", "trace.jsonl", "recipe.toml", "status.json", "report.html", "checkpoints"}) {
     fs::remove_all(dir_ / f, ec);
     if (ec) throw Error("cannot delete '" + (dir_ / f).string() + "': " + ec.message());
   }
@@ -135,6 +142,14 @@ void RunOutputs::write_weights(const Run& run) const {
 }
 
 bool RunOutputs::has_weights() const { return fs::exists(dir_ / "weights.pt"); }
+
+void RunOutputs::status(const char* state, int64_t step, const std::string& detail) const {
+  if (!active_) return;
+  nlohmann::json s = {{"status", state}, {"step", step}, {"pid", static_cast<int64_t>(getpid())},
+                      {"time", static_cast<int64_t>(std::time(nullptr))}};
+  if (!detail.empty()) s["detail"] = detail;
+  write_atomic(dir_ / "status.json", s.dump() + "\n");
+}
 
 void RunOutputs::finish(const Run& run, const std::vector<TraceEntry>& trace) {
   if (!active_) return;

@@ -209,6 +209,10 @@ class RunOutputs {
   /// weights.pt alone (a resumed run that was already complete, killed before it wrote them).
   void write_weights(const Run& run) const;
   bool has_weights() const;
+  /// status.json: where the run stands ("running", "completed", "max_time", "signal", "failed"),
+  /// its step, and for a failure the error. Replaced atomically; a run killed outright leaves
+  /// "running" behind, with the PID that held the folder.
+  void status(const char* state, int64_t step, const std::string& detail = {}) const;
 
  private:
   bool active_ = false, resuming_ = false, overwrite_ = false;
@@ -219,6 +223,8 @@ class RunOutputs {
   AppendFile metrics_;
 };
 
+/// The folder a run writes: run.output, else runs/<run.name>.
+std::filesystem::path output_dir_of(const Run& run);
 /// The metrics record of the step just taken.
 JsonLine step_record(const LoopContext& ctx, int64_t epoch, bool skipped, double wall_time);
 /// Peak resident memory of this process so far, in MiB.

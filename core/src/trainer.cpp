@@ -100,6 +100,9 @@ const RunPlan& Trainer::plan() {
 }
 const DataSplits& Trainer::data() const { return impl_->run.data; }
 const Recipe& Trainer::recipe() const { return impl_->recipe; }
+std::filesystem::path Trainer::output_dir() const {
+  return impl_->options.write_outputs ? detail::output_dir_of(impl_->run) : std::filesystem::path();
+}
 const Registry& Trainer::registry() const { return impl_->run.registry; }
 const std::vector<TraceEntry>& Trainer::trace() const { return impl_->trace; }
 const std::vector<std::string>& Trainer::warnings() const { return impl_->run.warnings; }

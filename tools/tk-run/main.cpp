@@ -9,6 +9,7 @@
 #include <tk/trainer.h>
 
 #include "launch.h"
+#include "report.h"
 
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -153,6 +155,20 @@ int print_accumulation_check(const tk::AccumulationCheck& c) {
   return kExitFailed;
 }
 
+/// --report: the run's page (tk-report), written into its output folder however the run ended.
+void write_report(const tk::Trainer& trainer) {
+  const std::filesystem::path dir = trainer.output_dir();
+  const char* rank = std::getenv("RANK");
+  if (dir.empty() || (rank && std::strcmp(rank, "0") != 0) || !std::filesystem::exists(dir / "metrics.jsonl")) return;
+  try {
+    const auto written = tk::report::write({dir}, dir / "report.html");
+    for (const auto& w : written.warnings) spdlog::warn("report: {}", w);
+    std::printf("report: %s\n", written.file.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tk-run: could not write the report: %s\n", e.what());
+  }
+}
+
 }  // namespace
 
 /// OpenMP worker threads that spin after each parallel region fight OpenBLAS's own threads for the
@@ -170,7 +186,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Trains the run a TOML recipe describes and writes it to the recipe's output folder.", "tk-run"};
   std::string recipe_path, level = "info", progress = "auto", resume;
   std::vector<std::string> overrides;
-  bool dry_run = false, list = false, version = false, verify = false;
+  bool dry_run = false, list = false, version = false, verify = false, report = false;
   tk::TrainerOptions topts;
   tk::LaunchOptions launch;
   app.add_option("recipe", recipe_path, "the recipe (TOML) to train");
@@ -184,6 +200,9 @@ int main(int argc, char** argv) {
                "compare the first step's gradient accumulated over its micro-batches with one batch of the same "
                "examples (float64, the recipe's model and data), name what makes them differ; exit 1 when they "
                "differ beyond the dtype's tolerance; no training");
+  app.add_flag("--report", report,
+               "when the run ends (completed, stopped or failed), write report.html into its output folder: its "
+               "charts and summary (tk-report)");
   app.add_option("--resume", resume,
                  "continue a run from a checkpoint folder, or \"latest\" (of the recipe's output); with the same "
                  "recipe, the result is bit-identical to an uninterrupted run")
@@ -318,6 +337,7 @@ int main(int argc, char** argv) {
       if (r.already_complete) {
         std::printf("the run in %s is already complete (step %lld, checkpoint %s); nothing was trained or changed\n",
                     r.output_dir.c_str(), static_cast<long long>(r.steps), r.checkpoint.c_str());
+        if (report) write_report(*trainer);
         return 0;
       }
       std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps),
@@ -329,6 +349,7 @@ int main(int argc, char** argv) {
       std::printf("; peak memory %.0f MiB", r.peak_rss_mib);
       std::printf("\n");
       if (!r.output_dir.empty()) std::printf("wrote %s/{recipe.toml,metrics.jsonl,weights.pt}\n", r.output_dir.c_str());
+      if (report) write_report(*trainer);
       if (!r.stopped.empty()) {
         // The command that continues this very run: the same recipe, overrides and world.
         std::string cmd = shell_quote(argv[0]);
@@ -346,6 +367,7 @@ int main(int argc, char** argv) {
     } catch (const std::exception& e) {
       spdlog::error("{}", e.what());
       std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in its output folder\n");
+      if (report) write_report(*trainer);
       return kExitFailed;
     }
   } catch (const std::exception& e) {

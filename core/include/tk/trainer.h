@@ -113,6 +113,8 @@ class Trainer {
   torch::optim::Optimizer& optimizer();
   const RunPlan& plan();
   const DataSplits& data() const;
+  /// The folder the run writes (run.output, else runs/<run.name>); empty when outputs are off.
+  std::filesystem::path output_dir() const;
   /// The Trainer's own copy of the recipe; resolved() gives what its output folder's recipe.toml holds.
   const Recipe& recipe() const;
   /// Every component and plugin the run's libraries registered.

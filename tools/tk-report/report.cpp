@@ -1,0 +1,252 @@
+// The report: each run folder read into one JSON document, embedded with the page's script, its
+// style and the charting library (all compiled in, see assets.cmake) into one HTML file.
+#include "report.h"
+
+#include <sys/stat.h>
+
+#include <nlohmann/json.hpp>
+#include <tk/output.h>
+#include <toml++/toml.h>
+
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "assets.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace tk::report {
+namespace {
+
+std::string read_text(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+/// Keys whose records are validations, not training steps.
+bool is_validation_key(const std::string& key) { return key.rfind("validation_", 0) == 0; }
+
+/// A record is a training step's when it has the step's own figures; the validation that closes a
+/// run has a record with only `step` and its validation figures.
+bool is_step_record(const json& r) { return r.contains("loss") || r.contains("lr") || r.contains("wall_time"); }
+
+/// Column-wise tables: one array per key, null where a record lacks it; text values go to events.
+struct Table {
+  std::vector<std::string> keys;  // in the order they first appear
+  std::map<std::string, std::vector<json>> columns;
+  size_t rows = 0;
+
+  void add(const json& record, const std::function<bool(const std::string&)>& take) {
+    for (auto& [k, col] : columns) col.emplace_back(nullptr);
+    ++rows;
+    for (const auto& [k, v] : record.items()) {
+      if (!take(k) || !(v.is_number() || v.is_boolean() || v.is_null())) continue;
+      auto [it, fresh] = columns.try_emplace(k, std::vector<json>(rows, nullptr));
+      if (fresh) keys.push_back(k);
+      it->second.back() = v.is_boolean() ? json(v.get<bool>() ? 1 : 0) : v;
+    }
+  }
+  json to_json() const {
+    json out = json::object();
+    for (const auto& k : keys) out[k] = columns.at(k);
+    return out;
+  }
+};
+
+/// metrics.jsonl as tables. A line that is not a JSON object with an integer `step` is skipped
+/// with a warning, but for a last line without its newline: a record being written, or torn by a
+/// kill, which is said once in the run's notes. A step at or before one already read means the
+/// run went back (a resume): the records it replaced are dropped.
+void read_metrics(const fs::path& file, json& run, std::vector<std::string>& warnings) {
+  std::vector<json> records;
+  run["steps"] = run["validation"] = json::object();
+  run["events"] = json::array();
+  std::error_code ec;
+  if (!fs::exists(file, ec)) {
+    run["notes"].push_back("no metrics.jsonl: no step has been recorded");
+    return;
+  }
+  const std::string text = read_text(file);
+  size_t pos = 0, line_no = 0;
+  while (pos < text.size()) {
+    const size_t end = text.find('\n', pos);
+    const bool whole = end != std::string::npos;
+    const std::string line = text.substr(pos, whole ? end - pos : std::string::npos);
+    pos = whole ? end + 1 : text.size();
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    json r = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const bool ok = !r.is_discarded() && r.is_object() && r.contains("step") && r["step"].is_number_integer();
+    if (!ok) {
+      if (!whole) {
+        run["notes"].push_back("the last line of metrics.jsonl is incomplete (being written, or cut by a kill): left out");
+      } else {
+        warnings.push_back(file.string() + ":" + std::to_string(line_no) +
+                           ": not a metrics record (a JSON object with an integer \"step\"): skipped");
+        run["skipped_lines"] = run.value("skipped_lines", 0) + 1;
+      }
+      continue;
+    }
+    const int64_t step = r["step"].get<int64_t>();
+    while (!records.empty() && records.back()["step"].get<int64_t>() >= step &&
+           (is_step_record(r) || records.back()["step"].get<int64_t>() > step))
+      records.pop_back();
+    records.push_back(std::move(r));
+  }
+  Table steps, validation;
+  json events = json::array();
+  for (const auto& r : records) {
+    if (is_step_record(r)) steps.add(r, [](const std::string& k) { return !is_validation_key(k); });
+    bool has_validation = false;
+    for (const auto& [k, v] : r.items()) has_validation |= is_validation_key(k);
+    if (has_validation)
+      validation.add(r, [](const std::string& k) { return k == "step" || is_validation_key(k); });
+    for (const auto& [k, v] : r.items())
+      if (v.is_string()) events.push_back({{"step", r["step"]}, {"key", k}, {"text", v}});
+  }
+  run["steps"] = steps.to_json();
+  run["validation"] = validation.to_json();
+  run["events"] = std::move(events);
+}
+
+/// The resolved recipe as "section.key" -> value text, [[plugins]] by name ("plugins.clip.max_norm").
+void flatten(const toml::table& table, const std::string& prefix, json& out) {
+  for (const auto& [key, node] : table) {
+    const std::string name = prefix + std::string(key.str());
+    if (const auto* t = node.as_table()) {
+      flatten(*t, name + ".", out);
+    } else if (const auto* a = node.as_array(); a && a->is_array_of_tables()) {
+      std::map<std::string, int> seen;
+      for (const auto& item : *a) {
+        const auto* t = item.as_table();
+        std::string id = t ? t->at_path("name").value_or(std::string()) : std::string();
+        if (id.empty()) id = std::to_string(seen.size());
+        if (++seen[id] > 1) id += "#" + std::to_string(seen[id]);
+        if (t) flatten(*t, name + "." + id + ".", out);
+      }
+    } else {
+      std::ostringstream s;
+      node.visit([&s](const auto& v) { s << v; });
+      out[name] = s.str();
+    }
+  }
+}
+
+/// The PID holding a flock(2) on `file`, from /proc/locks; 0 when none does.
+long lock_holder(const fs::path& file) {
+  struct stat st {};
+  if (stat(file.c_str(), &st) != 0) return 0;
+  std::ifstream locks("/proc/locks");
+  for (std::string line; std::getline(locks, line);) {
+    std::istringstream in(line);
+    std::string id, kind, mode, access, dev;
+    long pid = 0;
+    if (!(in >> id >> kind)) continue;
+    if (kind == "->") in >> kind;  // a waiter
+    if (!(in >> mode >> access >> pid >> dev) || kind != "FLOCK") continue;
+    const auto colon = dev.rfind(':');
+    if (colon != std::string::npos && std::stoull(dev.substr(colon + 1)) == static_cast<unsigned long long>(st.st_ino))
+      return pid;
+  }
+  return 0;
+}
+
+/// Where the run stands: status.json as the run last wrote it, checked against the folder's lock
+/// (a "running" run whose lock nobody holds was killed).
+json read_status(const fs::path& dir) {
+  json s = json::object();
+  if (fs::exists(dir / "status.json")) {
+    s = json::parse(read_text(dir / "status.json"), nullptr, false);
+    if (s.is_discarded() || !s.is_object()) s = {{"status", "unknown"}, {"detail", "status.json is damaged"}};
+  } else {
+    // A folder written before runs recorded their status.
+    s["status"] = fs::exists(dir / "weights.pt") ? "completed" : "unknown";
+  }
+  const long holder = lock_holder(dir / ".tk-lock");
+  if (s.value("status", "") == "running" && holder == 0) {
+    s["status"] = "interrupted";
+    s["detail"] = "the process ended without recording how (killed, or the machine stopped); continue it with "
+                  "--resume latest";
+  } else if (holder != 0) {
+    s["status"] = "running";
+    s["pid"] = holder;
+  }
+  return s;
+}
+
+json read_run(const fs::path& dir, std::vector<std::string>& warnings) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) throw NotARun(dir.string() + ": no such folder");
+  const bool has_metrics = fs::exists(dir / "metrics.jsonl"), has_recipe = fs::exists(dir / "recipe.toml");
+  if (!has_metrics && !has_recipe)
+    throw NotARun(dir.string() + ": not a run's output folder (it has neither metrics.jsonl nor recipe.toml)");
+  json run = {{"path", dir.string()}, {"notes", json::array()}};
+  run["status"] = read_status(dir);
+  read_metrics(dir / "metrics.jsonl", run, warnings);
+  run["recipe"] = json::object();
+  if (has_recipe) {
+    run["recipe_text"] = read_text(dir / "recipe.toml");
+    try {
+      flatten(toml::parse(run["recipe_text"].get<std::string>()), "", run["recipe"]);
+    } catch (const toml::parse_error& e) {
+      warnings.push_back((dir / "recipe.toml").string() + ":" + std::to_string(e.source().begin.line) + ": " +
+                         std::string(e.description()) + ": its values are left out of the comparison");
+    }
+  } else {
+    run["notes"].push_back("no recipe.toml");
+  }
+  return run;
+}
+
+/// Names for the runs: their folders' names, or more of their paths where those repeat.
+void name_runs(json& runs) {
+  std::map<std::string, int> count;
+  for (const auto& r : runs) ++count[fs::path(r["path"].get<std::string>()).lexically_normal().filename().string()];
+  for (auto& r : runs) {
+    fs::path p = fs::path(r["path"].get<std::string>()).lexically_normal();
+    if (p.filename().empty()) p = p.parent_path();
+    std::string name = p.filename().string();
+    if (count[name] > 1 || name.empty() || name == ".") name = p.string();
+    r["name"] = name;
+  }
+}
+
+/// `text` with `marker` replaced by `with` (once; the template has each marker once).
+void fill(std::string& text, const std::string& marker, const std::string& with) {
+  const auto at = text.find(marker);
+  if (at == std::string::npos) throw std::logic_error("report template: no " + marker);
+  text.replace(at, marker.size(), with);
+}
+
+}  // namespace
+
+std::string render(const std::vector<fs::path>& dirs, std::vector<std::string>& warnings) {
+  json doc = {{"runs", json::array()}, {"generated", static_cast<int64_t>(std::time(nullptr))}};
+  for (const auto& d : dirs) doc["runs"].push_back(read_run(d, warnings));
+  name_runs(doc["runs"]);
+  doc["warnings"] = warnings;
+  // In a <script> element only "</" can end it early; "<\/" is the same JSON string.
+  std::string data = doc.dump(-1, ' ', false, json::error_handler_t::replace);
+  for (size_t at = 0; (at = data.find("</", at)) != std::string::npos; at += 3) data.replace(at, 2, "<\\/");
+  std::string page(assets::kPage);
+  fill(page, "/*TK_STYLE*/", std::string(assets::kUplotCss) + "\n" + assets::kStyle);
+  fill(page, "/*TK_UPLOT*/", assets::kUplotJs);
+  fill(page, "/*TK_SCRIPT*/", assets::kScript);
+  fill(page, "/*TK_DATA*/", data);
+  return page;
+}
+
+Written write(const std::vector<fs::path>& runs, const fs::path& out) {
+  Written w{out, {}};
+  write_atomic(out, render(runs, w.warnings));
+  return w;
+}
+
+}  // namespace tk::report
