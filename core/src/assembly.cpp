@@ -32,6 +32,10 @@ OptionSpecs run_specs() {
           opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
           opt_int("threads", 0, "intra-op CPU threads (0: LibTorch's default)"),
           opt_bool("trace", false, "record every plugin dispatch in trace.jsonl"),
+          opt_string("prefetch", "auto",
+                     "prepare the next micro-batch while the current one trains (auto: on CUDA, and on the CPU "
+                     "when preparing data takes a noticeable share of a micro-batch); the results are the same",
+                     {"auto", "on", "off"}),
           opt_int("checkpoint_every", 0, "optimizer steps between checkpoints (0: only at the end)"),
           opt_int("checkpoint_keep", 3, "newest checkpoints to keep"),
           opt_string("max_time", "", "stop at the first boundary after this long, e.g. \"90s\", \"10m\", \"2h\" (\"\": no limit)")};
@@ -484,7 +488,8 @@ RunIdentity run_identity(const Run& r, const Recipe& recipe) {
   // What may change between a run and its resume without changing what it trains.
   static const std::set<std::string> kMayChange = {"run.name",           "run.output",         "run.max_time",
                                                    "run.log_every",      "run.validate_every", "run.trace",
-                                                   "run.checkpoint_every", "run.checkpoint_keep"};
+                                                   "run.checkpoint_every", "run.checkpoint_keep",
+                                                   "run.prefetch"};
   RunIdentity id;
   id.world_size = r.plan.world_size;
   for (auto& [k, v] : recipe.resolved_values())

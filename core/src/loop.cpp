@@ -7,6 +7,7 @@
 #include <cmath>
 #include <mutex>
 
+#include "prefetch.h"
 #include "run.h"
 
 namespace fs = std::filesystem;
@@ -293,6 +294,8 @@ FitResult Loop::fit(const Recipe& recipe) {
     // A micro-batch picked by memory: each step's record says how much it took.
     std::optional<MemoryMeter> meter;
     if (r_.plan.micro_batch_auto) meter.emplace(r_);
+    Prefetcher prefetch(r_, *r_.data.train);
+    if (prefetch.active()) spdlog::debug("prefetch: on ({})", prefetch.reason());
     for (int64_t epoch = start_epoch; !done && (r_.bound.by_steps() || epoch < r_.bound.count); ++epoch) {
       at::Tensor order = r_.shard_order(epoch);
       c.epoch = epoch;
@@ -311,7 +314,10 @@ FitResult Loop::fit(const Recipe& recipe) {
           ++ctx_.window_.index;
         }
         const int64_t m = r_.plan.micro_batch;
-        Batch batch = r_.fetch(*r_.data.train, order.slice(0, b * m, std::min(n_, (b + 1) * m)));
+        auto indices = [&](int64_t i) { return order.slice(0, i * m, std::min(n_, (i + 1) * m)); };
+        Batch batch = prefetch.take({epoch, b, m}, indices(b));
+        // The next micro-batch of this epoch is made while this one trains.
+        if (b + 1 < r_.batches_per_epoch) prefetch.ahead({epoch, b + 1, m}, indices(b + 1));
         ctx_.batch_ = &batch;
         c.batch_in_epoch = b;
         try {

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -277,5 +278,60 @@ TEST_SUITE("extension") {
     }
     CHECK(t->describe().find("recipe        test.toml") == 0);
     CHECK(t->fit().steps == 6);
+  }
+  TEST_CASE("prefetch: the next micro-batch is made on another thread; the run is bit-identical; errors come at their micro-batch") {
+    const fs::path dir = tkt::temp_dir("prefetch");
+    fs::create_directories(dir);
+    struct Ran {
+      torch::Tensor params;
+      std::vector<double> losses;
+      std::vector<std::string> threads;
+    };
+    auto run = [&](const std::string& mode, const std::vector<std::string>& sets = {}) {
+      const fs::path calls = dir / ("calls-" + mode + ".txt");
+      fs::remove(calls);
+      std::string text = with_library(kToyRecipe, kFixtures / "tk_toy_components.so") +
+                         "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
+      tk::Trainer t(tkt::recipe(sets + std::vector<std::string>{"run.prefetch=\"" + mode + "\"", "run.steps=40",
+                                                                 "data.calls_file=\"" + calls.string() + "\""},
+                                text.c_str()),
+                    tkt::quiet());
+      Ran out;
+      out.losses = t.fit().window_losses;
+      out.params = tkt::flat_params(t.model());
+      std::ifstream in(calls);
+      for (std::string line; std::getline(in, line);) out.threads.push_back(line);
+      return out;
+    };
+    auto count = [](const std::vector<std::string>& v, const char* what) { return std::count(v.begin(), v.end(), what); };
+    const Ran off = run("off"), on = run("on");
+    // Before training, the data check reads the split and one micro-batch (2 calls). 150 examples
+    // in micro-batches of 16: 10 per epoch, in steps of 3, 3, 3 and 1: 40 steps in 10 epochs.
+    REQUIRE(off.threads.size() == 2 + 100);
+    CHECK(count(off.threads, "main") == 2 + 100);
+    CHECK(on.threads.size() == 2 + 100);
+    CHECK(count(on.threads, "main") == 2 + 10);  // the first micro-batch of each epoch
+    CHECK(torch::equal(on.params, off.params));
+    CHECK(on.losses == off.losses);
+
+    // auto on the CPU: on once preparing data is a noticeable share of each micro-batch.
+    const Ran slow = run("auto", {"data.prepare_ms=4"});
+    CHECK(torch::equal(slow.params, off.params));
+    CHECK(count(slow.threads, "background") > 80);
+    // It decided after timing 9 micro-batches made in place.
+    CHECK(std::find(slow.threads.begin(), slow.threads.end(), "background") - slow.threads.begin() == 2 + 9);
+
+    // The data set's error ends the run at the micro-batch that needs it, with the same steps
+    // taken as without prefetch.
+    for (const char* mode : {"off", "on"}) {
+      CAPTURE(mode);
+      std::string text = with_library(kToyRecipe, kFixtures / "tk_toy_components.so");
+      tk::Trainer t(tkt::recipe({std::string("run.prefetch=\"") + mode + "\"", "data.fail_at_get=8"}, text.c_str()),
+                    tkt::quiet());
+      auto probe = std::make_shared<StatusProbe>();
+      t.add_plugin(probe, {});
+      CHECK_THROWS_WITH(t.fit(), doctest::Contains("injected data failure at get 8"));  // micro-batch 6
+      CHECK(probe->boundaries == 5);
+    }
   }
 }

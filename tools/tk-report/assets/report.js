@@ -50,6 +50,13 @@
     (values || []).forEach((v, i) => { if (isNum(v) && (b === null || better(v, b))) { b = v; at = steps[i]; } });
     return b === null ? null : { value: b, step: at };
   }
+  // the most frequent value (a run's usual k, say, not its epoch-end remainder)
+  function mode(a) {
+    const n = new Map();
+    let bestV = null, bestN = 0;
+    for (const v of a || []) if (isNum(v)) { const c = (n.get(v) || 0) + 1; n.set(v, c); if (c > bestN) { bestN = c; bestV = v; } }
+    return bestV;
+  }
   function median(a) {
     const s = a.filter(isNum).sort((x, y) => x - y);
     return s.length ? s[Math.floor(s.length / 2)] : null;
@@ -301,7 +308,7 @@
   }
 
   function summaryTable() {
-    const head = ['run', 'status', 'steps', 'k × m', 'time', 'examples', 'train loss (last / smoothed)',
+    const head = ['run', 'status', 'steps', 'k × m (usual)', 'time', 'examples', 'train loss (last / smoothed)',
       'validation loss (last / best)', 'validation accuracy (last / best)', 'perplexity (best)', 'peak memory',
       'throughput', 'skipped steps'];
     const table = el('table', {}, el('tr', {}, ...head.map((h) => el('th', { text: h }))));
@@ -311,8 +318,8 @@
       const vl = vcol(r, 'validation_loss'), va = vcol(r, 'validation_accuracy'), vp = vcol(r, 'validation_perplexity');
       const bl = best(vl, vsteps, (a, b) => a < b), ba = best(va, vsteps, (a, b) => a > b), bp = best(vp, vsteps, (a, b) => a < b);
       const loss = col(r, 'loss');
-      const k = last(col(r, 'micro_batches')), eb = last(col(r, 'effective_batch'));
-      const m = last(col(r, 'micro_batch'));
+      const k = mode(col(r, 'micro_batches')), eb = mode(col(r, 'effective_batch'));
+      const m = mode(col(r, 'micro_batch'));
       const km = isNum(k) ? k + ' × ' + (isNum(m) ? m : isNum(eb) ? Math.round(eb / k) : '?') : '—';
       const skipped = r.skippedCount || last(col(r, 'amp_skipped_steps')) || 0;
       const peak = Math.max(...(col(r, 'peak_rss_mib') || []).filter(isNum), -Infinity);

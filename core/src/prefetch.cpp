@@ -1,0 +1,137 @@
+// Micro-batches prepared ahead of the loop (prefetch.h).
+#include "prefetch.h"
+
+#include <spdlog/spdlog.h>
+
+#include "run.h"
+
+#if defined(TK_WITH_CUDA)
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace tk::detail {
+
+namespace {
+constexpr int kMeasured = 8;              // "auto" on the CPU decides after this many micro-batches
+constexpr double kWorthwhileShare = 0.05;  // of the time between two micro-batches
+}  // namespace
+
+struct Prefetcher::Prepared {
+  Batch batch;
+#if defined(TK_WITH_CUDA)
+  at::Tensor host_input, host_target;  // the pinned sources of the copies in flight
+  std::shared_ptr<at::cuda::CUDAEvent> copied;
+#endif
+};
+
+Prefetcher::Prefetcher(const Run& run, const Dataset& ds) : run_(run), ds_(ds) {
+  const std::string mode = run.run.get_string("prefetch");
+  cuda_ = run.device.is_cuda();
+#if !defined(TK_WITH_CUDA)
+  cuda_ = false;  // a CPU build trains on the CPU only
+#endif
+  if (mode == "on") {
+    active_ = true;
+    reason_ = "run.prefetch = \"on\"";
+  } else if (mode == "auto" && cuda_) {
+    active_ = true;
+    reason_ = "a CUDA device: pinned memory, copies on a side stream";
+  } else if (mode == "auto") {
+    automatic_ = true;
+  }
+}
+
+Prefetcher::~Prefetcher() { drain(); }
+
+Prefetcher::Prepared Prefetcher::prepare(const at::Tensor& indices) const {
+  Prepared p;
+  p.batch = ds_.get(indices);
+  auto place = [&](const at::Tensor& t, bool non_blocking) {
+    return at::isFloatingType(t.scalar_type()) ? t.to(run_.device, run_.dtype, non_blocking) : t.to(run_.device, non_blocking);
+  };
+#if defined(TK_WITH_CUDA)
+  if (cuda_ && active_) {
+    auto pin = [](const at::Tensor& t) { return t.is_cpu() && !t.is_pinned() ? t.pin_memory() : t; };
+    p.host_input = pin(p.batch.input);
+    p.host_target = pin(p.batch.target);
+    const auto side = c10::cuda::getStreamFromPool(false, run_.device.index() < 0 ? 0 : run_.device.index());
+    c10::cuda::CUDAStreamGuard on_side(side);
+    p.batch.input = place(p.host_input, true);
+    p.batch.target = place(p.host_target, true);
+    p.copied = std::make_shared<at::cuda::CUDAEvent>();
+    p.copied->record(side);
+    return p;
+  }
+#endif
+  p.batch.input = place(p.batch.input, false);
+  p.batch.target = place(p.batch.target, false);
+  return p;
+}
+
+Batch Prefetcher::finish(Prepared p) const {
+#if defined(TK_WITH_CUDA)
+  if (p.copied) {
+    // The training stream waits for the copy (on the device, not the host), and the caching
+    // allocator learns that the stream uses memory the side stream allocated.
+    const auto current = c10::cuda::getCurrentCUDAStream(run_.device.index() < 0 ? 0 : run_.device.index());
+    p.copied->block(current);
+    if (p.batch.input.is_cuda()) p.batch.input.record_stream(current);
+    if (p.batch.target.is_cuda()) p.batch.target.record_stream(current);
+  }
+#endif
+  return std::move(p.batch);
+}
+
+Batch Prefetcher::take(const Key& key, const at::Tensor& indices) {
+  if (pending_.valid()) {
+    if (pending_key_ == key) {
+      std::shared_ptr<Prepared> p = pending_.get();  // rethrows the data set's error, at this micro-batch
+      return finish(std::move(*p));
+    }
+    drain();  // another micro-batch is wanted (a back-off changed the size): made anew
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  Batch b = finish(prepare(indices));
+  if (automatic_) measure(t0, std::chrono::steady_clock::now());
+  return b;
+}
+
+void Prefetcher::measure(std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end) {
+  // From the end of the first fetch to the end of the last: kMeasured intervals between
+  // micro-batches, each with one fetch in it.
+  if (measured_++ == 0) {
+    first_take_ = end;
+    return;
+  }
+  fetch_s_ += std::chrono::duration<double>(end - start).count();
+  if (measured_ <= kMeasured) return;
+  automatic_ = false;
+  const double span = std::chrono::duration<double>(end - first_take_).count();
+  const double share = span > 0 ? fetch_s_ / span : 0.0;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "preparing a micro-batch took %.1f%% of the time between two", 100.0 * share);
+  active_ = share >= kWorthwhileShare;
+  reason_ = buf;
+  spdlog::debug("prefetch: {} ({})", active_ ? "on" : "off", reason_);
+}
+
+void Prefetcher::ahead(const Key& key, at::Tensor indices) {
+  if (!active_) return;
+  drain();
+  pending_key_ = key;
+  pending_ = std::async(std::launch::async, [this, idx = std::move(indices)] {
+    return std::make_shared<Prepared>(prepare(idx));
+  });
+}
+
+void Prefetcher::drain() {
+  if (!pending_.valid()) return;
+  try {
+    pending_.get();
+  } catch (...) {  // dropped with its batch; a take() of that batch would make it again
+  }
+}
+
+}  // namespace tk::detail
