@@ -3,7 +3,9 @@ same GPT (pre-LayerNorm blocks, causal attention written out as LibTorch 1.13 ru
 micro-batches of B sequences of T bytes accumulated K to a step with token normalization, AdamW.
 Prints ms per optimizer step between steps WARMUP and STEPS.
 
-usage: python3 gpt_loop.py LAYERS WIDTH HEADS T B K STEPS WARMUP
+usage: python3 gpt_loop.py LAYERS WIDTH HEADS T B K STEPS WARMUP [DEVICE]
+
+On a CUDA DEVICE it also prints the peak of allocated GPU memory (peak_mib).
 """
 import math
 import sys
@@ -25,7 +27,7 @@ class Block(torch.nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         s = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf")).softmax(-1)
         x = x + self.proj((s @ v).transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -38,7 +40,7 @@ class Gpt(torch.nn.Module):
         self.ln_f = torch.nn.LayerNorm(c)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks:
             x = b(x)
         return self.ln_f(x) @ self.wte.weight.t()
@@ -46,13 +48,19 @@ class Gpt(torch.nn.Module):
 
 def main() -> None:
     layers, width, heads, t, b, k, steps, warmup = (int(a) for a in sys.argv[1:9])
+    device = torch.device(sys.argv[9] if len(sys.argv) > 9 else "cpu")
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(1)
-    model = Gpt(layers, width, heads, t)
+    model = Gpt(layers, width, heads, t).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    data = torch.randint(0, 256, (64, b, t + 1))
+    data = torch.randint(0, 256, (64, b, t + 1)).to(device)
     start = time.perf_counter()
     for step in range(steps):
         if step == warmup:
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
         tokens = 0
         for i in range(k):
@@ -65,7 +73,10 @@ def main() -> None:
             p.grad /= tokens
         opt.step()
         opt.zero_grad()
+    sync()
     print(f"ms_per_step {1000 * (time.perf_counter() - start) / (steps - warmup):.4f}")
+    if cuda:
+        print(f"peak_mib {torch.cuda.max_memory_allocated(device) / 2**20:.1f}")
 
 
 if __name__ == "__main__":

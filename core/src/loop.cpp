@@ -291,9 +291,10 @@ FitResult Loop::fit(const Recipe& recipe) {
     const int64_t world = r_.plan.world_size;
     bool in_window = false;  // checkpoints and resumes are at boundaries: a run starts outside a window
     WindowStart opened;
-    // A micro-batch picked by memory: each step's record says how much it took.
+    // A micro-batch picked by memory, or any run on CUDA (where reading the caching allocator's
+    // peak costs nothing): each step's record says how much it took.
     std::optional<MemoryMeter> meter;
-    if (r_.plan.micro_batch_auto) meter.emplace(r_);
+    if (r_.plan.micro_batch_auto || r_.device.is_cuda()) meter.emplace(r_);
     Prefetcher prefetch(r_, *r_.data.train);
     if (prefetch.active()) spdlog::debug("prefetch: on ({})", prefetch.reason());
     for (int64_t epoch = start_epoch; !done && (r_.bound.by_steps() || epoch < r_.bound.count); ++epoch) {
@@ -341,7 +342,8 @@ FitResult Loop::fit(const Recipe& recipe) {
         JsonLine line = step_record(ctx_, epoch, skipped, t);
         if (meter) {
           constexpr double kMiB = 1024.0 * 1024.0;
-          line.add("micro_batch", r_.plan.micro_batch).add("step_peak_mib", meter->take_peak() / kMiB);
+          if (r_.plan.micro_batch_auto) line.add("micro_batch", r_.plan.micro_batch);
+          line.add("step_peak_mib", meter->take_peak() / kMiB);
           if (r_.plan.memory_budget > 0) line.add("memory_budget_mib", r_.plan.memory_budget / kMiB);
         }
         if (!backoff_note_.empty()) {

@@ -42,9 +42,14 @@ for dir in "$src"/examples/*/; do
   cmake -S "$dir" -B "$work/build-$name" "${cmake_args[@]}" > "$work/configure-$name.log"
   cmake --build "$work/build-$name"
   ctest --test-dir "$work/build-$name" --output-on-failure
-  (cd "$work" && tk-run "$dir/recipe.toml" --progress plain \
+  (cd "$work" && tk-run "$dir/recipe.toml" --progress plain --report \
      --set "plugins.$name.path=$work/build-$name/tk_$name.so" --set "run.output=$work/run-$name")
+  grep -q '<script id="tk-data"' "$work/run-$name/report.html"
 done
+
+log "the installed tk-report: both example runs in one page"
+tk-report "$work"/run-* -o "$work/examples.html"
+test "$(grep -o '"status":"completed"' "$work/examples.html" | wc -l)" -eq "$(ls -d "$work"/run-* | wc -l)"
 
 log "a plugin built with pkg-config only"
 export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"

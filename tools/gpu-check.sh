@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# trainkit on an NVIDIA GPU: one prepared script that builds trainkit against the machine's PyTorch
+# (its bundled LibTorch) and checks the CUDA path, for a machine with a GPU, CUDA's compiler, CMake,
+# ninja and a PyTorch wheel, but none of trainkit's other build dependencies and no network.
+#
+#   bash tools/gpu-check.sh --prepare [DEPS]   on Debian 12: the headers trainkit builds with, from
+#                                              Debian's packages (apt-get download + dpkg -x), into
+#                                              DEPS (default .gpu-deps/, a few MiB); carry it along
+#   bash tools/gpu-check.sh [DEPS]             on the GPU machine: configure, build (all cores),
+#                                              run the CUDA checks, time the GPT against Python,
+#                                              print one summary; exit 1 when a check failed
+#   bash tools/gpu-check.sh --cpu-dry-run      here: prepare, then configure and build the same
+#                                              targets against DEPS and the system's LibTorch, check
+#                                              that no header came from outside DEPS, and train a
+#                                              few CPU steps; no GPU needed
+#
+# The checks on CUDA: accumulation exact in float64 (the verifier), fp16 with the dynamic loss
+# scaler and a forced overflow, bf16 autocast with clipping, resume bit-identical, prefetch on and
+# off bit-identical, the plugin contract suite, DDP in a world of one over NCCL, and the GPT
+# recipe's throughput and peak memory next to the same training written by hand in PyTorch.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+mode=check
+case "${1:-}" in
+  --prepare) mode=prepare; shift ;;
+  --cpu-dry-run) mode=dry; shift ;;
+  -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+esac
+deps="$(realpath -m "${1:-$root/.gpu-deps}")"
+build="${BUILD_DIR:-$root/build-gpu}"
+[ "$mode" = dry ] && build="${BUILD_DIR:-$root/build-gpu-dry}"
+packages=(libtomlplusplus-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev doctest-dev libgloo-dev
+          zlib1g-dev libboost1.74-dev)
+targets=(tk-run tk-plugin tk_plugins tk_plugin_probe tk_strategy_tests tk_accum_tests tk_core_tests)
+t_start=$(date +%s)
+say() { printf '[gpu-check %4ds] %s\n' $(( $(date +%s) - t_start )) "$*"; }
+
+prepare() {
+  command -v apt-get >/dev/null || { echo "--prepare needs Debian's apt-get" >&2; exit 2; }
+  local dl
+  dl="$(mktemp -d)"
+  rm -rf "$deps" && mkdir -p "$deps"
+  (cd "$dl" && apt-get download "${packages[@]}" >/dev/null 2>&1) ||
+    { echo "apt-get download ${packages[*]} failed" >&2; exit 2; }
+  for f in "$dl"/*.deb; do dpkg -x "$f" "$deps"; done
+  for f in "$dl"/*.deb; do dpkg-deb -f "$f" Package Version | paste -sd' '; done > "$deps/PACKAGES"
+  # Boost: only what Boost.DLL includes (found by the preprocessor), and Boost's configuration.
+  local inc="$deps/usr/include" keep
+  keep="$(mktemp)"
+  printf '#include <boost/dll/shared_library.hpp>\n#include <boost/dll/runtime_symbol_info.hpp>\n' |
+    g++ -std=c++17 -DBOOST_DLL_USE_STD_FS -isystem "$inc" -M -x c++ - | tr ' \\' '\n\n' |
+    grep -o "$inc/boost/.*" | sort -u > "$keep"
+  (cd "$inc" && find boost/config -type f | sed "s|^|$inc/|") >> "$keep"
+  mv "$inc/boost" "$inc/boost.all"
+  while read -r f; do
+    mkdir -p "$(dirname "$f")"
+    cp "${f/$inc\/boost\//$inc/boost.all/}" "$f"
+  done < "$keep"
+  rm -rf "$inc/boost.all" "$deps/usr/share/doc" "$deps/usr/share/man" "$dl" "$keep"
+  say "prepared $deps ($(du -sh "$deps" | cut -f1), $(wc -l < "$deps/PACKAGES") packages; carry this folder)"
+}
+
+# configure TORCH_PREFIX [cmake args...]
+configure() {
+  local prefix="$1"; shift
+  mkdir -p "$build"
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTK_HEADER_ONLY_DEPS="$deps" \
+    -DTK_BUILD_BENCH=OFF ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} "$@" > "$build/gpu-check.configure.log" 2>&1 ||
+    { tail -40 "$build/gpu-check.configure.log"; say "configure failed (log: $build/gpu-check.configure.log)"; exit 1; }
+  say "configured $build ($(grep -m1 -o 'TK_WITH_CUDA.*' "$build/CMakeCache.txt" || echo 'CPU'))"
+}
+
+build_targets() {
+  local args=()
+  for t in "${targets[@]}"; do args+=(--target "$t"); done
+  cmake --build "$build" --parallel "$(nproc)" "${args[@]}" > "$build/gpu-check.build.log" 2>&1 ||
+    { grep -m20 -B2 -A8 "error" "$build/gpu-check.build.log" || tail -40 "$build/gpu-check.build.log"; say "build failed"; exit 1; }
+  say "built ${targets[*]}"
+}
+
+# Every header the build read from trainkit's dependencies came from DEPS, none from the system.
+check_headers_from_deps() {
+  local leaks
+  leaks="$(find "$build" -name '*.d' -print0 | xargs -0 cat 2>/dev/null | tr ' \\' '\n\n' |
+    grep -E '^/usr/include/(boost|spdlog|fmt|toml\+\+|CLI|nlohmann|doctest|gloo|zlib\.h|zconf\.h)' | sort -u | head -5 || true)"
+  if [ -n "$leaks" ]; then
+    echo "headers read from the system, not from $deps:"; echo "$leaks"
+    return 1
+  fi
+}
+
+if [ "$mode" = prepare ]; then prepare; exit 0; fi
+
+if [ "$mode" = dry ]; then
+  [ -f "$deps/usr/include/toml++/toml.h" ] || prepare
+  configure ""
+  build_targets
+  check_headers_from_deps || { say "FAIL: the carried folder misses headers"; exit 1; }
+  say "every dependency header came from $deps"
+  out="$(mktemp -d)"
+  "$build/bin/tk-run" "$root/recipes/quickstart.toml" --progress none --log-level warn --set run.device=cpu \
+    --set run.epochs=0 --set run.steps=5 --set run.output="$out/run" >/dev/null
+  [ "$(wc -l < "$out/run/metrics.jsonl")" -ge 5 ] || { say "FAIL: the CPU smoke run recorded no steps"; exit 1; }
+  rm -rf "$out"
+  say "cpu dry run: configured and built against $deps, trained 5 CPU steps: OK"
+  exit 0
+fi
+
+# ---- on the GPU machine ---------------------------------------------------------------------
+[ -f "$deps/usr/include/toml++/toml.h" ] ||
+  { echo "no headers folder at $deps: make it on Debian 12 with: bash tools/gpu-check.sh --prepare" >&2; exit 2; }
+py="${PYTHON:-python3}"
+torch_prefix="$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+versions="$("$py" -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda, "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")')"
+say "$versions"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/[gpu] /' || true
+configure "$torch_prefix"
+grep -q "TK_WITH_CUDA:INTERNAL=ON\|TK_WITH_CUDA.*ON" "$build/CMakeCache.txt" ||
+  say "warning: this LibTorch has no CUDA target (c10_cuda): the build is CPU-only"
+build_targets
+
+bin="$build/bin"
+work="$(mktemp -d)"
+export TK_PLUGIN_PATH="$build/test-plugins"
+results=()
+pass() { results+=("PASS  $1"); say "PASS $1"; }
+fail() { results+=("FAIL  $1"); say "FAIL $1"; }
+cuda=(--set run.device=cuda --progress none --log-level warn)
+# run NAME RECIPE [tk-run args...]: trains into $work/NAME; its output in $work/NAME.log
+run() {
+  local name="$1" recipe="$2"; shift 2
+  "$bin/tk-run" "$recipe" "${cuda[@]}" --set run.output="$work/$name" "$@" > "$work/$name.log" 2>&1
+}
+# same A B: weights.pt of runs A and B bit-identical
+same() { "$py" - "$work/$1/weights.pt" "$work/$2/weights.pt" <<'PY'
+import sys, torch
+a, b = (torch.load(f, weights_only=True) for f in sys.argv[1:3])
+sys.exit(0 if a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a) else 1)
+PY
+}
+recipe_with() {  # recipe_with NAME BASE EXTRA_TOML: a recipe file of BASE with EXTRA_TOML appended
+  cat "$2" > "$work/$1.toml"; printf '%b' "$3" >> "$work/$1.toml"; echo "$work/$1.toml"
+}
+quick=(--set run.epochs=0 --set run.steps=60)
+
+# 1. Accumulation exact in float64 on CUDA.
+"$bin/tk-run" "$root/recipes/quickstart.toml" --verify-accumulation --set run.device=cuda > "$work/verify.log" 2>&1 &&
+  pass "accumulation exact in float64 on CUDA ($(grep -o 'largest difference [^,]*' "$work/verify.log" | head -1))" ||
+  fail "accumulation exact in float64 on CUDA (see $work/verify.log)"
+
+# 2. fp16 with the dynamic loss scaler, a gradient made inf at step 10: that step skipped, scale halved.
+r=$(recipe_with fp16 "$root/recipes/quickstart.toml" '\n[[plugins]]\nname = "mixed_precision"\ndtype = "fp16"\n\n[[plugins]]\nname = "probe"\ninf_grad_at_step = 10\n')
+if run fp16 "$r" "${quick[@]}" && "$py" - "$work/fp16/metrics.jsonl" <<'PY'
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+skipped = [x["step"] for x in r if "skipped" in x]
+scale = {x["step"]: x.get("loss_scale") for x in r}
+ok = skipped == [11] and scale[12] == scale[10] / 2 and r[-1]["loss"] < r[0]["loss"]
+print("skipped", skipped, "scale", scale[10], "->", scale[12])
+sys.exit(0 if ok else 1)
+PY
+then pass "fp16 + dynamic loss scaler: the forced overflow skipped its step and halved the scale"
+else fail "fp16 + dynamic loss scaler with a forced overflow (see $work/fp16.log)"; fi
+
+# 3. bf16 autocast with accumulation and clipping trains.
+if run bf16 "$root/recipes/accum-bf16-clip.toml" "${quick[@]}" &&
+   "$py" -c "import json,sys; r=[json.loads(l) for l in open('$work/bf16/metrics.jsonl') if '\"loss\"' in l]; sys.exit(0 if r[-1]['loss'] < r[0]['loss'] else 1)"
+then pass "bf16 autocast + accumulation + clipping trains"
+else fail "bf16 autocast (see $work/bf16.log)"; fi
+
+# 4. Resume on CUDA: killed after step 25, resumed from the checkpoint at 20: bit-identical.
+r=$(recipe_with killed "$root/recipes/quickstart.toml" '\n[[plugins]]\nname = "probe"\nkill_at_step = 24\n')
+run whole "$root/recipes/quickstart.toml" "${quick[@]}" --set run.checkpoint_every=20 || true
+"$bin/tk-run" "$r" "${cuda[@]}" "${quick[@]}" --set run.checkpoint_every=20 --set run.output="$work/resumed" > "$work/resumed.log" 2>&1 || true
+r2=$(recipe_with resume "$root/recipes/quickstart.toml" '\n[[plugins]]\nname = "probe"\n')
+if "$bin/tk-run" "$r2" "${cuda[@]}" "${quick[@]}" --set run.checkpoint_every=20 --set run.output="$work/resumed" \
+     --resume latest --allow-change plugins.probe >> "$work/resumed.log" 2>&1 && same whole resumed
+then pass "resume on CUDA is bit-identical"
+else fail "resume on CUDA (see $work/resumed.log)"; fi
+
+# 5. Prefetch (pinned memory, side stream) on and off: bit-identical.
+if run pf_on "$root/recipes/quickstart.toml" "${quick[@]}" --set run.prefetch=on &&
+   run pf_off "$root/recipes/quickstart.toml" "${quick[@]}" --set run.prefetch=off && same pf_on pf_off
+then pass "prefetch on CUDA (pinned, side stream) is bit-identical to none"
+else fail "prefetch on CUDA (see $work/pf_on.log)"; fi
+
+# 6. The plugin contract suite.
+if ctest --test-dir "$build" -R '^contract\.' --output-on-failure > "$work/contract.log" 2>&1
+then pass "plugin contract suite ($(grep -o '[0-9]* tests passed' "$work/contract.log" || grep -o '100% tests passed.*' "$work/contract.log"))"
+else fail "plugin contract suite (see $work/contract.log)"; fi
+
+# 7. DDP, a world of one over NCCL.
+if RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
+   run ddp "$root/recipes/ddp.toml" "${quick[@]}" --set plugins.ddp.backend=nccl
+then pass "ddp over NCCL, world of one"
+else fail "ddp over NCCL (see $work/ddp.log)"; fi
+
+# 8. The GPT recipe on CUDA against the same training in PyTorch by hand.
+steps=300 warmup=50
+if run gpt "$root/recipes/gpt-tiny.toml" --set run.epochs=0 --set run.steps=$steps --set run.validate_every=0 \
+     --set data.validation_fraction=0.0; then
+  tk_ms=$("$py" "$root/bench/step_ms.py" "$work/gpt/metrics.jsonl" $warmup $steps)
+  tk_peak=$("$py" -c "import json; print(max(json.loads(l).get('step_peak_mib', 0) for l in open('$work/gpt/metrics.jsonl')))")
+  "$py" "$root/bench/gpt_loop.py" 2 128 4 128 8 4 $steps $warmup cuda > "$work/gpt_py.log" 2>&1 || true
+  py_ms=$(awk '/ms_per_step/ {print $2}' "$work/gpt_py.log")
+  py_peak=$(awk '/peak_mib/ {print $2}' "$work/gpt_py.log")
+  tokens=$((8 * 4 * 128))
+  line=$("$py" -c "t=$tk_ms; p=float('${py_ms:-nan}'); n=$tokens; print(f'GPT 2x128, 8x4 sequences of 128 per step: trainkit {t:.2f} ms/step ({n/t*1000:.0f} tokens/s), PyTorch by hand {p:.2f} ms/step ({n/p*1000:.0f} tokens/s), trainkit/PyTorch time {t/p:.2f}; peak GPU memory trainkit $tk_peak MiB, PyTorch ${py_peak:-?} MiB')")
+  pass "$line"
+else fail "GPT recipe on CUDA (see $work/gpt.log)"; fi
+
+echo
+echo "== trainkit GPU check: $versions, $(( $(date +%s) - t_start )) s =="
+printf '%s\n' "${results[@]}"
+echo "(logs in $work)"
+! printf '%s\n' "${results[@]}" | grep -q '^FAIL'
