@@ -81,7 +81,10 @@ build_targets() {
 # Every header the build read from trainkit's dependencies came from DEPS, none from the system.
 check_headers_from_deps() {
   local leaks
-  leaks="$(find "$build" -name '*.d' -print0 | xargs -0 cat 2>/dev/null | tr ' \\' '\n\n' |
+  local seen
+  seen="$(ninja -C "$build" -t deps | tr -d ' ' | grep -c '^/' || true)"
+  [ "$seen" -gt 0 ] || { echo "ninja recorded no header dependencies in $build"; return 1; }
+  leaks="$(ninja -C "$build" -t deps | tr -d ' ' |
     grep -E '^/usr/include/(boost|spdlog|fmt|toml\+\+|CLI|nlohmann|doctest|gloo|zlib\.h|zconf\.h)' | sort -u | head -5 || true)"
   if [ -n "$leaks" ]; then
     echo "headers read from the system, not from $deps:"; echo "$leaks"
