@@ -184,7 +184,9 @@ def load_in_browser(chromium, page, work):
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            "--user-data-dir=" + profile, "--window-size=1400,2000", "--enable-logging=stderr", "--v=0",
            "--dump-dom", "file://" + os.path.abspath(page)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    # The browser is not trainkit: under the sanitizers (tools/sanitize.sh) it runs without them.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     expect(p.returncode == 0, "%s: chromium exit %d\n%s" % (page, p.returncode, p.stderr[-3000:]))
     console = [line for line in p.stderr.splitlines() if ":CONSOLE" in line]
     expect(not console, "%s: the page wrote to the console:\n%s" % (page, "\n".join(console)))
