@@ -218,6 +218,22 @@ std::string Loop::validation_record(JsonLine& line, FitResult& result) {
   return note;
 }
 
+/// status.json of a run that fails with the exception in flight: "failed" and its message. Never
+/// throws: the run's own error is the one to report.
+void record_failure(const RunOutputs& outputs, int64_t step) noexcept {
+  try {
+    std::string what = "an unknown exception";
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      what = message_of(e);
+    } catch (...) {
+    }
+    outputs.status("failed", step, what);
+  } catch (...) {
+  }
+}
+
 /// After a failure every plugin gets fit_end (status failed) once; its errors then are dropped.
 void Loop::fit_end_after_failure() {
   if (ctx_.status_ != FitStatus::Running) return;  // fit_end itself failed: it ran once already
@@ -253,7 +269,6 @@ FitResult Loop::fit(const Recipe& recipe) {
     return result;
   }
   outputs.open(resumed);
-  outputs.status("running", resumed ? resumed->position.counters.step : 0);
   int64_t start_epoch = 0, start_batch = 0;
   if (resumed) {
     // The checkpoint counts micro-batches in the size it trained with: after a back-off from an
@@ -283,6 +298,7 @@ FitResult Loop::fit(const Recipe& recipe) {
     last_validation_step = ctx_.counters_.step;
   };
   Counters& c = ctx_.counters_;
+  outputs.status("running", c.step);
 
   try {
     emit(Event::FitStart);
@@ -316,15 +332,18 @@ FitResult Loop::fit(const Recipe& recipe) {
         }
         const int64_t m = r_.plan.micro_batch;
         auto indices = [&](int64_t i) { return order.slice(0, i * m, std::min(n_, (i + 1) * m)); };
-        Batch batch = prefetch.take({epoch, b, m}, indices(b));
-        // The next micro-batch of this epoch is made while this one trains.
-        if (b + 1 < r_.batches_per_epoch) prefetch.ahead({epoch, b + 1, m}, indices(b + 1));
-        ctx_.batch_ = &batch;
-        c.batch_in_epoch = b;
+        Batch batch;
         try {
+          // A batch made ahead may be the one that ran out of memory: it backs off like the step.
+          batch = prefetch.take({epoch, b, m}, indices(b));
+          // The next micro-batch of this epoch is made while this one trains.
+          if (b + 1 < r_.batches_per_epoch) prefetch.ahead({epoch, b + 1, m}, indices(b + 1));
+          ctx_.batch_ = &batch;
+          c.batch_in_epoch = b;
           micro_batch(batch);
         } catch (const c10::OutOfMemoryError& e) {
           ctx_.batch_ = nullptr;
+          prefetch.drain();  // its memory back before the window is redone
           if (!back_off_ready()) throw;
           b = back_off(opened, message_of(e)) - 1;  // the window again, from its first micro-batch
           in_window = false;
@@ -381,21 +400,16 @@ FitResult Loop::fit(const Recipe& recipe) {
     if (opts_.on_failure) opts_.on_failure();
     progress.finish();
     fit_end_after_failure();
-    try {
-      std::string what = "an unknown exception";
-      try {
-        throw;
-      } catch (const std::exception& e) {
-        what = message_of(e);
-      } catch (...) {
-      }
-      outputs.status("failed", c.step, what);
-    } catch (...) {  // the run's own error is the one to report
-    }
+    record_failure(outputs, c.step);
     throw;
   }
   progress.finish();
-  outputs.finish(r_, trace_);
+  try {
+    outputs.finish(r_, trace_);
+  } catch (...) {
+    record_failure(outputs, c.step);
+    throw;
+  }
   outputs.status(to_string(result.status), c.step);
   result.stopped = result.status == FitStatus::StoppedBySignal ? "signal"
                    : result.status == FitStatus::StoppedByTime ? "max_time" : "";

@@ -6,7 +6,8 @@
 #include "run.h"
 
 #if defined(TK_WITH_CUDA)
-#include <ATen/cuda/CUDAEvent.h>
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -22,7 +23,7 @@ struct Prefetcher::Prepared {
   Batch batch;
 #if defined(TK_WITH_CUDA)
   at::Tensor host_input, host_target;  // the pinned sources of the copies in flight
-  std::shared_ptr<at::cuda::CUDAEvent> copied;
+  std::optional<c10::Event> copied;
 #endif
 };
 
@@ -31,6 +32,15 @@ Prefetcher::Prefetcher(const Run& run, const Dataset& ds) : run_(run), ds_(ds) {
   cuda_ = run.device.is_cuda();
 #if !defined(TK_WITH_CUDA)
   cuda_ = false;  // a CPU build trains on the CPU only
+#endif
+#if defined(TK_WITH_CUDA)
+  if (cuda_) {
+    // One side stream for the run's copies (the caching allocator keeps memory per stream), on
+    // the run's device as the main thread sees it.
+    const c10::DeviceIndex index = run.device.has_index() ? run.device.index() : c10::cuda::current_device();
+    device_ = c10::Device(c10::kCUDA, index);
+    side_ = c10::cuda::getStreamFromPool(false, index);
+  }
 #endif
   if (mode == "on") {
     active_ = true;
@@ -48,19 +58,20 @@ Prefetcher::~Prefetcher() { drain(); }
 Prefetcher::Prepared Prefetcher::prepare(const at::Tensor& indices) const {
   Prepared p;
   p.batch = ds_.get(indices);
+  const at::Device to = cuda_ ? device_ : run_.device;
   auto place = [&](const at::Tensor& t, bool non_blocking) {
-    return at::isFloatingType(t.scalar_type()) ? t.to(run_.device, run_.dtype, non_blocking) : t.to(run_.device, non_blocking);
+    return at::isFloatingType(t.scalar_type()) ? t.to(to, run_.dtype, non_blocking) : t.to(to, non_blocking);
   };
 #if defined(TK_WITH_CUDA)
   if (cuda_ && active_) {
     auto pin = [](const at::Tensor& t) { return t.is_cpu() && !t.is_pinned() ? t.pin_memory() : t; };
     p.host_input = pin(p.batch.input);
     p.host_target = pin(p.batch.target);
-    const auto side = c10::cuda::getStreamFromPool(false, run_.device.index() < 0 ? 0 : run_.device.index());
+    const c10::cuda::CUDAStream side(*side_);
     c10::cuda::CUDAStreamGuard on_side(side);
     p.batch.input = place(p.host_input, true);
     p.batch.target = place(p.host_target, true);
-    p.copied = std::make_shared<at::cuda::CUDAEvent>();
+    p.copied.emplace(c10::DeviceType::CUDA);
     p.copied->record(side);
     return p;
   }
@@ -75,7 +86,7 @@ Batch Prefetcher::finish(Prepared p) const {
   if (p.copied) {
     // The training stream waits for the copy (on the device, not the host), and the caching
     // allocator learns that the stream uses memory the side stream allocated.
-    const auto current = c10::cuda::getCurrentCUDAStream(run_.device.index() < 0 ? 0 : run_.device.index());
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_.index());
     p.copied->block(current);
     if (p.batch.input.is_cuda()) p.batch.input.record_stream(current);
     if (p.batch.target.is_cuda()) p.batch.target.record_stream(current);

@@ -1,9 +1,13 @@
 #pragma once
 // The next micro-batch, prepared while the current one trains. Not installed.
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
 #include <chrono>
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "tk/data.h"
@@ -53,6 +57,8 @@ class Prefetcher {
   const Run& run_;
   const Dataset& ds_;
   bool active_ = false, automatic_ = false, cuda_ = false;
+  c10::Device device_{c10::kCPU};   // CUDA: the run's device, with its index
+  std::optional<c10::Stream> side_;  // CUDA: the stream the copies run on
   std::string reason_;
   Key pending_key_;
   std::future<std::shared_ptr<Prepared>> pending_;

@@ -3,6 +3,7 @@
 #include "report.h"
 
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 
 #include <nlohmann/json.hpp>
 #include <tk/output.h>
@@ -139,21 +140,24 @@ void flatten(const toml::table& table, const std::string& prefix, json& out) {
   }
 }
 
-/// The PID holding a flock(2) on `file`, from /proc/locks; 0 when none does.
+/// The PID holding a flock(2) on `file`, from /proc/locks (its device and inode); 0 when none
+/// does; -1 when that cannot be known (no /proc).
 long lock_holder(const fs::path& file) {
   struct stat st {};
   if (stat(file.c_str(), &st) != 0) return 0;
+  char file_id[64];
+  std::snprintf(file_id, sizeof file_id, "%02x:%02x:%llu", major(st.st_dev), minor(st.st_dev),
+                static_cast<unsigned long long>(st.st_ino));
   std::ifstream locks("/proc/locks");
+  if (!locks) return -1;
   for (std::string line; std::getline(locks, line);) {
     std::istringstream in(line);
     std::string id, kind, mode, access, dev;
     long pid = 0;
     if (!(in >> id >> kind)) continue;
-    if (kind == "->") in >> kind;  // a waiter
+    if (kind == "->") continue;  // a process waiting for the lock, not holding it
     if (!(in >> mode >> access >> pid >> dev) || kind != "FLOCK") continue;
-    const auto colon = dev.rfind(':');
-    if (colon != std::string::npos && std::stoull(dev.substr(colon + 1)) == static_cast<unsigned long long>(st.st_ino))
-      return pid;
+    if (dev == file_id) return pid;
   }
   return 0;
 }
@@ -164,17 +168,21 @@ json read_status(const fs::path& dir) {
   json s = json::object();
   if (fs::exists(dir / "status.json")) {
     s = json::parse(read_text(dir / "status.json"), nullptr, false);
-    if (s.is_discarded() || !s.is_object()) s = {{"status", "unknown"}, {"detail", "status.json is damaged"}};
+    if (s.is_discarded() || !s.is_object() || !s.contains("status") || !s["status"].is_string())
+      s = {{"status", "unknown"}, {"detail", "status.json is damaged"}};
   } else {
     // A folder written before runs recorded their status.
     s["status"] = fs::exists(dir / "weights.pt") ? "completed" : "unknown";
   }
   const long holder = lock_holder(dir / ".tk-lock");
-  if (s.value("status", "") == "running" && holder == 0) {
+  if (holder < 0) {
+    if (s.value("status", "") == "running")
+      s["detail"] = "whether its process is still alive is unknown here (no /proc/locks)";
+  } else if (s.value("status", "") == "running" && holder == 0) {
     s["status"] = "interrupted";
     s["detail"] = "the process ended without recording how (killed, or the machine stopped); continue it with "
                   "--resume latest";
-  } else if (holder != 0) {
+  } else if (holder > 0) {
     s["status"] = "running";
     s["pid"] = holder;
   }
@@ -207,13 +215,16 @@ json read_run(const fs::path& dir, std::vector<std::string>& warnings) {
 
 /// Names for the runs: their folders' names, or more of their paths where those repeat.
 void name_runs(json& runs) {
-  std::map<std::string, int> count;
-  for (const auto& r : runs) ++count[fs::path(r["path"].get<std::string>()).lexically_normal().filename().string()];
-  for (auto& r : runs) {
+  auto folder = [](const json& r) {
     fs::path p = fs::path(r["path"].get<std::string>()).lexically_normal();
-    if (p.filename().empty()) p = p.parent_path();
+    return p.filename().empty() ? p.parent_path() : p;  // "runs/a/" is "runs/a"
+  };
+  std::map<std::string, int> count;
+  for (const auto& r : runs) ++count[folder(r).filename().string()];
+  for (auto& r : runs) {
+    const fs::path p = folder(r);
     std::string name = p.filename().string();
-    if (count[name] > 1 || name.empty() || name == ".") name = p.string();
+    if (count[name] > 1 || name.empty() || name == "." || name == "..") name = p.string();
     r["name"] = name;
   }
 }
@@ -232,9 +243,10 @@ std::string render(const std::vector<fs::path>& dirs, std::vector<std::string>& 
   for (const auto& d : dirs) doc["runs"].push_back(read_run(d, warnings));
   name_runs(doc["runs"]);
   doc["warnings"] = warnings;
-  // In a <script> element only "</" can end it early; "<\/" is the same JSON string.
+  // Inside a <script> element the HTML parser looks for "</script" and "<!--": no "<" may reach
+  // it. In JSON a "<" can only be inside a string, where "\u003c" is the same character.
   std::string data = doc.dump(-1, ' ', false, json::error_handler_t::replace);
-  for (size_t at = 0; (at = data.find("</", at)) != std::string::npos; at += 3) data.replace(at, 2, "<\\/");
+  for (size_t at = 0; (at = data.find('<', at)) != std::string::npos; at += 6) data.replace(at, 1, "\\u003c");
   std::string page(assets::kPage);
   fill(page, "/*TK_STYLE*/", std::string(assets::kUplotCss) + "\n" + assets::kStyle);
   fill(page, "/*TK_UPLOT*/", assets::kUplotJs);

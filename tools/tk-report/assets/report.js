@@ -185,7 +185,7 @@
         { log: state.logLoss }),
       simple('lr', 'Learning rate', 'the rate of each optimizer step, as the schedule set it'),
       simple('effective_batch', 'Effective batch', 'the examples each optimizer step took, over all ranks'),
-      simple('micro_batches', 'Micro-batches per step', 'how many micro-batches made each step (k)'),
+      simple('micro_batches', 'Micro-batches per step', 'how many micro-batches made each step, over all ranks (k x world)'),
       simple('micro_batch', 'Micro-batch size', 'the examples in each micro-batch (m), where memory chose it'),
       simple('grad_norm', 'Gradient norm', 'the total norm of the gradients before clipping'),
       simple('loss_scale', 'Loss scale', 'the mixed-precision loss scale each step used', { log: true }),
@@ -308,7 +308,7 @@
   }
 
   function summaryTable() {
-    const head = ['run', 'status', 'steps', 'k × m (usual)', 'time', 'examples', 'train loss (last / smoothed)',
+    const head = ['run', 'status', 'steps', 'micro-batches × m (usual)', 'time', 'examples', 'train loss (last / smoothed)',
       'validation loss (last / best)', 'validation accuracy (last / best)', 'perplexity (best)', 'peak memory',
       'throughput', 'skipped steps'];
     const table = el('table', {}, el('tr', {}, ...head.map((h) => el('th', { text: h }))));
@@ -322,7 +322,7 @@
       const m = mode(col(r, 'micro_batch'));
       const km = isNum(k) ? k + ' × ' + (isNum(m) ? m : isNum(eb) ? Math.round(eb / k) : '?') : '—';
       const skipped = r.skippedCount || last(col(r, 'amp_skipped_steps')) || 0;
-      const peak = Math.max(...(col(r, 'peak_rss_mib') || []).filter(isNum), -Infinity);
+      const peak = (col(r, 'peak_rss_mib') || []).filter(isNum).reduce((a, b) => Math.max(a, b), -Infinity);
       const cells = [
         el('td', {}, el('span', { class: 'swatch', style: 'background:' + r.color }), r.name),
         el('td', {}, statusBadge(r)),
