@@ -215,16 +215,15 @@ json read_run(const fs::path& dir, std::vector<std::string>& warnings) {
 
 /// Names for the runs: their folders' names, or more of their paths where those repeat.
 void name_runs(json& runs) {
-  auto folder = [](const json& r) {
-    fs::path p = fs::path(r["path"].get<std::string>()).lexically_normal();
-    return p.filename().empty() ? p.parent_path() : p;  // "runs/a/" is "runs/a"
+  auto folder = [](const json& r) {  // "runs/a/" is "runs/a"; "." is the folder's own name
+    fs::path p = fs::absolute(fs::path(r["path"].get<std::string>())).lexically_normal();
+    return p.filename().empty() ? p.parent_path() : p;
   };
   std::map<std::string, int> count;
   for (const auto& r : runs) ++count[folder(r).filename().string()];
   for (auto& r : runs) {
-    const fs::path p = folder(r);
-    std::string name = p.filename().string();
-    if (count[name] > 1 || name.empty() || name == "." || name == "..") name = p.string();
+    std::string name = folder(r).filename().string();
+    if (count[name] > 1 || name.empty()) name = r["path"].get<std::string>();
     r["name"] = name;
   }
 }
