@@ -293,10 +293,13 @@ at::Tensor Run::shard_order(int64_t epoch) const {
 
 Batch Run::fetch(const Dataset& ds, const at::Tensor& indices) const {
   Batch b = ds.get(indices);
-  auto place = [&](const at::Tensor& t) { return at::isFloatingType(t.scalar_type()) ? t.to(device, dtype) : t.to(device); };
-  b.input = place(b.input);
-  b.target = place(b.target);
+  b.input = place(b.input, device);
+  b.target = place(b.target, device);
   return b;
+}
+
+at::Tensor Run::place(const at::Tensor& t, at::Device to, bool non_blocking) const {
+  return at::isFloatingType(t.scalar_type()) ? t.to(to, dtype, non_blocking) : t.to(to, non_blocking);
 }
 
 void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {

@@ -57,27 +57,22 @@ Prefetcher::~Prefetcher() { drain(); }
 
 Prefetcher::Prepared Prefetcher::prepare(const at::Tensor& indices) const {
   Prepared p;
-  p.batch = ds_.get(indices);
-  const at::Device to = cuda_ ? device_ : run_.device;
-  auto place = [&](const at::Tensor& t, bool non_blocking) {
-    return at::isFloatingType(t.scalar_type()) ? t.to(to, run_.dtype, non_blocking) : t.to(to, non_blocking);
-  };
 #if defined(TK_WITH_CUDA)
   if (cuda_ && active_) {
+    p.batch = ds_.get(indices);
     auto pin = [](const at::Tensor& t) { return t.is_cpu() && !t.is_pinned() ? t.pin_memory() : t; };
     p.host_input = pin(p.batch.input);
     p.host_target = pin(p.batch.target);
     const c10::cuda::CUDAStream side(*side_);
     c10::cuda::CUDAStreamGuard on_side(side);
-    p.batch.input = place(p.host_input, true);
-    p.batch.target = place(p.host_target, true);
+    p.batch.input = run_.place(p.host_input, device_, /*non_blocking=*/true);
+    p.batch.target = run_.place(p.host_target, device_, /*non_blocking=*/true);
     p.copied.emplace(c10::DeviceType::CUDA);
     p.copied->record(side);
     return p;
   }
 #endif
-  p.batch.input = place(p.batch.input, false);
-  p.batch.target = place(p.batch.target, false);
+  p.batch = run_.fetch(ds_, indices);
   return p;
 }
 

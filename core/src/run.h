@@ -73,6 +73,8 @@ struct Run {
   at::Tensor shard_order(int64_t epoch) const;
   /// The examples at `indices` of `ds`, on the run's device; floating tensors in the run's dtype.
   Batch fetch(const Dataset& ds, const at::Tensor& indices) const;
+  /// A batch tensor moved to `to`: floating ones in the run's dtype, others as they are.
+  at::Tensor place(const at::Tensor& t, at::Device to, bool non_blocking = false) const;
 };
 
 /// Loads the run's libraries and builds data, model, loss, schedule and plugins from `recipe`.
