@@ -1,8 +1,5 @@
 #include "tk/checkpoint.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Context.h>
-#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
@@ -57,16 +54,6 @@ std::string step_name(int64_t step) {
 
 }  // namespace
 
-/// The process's random generators by checkpoint key: the CPU's, and each visible GPU's (dropout
-/// and other random ops on CUDA draw from those).
-std::vector<std::pair<std::string, at::Generator>> detail::generators() {
-  std::vector<std::pair<std::string, at::Generator>> out{{"cpu_rng", at::detail::getDefaultCPUGenerator()}};
-  const int gpus = at::hasCUDA() ? static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()) : 0;
-  for (int i = 0; i < gpus; ++i)
-    out.emplace_back("cuda_rng_" + std::to_string(i), at::globalContext().defaultGenerator(at::Device(at::kCUDA, i)));
-  return out;
-}
-
 namespace {
 
 NamedTensors position_tensors(const TrainingPosition& p) {
@@ -75,10 +62,7 @@ NamedTensors position_tensors(const TrainingPosition& p) {
                           c.skipped_steps, c.schedule_step, c.total_steps, p.next_epoch, p.next_batch, p.micro_batch},
                          torch::kLong);
   NamedTensors out{{"position", t}};
-  for (auto& [name, rng] : detail::generators()) {
-    std::lock_guard<std::mutex> lock(rng.mutex());
-    out.emplace_back(name, rng.get_state());
-  }
+  for (auto& named : detail::rng_tensors()) out.push_back(std::move(named));
   return out;
 }
 
@@ -218,15 +202,7 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
   ck.position = position_from(trainer.at("position"));
-  for (auto& [name, rng] : detail::generators()) {  // handles to the process's generators
-    auto it = trainer.find(name);
-    if (it == trainer.end()) {
-      if (name == "cpu_rng") throw Error(dir.string() + ": trainer.pt has no cpu_rng");
-      continue;  // a GPU the saving process did not have
-    }
-    std::lock_guard<std::mutex> lock(rng.mutex());
-    rng.set_state(it->second);
-  }
+  detail::load_rng_tensors(trainer, (dir / "trainer.pt").string());
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string f = e.path().filename().string();
     if (f.rfind(kPluginPrefix, 0) != 0 || e.path().extension() != ".pt") continue;

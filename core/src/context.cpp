@@ -1,95 +1,214 @@
+// The views plugins get while they are called (Context, SetupContext, OutputFiles, the log) over
+// the core's state, and the refusal of calls made in a hook they do not belong to.
 #include "tk/context.h"
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
 
+#include "files.h"
+#include "state.h"
+#include "tk/error.h"
+#include "tk/tensor_io.h"
+
 namespace tk {
 
-void PluginLog::info(const std::string& msg) const {
-  if (log_) log_(0, current_plugin_.empty() ? msg : current_plugin_ + ": " + msg);
-}
-void PluginLog::warn(const std::string& msg) const {
-  if (log_) log_(1, current_plugin_.empty() ? msg : current_plugin_ + ": " + msg);
+using detail::ContextAccess;
+
+namespace detail {
+
+void Dispatch::enter(const std::string& p, const char* h, std::optional<Event> e) {
+  plugin = p;
+  hook = h;
+  event = e;
 }
 
-void Context::metric(const std::string& name, double value) {
-  for (auto& [k, v] : metrics_)
+void Dispatch::leave() noexcept {
+  plugin.clear();
+  hook = nullptr;
+  event.reset();
+}
+
+void Dispatch::require(const char* call, std::initializer_list<Event> events) const {
+  if (event && std::find(events.begin(), events.end(), *event) != events.end()) return;
+  std::string belongs;
+  for (Event e : events) belongs += std::string(belongs.empty() ? "" : " or ") + hook_name(e);
+  throw Error("plugin '" + plugin + "' called " + call + " in " + (hook ? hook : "no hook (outside any call of the core)") +
+              "; it belongs to " + belongs);
+}
+
+void Dispatch::require_hook(const char* call, const char* h) const {
+  if (hook && std::string(hook) == h) return;
+  throw Error((plugin.empty() ? std::string("a plugin") : "plugin '" + plugin + "'") + " called " + call + " in " +
+              (hook ? hook : "no hook (outside any call of the core)") + "; it belongs to " + h);
+}
+
+void StepVotes::clear() {
+  metrics.clear();
+  deferred.clear();
+  flagged.clear();
+  veto_reason.clear();
+  vetoed_by.clear();
+  veto_advances_schedule = false;
+}
+
+void StepVotes::set_metric(const std::string& name, double value) {
+  for (auto& [k, v] : metrics)
     if (k == name) {
       v = value;
       return;
     }
-  metrics_.emplace_back(name, value);
+  metrics.emplace_back(name, value);
 }
 
-void Context::metric(const std::string& name, const at::Tensor& value) {
-  deferred_.push_back({name, value.detach(), current_plugin_, false, false});
+void StepVotes::veto(const std::string& reason, const std::string& plugin, bool advance_schedule) {
+  if (!veto_reason.empty()) return;
+  veto_reason = reason.empty() ? std::string("(no reason given)") : reason;
+  vetoed_by = plugin;
+  veto_advances_schedule = advance_schedule;
 }
 
-void Context::veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule) {
-  deferred_.push_back({reason.empty() ? std::string("(no reason given)") : reason, flag.detach(), current_plugin_, true,
-                       advance_schedule});
-}
-
-std::vector<double> Context::read(const at::Tensor& values) const {
-  ++host_reads_;
+std::vector<double> LoopState::read(const at::Tensor& values) const {
+  ++host_reads;
   const at::Tensor host = values.detach().reshape({-1}).to(at::kCPU, at::kDouble).contiguous();
   return {host.data_ptr<double>(), host.data_ptr<double>() + host.numel()};
 }
 
-bool Context::flag_was_set() const {
-  return std::find(flagged_.begin(), flagged_.end(), current_plugin_) != flagged_.end();
-}
-
-double Context::loss_value() const {
-  if (!loss_read_ && loss_item_.defined()) {
-    loss_value_ = read(loss_item_).front();
-    loss_read_ = true;
-  }
-  return loss_value_;
-}
-
-void Context::read_step_values() {
-  WindowTotals& t = totals_;
+void LoopState::read_step_values() {
   std::vector<at::Tensor> values;
-  const at::Device device = t.loss.defined() ? t.loss.device()
-                            : deferred_.empty() ? at::Device(at::kCPU) : deferred_.front().value.device();
-  if (t.loss.defined()) values.push_back(t.loss.reshape({1}).to(at::kDouble));
-  for (const auto& d : deferred_) values.push_back(d.value.reshape({-1}).slice(0, 0, 1).to(device, at::kDouble));
-  flagged_.clear();
+  const at::Device device = totals.loss.defined()  ? totals.loss.device()
+                            : step.deferred.empty() ? at::Device(at::kCPU)
+                                                    : step.deferred.front().value.device();
+  if (totals.loss.defined()) values.push_back(totals.loss.reshape({1}).to(at::kDouble));
+  for (const auto& d : step.deferred) values.push_back(d.value.reshape({-1}).slice(0, 0, 1).to(device, at::kDouble));
+  step.flagged.clear();
   if (values.empty()) return;
   const at::Tensor host = at::cat(values).to(at::kCPU);
-  ++host_reads_;
+  ++host_reads;
   const auto v = host.accessor<double, 1>();
   int64_t i = 0;
-  if (t.loss.defined()) t.loss_sum = v[i++];
-  for (const auto& d : deferred_) {
+  if (totals.loss.defined()) totals.loss_sum = v[i++];
+  for (const auto& d : step.deferred) {
     const double x = v[i++];
     if (!d.veto) {
-      metric(d.name, x);
+      step.set_metric(d.name, x);
       continue;
     }
     if (x == 0.0) continue;
-    flagged_.push_back(d.plugin);
-    if (veto_reason_.empty()) {
-      veto_reason_ = d.name;
-      vetoed_by_ = d.plugin;
-      veto_advances_schedule_ = d.advance_schedule;
-    }
+    step.flagged.push_back(d.plugin);
+    step.veto(d.name, d.plugin, d.advance_schedule);
   }
-  deferred_.clear();
+  step.deferred.clear();
+}
+
+}  // namespace detail
+
+void PluginLog::info(const std::string& msg) const {
+  if (dispatch_->log) dispatch_->log(0, dispatch_->plugin.empty() ? msg : dispatch_->plugin + ": " + msg);
+}
+void PluginLog::warn(const std::string& msg) const {
+  if (dispatch_->log) dispatch_->log(1, dispatch_->plugin.empty() ? msg : dispatch_->plugin + ": " + msg);
+}
+
+// ---- Context --------------------------------------------------------------------------------------
+
+Context::Context(detail::LoopState* state) noexcept : PluginLog(&state->d), s_(state) {}
+
+Model& Context::model() const { return *s_->model; }
+torch::optim::Optimizer& Context::optimizer() const { return *s_->optimizer; }
+const RunPlan& Context::plan() const noexcept { return s_->plan->view; }
+int Context::rank() const noexcept { return s_->plan->rank; }
+int Context::world_size() const noexcept { return s_->plan->world_size; }
+Reduction Context::reduction() const noexcept { return s_->plan->reduction; }
+Event Context::event() const noexcept { return s_->d.event.value_or(Event::FitStart); }
+const Counters& Context::counters() const noexcept { return s_->counters; }
+const Window& Context::window() const noexcept { return s_->window; }
+const WindowTotals& Context::totals() const noexcept { return s_->totals; }
+WindowTotals& Context::mutable_totals() {
+  s_->d.require("ctx.mutable_totals()", {Event::Boundary});
+  return s_->totals;
+}
+const Batch* Context::batch() const noexcept { return s_->batch; }
+const at::Tensor& Context::loss() const { return s_->loss; }
+void Context::set_loss(at::Tensor loss) {
+  s_->d.require("ctx.set_loss()", {Event::Loss});
+  if (!loss.defined()) throw Error("plugin '" + s_->d.plugin + "' called ctx.set_loss() with an undefined tensor");
+  s_->loss = std::move(loss);
+}
+double Context::loss_value() const {
+  if (!s_->loss_read && s_->loss_item.defined()) {
+    s_->loss_value = s_->read(s_->loss_item).front();
+    s_->loss_read = true;
+  }
+  return s_->loss_value;
+}
+double Context::window_loss() const noexcept { return s_->window_loss; }
+double Context::validation_loss() const noexcept { return s_->validation_loss; }
+double Context::lr() const noexcept { return s_->lr; }
+const std::filesystem::path& Context::output_dir() const noexcept { return s_->output_dir; }
+FitStatus Context::status() const noexcept { return s_->status; }
+
+void Context::metric(const std::string& name, double value) {
+  s_->d.require("ctx.metric(name, value)", {Event::Boundary, Event::StepEnd, Event::ValidationEnd});
+  s_->step.set_metric(name, value);
+}
+
+void Context::metric(const std::string& name, const at::Tensor& value) {
+  s_->d.require("ctx.metric(name, tensor)", {Event::Boundary});
+  s_->step.deferred.push_back({name, value.detach(), s_->d.plugin, false, false});
 }
 
 void Context::veto_step(const std::string& reason, bool advance_schedule) {
-  if (!veto_reason_.empty()) return;
-  veto_reason_ = reason.empty() ? std::string("(no reason given)") : reason;
-  vetoed_by_ = current_plugin_;
-  veto_advances_schedule_ = advance_schedule;
+  s_->d.require("ctx.veto_step()", {Event::Boundary});
+  s_->step.veto(reason, s_->d.plugin, advance_schedule);
 }
 
+void Context::veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule) {
+  s_->d.require("ctx.veto_step_if()", {Event::Boundary});
+  s_->step.deferred.push_back({reason.empty() ? std::string("(no reason given)") : reason, flag.detach(), s_->d.plugin,
+                               true, advance_schedule});
+}
+
+bool Context::step_vetoed() const noexcept { return !s_->step.veto_reason.empty(); }
+
+bool Context::flag_was_set() const {
+  s_->d.require("ctx.flag_was_set()", {Event::StepEnd});
+  const auto& f = s_->step.flagged;
+  return std::find(f.begin(), f.end(), s_->d.plugin) != f.end();
+}
+
+std::vector<double> Context::read(const at::Tensor& values) const { return s_->read(values); }
+int64_t Context::host_reads() const noexcept { return s_->host_reads; }
+
+// ---- SetupContext ---------------------------------------------------------------------------------
+
+SetupContext::SetupContext(detail::SetupState* state) noexcept : PluginLog(state->d), s_(state) {}
+
+Model& SetupContext::model() const { return **s_->model; }
+ModelPtr SetupContext::model_ptr() const { return *s_->model; }
 void SetupContext::set_model(ModelPtr m) {
   if (!m) throw std::invalid_argument("set_model: the model is null");
-  *model_ = std::move(m);
+  *s_->model = std::move(m);
+}
+const RunPlan& SetupContext::plan() const noexcept { return s_->plan->view; }
+const DataInfo& SetupContext::data() const noexcept { return *s_->data; }
+
+// ---- OutputFiles ----------------------------------------------------------------------------------
+
+OutputFiles::OutputFiles(detail::FilesState* state) noexcept : PluginLog(state->d), s_(state) {}
+
+Model& OutputFiles::model() const { return *s_->model; }
+const RunPlan& OutputFiles::plan() const noexcept { return s_->plan->view; }
+const std::filesystem::path& OutputFiles::dir() const noexcept { return s_->dir; }
+
+void OutputFiles::save_tensors(const std::string& file, const NamedTensors& tensors) {
+  s_->record(s_->d->plugin, file);
+  save_tensor_dict(s_->dir / file, tensors);
+}
+
+void OutputFiles::write_text(const std::string& file, const std::string& text) {
+  s_->record(s_->d->plugin, file);
+  detail::write_file_atomic(s_->dir / file, text);
 }
 
 }  // namespace tk

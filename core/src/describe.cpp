@@ -25,7 +25,7 @@ std::string describe(Run& d, const Recipe& recipe) {
   if (!d.data.info.baseline_name.empty())
     out << "; " << d.data.info.baseline_name << " baseline loss " << fmt_loss(d.data.info.baseline_loss);
   out << "\n"
-      << "loss          " << d.loss_name << " (reduction " << p.loss_reduction << ")\n"
+      << "loss          " << d.loss_name << " (reduction " << to_string(p.reduction) << ")\n"
       << "optimizer     " << d.opt_name << " (lr " << to_toml(d.base_lr) << ")\n"
       << "schedule      " << d.sched_name << ", advanced once per optimizer step\n"
       << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " per epoch"

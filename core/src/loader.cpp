@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 
+#include "registry_access.h"
 #include "tk/abi.h"
 
 namespace fs = std::filesystem;
@@ -88,8 +89,15 @@ const tk_plugin_info* open(const fs::path& file, boost::dll::shared_library& lib
   if (!info) throw PluginLoadError(where + ": entry point '" TK_PLUGIN_ENTRY_SYMBOL "' returned null");
   // The ABI version is read before anything else: its position is the one thing every version shares.
   if (info->abi_version != TK_PLUGIN_ABI_VERSION)
-    throw PluginLoadError(where + ": plugin ABI version mismatch: expected " + std::to_string(TK_PLUGIN_ABI_VERSION) +
-                          ", got " + std::to_string(info->abi_version) + " (rebuild the plugin against this trainkit)");
+    throw PluginLoadError(
+        where + ": plugin ABI version mismatch: expected " + std::to_string(TK_PLUGIN_ABI_VERSION) + ", got " +
+        std::to_string(info->abi_version) + ". Rebuild the plugin against this trainkit (" TK_VERSION
+        "): `cmake -S . -B build -DCMAKE_PREFIX_PATH=<trainkit's prefix> && cmake --build build`" +
+        (info->abi_version < TK_PLUGIN_ABI_VERSION
+             ? "; a plugin written for API " + std::to_string(info->abi_version) +
+                   " needs the source changes listed under \"Porting a plugin to API " +
+                   std::to_string(TK_PLUGIN_ABI_VERSION) + "\" in docs/plugins.md"
+             : std::string("; it was built for a newer trainkit than this one")));
   const std::string tk_version = info->trainkit_version ? info->trainkit_version : "(none)";
   if (info->layout != abi::kLayoutSignature)
     throw PluginLoadError(where + ": plugin was built with headers whose types have another layout: expected layout " +
@@ -185,17 +193,17 @@ LibraryInfo PluginLoader::load(const fs::path& file, Registry& registry) const {
   LibraryInfo out = describe(*info, file);
   const std::string key = fs::weakly_canonical(file).string();
   if (registry.has_library(key)) return out;
-  registry.set_origin(key, lib);
+  detail::RegistryAccess::set_origin(registry, key, lib);
   try {
     info->register_components(&registry);
   } catch (const PluginLoadError&) {
-    registry.set_origin("(in-process)", nullptr);
+    detail::RegistryAccess::set_origin(registry, "(in-process)", nullptr);
     throw;
   } catch (const std::exception& e) {
-    registry.set_origin("(in-process)", nullptr);
+    detail::RegistryAccess::set_origin(registry, "(in-process)", nullptr);
     throw PluginLoadError(file.string() + ": plugin '" + out.name + "' failed to register: " + message_of(e));
   }
-  registry.set_origin("(in-process)", nullptr);
+  detail::RegistryAccess::set_origin(registry, "(in-process)", nullptr);
   return out;
 }
 

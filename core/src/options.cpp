@@ -61,8 +61,7 @@ void require_memory(const Options& o, const std::string& key, double bytes, cons
     o.fail(key, what + " needs about " + format_bytes(bytes) + " of memory; this machine has " + format_bytes(have));
 }
 
-double parse_bytes(const Options& o, const std::string& key) {
-  const std::string& v = o.get_string(key);
+std::optional<double> parse_bytes(const std::string& v) {
   size_t pos = 0;
   double x = 0;
   try {
@@ -78,7 +77,17 @@ double parse_bytes(const Options& o, const std::string& key) {
   if (pos > 0 && std::isfinite(x) && x > 0)
     for (const auto& [name, scale] : kUnits)
       if (unit == name) return x * scale;
-  o.fail(key, "expected a size > 0 like \"1.5GiB\", \"800MiB\" or \"2GB\", got \"" + v + "\"");
+  return std::nullopt;
+}
+
+std::string bytes_expected(const std::string& v) {
+  return "expected a size > 0 like \"1.5GiB\", \"800MiB\" or \"2GB\", got \"" + v + "\"";
+}
+
+double parse_bytes(const Options& o, const std::string& key) {
+  const std::string& v = o.get_string(key);
+  if (auto bytes = parse_bytes(v)) return *bytes;
+  o.fail(key, bytes_expected(v));
 }
 
 std::string require_file(const Options& o, const std::string& key) {

@@ -2,7 +2,10 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <ctime>
+#include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -26,37 +29,40 @@ std::string fmt_loss(double v) {
   return buf;
 }
 
-JsonLine step_record(const LoopContext& ctx, int64_t epoch, bool skipped, double wall_time) {
-  JsonLine line;
-  line.add("step", ctx.counters_.step)
-      .add("epoch", epoch)
-      .add("loss", ctx.window_loss_)
-      .add("lr", ctx.lr_)
-      .add("micro_batches", ctx.totals_.micro_batches)
-      .add("effective_batch", ctx.totals_.samples)
-      .add("samples", ctx.counters_.samples_seen)
-      .add("tokens", ctx.counters_.tokens_seen)
-      .add("wall_time", wall_time)
-      .add("peak_rss_mib", peak_rss_mib())
-      .add("host_reads", ctx.host_reads_);
-  if (skipped) line.add("skipped", ctx.vetoed_by_ + ": " + ctx.veto_reason_);
-  for (const auto& [k, v] : ctx.metrics_) line.add(k, v);
-  return line;
-}
-
 fs::path output_dir_of(const Run& run) {
   const std::string& o = run.run.get_string("output");
   return o.empty() ? fs::path("runs") / run.run.get_string("name") : fs::path(o);
 }
 
 RunOutputs::RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts)
-    : resuming_(opts.resume.has_value()), overwrite_(opts.overwrite), recipe_(recipe) {
+    : resuming_(opts.resume.has_value()), overwrite_(opts.overwrite), recipe_(recipe), resolved_(run.resolved) {
   dir_ = output_dir_of(run);
   active_ = opts.write_outputs && run.plan.rank == 0;  // one rank writes for the world
-  identity_ = run_identity(run, recipe);
+  identity_ = run_identity(run);
 }
 
 namespace {
+
+constexpr const char* kManifest = "files.json";  // the plugins' files: {"plugins": {name: [file, ...]}}
+/// The files the core writes into an output folder (a plugin's file may not take one's name).
+const std::set<std::string> kCoreFiles = {"recipe.toml", "metrics.jsonl", "weights.pt", "trace.jsonl", "status.json",
+                                          "report.html", "checkpoints", kManifest, ".tk-lock"};
+
+/// The plugins' files files.json records, by plugin; empty when there is none or it is damaged.
+std::map<std::string, std::vector<std::string>> plugin_files_in(const fs::path& dir) {
+  std::map<std::string, std::vector<std::string>> out;
+  std::ifstream in(dir / kManifest);
+  if (!in) return out;
+  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("plugins") || !j["plugins"].is_object()) return out;
+  for (const auto& [plugin, files] : j["plugins"].items())
+    if (files.is_array())
+      for (const auto& f : files)
+        if (f.is_string() && kCoreFiles.count(f.get<std::string>()) == 0 &&
+            f.get<std::string>().find('/') == std::string::npos)
+          out[plugin].push_back(f.get<std::string>());
+  return out;
+}
 
 /// What of a run a folder holds: the files trainkit writes there that make up a run.
 std::vector<std::string> run_files_in(const fs::path& dir) {
@@ -65,7 +71,21 @@ std::vector<std::string> run_files_in(const fs::path& dir) {
   if (fs::file_size(dir / "metrics.jsonl", ec) > 0 && !ec) found.push_back("metrics.jsonl");
   if (fs::exists(dir / "weights.pt", ec)) found.push_back("weights.pt");
   if (fs::is_directory(dir / "checkpoints", ec) && !fs::is_empty(dir / "checkpoints", ec)) found.push_back("checkpoints/");
+  for (const auto& [plugin, files] : plugin_files_in(dir))
+    for (const auto& f : files)
+      if (fs::exists(dir / f, ec)) found.push_back(f);
   return found;
+}
+
+/// Why `file` cannot be a plugin's file name, or "".
+std::string bad_file_name(const std::string& file) {
+  if (file.empty() || file == "." || file == "..") return "is not a file name";
+  if (file.find('/') != std::string::npos || file.find('\0') != std::string::npos)
+    return "is not a plain file name (no folders: the file goes into the output folder)";
+  if (file.front() == '.') return "starts with a dot (hidden names are the core's)";
+  if (kCoreFiles.count(file) || file.rfind("recipe.toml", 0) == 0) return "is one of the core's files";
+  if (file.size() > 4 && file.compare(file.size() - 4, 4, ".tmp") == 0) return "ends with .tmp (the core's partial files)";
+  return "";
 }
 
 }  // namespace
@@ -85,7 +105,12 @@ void RunOutputs::claim() {
                 "): continue it with --resume latest, replace it with --overwrite, or give this run another "
                 "run.output");
   spdlog::warn("--overwrite: deleting the run in '{}' ({})", dir_.string(), join(found.data(), found.data() + found.size()));
-  for (const char* f : {"metrics.jsonl", "weights.pt", "trace.jsonl", "recipe.toml", "status.json", "report.html", "checkpoints"}) {
+  std::vector<std::string> doomed;
+  for (const auto& [plugin, files] : plugin_files_in(dir_)) doomed.insert(doomed.end(), files.begin(), files.end());
+  for (const char* f : {"metrics.jsonl", "weights.pt", "trace.jsonl", "recipe.toml", "status.json", "report.html",
+                        "checkpoints", kManifest})
+    doomed.emplace_back(f);  // the manifest last: a failed deletion leaves the rest listed
+  for (const auto& f : doomed) {
     fs::remove_all(dir_ / f, ec);
     if (ec) throw Error("cannot delete '" + (dir_ / f).string() + "': " + ec.message());
   }
@@ -93,7 +118,9 @@ void RunOutputs::claim() {
 
 void RunOutputs::open(const std::optional<Checkpoint>& resumed) {
   if (!active_) return;
-  write_atomic(dir_ / "recipe.toml", recipe_.resolved());
+  write_atomic(dir_ / "recipe.toml", resolved_.toml(recipe_.source()));
+  wrote("recipe.toml");
+  wrote("metrics.jsonl");
   const fs::path file = dir_ / "metrics.jsonl";
   if (resumed) {  // keep the records up to the checkpoint, drop any written after it
     std::ifstream in(file);
@@ -133,15 +160,59 @@ fs::path RunOutputs::checkpoint(Run& run, const Counters& counters, int64_t epoc
                          run.run.get_int("checkpoint_keep"));
 }
 
-void RunOutputs::write_weights(const Run& run) const {
-  if (!active_) return;
+void RunOutputs::wrote(const std::string& file) {
+  if (std::find(written_.begin(), written_.end(), file) == written_.end()) written_.push_back(file);
+}
+
+void RunOutputs::write_weights(const Run& run) {
   NamedTensors tensors;
   for (const auto& p : run.model->named_parameters()) tensors.emplace_back(p.key(), p.value());
   for (const auto& b : run.model->named_buffers()) tensors.emplace_back(b.key(), b.value());
   save_tensor_dict(dir_ / "weights.pt", tensors);
+  wrote("weights.pt");
 }
 
-bool RunOutputs::has_weights() const { return fs::exists(dir_ / "weights.pt"); }
+void RunOutputs::record_plugin_file(const std::string& plugin, const std::string& file) {
+  const std::string why = bad_file_name(file);
+  if (!why.empty()) throw Error("the file name '" + file + "' " + why);
+  auto files = plugin_files_in(dir_);
+  for (const auto& [other, list] : files)
+    if (other != plugin && std::find(list.begin(), list.end(), file) != list.end())
+      throw Error("'" + file + "' is plugin '" + other + "''s file in " + dir_.string());
+  auto& mine = files[plugin];
+  if (std::find(mine.begin(), mine.end(), file) == mine.end()) {
+    mine.push_back(file);
+    nlohmann::ordered_json j;
+    j["plugins"] = nlohmann::ordered_json::object();
+    for (const auto& [p, list] : files) j["plugins"][p] = list;
+    write_atomic(dir_ / kManifest, j.dump(1) + "\n");  // listed before it exists: never a file of nobody's
+  }
+  wrote(file);
+}
+
+void RunOutputs::write_plugin_files(Run& run, bool only_missing) {
+  const auto listed = plugin_files_in(dir_);
+  FilesState state{&run.dispatch, run.model.get(), &run.plan, dir_,
+                   [this](const std::string& plugin, const std::string& file) { record_plugin_file(plugin, file); }};
+  OutputFiles files = ContextAccess::files(state);
+  for (size_t i : run.order) {
+    const Slot& slot = run.slots[i];
+    if (only_missing) {
+      auto it = listed.find(slot.name);
+      const bool all_there = it != listed.end() && std::all_of(it->second.begin(), it->second.end(), [&](const auto& f) {
+                               return fs::exists(dir_ / f);
+                             });
+      if (all_there) continue;
+    }
+    run.call_plugin(slot, "write_files", [&] { slot.plugin->write_files(files); });
+  }
+}
+
+void RunOutputs::complete_again(Run& run) {
+  if (!active_) return;
+  if (!fs::exists(dir_ / "weights.pt")) write_weights(run);
+  write_plugin_files(run, /*only_missing=*/true);
+}
 
 void RunOutputs::status(const char* state, int64_t step, const std::string& detail) const {
   if (!active_) return;
@@ -151,11 +222,12 @@ void RunOutputs::status(const char* state, int64_t step, const std::string& deta
   write_atomic(dir_ / "status.json", s.dump() + "\n");
 }
 
-void RunOutputs::finish(const Run& run, const std::vector<TraceEntry>& trace) {
+void RunOutputs::finish(Run& run, const std::vector<TraceEntry>& trace, bool completed) {
   if (!active_) return;
   metrics_.sync();
   metrics_.close();
   write_weights(run);
+  if (completed) write_plugin_files(run, /*only_missing=*/false);
   if (!run.tracing) return;
   std::string text;
   for (const auto& e : trace)
@@ -167,6 +239,7 @@ void RunOutputs::finish(const Run& run, const std::vector<TraceEntry>& trace) {
                 .str() +
             "\n";
   write_atomic(dir_ / "trace.jsonl", text);
+  wrote("trace.jsonl");
 }
 
 }  // namespace tk::detail

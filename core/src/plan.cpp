@@ -47,22 +47,6 @@ const char* to_string(FitStatus s) noexcept {
   return "?";
 }
 
-void dispatch(Plugin& p, Event e, Context& ctx) {
-  switch (e) {
-    case Event::FitStart: p.on_fit_start(ctx); return;
-    case Event::EpochStart: p.on_epoch_start(ctx); return;
-    case Event::MicroBatch: p.on_micro_batch(ctx); return;
-    case Event::Loss: p.on_loss(ctx); return;
-    case Event::Backward: p.on_backward(ctx); return;
-    case Event::Boundary: p.on_boundary(ctx); return;
-    case Event::StepEnd: p.on_step_end(ctx); return;
-    case Event::EpochEnd: p.on_epoch_end(ctx); return;
-    case Event::ValidationStart: p.on_validation_start(ctx); return;
-    case Event::ValidationEnd: p.on_validation_end(ctx); return;
-    case Event::FitEnd: p.on_fit_end(ctx); return;
-  }
-}
-
 namespace {
 
 bool known_capability(const std::string& name) {
@@ -102,28 +86,6 @@ std::string unknown_note(const std::string& name, const std::map<std::string, si
 }
 
 }  // namespace
-
-void RunPlan::set_window(int64_t k, LastWindow policy, const std::string& by) {
-  if (!window_owner.empty() && window_owner != by)
-    throw Error("plugins '" + window_owner + "' and '" + by +
-                "' both set the accumulation window; keep one of them");
-  if (k < 0 || (k == 0 && effective_batch_goal < 1))
-    throw Error("plugin '" + by + "' set an accumulation window of " + std::to_string(k) +
-                " (must be >= 1, or 0 with an effective batch to infer it from)");
-  accumulation = k;
-  last_window = policy;
-  window_owner = by;
-}
-
-void RunPlan::set_world(int world, int rank_, const std::string& by) {
-  if (!world_owner.empty() && world_owner != by)
-    throw Error("plugins '" + world_owner + "' and '" + by + "' both set the world size; keep one of them");
-  if (world < 1 || rank_ < 0 || rank_ >= world)
-    throw Error("plugin '" + by + "' set world size " + std::to_string(world) + " and rank " + std::to_string(rank_));
-  world_size = world;
-  rank = rank_;
-  world_owner = by;
-}
 
 WindowSchedule::WindowSchedule(int64_t batches_per_epoch, int64_t k, LastWindow policy, int64_t epochs)
     : m_(batches_per_epoch), k_(k), epochs_(epochs), policy_(policy) {

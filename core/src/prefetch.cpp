@@ -4,8 +4,9 @@
 #include <spdlog/spdlog.h>
 
 #include "run.h"
+#include "tk/version.h"
 
-#if defined(TK_WITH_CUDA)
+#if TK_WITH_CUDA
 #include <c10/core/Event.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -21,7 +22,7 @@ constexpr double kWorthwhileShare = 0.05;  // of the time between two micro-batc
 
 struct Prefetcher::Prepared {
   Batch batch;
-#if defined(TK_WITH_CUDA)
+#if TK_WITH_CUDA
   at::Tensor host_input, host_target;  // the pinned sources of the copies in flight
   std::optional<c10::Event> copied;
 #endif
@@ -30,10 +31,10 @@ struct Prefetcher::Prepared {
 Prefetcher::Prefetcher(const Run& run, const Dataset& ds) : run_(run), ds_(ds) {
   const std::string mode = run.run.get_string("prefetch");
   cuda_ = run.device.is_cuda();
-#if !defined(TK_WITH_CUDA)
+#if !TK_WITH_CUDA
   cuda_ = false;  // a CPU build trains on the CPU only
 #endif
-#if defined(TK_WITH_CUDA)
+#if TK_WITH_CUDA
   if (cuda_) {
     // One side stream for the run's copies (the caching allocator keeps memory per stream), on
     // the run's device as the main thread sees it.
@@ -57,7 +58,7 @@ Prefetcher::~Prefetcher() { drain(); }
 
 Prefetcher::Prepared Prefetcher::prepare(const at::Tensor& indices) const {
   Prepared p;
-#if defined(TK_WITH_CUDA)
+#if TK_WITH_CUDA
   if (cuda_ && active_) {
     p.batch = ds_.get(indices);
     auto pin = [](const at::Tensor& t) { return t.is_cpu() && !t.is_pinned() ? t.pin_memory() : t; };
@@ -77,7 +78,7 @@ Prefetcher::Prepared Prefetcher::prepare(const at::Tensor& indices) const {
 }
 
 Batch Prefetcher::finish(Prepared p) const {
-#if defined(TK_WITH_CUDA)
+#if TK_WITH_CUDA
   if (p.copied) {
     // The training stream waits for the copy (on the device, not the host), and the caching
     // allocator learns that the stream uses memory the side stream allocated.

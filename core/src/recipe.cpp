@@ -33,9 +33,9 @@ const char* type_name(const toml::node& n) {
   }
 }
 
-std::string names_of(const OptionSpecs& specs, bool named) {
-  std::vector<std::string> names;
-  if (named) names.push_back("name");
+/// The keys a table takes: those it selects by (`name`, `path`), then its options.
+std::string names_of(const OptionSpecs& specs, const std::vector<std::string>& selectors) {
+  std::vector<std::string> names = selectors;
   for (const auto& s : specs) names.push_back(s.name);
   return join(names.data(), names.data() + names.size());
 }
@@ -153,7 +153,7 @@ Options resolve_table(const toml::table* table, const OptionSpecs& specs, const 
       auto spec = std::find_if(specs.begin(), specs.end(), [&](const OptionSpec& s) { return s.name == key; });
       if (spec == specs.end()) {
         if (!overrides.count(context + "." + key)) where = loc_of(k.source(), file);
-        std::string valid = names_of(specs, std::find(skip.begin(), skip.end(), "name") != skip.end());
+        std::string valid = names_of(specs, skip);
         throw RecipeError(where, "unknown key '" + key + "' in [" + context + "]; valid keys: " +
                                      (valid.empty() ? "(none)" : valid));
       }
@@ -170,14 +170,6 @@ Options resolve_table(const toml::table* table, const OptionSpecs& specs, const 
   }
   return out;
 }
-
-struct Resolved {
-  std::string header;
-  bool array = false;
-  std::string name;  // the component or plugin name, written first
-  Options options;
-  std::string path;  // a plugin library's file, written after the name
-};
 
 /// The name a `[[plugins]]` entry goes by: its `name`, else the plugin of its file (tk_<name>.so),
 /// else its index.
@@ -198,21 +190,12 @@ struct Recipe::Impl {
   toml::table root;
   std::string source;
   std::filesystem::path dir;
-  mutable std::vector<Resolved> resolved;
   OverrideLocs overrides;  // dotted key -> the --set that gave it its value
 
   const toml::table* section(const std::string& name) const { return root[name].as_table(); }
   SourceLoc section_loc(const std::string& name) const {
     if (auto n = root.get(name)) return loc_of(n->source(), source);
     return SourceLoc{source, 0, 0};
-  }
-  void record(Resolved r) const {
-    for (auto& e : resolved)
-      if (e.header == r.header && e.array == r.array && e.name == r.name && !r.array) {
-        e = std::move(r);
-        return;
-      }
-    resolved.push_back(std::move(r));
   }
 };
 
@@ -227,7 +210,6 @@ Recipe::Recipe(const Recipe& other) : impl_(std::make_unique<Impl>()) {
   impl_->dir = other.impl_->dir;
   impl_->root = parse_text(impl_->text, impl_->source);
   for (const auto& o : other.impl_->applied) apply_override(o);
-  impl_->resolved = other.impl_->resolved;
 }
 Recipe& Recipe::operator=(const Recipe& other) {
   if (this != &other) *this = Recipe(other);
@@ -388,14 +370,8 @@ bool Recipe::sets(const std::string& section, const std::string& key) const {
 Options Recipe::options(const std::string& section, const OptionSpecs& specs, bool named) const {
   std::vector<std::string> skip;
   if (named) skip.push_back("name");
-  Options o = resolve_table(impl_->section(section), specs, section, impl_->section_loc(section), skip,
-                            impl_->source, impl_->overrides, impl_->dir);
-  std::string name;
-  if (named) {
-    if (auto t = impl_->section(section)) name = (*t)["name"].value_or(std::string{});
-  }
-  impl_->record({section, false, name, o, ""});
-  return o;
+  return resolve_table(impl_->section(section), specs, section, impl_->section_loc(section), skip, impl_->source,
+                       impl_->overrides, impl_->dir);
 }
 
 std::vector<PluginEntry> Recipe::plugins() const {
@@ -432,41 +408,55 @@ Options Recipe::plugin_options(size_t i, const OptionSpecs& specs) const {
   auto arr = impl_->root["plugins"].as_array();
   if (!arr || i >= arr->size()) throw Error("plugin entry " + std::to_string(i) + " does not exist");
   const toml::table* t = (*arr)[i].as_table();
-  std::string name = (*t)["name"].value_or(std::string{});
-  std::string context = "plugins." + entry_label(*t, i);
-  Options o = resolve_table(t, specs, context, loc_of((*arr)[i].source(), impl_->source),
-                            {"name", "path"}, impl_->source, impl_->overrides, impl_->dir);
-  const std::vector<PluginEntry> entries = plugins();
-  impl_->record({"plugins", true, name, o, entries[i].path.string()});
-  return o;
+  return resolve_table(t, specs, "plugins." + entry_label(*t, i), loc_of((*arr)[i].source(), impl_->source),
+                       {"name", "path"}, impl_->source, impl_->overrides, impl_->dir);
 }
 
-std::string Recipe::resolved() const {
+std::string Recipe::plugin_label(size_t i) const {
+  auto arr = impl_->root["plugins"].as_array();
+  if (!arr || i >= arr->size() || !(*arr)[i].as_table()) throw Error("plugin entry " + std::to_string(i) + " does not exist");
+  return entry_label(*(*arr)[i].as_table(), i);
+}
+
+void ResolvedRecipe::add_section(const std::string& section, const std::string& name, const Options& values) {
+  for (auto& e : entries_)
+    if (!e.array && e.header == section) {
+      e = {section, false, "", name, "", values};
+      return;
+    }
+  entries_.push_back({section, false, "", name, "", values});
+}
+
+void ResolvedRecipe::add_plugin(const std::string& label, const std::string& name, const std::string& path,
+                                const Options& values) {
+  entries_.push_back({"plugins", true, label, name, path, values});
+}
+
+std::string ResolvedRecipe::toml(const std::string& source) const {
   std::ostringstream out;
-  out << "# resolved from " << impl_->source << " (defaults filled in, overrides applied)\n";
-  for (const auto& r : impl_->resolved) {
-    out << "\n" << (r.array ? "[[" + r.header + "]]" : "[" + r.header + "]") << "\n";
-    if (!r.name.empty()) out << "name = " << to_toml(r.name) << "\n";
-    if (!r.path.empty()) out << "path = " << to_toml(r.path) << "\n";
-    for (const auto& [k, v] : r.options.values()) out << k << " = " << to_toml(v) << "\n";
+  out << "# resolved from " << source << " (defaults filled in, overrides applied)\n";
+  for (const auto& e : entries_) {
+    out << "\n" << (e.array ? "[[" + e.header + "]]" : "[" + e.header + "]") << "\n";
+    if (!e.name.empty()) out << "name = " << to_toml(e.name) << "\n";
+    if (!e.path.empty()) out << "path = " << to_toml(e.path) << "\n";
+    for (const auto& [k, v] : e.options.values()) out << k << " = " << to_toml(v) << "\n";
   }
   return out.str();
 }
 
-std::vector<std::pair<std::string, std::string>> Recipe::resolved_values() const {
+std::vector<std::pair<std::string, std::string>> ResolvedRecipe::values() const {
   std::vector<std::pair<std::string, std::string>> out;
   std::string plugins;
-  for (const auto& r : impl_->resolved) {
-    std::string prefix = r.header + ".";
-    if (r.array) {
-      const std::string label = r.name.empty() ? std::filesystem::path(r.path).stem().string() : r.name;
-      prefix += label + ".";
-      plugins += (plugins.empty() ? "" : ", ") + label;
-    } else if (!r.name.empty()) {
-      out.emplace_back(r.header + ".name", to_toml(r.name));
+  for (const auto& e : entries_) {
+    std::string prefix = e.header + ".";
+    if (e.array) {
+      prefix += e.label + ".";
+      plugins += (plugins.empty() ? "" : ", ") + e.label;
+    } else if (!e.name.empty()) {
+      out.emplace_back(e.header + ".name", to_toml(e.name));
     }
-    if (!r.path.empty()) out.emplace_back(prefix + "path", to_toml(r.path));
-    for (const auto& [k, v] : r.options.values()) out.emplace_back(prefix + k, to_toml(v));
+    if (!e.path.empty()) out.emplace_back(prefix + "path", to_toml(e.path));
+    for (const auto& [k, v] : e.options.values()) out.emplace_back(prefix + k, to_toml(v));
   }
   out.emplace_back("plugins", to_toml(plugins));
   return out;

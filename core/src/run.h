@@ -1,6 +1,8 @@
 #pragma once
-// The parts of a run, shared by the files that assemble it (assembly.cpp), print its plan
-// (describe.cpp), write its outputs (outputs.cpp) and train it (loop.cpp). Not installed.
+// The parts of a run and the functions that build, plan, check and train it, each named with the
+// file that holds it. Not installed. The files depend on each other in this order only (no cycle):
+//   components -> data_check, rng -> memory -> planning -> resume (checkpoint) -> outputs -> loop
+// libraries.cpp, describe.cpp and verify.cpp use what precedes them.
 #include <torch/optim/optimizer.h>
 
 #include <fstream>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "files.h"
+#include "state.h"
 #include "tk/checkpoint.h"
 #include "tk/components.h"
 #include "tk/output.h"
@@ -39,9 +42,11 @@ struct Run {
   // Second: a plugin added in code may hold the only handle on its library, and its setup may
   // have put that library's code into the model; the model, data and optimizer go first.
   std::vector<Slot> slots;
+  Dispatch dispatch;    // who the core calls now (setup, configure, write_files)
 
   Options run, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
   std::string model_name, data_name, loss_name, opt_name, sched_name;
+  ResolvedRecipe resolved;  // what the run was made of, section by section
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   uint64_t seed = 0;
@@ -59,12 +64,13 @@ struct Run {
 
   bool planned = false;
   std::string planning_error;  // why planning failed: setup may have changed the model, no retry
-  RunPlan plan;
+  PlanState plan;
   std::vector<size_t> order;  // dispatch order of slots that hold a plugin
   int64_t batches_per_epoch = 0, total_steps = 0;
   std::unique_ptr<WindowSchedule> windows;
   std::vector<std::string> warnings;
 
+  Run();
   void warn(const std::string& msg);
   /// Examples this rank sees per epoch: all of them alone; with several ranks, an equal share
   /// (the remainder of the division, under world_size examples, is left out of that epoch).
@@ -75,50 +81,56 @@ struct Run {
   Batch fetch(const Dataset& ds, const at::Tensor& indices) const;
   /// A batch tensor moved to `to`: floating ones in the run's dtype, others as they are.
   at::Tensor place(const at::Tensor& t, at::Device to, bool non_blocking = false) const;
+  /// Runs `fn` as plugin `slot`'s hook `hook` (configure, setup, write_files, load_state), its
+  /// failure reported with the plugin's name and file.
+  void call_plugin(const Slot& slot, const char* hook, const std::function<void()>& fn);
 };
 
-/// Loads the run's libraries and builds data, model, loss, schedule and plugins from `recipe`.
+// ---- libraries.cpp: the recipe's libraries and plugins ---------------------------------------------
+
+/// Reads [run], loads trainkit's standard libraries and every `[[plugins]]` library, makes the
+/// plugins with their options, and builds data, model, loss and schedule (components.cpp).
 void assemble(Run& run, const Recipe& recipe, const TrainerOptions& opts);
-/// Adds a plugin made in code.
-void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const Options& opts);
-/// Lets the plugins shape the plan and the model, orders them, makes the optimizer (idempotent).
-void plan_run(Run& run);
+/// Adds a plugin made in code: prepared already, or prepared here with `name` and `options` (TOML).
+void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options,
+                uint32_t hooks);
+/// What a launcher needs to know of a recipe's plugins without building a run: the capabilities
+/// they provide (plugins loaded and given their options; no data, model or memory trial).
+std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerOptions& opts);
+
+// ---- components.cpp: [run] and the components of the recipe's sections -----------------------------
+
+/// The settings of [run]: bound, dtype, device, time limit.
+void read_run_section(Run& run, const Recipe& recipe);
+/// Data, model, loss, optimizer (checked now, made after setup) and schedule.
+void build_components(Run& run, const Recipe& recipe);
 /// Makes the optimizer over the model's trainable parameters (again, after a trial step).
 void make_optimizer(Run& run);
-/// After the plugins' configure: infers the window size or the micro-batch from an effective
-/// batch a plugin asked for, refusing a combination that does not add up (batching.cpp).
-void settle_window(Run& run);
-/// With [data] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
-/// micro-batch that fits the budget; every trial is undone.
-void pick_micro_batch(Run& run);
-/// Micro-batches per epoch, the window schedule and the run's length, from the plan.
-void shape_windows(Run& run);
-/// Changes the micro-batch to `m`, keeping the examples per optimizer step (k grows to match).
-void rebatch(Run& run, int64_t m);
-/// The micro-batch to fall back to after an out-of-memory error: the largest that divides the
-/// examples per step and is at most half the current one (0: none).
-int64_t backed_off_micro_batch(const Run& run);
+
+// ---- data_check.cpp: the data and the model checked before training ---------------------------------
+
+/// The data checked (finite inputs, targets of the loss's kind and range), then one micro-batch
+/// through the model and the loss in eval mode, so that a model that does not fit its data is
+/// refused naming both.
+void check_data_and_model(Run& run);
+
+// ---- rng.cpp: the process's random generators (checkpoints and trials) -------------------------------
+
 /// The process's random generators by checkpoint key (the CPU's, each GPU's).
 std::vector<std::pair<std::string, at::Generator>> generators();
 /// The states of the process's random generators, to put back later.
 using RngStates = std::vector<std::pair<at::Generator, at::Tensor>>;
 RngStates save_rng();
 void restore_rng(const RngStates& states);
+/// The generators' states by checkpoint key, for trainer.pt.
+NamedTensors rng_tensors();
+/// Restores the generators from trainer.pt's tensors; `where` names the file in errors.
+void load_rng_tensors(const std::map<std::string, at::Tensor>& saved, const std::string& where);
 
-/// Hands each plugin its state from a checkpoint (before fit_start); warns about states nobody loads.
-void restore_plugin_states(Run& run, Checkpoint& resumed);
-/// What determines `run`: its resolved recipe without the keys that may change on resume, and its
-/// world size.
-RunIdentity run_identity(const Run& run, const Recipe& recipe);
-/// Restores model, optimizer, RNG and plugin states from the checkpoint `which` names (a folder or
-/// "latest" of `output_dir`); refuses, listing each difference, a checkpoint whose run differs from
-/// `identity` in anything but the keys `allowed` names.
-Checkpoint resume_from(Run& run, const std::string& which, const std::filesystem::path& output_dir,
-                       const RunIdentity& identity, const std::vector<std::string>& allowed);
-/// The first window's gradient accumulated vs in one batch (verify.cpp); the run is planned.
-AccumulationCheck verify_accumulation(Run& run);
+// ---- memory.cpp: measured memory, trial steps, the micro-batch picked by memory ---------------------
+
 /// Undoes a trial step on the run's model when it goes out of scope: parameters, buffers and
-/// random generators put back, gradients cleared, the optimizer made anew (batching.cpp).
+/// random generators put back, gradients cleared, the optimizer made anew.
 class TrialGuard {
  public:
   explicit TrialGuard(Run& r);
@@ -149,44 +161,53 @@ class MemoryMeter {
   double resident_ = 0;
   c10::Allocator* previous_ = nullptr;
 };
+/// With [data] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
+/// micro-batch that fits the budget; every trial is undone.
+void pick_micro_batch(Run& run);
+/// The divisors of n, ascending.
+std::vector<int64_t> divisors_of(int64_t n);
+
+// ---- planning.cpp: the plan, the plugins' configure and setup, the windows ----------------------------
+
+/// Lets the plugins shape the plan and the model, orders them, makes the optimizer (idempotent).
+void plan_run(Run& run);
+/// After the plugins' configure: infers the window size or the micro-batch from an effective
+/// batch a plugin asked for, refusing a combination that does not add up.
+void settle_window(Run& run);
+/// Micro-batches per epoch, the window schedule and the run's length, from the plan.
+void shape_windows(Run& run);
+/// Changes the micro-batch to `m`, keeping the examples per optimizer step (k grows to match).
+void rebatch(Run& run, int64_t m);
+/// The micro-batch to fall back to after an out-of-memory error: the largest that divides the
+/// examples per step and is at most half the current one (0: none).
+int64_t backed_off_micro_batch(const Run& run);
+/// An error about the effective batch, at the recipe line of the window plugin's option `key`
+/// when it has one.
+[[noreturn]] void refuse_window(const Run& run, const std::string& key, const std::string& what);
+
+// ---- resume.cpp: what a run is, and continuing one from a checkpoint ----------------------------------
+
+/// What determines `run`: its resolved recipe without the keys that may change on resume, and its
+/// world size.
+RunIdentity run_identity(const Run& run);
+/// Restores model, optimizer, RNG and plugin states from the checkpoint `which` names (a folder or
+/// "latest" of `output_dir`); refuses, listing each difference, a checkpoint whose run differs from
+/// `identity` in anything but the keys `allowed` names.
+Checkpoint resume_from(Run& run, const std::string& which, const std::filesystem::path& output_dir,
+                       const RunIdentity& identity, const std::vector<std::string>& allowed);
+
+// ---- verify.cpp, describe.cpp -------------------------------------------------------------------------
+
+/// The first window's gradient accumulated vs in one batch; the run is planned.
+AccumulationCheck verify_accumulation(Run& run);
 /// The resolved plan as `tk-run --dry-run` prints it.
 std::string describe(Run& run, const Recipe& recipe);
 
-/// A Context whose fields the loop sets.
-class LoopContext final : public Context {
- public:
-  using Context::batch_;
-  using Context::counters_;
-  using Context::current_plugin_;
-  using Context::deferred_;
-  using Context::flagged_;
-  using Context::host_reads_;
-  using Context::loss_item_;
-  using Context::loss_read_;
-  using Context::log_;
-  using Context::loss_;
-  using Context::loss_value_;
-  using Context::lr_;
-  using Context::metrics_;
-  using Context::model_;
-  using Context::optimizer_;
-  using Context::output_dir_;
-  using Context::read_step_values;
-  using Context::plan_;
-  using Context::reduction_;
-  using Context::status_;
-  using Context::totals_;
-  using Context::validation_loss_;
-  using Context::veto_advances_schedule_;
-  using Context::veto_reason_;
-  using Context::vetoed_by_;
-  using Context::window_;
-  using Context::window_loss_;
-};
+// ---- outputs.cpp: the output folder -------------------------------------------------------------------
 
-/// The run's output folder: the resolved recipe, metrics.jsonl, checkpoints, weights.pt. Inactive
-/// (every call a no-op) when outputs are off or on ranks other than 0. Every write is checked; a
-/// failed one throws naming the file, and what was written before stays.
+/// The run's output folder: the resolved recipe, metrics.jsonl, checkpoints, weights.pt, the
+/// plugins' files. Inactive (every call a no-op) when outputs are off or on ranks other than 0.
+/// Every write is checked; a failed one throws naming the file, and what was written before stays.
 class RunOutputs {
  public:
   RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts);
@@ -196,7 +217,7 @@ class RunOutputs {
   const RunIdentity& identity() const noexcept { return identity_; }
   /// Creates the folder and locks it for this run's life (another live run there is refused,
   /// naming its PID). Unless resuming, a folder that holds another run is refused, or with
-  /// `overwrite` cleared of that run's files.
+  /// `overwrite` cleared of that run's files (the plugins' among them).
   void claim();
   /// Writes the resolved recipe and opens metrics.jsonl (when resuming: cut back to the
   /// checkpoint's step, a torn last line dropped).
@@ -206,37 +227,46 @@ class RunOutputs {
   /// Checkpoints the run after micro-batch `b` of `epoch`, the records so far synced to disk first;
   /// returns the checkpoint folder.
   std::filesystem::path checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b);
-  /// weights.pt, and trace.jsonl when tracing.
-  void finish(const Run& run, const std::vector<TraceEntry>& trace);
-  /// weights.pt alone (a resumed run that was already complete, killed before it wrote them).
-  void write_weights(const Run& run) const;
-  bool has_weights() const;
+  /// weights.pt, trace.jsonl when tracing, and for a completed run every plugin's files
+  /// (Plugin::write_files).
+  void finish(Run& run, const std::vector<TraceEntry>& trace, bool completed);
+  /// A resumed run that was already complete: weights.pt, and the files of each plugin that has
+  /// one missing, written again.
+  void complete_again(Run& run);
   /// status.json: where the run stands ("running", "completed", "max_time", "signal", "failed"),
   /// its step, and for a failure the error. Replaced atomically; a run killed outright leaves
   /// "running" behind, with the PID that held the folder.
   void status(const char* state, int64_t step, const std::string& detail = {}) const;
+  /// The files written or rewritten so far, by name.
+  const std::vector<std::string>& written() const noexcept { return written_; }
 
  private:
+  void write_weights(const Run& run);
+  void write_plugin_files(Run& run, bool only_missing);
+  /// Records `file` as plugin `plugin`'s in files.json before it is written.
+  void record_plugin_file(const std::string& plugin, const std::string& file);
+  void wrote(const std::string& file);
+
   bool active_ = false, resuming_ = false, overwrite_ = false;
   std::filesystem::path dir_;
   const Recipe& recipe_;
+  const ResolvedRecipe& resolved_;
   RunIdentity identity_;
   FolderLock lock_;
   AppendFile metrics_;
+  std::vector<std::string> written_;
 };
 
 /// The folder a run writes: run.output, else runs/<run.name>.
 std::filesystem::path output_dir_of(const Run& run);
-/// The metrics record of the step just taken.
-JsonLine step_record(const LoopContext& ctx, int64_t epoch, bool skipped, double wall_time);
 /// Peak resident memory of this process so far, in MiB.
 double peak_rss_mib();
 /// A loss or perplexity for people: 4 significant digits.
 std::string fmt_loss(double v);
 
-}  // namespace tk::detail
+// ---- loop.cpp ------------------------------------------------------------------------------------------
 
-namespace tk::detail {
-/// Trains an assembled run: the loop (loop.cpp).
+/// Trains an assembled run.
 FitResult train(Run& run, const Recipe& recipe, const TrainerOptions& opts, std::vector<TraceEntry>& trace);
+
 }  // namespace tk::detail

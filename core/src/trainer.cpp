@@ -31,6 +31,14 @@ namespace {
 
 }  // namespace
 
+std::set<std::string> plugin_capabilities(const Recipe& recipe, const TrainerOptions& opts) {
+  try {
+    return detail::provided_capabilities(recipe, opts);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
 struct Trainer::Impl {
   Recipe recipe;
   TrainerOptions options;
@@ -48,8 +56,13 @@ Trainer::Trainer(Recipe recipe, TrainerOptions opts) : impl_(new Impl{std::move(
 }
 Trainer::~Trainer() = default;
 
-void Trainer::add_plugin(std::shared_ptr<Plugin> plugin, const Options& opts) {
-  detail::add_plugin(impl_->run, std::move(plugin), opts);
+void Trainer::add_plugin(std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options,
+                         uint32_t hooks) {
+  try {
+    detail::add_plugin(impl_->run, std::move(plugin), name, options, hooks);
+  } catch (...) {
+    rethrow_from_core();
+  }
 }
 
 std::string Trainer::describe() {
@@ -96,10 +109,11 @@ torch::optim::Optimizer& Trainer::optimizer() {
 }
 const RunPlan& Trainer::plan() {
   plan_from_core(impl_->run);
-  return impl_->run.plan;
+  return impl_->run.plan.view;
 }
 const DataSplits& Trainer::data() const { return impl_->run.data; }
 const Recipe& Trainer::recipe() const { return impl_->recipe; }
+std::string Trainer::resolved_recipe() const { return impl_->run.resolved.toml(impl_->recipe.source()); }
 std::filesystem::path Trainer::output_dir() const {
   return impl_->options.write_outputs ? detail::output_dir_of(impl_->run) : std::filesystem::path();
 }

@@ -32,7 +32,7 @@ std::string owner_of(const std::string& param) {
 AccumulationCheck verify_accumulation(Run& r) {
   plan_run(r);
   AccumulationCheck check;
-  const RunPlan& p = r.plan;
+  const PlanValues& p = r.plan;
   check.micro_batch = p.micro_batch;
   check.micro_batches = r.windows->size_at(0, 0);  // the first window (smaller under a ramp)
   check.tolerance = r.dtype == at::kDouble ? 1e-9 : 1e-5;

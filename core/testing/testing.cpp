@@ -5,11 +5,92 @@
 
 #include <algorithm>
 
+#include "../src/state.h"
 #include "tk/loader.h"
 
 namespace fs = std::filesystem;
 
 namespace tk::testing {
+
+using detail::ContextAccess;
+
+namespace {
+
+detail::LoopState* new_state(Model& model, torch::optim::Optimizer& optimizer, const PlanSettings& p) {
+  auto* s = new detail::LoopState;
+  auto* plan = new detail::PlanState;
+  plan->micro_batch = p.micro_batch;
+  plan->accumulation = p.accumulation;
+  plan->last_window = p.last_window;
+  plan->world_size = p.world_size;
+  plan->rank = p.rank;
+  plan->reduction = p.reduction;
+  plan->device = p.device;
+  plan->capabilities = p.capabilities;
+  s->plan = plan;
+  s->model = &model;
+  s->optimizer = &optimizer;
+  return s;
+}
+
+}  // namespace
+
+ManualContext::ManualContext(Model& model, torch::optim::Optimizer& optimizer, const PlanSettings& plan)
+    : Context(new_state(model, optimizer, plan)) {}
+
+ManualContext::~ManualContext() {
+  detail::LoopState* s = &ContextAccess::state(*this);
+  delete s->plan;
+  delete s;
+}
+
+Counters& ManualContext::mutable_counters() noexcept { return ContextAccess::state(*this).counters; }
+void ManualContext::set_window(const Window& w) noexcept { ContextAccess::state(*this).window = w; }
+void ManualContext::set_batch(const Batch* b) noexcept { ContextAccess::state(*this).batch = b; }
+void ManualContext::set_loss_value(double v) noexcept {
+  auto& s = ContextAccess::state(*this);
+  s.loss_value = v;
+  s.loss_read = true;
+}
+void ManualContext::set_window_loss(double v) noexcept { ContextAccess::state(*this).window_loss = v; }
+void ManualContext::set_validation_loss(double v) noexcept { ContextAccess::state(*this).validation_loss = v; }
+void ManualContext::set_lr(double v) noexcept { ContextAccess::state(*this).lr = v; }
+void ManualContext::set_status(FitStatus st) noexcept { ContextAccess::state(*this).status = st; }
+void ManualContext::set_output_dir(std::filesystem::path d) { ContextAccess::state(*this).output_dir = std::move(d); }
+void ManualContext::set_log(std::function<void(int, const std::string&)> log) {
+  ContextAccess::state(*this).d.log = std::move(log);
+}
+const std::vector<std::pair<std::string, double>>& ManualContext::metrics() const noexcept {
+  return ContextAccess::state(*this).step.metrics;
+}
+double ManualContext::metric_value(const std::string& name) const {
+  for (const auto& [k, v] : metrics())
+    if (k == name) return v;
+  return std::nan("");
+}
+const std::string& ManualContext::veto_reason() const noexcept { return ContextAccess::state(*this).step.veto_reason; }
+const std::string& ManualContext::vetoed_by() const noexcept { return ContextAccess::state(*this).step.vetoed_by; }
+void ManualContext::clear_step() { ContextAccess::state(*this).step.clear(); }
+
+void ManualContext::call(Plugin& p, Event e) {
+  auto& s = ContextAccess::state(*this);
+  s.d.enter(p.name(), hook_name(e), e);
+  try {
+    dispatch(p, e, *this);
+  } catch (...) {
+    s.d.leave();
+    throw;
+  }
+  s.d.leave();
+  if (e == Event::Boundary) s.read_step_values();
+}
+
+std::shared_ptr<Plugin> load_plugin(const std::filesystem::path& file, const std::string& options) {
+  auto p = PluginLoader({}).load_plugin(file).plugin;
+  const std::string context = "plugins." + p->name();
+  detail::configure_options(*p, [&](const OptionSpecs& specs) { return parse_options(options, specs, context); });
+  return p;
+}
 
 const char* const kTinyRecipe = R"(
 [run]
@@ -77,11 +158,6 @@ at::Tensor flat_grads(Model& m) {
   return at::cat(parts);
 }
 
-/// The options of an instance for Trainer::add_plugin: those it was given, else its defaults.
-Options options_for(const Plugin& p) {
-  return p.options().values().empty() ? defaults_of(p.option_specs()) : p.options();
-}
-
 /// A fresh temporary folder for one check.
 fs::path scratch(const std::string& name) {
   const fs::path d = fs::temp_directory_path() / ("tk-contract-" + std::to_string(getpid()) + "-" + name);
@@ -115,7 +191,7 @@ RunResult run(const std::string& recipe_toml, const RunOptions& opts) {
   t.resume = opts.resume;
   t.stop_requested = opts.stop_requested;
   Trainer trainer(std::move(recipe), t);
-  for (const auto& p : opts.plugins) trainer.add_plugin(p, options_for(*p));
+  for (const auto& p : opts.plugins) trainer.add_plugin(p.plugin, p.name, p.options, p.hooks);
   RunResult out;
   out.plugin_order = trainer.plugin_order();
   out.fit = trainer.fit();
@@ -137,7 +213,6 @@ double max_difference(const Parameters& a, const Parameters& b) {
   return worst;
 }
 
-Capture::Capture() { set_name("capture"); }
 Contract Capture::contract() const { return after_everything(); }
 void Capture::on_micro_batch(Context& ctx) { windows.push_back(ctx.window()); }
 void Capture::on_boundary(Context& ctx) {
@@ -147,74 +222,41 @@ void Capture::on_boundary(Context& ctx) {
 }
 void Capture::on_step_end(Context& ctx) { window_losses.push_back(ctx.window_loss()); }
 
-VetoAt::VetoAt(std::set<int64_t> steps) : steps_(std::move(steps)) { set_name("veto_at"); }
+VetoAt::VetoAt(std::set<int64_t> steps) : steps_(std::move(steps)) {}
 Contract VetoAt::contract() const { return after_everything(); }
 void VetoAt::on_boundary(Context& ctx) {
   if (steps_.count(ctx.counters().step)) ctx.veto_step("vetoed by the test");
 }
 
-ThrowAt::ThrowAt(int64_t step) : step_(step) { set_name("throw_at"); }
+ThrowAt::ThrowAt(int64_t step) : step_(step) {}
 void ThrowAt::on_backward(Context& ctx) {
   if (ctx.counters().step == step_) throw std::runtime_error("injected failure");
 }
 
-std::vector<CheckResult> check_contract(const fs::path& file, const ContractOptions& c) {
-  std::vector<CheckResult> out;
-  auto check = [&](const std::string& name, const std::function<std::string()>& fn) {
-    CheckResult r{name, false, ""};
-    try {
-      r.detail = fn();
-    } catch (const std::exception& e) {
-      r.detail = std::string("threw: ") + e.what();
-    }
-    r.passed = r.detail.empty();
-    out.push_back(std::move(r));
-  };
-  const PluginLoader loader({});
-  // A new instance with the options given as TOML.
-  auto instance = [&](const std::string& toml) {
-    auto p = loader.load_plugin(file).plugin;
-    const Options o = parse_options(toml, p->option_specs(), "plugins." + p->name());
-    p->set_options(o);
-    p->init(o);
-    return p;
-  };
-  auto run_with = [&](std::vector<std::shared_ptr<Plugin>> plugins) {
-    RunOptions o;
-    o.plugins = std::move(plugins);
-    return run(kContractRecipe, o);
-  };
+namespace {
 
-  check("loads and names itself", [&]() -> std::string {
-    auto lp = loader.load_plugin(file);
+/// The contract's checks of one library, each returning "" when it holds, else why not.
+class ContractChecks {
+ public:
+  ContractChecks(const fs::path& file, const ContractOptions& c) : file_(file), c_(c) {}
+
+  std::string loads_and_names_itself() const {
+    auto lp = PluginLoader({}).load_plugin(file_);
     if (lp.name.empty()) return "its name is empty";
     if (lp.version.empty()) return "its version is empty";
     if (lp.plugin->name() != lp.name) return "the instance is named '" + lp.plugin->name() + "', not '" + lp.name + "'";
+    Registry registry;
+    PluginLoader({}).load(file_, registry);
+    if (registry.plugins().front().doc.empty()) return "it registers no description (TK_PLUGIN's fourth argument)";
+    instance("");  // its defaults are accepted
     return "";
-  });
-  check("declares well-formed, documented options with accepted defaults", [&]() -> std::string {
-    auto p = loader.load_plugin(file).plugin;
-    std::set<std::string> names;
-    for (const auto& s : p->option_specs()) {
-      if (s.name.empty()) return "an option has an empty name";
-      if (!names.insert(s.name).second) return "option '" + s.name + "' is declared twice";
-      if (s.name == "name" || s.name == "path") return "option '" + s.name + "' is reserved for [[plugins]] entries";
-      if (s.doc.empty()) return "option '" + s.name + "' has no doc";
-      const size_t index = s.type == OptionType::Path ? 3 : static_cast<size_t>(s.type);
-      if (s.default_value.index() != index) return "option '" + s.name + "' has a default of another type";
-      if (!s.choices.empty() && std::find(s.choices.begin(), s.choices.end(), std::get<std::string>(s.default_value)) ==
-                                    s.choices.end())
-        return "option '" + s.name + "': its default is not one of its choices";
-    }
-    instance("");
-    return "";
-  });
-  check("refuses unknown and mistyped options, listing the valid ones", [&]() -> std::string {
-    auto p = loader.load_plugin(file).plugin;
-    const auto specs = p->option_specs();
+  }
+
+  std::string refuses_bad_options() const {
+    const auto specs = fresh_specs();
     try {
       RunOptions o;
-      o.libraries = {{file, "definitely_not_an_option = 1"}};
+      o.libraries = {{file_, "definitely_not_an_option = 1"}};
       run(kTinyRecipe, o);
       return "an unknown option was accepted";
     } catch (const RecipeError& e) {
@@ -227,69 +269,62 @@ std::vector<CheckResult> check_contract(const fs::path& file, const ContractOpti
       const bool stringy = s.type == OptionType::String || s.type == OptionType::Path;
       const std::string wrong = stringy ? "1" : "\"not a " + std::string(to_string(s.type)) + "\"";
       try {
-        parse_options(s.name + " = " + wrong, specs, "plugins." + p->name());
+        instance(s.name + " = " + wrong);
         return "option '" + s.name + "' accepted " + wrong;
       } catch (const RecipeError& e) {
         if (std::string(e.what()).find("expected") == std::string::npos) return "unclear error: " + std::string(e.what());
       }
     }
     return "";
-  });
-  check("runs every hook it keeps in a run with two epochs and validation", [&]() -> std::string {
-    auto p = instance(c.options);
+  }
+
+  std::string runs_every_hook() const {
+    auto p = instance(c_.options);
     auto r = run_with({p});
     for (int i = 0; i < kEventCount; ++i) {
       const auto e = static_cast<Event>(i);
       if (!p->handles(e)) continue;
       const bool seen = std::any_of(r.trace.begin(), r.trace.end(),
                                     [&](const TraceEntry& t) { return t.event == e && t.plugin == p->name(); });
-      if (!seen) return std::string("its ") + to_string(e) + " hook never ran";
+      if (!seen) return std::string("its ") + hook_name(e) + " hook never ran";
     }
     if (r.fit.steps < 1) return "the run took no step";
-    for (const auto& [name, t] : r.parameters)
-      if (!at::isfinite(t).all().item<bool>()) return "parameter " + name + " is not finite";
-    for (double l : r.fit.window_losses)
-      if (!std::isfinite(l)) return "a window loss is not finite";
-    return "";
-  });
-  check("round-trips its state into a fresh instance", [&]() -> std::string {
-    auto p = instance(c.options);
+    return finite(r);
+  }
+
+  std::string round_trips_state() const {
+    auto p = instance(c_.options);
     run_with({p});
-    const StateDict saved = p->state();
-    auto fresh = instance(c.options);
-    fresh->load_state(saved);
-    const StateDict again = fresh->state();
-    if (again.size() != saved.size()) return "the state has " + std::to_string(again.size()) + " entries after loading " +
-                                              std::to_string(saved.size());
-    for (const auto& [k, v] : saved) {
-      auto it = again.find(k);
-      if (it == again.end() || !it->second.equal(v)) return "state entry '" + k + "' did not round-trip";
-    }
-    return "";
-  });
-  check("leaves a run bit-identical with neutral options", [&]() -> std::string {
-    if (!c.check_neutral) return "";  // declared: it always changes the numerics
+    auto fresh = instance(c_.options);
+    fresh->load_state(p->state());
+    return same_state(p->state(), fresh->state(), "after loading it into a fresh instance");
+  }
+
+  std::string neutral_is_bit_identical() const {
     auto without = run_with({});
-    auto with = run_with({instance(c.neutral)});
+    auto with = run_with({instance(c_.neutral)});
     if (without.fit.steps != with.fit.steps)
       return std::to_string(with.fit.steps) + " steps instead of " + std::to_string(without.fit.steps);
     const double d = max_difference(without.parameters, with.parameters);
     return d == 0.0 ? "" : "the parameters differ by up to " + std::to_string(d);
-  });
-  check("a run stopped at a checkpoint and resumed equals an uninterrupted one", [&]() -> std::string {
+  }
+
+  std::string resume_equals_uninterrupted() const {
     const fs::path a = scratch("whole"), b = scratch("resumed");
+    auto whole_plugin = instance(c_.options);
     RunOptions whole;
-    whole.plugins = {instance(c.options)};
+    whole.plugins = {whole_plugin};
     whole.output = a;
     auto full = run(kContractRecipe, whole);
     RunOptions first = whole;
-    first.plugins = {instance(c.options)};
+    first.plugins = {instance(c_.options)};
     first.output = b;
     int boundaries = 0;
     first.stop_requested = [&boundaries] { return ++boundaries == 3; };
     auto stopped = run(kContractRecipe, first);
+    auto resumed_plugin = instance(c_.options);
     RunOptions second = first;
-    second.plugins = {instance(c.options)};
+    second.plugins = {resumed_plugin};
     second.stop_requested = nullptr;
     second.resume = "latest";
     auto resumed = run(kContractRecipe, second);
@@ -297,25 +332,94 @@ std::vector<CheckResult> check_contract(const fs::path& file, const ContractOpti
     fs::remove_all(b);
     if (stopped.fit.status != FitStatus::StoppedBySignal) return "the first half did not stop at its third boundary";
     const double d = max_difference(full.parameters, resumed.parameters);
-    return d == 0.0 ? "" : "the resumed run's parameters differ by up to " + std::to_string(d);
-  });
-  check("survives a vetoed step", [&]() -> std::string {
-    auto r = run_with({instance(c.options), std::make_shared<VetoAt>(std::set<int64_t>{1})});
+    if (d != 0.0) return "the resumed run's parameters differ by up to " + std::to_string(d);
+    return same_state(whole_plugin->state(), resumed_plugin->state(), "at the end of the resumed run");
+  }
+
+  std::string survives_a_veto() const {
+    auto r = run_with({instance(c_.options), {std::make_shared<VetoAt>(std::set<int64_t>{1}), "veto_at"}});
     if (r.fit.skipped_steps < 1) return "the vetoed step was not skipped";
-    for (const auto& [name, t] : r.parameters)
-      if (!at::isfinite(t).all().item<bool>()) return "parameter " + name + " is not finite";
-    return "";
-  });
-  check("gets on_fit_end after another plugin fails, and the first error stands", [&]() -> std::string {
+    return finite(r);
+  }
+
+  std::string fit_end_after_failure() const {
     try {
-      run_with({instance(c.options), std::make_shared<ThrowAt>(2)});
+      run_with({instance(c_.options), {std::make_shared<ThrowAt>(2), "throw_at"}});
       return "the run did not fail";
     } catch (const PluginRuntimeError& e) {
       const std::string m = e.what();
       if (m.find("plugin 'throw_at' failed in event backward at step 2") != 0) return "another error stood: " + m;
     }
     return "";
-  });
+  }
+
+ private:
+  /// A new instance with the options given as TOML.
+  std::shared_ptr<Plugin> instance(const std::string& toml) const { return load_plugin(file_, toml); }
+  OptionSpecs fresh_specs() const {
+    auto p = PluginLoader({}).load_plugin(file_).plugin;
+    return detail::declared_options(*p);
+  }
+  RunResult run_with(std::vector<InProcess> plugins) const {
+    RunOptions o;
+    o.plugins = std::move(plugins);
+    return run(kContractRecipe, o);
+  }
+  static std::string finite(const RunResult& r) {
+    for (const auto& [name, t] : r.parameters)
+      if (!at::isfinite(t).all().item<bool>()) return "parameter " + name + " is not finite";
+    for (double l : r.fit.window_losses)
+      if (!std::isfinite(l)) return "a window loss is not finite";
+    return "";
+  }
+  /// "" when two states hold the same entries with the same values.
+  static std::string same_state(const StateDict& want, const StateDict& got, const std::string& when) {
+    if (got.size() != want.size())
+      return "its state has " + std::to_string(got.size()) + " entries " + when + ", expected " + std::to_string(want.size());
+    for (const auto& [k, v] : want) {
+      auto it = got.find(k);
+      if (it == got.end()) return "state entry '" + k + "' is missing " + when;
+      const at::Tensor a = v.detach().cpu(), b = it->second.detach().cpu();
+      if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes() || !a.equal(b))
+        return "state entry '" + k + "' differs " + when;
+    }
+    return "";
+  }
+
+  fs::path file_;
+  ContractOptions c_;
+};
+
+}  // namespace
+
+std::vector<CheckResult> check_contract(const fs::path& file, const ContractOptions& c) {
+  const ContractChecks contract(file, c);
+  std::vector<CheckResult> out;
+  auto check = [&](const std::string& name, std::string (ContractChecks::*fn)() const) {
+    CheckResult r{name, false, false, ""};
+    try {
+      r.detail = (contract.*fn)();
+    } catch (const std::exception& e) {
+      r.detail = std::string("threw: ") + e.what();
+    }
+    r.passed = r.detail.empty();
+    out.push_back(std::move(r));
+  };
+  check("loads, names and describes itself, and accepts its default options", &ContractChecks::loads_and_names_itself);
+  if (!out.back().passed) return out;  // nothing else can run
+  check("refuses unknown and mistyped options, listing the valid ones", &ContractChecks::refuses_bad_options);
+  check("runs every hook it keeps in a run with two epochs and validation", &ContractChecks::runs_every_hook);
+  check("round-trips its state into a fresh instance", &ContractChecks::round_trips_state);
+  if (c.check_neutral) {
+    check("leaves a run bit-identical with neutral options", &ContractChecks::neutral_is_bit_identical);
+  } else {
+    out.push_back({"leaves a run bit-identical with neutral options", false, true,
+                   "--neutral none: the plugin always changes the numerics"});
+  }
+  check("a run stopped at a checkpoint and resumed equals an uninterrupted one, its state included",
+        &ContractChecks::resume_equals_uninterrupted);
+  check("survives a vetoed step", &ContractChecks::survives_a_veto);
+  check("gets on_fit_end after another plugin fails, and the first error stands", &ContractChecks::fit_end_after_failure);
   return out;
 }
 

@@ -14,23 +14,20 @@ namespace {
 
 class Clip final : public tk::Plugin {
  public:
-  tk::OptionSpecs option_specs() const override {
-    return {tk::opt_float("max_norm", 1.0, "clip the total gradient norm to this (0: no norm clipping)"),
-            tk::opt_float("norm_type", 2.0, "p of the p-norm, > 0; inf for the max-norm"),
-            tk::opt_float("max_value", 0.0, "clip each gradient element to [-max_value, max_value] (0: off)")};
+  void bind(tk::OptionBinder& o) override {
+    o.add("max_norm", max_norm_, "clip the total gradient norm to this (0: no norm clipping)");
+    o.add("norm_type", norm_type_, "p of the p-norm, > 0; inf for the max-norm");
+    o.add("max_value", max_value_, "clip each gradient element to [-max_value, max_value] (0: off)");
   }
 
-  void init(const tk::Options& o) override {
-    max_norm_ = o.get_float("max_norm");
-    norm_type_ = o.get_float("norm_type");
-    max_value_ = o.get_float("max_value");
-    if (max_norm_ < 0 || std::isnan(max_norm_)) o.fail("max_norm", "must be >= 0");
-    if (max_value_ < 0 || std::isnan(max_value_)) o.fail("max_value", "must be >= 0");
-    if (!(norm_type_ > 0)) o.fail("norm_type", "must be > 0 (or inf)");
-    if (max_norm_ > 0 && max_value_ > 0 && o.is_set("max_norm"))
-      o.fail("max_value", "give max_norm or max_value, not both");
+  void init() override {
+    if (max_norm_ < 0 || std::isnan(max_norm_)) fail_option(max_norm_, "must be >= 0");
+    if (max_value_ < 0 || std::isnan(max_value_)) fail_option(max_value_, "must be >= 0");
+    if (!(norm_type_ > 0)) fail_option(norm_type_, "must be > 0 (or inf)");
+    if (max_norm_ > 0 && max_value_ > 0 && option_given(max_norm_))
+      fail_option(max_value_, "give max_norm or max_value, not both");
     if (max_value_ > 0) max_norm_ = 0;  // clipping by value replaces the default norm clipping
-    if (max_norm_ == 0 && max_value_ == 0) o.fail("max_norm", "one of max_norm and max_value must be > 0");
+    if (max_norm_ == 0 && max_value_ == 0) fail_option(max_norm_, "one of max_norm and max_value must be > 0");
   }
 
   tk::Contract contract() const override {
@@ -81,4 +78,4 @@ class Clip final : public tk::Plugin {
 
 }  // namespace
 
-TK_PLUGIN(Clip, "clip", "0.1.0")
+TK_PLUGIN(Clip, "clip", "0.2.0", "gradient clipping at the optimizer-step boundary, by total norm or by value")

@@ -73,24 +73,22 @@ World detect_world() {
 
 class Ddp final : public tk::Plugin {
  public:
-  tk::OptionSpecs option_specs() const override {
-    return {tk::opt_string("backend", "auto", "collective backend: gloo (CPU), nccl (CUDA), auto", {"auto", "gloo", "nccl"}),
-            tk::opt_float("timeout_s", 300.0, "seconds a collective may take before the run fails"),
-            tk::opt_float("rendezvous_timeout_s", 300.0, "seconds to wait for every rank to join"),
-            tk::opt_float("bucket_mb", 25.0, "size of the flat gradient buckets all-reduced together"),
-            tk::opt_int("check_every", 0, "every N steps, verify that all ranks hold the same parameters (0: never)")};
+  void bind(tk::OptionBinder& o) override {
+    o.add("backend", backend_, "collective backend: gloo (CPU), nccl (CUDA), auto", {"auto", "gloo", "nccl"});
+    o.add("timeout_s", timeout_s_, "seconds a collective may take before the run fails");
+    o.add("rendezvous_timeout_s", rendezvous_timeout_s_, "seconds to wait for every rank to join");
+    o.add("bucket_mb", bucket_mb_, "size of the flat gradient buckets all-reduced together");
+    o.add("check_every", check_every_, "every N steps, verify that all ranks hold the same parameters (0: never)");
   }
 
-  void init(const tk::Options& o) override {
-    backend_ = o.get_string("backend");
-    timeout_ = std::chrono::milliseconds(static_cast<int64_t>(o.get_float("timeout_s") * 1000));
-    rdv_timeout_ = std::chrono::milliseconds(static_cast<int64_t>(o.get_float("rendezvous_timeout_s") * 1000));
-    bucket_bytes_ = static_cast<int64_t>(o.get_float("bucket_mb") * 1024 * 1024);
-    check_every_ = o.get_int("check_every");
-    if (!(o.get_float("timeout_s") > 0)) o.fail("timeout_s", "must be > 0");
-    if (!(o.get_float("rendezvous_timeout_s") > 0)) o.fail("rendezvous_timeout_s", "must be > 0");
-    if (!(o.get_float("bucket_mb") > 0)) o.fail("bucket_mb", "must be > 0");
-    if (check_every_ < 0) o.fail("check_every", "must be >= 0");
+  void init() override {
+    if (!(timeout_s_ > 0)) fail_option(timeout_s_, "must be > 0");
+    if (!(rendezvous_timeout_s_ > 0)) fail_option(rendezvous_timeout_s_, "must be > 0");
+    if (!(bucket_mb_ > 0)) fail_option(bucket_mb_, "must be > 0");
+    if (check_every_ < 0) fail_option(check_every_, "must be >= 0");
+    timeout_ = std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
+    rdv_timeout_ = std::chrono::milliseconds(static_cast<int64_t>(rendezvous_timeout_s_ * 1000));
+    bucket_bytes_ = static_cast<int64_t>(bucket_mb_ * 1024 * 1024);
     world_ = detect_world();
   }
 
@@ -101,15 +99,14 @@ class Ddp final : public tk::Plugin {
   }
 
   void configure(tk::RunPlan& plan) override {
-    plan.set_world(world_.size, world_.rank, name());
+    plan.set_world(world_.size, world_.rank);
     // Without a normalizer, a mean loss is averaged over ranks here, as single-process training
     // would average it over the global batch; a sum loss stays a sum.
-    average_ = !plan.has(tk::cap::kGradsNormalized) && plan.loss_reduction == "mean";
-    if (backend_ == "auto") backend_ = plan.device == at::kCUDA ? "nccl" : "gloo";
-    if (backend_ == "nccl" && plan.device != at::kCUDA)
-      fail_option("backend", "nccl needs the run on CUDA (run.device)");
+    average_ = !plan.has(tk::cap::kGradsNormalized) && plan.reduction() == tk::Reduction::Mean;
+    if (backend_ == "auto") backend_ = plan.device() == at::kCUDA ? "nccl" : "gloo";
+    if (backend_ == "nccl" && plan.device() != at::kCUDA) fail_option(backend_, "nccl needs the run on CUDA (run.device)");
 #ifndef USE_C10D_NCCL
-    if (backend_ == "nccl") fail_option("backend", "this LibTorch was built without NCCL; use gloo");
+    if (backend_ == "nccl") fail_option(backend_, "this LibTorch was built without NCCL; use gloo");
 #endif
   }
 
@@ -167,7 +164,8 @@ class Ddp final : public tk::Plugin {
     // Every rank must step with the same window; a micro-batch picked by memory was measured by
     // each rank on its own.
     const tk::RunPlan& plan = ctx.plan();
-    auto shape = torch::tensor({plan.micro_batch, plan.accumulation, -plan.micro_batch, -plan.accumulation}, torch::kLong);
+    auto shape = torch::tensor({plan.micro_batch(), plan.accumulation(), -plan.micro_batch(), -plan.accumulation()},
+                               torch::kLong);
     {
       std::vector<torch::Tensor> v{shape};
       c10d::AllreduceOptions ao;
@@ -176,7 +174,7 @@ class Ddp final : public tk::Plugin {
     }
     if (shape[0].item<int64_t>() != -shape[2].item<int64_t>() || shape[1].item<int64_t>() != -shape[3].item<int64_t>())
       throw std::runtime_error("the ranks planned different windows (rank " + std::to_string(world_.rank) + ": " +
-                               std::to_string(plan.micro_batch) + " x " + std::to_string(plan.accumulation) +
+                               std::to_string(plan.micro_batch()) + " x " + std::to_string(plan.accumulation()) +
                                " micro-batches; over all ranks the micro-batch ranges from " +
                                std::to_string(-shape[2].item<int64_t>()) + " to " + std::to_string(shape[0].item<int64_t>()) +
                                "): give [data] micro_batch, or the same memory_budget on every rank");
@@ -210,7 +208,7 @@ class Ddp final : public tk::Plugin {
     }
     // The window's counts and its loss (still on the device) in one all-reduce; the counts come
     // back to the host (normalization needs them there), the loss stays for the core's read.
-    tk::WindowTotals& t = ctx.totals();
+    tk::WindowTotals& t = ctx.mutable_totals();
     const at::Device device = grads.empty() ? at::Device(at::kCPU) : grads.front().device();
     auto totals = torch::tensor({static_cast<double>(t.micro_batches), static_cast<double>(t.samples),
                                  static_cast<double>(t.tokens), 0.0},
@@ -285,10 +283,14 @@ class Ddp final : public tk::Plugin {
     }
   }
 
-  World world_;
+  // Options, with their defaults.
   std::string backend_ = "auto";
+  double timeout_s_ = 300.0, rendezvous_timeout_s_ = 300.0, bucket_mb_ = 25.0;
+  int64_t check_every_ = 0;
+  // Derived from them, and state.
+  World world_;
   std::chrono::milliseconds timeout_{300000}, rdv_timeout_{300000};
-  int64_t bucket_bytes_ = 25 << 20, check_every_ = 0;
+  int64_t bucket_bytes_ = 25 << 20;
   bool average_ = false;
   int64_t syncs_ = 0, allreduces_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;
@@ -297,4 +299,4 @@ class Ddp final : public tk::Plugin {
 
 }  // namespace
 
-TK_PLUGIN(Ddp, "ddp", "0.1.0")
+TK_PLUGIN(Ddp, "ddp", "0.2.0", "data parallel on c10d: gradients summed across ranks once per window")

@@ -14,58 +14,43 @@
 
 namespace {
 
+/// What the window's gradient is divided by.
+enum class Normalize { Mean, Samples, Tokens };
+
 class GradAccum final : public tk::Plugin {
  public:
-  tk::OptionSpecs option_specs() const override {
-    return {
-        tk::opt_int("steps", 1, "micro-batches per optimizer step (k); inferred when effective_batch is given instead (or steps = 0)"),
-        tk::opt_int("effective_batch", 0,
-                    "examples per optimizer step over all ranks (0: steps x micro_batch x world size); give two of "
-                    "steps, [data] micro_batch and this, and the third is inferred"),
-        tk::opt_string("memory_budget", "",
-                       "with [data] micro_batch = \"auto\": the memory one training step may use, e.g. \"1.5GiB\" "
-                       "(\"\": the GPU's free memory; required on the CPU)"),
-        tk::opt_int("ramp_from", 0, "effective batch of the first step, ramping linearly up to effective_batch (0: no ramp)"),
-        tk::opt_int("ramp_steps", 0, "length of the ramp in optimizer steps"),
-        tk::opt_int("ramp_samples", 0, "length of the ramp in examples (over all ranks)"),
-        tk::opt_string("normalize", "mean",
-                       "mean: divide by the window's micro-batches (mean losses); samples / tokens: divide "
-                       "by the window's examples / counted tokens (sum losses)",
-                       {"mean", "samples", "tokens"}),
-        tk::opt_string("last_window", "step",
-                       "short window at the end of an epoch: step (normalized by its size), drop, or carry "
-                       "into the next epoch",
-                       {"step", "drop", "carry"}),
-    };
+  void bind(tk::OptionBinder& o) override {
+    o.add("steps", steps_, "micro-batches per optimizer step (k); inferred when effective_batch is given instead (or steps = 0)");
+    o.add("effective_batch", effective_,
+          "examples per optimizer step over all ranks (0: steps x micro_batch x world size); give two of steps, [data] "
+          "micro_batch and this, and the third is inferred");
+    o.add("memory_budget", memory_budget_,
+          "with [data] micro_batch = \"auto\": the memory one training step may use, e.g. \"1.5GiB\" (\"\": the GPU's free "
+          "memory; required on the CPU)");
+    o.add("ramp_from", ramp_from_, "effective batch of the first step, ramping linearly up to effective_batch (0: no ramp)");
+    o.add("ramp_steps", ramp_steps_, "length of the ramp in optimizer steps");
+    o.add("ramp_samples", ramp_samples_, "length of the ramp in examples (over all ranks)");
+    o.choice("normalize", normalize_,
+             "mean: divide by the window's micro-batches (mean losses); samples / tokens: divide by the window's examples "
+             "/ counted tokens (sum losses)",
+             {{"mean", Normalize::Mean}, {"samples", Normalize::Samples}, {"tokens", Normalize::Tokens}});
+    o.choice("last_window", last_window_,
+             "short window at the end of an epoch: step (normalized by its size), drop, or carry into the next epoch",
+             {{"step", tk::LastWindow::Step}, {"drop", tk::LastWindow::Drop}, {"carry", tk::LastWindow::Carry}});
   }
 
-  void init(const tk::Options& o) override {
-    steps_ = o.get_int("steps");
-    effective_ = o.get_int("effective_batch");
-    if (effective_ < 0) o.fail("effective_batch", "must be >= 1 (or 0: not given), got " + std::to_string(effective_));
+  void init() override {
+    if (effective_ < 0) fail_option(effective_, "must be >= 1 (or 0: not given), got " + std::to_string(effective_));
     if (steps_ < 0 || (steps_ == 0 && effective_ == 0))
-      o.fail("steps", "must be >= 1 (or 0 with effective_batch: inferred), got " + std::to_string(steps_));
+      fail_option(steps_, "must be >= 1 (or 0 with effective_batch: inferred), got " + std::to_string(steps_));
     // Given steps with an effective batch: the micro-batch is inferred (or checked).
-    infer_steps_ = effective_ > 0 && (steps_ == 0 || !o.is_set("steps"));
-    if (!o.get_string("memory_budget").empty()) budget_ = tk::parse_bytes(o, "memory_budget");
-    ramp_.from = o.get_int("ramp_from");
-    const int64_t by_steps = o.get_int("ramp_steps"), by_samples = o.get_int("ramp_samples");
-    if (ramp_.from < 0) o.fail("ramp_from", "must be >= 1 (or 0: no ramp)");
-    if (by_steps < 0 || by_samples < 0) o.fail(by_steps < 0 ? "ramp_steps" : "ramp_samples", "must be >= 0");
-    if (by_steps > 0 && by_samples > 0) o.fail("ramp_samples", "give the ramp's length in ramp_steps or ramp_samples, not both");
-    if (ramp_.from > 0) {
-      if (effective_ == 0) o.fail("ramp_from", "a ramp goes up to effective_batch: set effective_batch too");
-      if (ramp_.from >= effective_)
-        o.fail("ramp_from", "is " + std::to_string(ramp_.from) + ", not below effective_batch = " + std::to_string(effective_));
-      if (by_steps == 0 && by_samples == 0) o.fail("ramp_from", "give the ramp's length: ramp_steps or ramp_samples");
-      ramp_.over = by_steps > 0 ? by_steps : by_samples;
-      ramp_.by_samples = by_samples > 0;
-    } else if (by_steps > 0 || by_samples > 0) {
-      o.fail(by_steps > 0 ? "ramp_steps" : "ramp_samples", "a ramp needs ramp_from, the effective batch it starts at");
+    infer_steps_ = effective_ > 0 && (steps_ == 0 || !option_given(steps_));
+    if (!memory_budget_.empty()) {
+      const auto bytes = tk::parse_bytes(memory_budget_);
+      if (!bytes) fail_option(memory_budget_, tk::bytes_expected(memory_budget_));
+      budget_ = *bytes;
     }
-    normalize_ = o.get_string("normalize");
-    const auto& lw = o.get_string("last_window");
-    policy_ = lw == "drop" ? tk::LastWindow::Drop : lw == "carry" ? tk::LastWindow::Carry : tk::LastWindow::Step;
+    init_ramp();
   }
 
   tk::Contract contract() const override {
@@ -76,29 +61,36 @@ class GradAccum final : public tk::Plugin {
   }
 
   void configure(tk::RunPlan& plan) override {
-    const std::string want = normalize_ == "mean" ? "mean" : "sum";
-    if (plan.loss_reduction != want)
-      fail_option("normalize", "\"" + normalize_ + "\" needs a loss with reduction = \"" + want +
-                                     "\", but the recipe's loss uses \"" + plan.loss_reduction + "\"");
-    if (budget_ > 0 && !plan.micro_batch_auto)
-      fail_option("memory_budget", "applies to a micro-batch picked by memory: set [data] micro_batch = \"auto\"");
-    plan.effective_batch_goal = effective_;
-    plan.memory_budget = budget_;
-    plan.ramp = ramp_;
-    plan.set_window(infer_steps_ ? 0 : steps_, policy_, name());
+    const tk::Reduction want = normalize_ == Normalize::Mean ? tk::Reduction::Mean : tk::Reduction::Sum;
+    if (plan.reduction() != want)
+      fail_option(normalize_, "\"" + what(normalize_) + "\" needs a loss with reduction = \"" + tk::to_string(want) +
+                                  "\", but the recipe's loss uses \"" + tk::to_string(plan.reduction()) + "\"");
+    if (budget_ > 0 && !plan.micro_batch_auto())
+      fail_option(memory_budget_, "applies to a micro-batch picked by memory: set [data] micro_batch = \"auto\"");
+    tk::WindowRequest w;
+    w.steps = infer_steps_ ? 0 : steps_;
+    w.last_window = last_window_;
+    w.effective_batch = effective_;
+    w.memory_budget = budget_;
+    w.ramp = ramp_;
+    plan.set_window(w);
   }
 
   void on_boundary(tk::Context& ctx) override {
     const tk::WindowTotals& t = ctx.totals();
-    const int64_t divisor = normalize_ == "mean" ? t.micro_batches : normalize_ == "samples" ? t.samples : t.tokens;
+    const int64_t divisor = normalize_ == Normalize::Mean      ? t.micro_batches
+                            : normalize_ == Normalize::Samples ? t.samples
+                                                               : t.tokens;
     if (divisor < 1) {
-      ctx.veto_step("the window has no " + normalize_ + " to normalize by");
+      ctx.veto_step("the window has no " + what(normalize_) + " to normalize by");
       return;
     }
     if (divisor != 1) {
+      std::vector<torch::Tensor> grads;
       for (auto& group : ctx.optimizer().param_groups())
         for (auto& p : group.params())
-          if (p.grad().defined()) p.mutable_grad().div_(divisor);
+          if (p.grad().defined()) grads.push_back(p.mutable_grad());
+      if (!grads.empty()) at::_foreach_div_(grads, static_cast<double>(divisor));
     }
     ++windows_;
     if (ctx.window().is_short()) ++short_windows_;
@@ -114,15 +106,44 @@ class GradAccum final : public tk::Plugin {
   }
 
  private:
-  int64_t steps_ = 1, effective_ = 0;
+  static std::string what(Normalize n) { return n == Normalize::Mean ? "mean" : n == Normalize::Samples ? "samples" : "tokens"; }
+
+  void init_ramp() {
+    ramp_.from = ramp_from_;
+    if (ramp_from_ < 0) fail_option(ramp_from_, "must be >= 1 (or 0: no ramp)");
+    if (ramp_steps_ < 0) fail_option(ramp_steps_, "must be >= 0");
+    if (ramp_samples_ < 0) fail_option(ramp_samples_, "must be >= 0");
+    if (ramp_steps_ > 0 && ramp_samples_ > 0)
+      fail_option(ramp_samples_, "give the ramp's length in ramp_steps or ramp_samples, not both");
+    if (ramp_from_ > 0) {
+      if (effective_ == 0) fail_option(ramp_from_, "a ramp goes up to effective_batch: set effective_batch too");
+      if (ramp_from_ >= effective_)
+        fail_option(ramp_from_, "is " + std::to_string(ramp_from_) + ", not below effective_batch = " +
+                                    std::to_string(effective_));
+      if (ramp_steps_ == 0 && ramp_samples_ == 0) fail_option(ramp_from_, "give the ramp's length: ramp_steps or ramp_samples");
+      ramp_.over = ramp_steps_ > 0 ? ramp_steps_ : ramp_samples_;
+      ramp_.by_samples = ramp_samples_ > 0;
+    } else if (ramp_steps_ > 0) {
+      fail_option(ramp_steps_, "a ramp needs ramp_from, the effective batch it starts at");
+    } else if (ramp_samples_ > 0) {
+      fail_option(ramp_samples_, "a ramp needs ramp_from, the effective batch it starts at");
+    }
+  }
+
+  // Options, with their defaults.
+  int64_t steps_ = 1, effective_ = 0, ramp_from_ = 0, ramp_steps_ = 0, ramp_samples_ = 0;
+  std::string memory_budget_;
+  Normalize normalize_ = Normalize::Mean;
+  tk::LastWindow last_window_ = tk::LastWindow::Step;
+  // Derived from them.
   bool infer_steps_ = false;
   double budget_ = 0;
   tk::BatchRamp ramp_;
-  std::string normalize_ = "mean";
-  tk::LastWindow policy_ = tk::LastWindow::Step;
+  // State.
   int64_t windows_ = 0, short_windows_ = 0;
 };
 
 }  // namespace
 
-TK_PLUGIN(GradAccum, "grad_accum", "0.2.0")
+TK_PLUGIN(GradAccum, "grad_accum", "0.3.0",
+          "gradient accumulation: k micro-batches take exactly the step of one batch of k x m")

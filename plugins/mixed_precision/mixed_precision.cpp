@@ -15,8 +15,7 @@
 
 namespace {
 
-const char* kScalerKeys[] = {"init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                             "check_every_micro_batch", "advance_schedule_on_skip"};
+enum class LossScale { Auto, Dynamic, None };
 
 /// Whether this LibTorch has Half matrix kernels on `device` (CPU ones came with LibTorch 2.x).
 bool half_matmul_works(at::DeviceType device) {
@@ -31,50 +30,49 @@ bool half_matmul_works(at::DeviceType device) {
 
 class MixedPrecision final : public tk::Plugin {
  public:
-  tk::OptionSpecs option_specs() const override {
-    return {tk::opt_string("dtype", "bf16", "lower precision of autocast", {"bf16", "fp16"}),
-            tk::opt_string("loss_scale", "auto", "dynamic loss scaling: auto (on for fp16), dynamic or none",
-                           {"auto", "dynamic", "none"}),
-            tk::opt_float("init_scale", 65536.0, "fp16: initial loss scale"),
-            tk::opt_float("growth_factor", 2.0, "fp16: scale multiplier after growth_interval clean steps"),
-            tk::opt_float("backoff_factor", 0.5, "fp16: scale multiplier after an overflow"),
-            tk::opt_int("growth_interval", 2000, "fp16: clean steps in a row before the scale grows"),
-            tk::opt_bool("check_every_micro_batch", false, "fp16: look for overflow after every backward, not only at the boundary"),
-            tk::opt_bool("advance_schedule_on_skip", false, "fp16: whether a skipped step advances the LR schedule")};
+  void bind(tk::OptionBinder& o) override {
+    o.choice("dtype", dtype_, "lower precision of autocast", {{"bf16", at::kBFloat16}, {"fp16", at::kHalf}});
+    o.choice("loss_scale", loss_scale_, "dynamic loss scaling: auto (on for fp16), dynamic or none",
+             {{"auto", LossScale::Auto}, {"dynamic", LossScale::Dynamic}, {"none", LossScale::None}});
+    o.add("init_scale", scale_, "fp16: initial loss scale");
+    o.add("growth_factor", growth_, "fp16: scale multiplier after growth_interval clean steps");
+    o.add("backoff_factor", backoff_, "fp16: scale multiplier after an overflow");
+    o.add("growth_interval", interval_, "fp16: clean steps in a row before the scale grows");
+    o.add("check_every_micro_batch", check_each_, "fp16: look for overflow after every backward, not only at the boundary");
+    o.add("advance_schedule_on_skip", advance_on_skip_, "fp16: whether a skipped step advances the LR schedule");
   }
 
-  void init(const tk::Options& o) override {
-    fp16_ = o.get_string("dtype") == "fp16";
-    const std::string& ls = o.get_string("loss_scale");
-    scaling_ = ls == "dynamic" || (ls == "auto" && fp16_);
-    scale_ = o.get_float("init_scale");
-    growth_ = o.get_float("growth_factor");
-    backoff_ = o.get_float("backoff_factor");
-    interval_ = o.get_int("growth_interval");
-    check_each_ = o.get_bool("check_every_micro_batch");
-    advance_on_skip_ = o.get_bool("advance_schedule_on_skip");
-    if (!(scale_ > 0) || std::isinf(scale_)) o.fail("init_scale", "must be a positive finite number");
-    if (!(growth_ > 1.0)) o.fail("growth_factor", "must be > 1");
-    if (!(backoff_ > 0.0 && backoff_ < 1.0)) o.fail("backoff_factor", "must be in (0, 1)");
-    if (interval_ < 1) o.fail("growth_interval", "must be >= 1");
-    if (!fp16_ && ls == "dynamic")
+  void init() override {
+    fp16_ = dtype_ == at::kHalf;
+    scaling_ = loss_scale_ == LossScale::Dynamic || (loss_scale_ == LossScale::Auto && fp16_);
+    if (!(scale_ > 0) || std::isinf(scale_)) fail_option(scale_, "must be a positive finite number");
+    if (!(growth_ > 1.0)) fail_option(growth_, "must be > 1");
+    if (!(backoff_ > 0.0 && backoff_ < 1.0)) fail_option(backoff_, "must be in (0, 1)");
+    if (interval_ < 1) fail_option(interval_, "must be >= 1");
+    const auto& o = options();
+    if (!fp16_ && loss_scale_ == LossScale::Dynamic)
       notes_.push_back("dtype = \"bf16\" needs no loss scaler; using one because loss_scale = \"dynamic\" (" +
                        o.where("loss_scale").str() + ")");
-    if (fp16_ && ls == "none")
-      notes_.push_back("fp16 without a loss scaler: small gradients may underflow to zero");
-    if (!scaling_)
-      for (const char* k : kScalerKeys)
-        if (o.is_set(k))
-          notes_.push_back(std::string(fp16_ ? "loss_scale = \"none\"" : "dtype = \"bf16\" needs no loss scaler") +
-                           "; ignoring " + k + " (" + o.where(k).str() + ")");
+    if (fp16_ && loss_scale_ == LossScale::None) notes_.push_back("fp16 without a loss scaler: small gradients may underflow to zero");
+    if (scaling_) return;
+    const std::string why = fp16_ ? "loss_scale = \"none\"" : "dtype = \"bf16\" needs no loss scaler";
+    auto ignored = [&](bool given, const char* key) {
+      if (given) notes_.push_back(why + "; ignoring " + key + " (" + o.where(key).str() + ")");
+    };
+    ignored(option_given(scale_), "init_scale");
+    ignored(option_given(growth_), "growth_factor");
+    ignored(option_given(backoff_), "backoff_factor");
+    ignored(option_given(interval_), "growth_interval");
+    ignored(option_given(check_each_), "check_every_micro_batch");
+    ignored(option_given(advance_on_skip_), "advance_schedule_on_skip");
   }
 
   void configure(tk::RunPlan& plan) override {
-    device_ = plan.device;
+    device_ = plan.device();
     if (device_ != at::kCPU && device_ != at::kCUDA)
-      fail_option("dtype", std::string("autocast works on CPU and CUDA, not ") + c10::DeviceTypeName(device_));
+      fail_option(dtype_, std::string("autocast works on CPU and CUDA, not ") + c10::DeviceTypeName(device_));
     if (fp16_ && !half_matmul_works(device_))
-      fail_option("dtype", std::string("fp16 needs Half kernels on ") + c10::DeviceTypeName(device_, true) +
+      fail_option(dtype_, std::string("fp16 needs Half kernels on ") + c10::DeviceTypeName(device_, true) +
                                  ", which LibTorch " TORCH_VERSION " lacks (CPU ones came with LibTorch 2.x); use "
                                  "dtype = \"bf16\" here, or fp16 on CUDA");
   }
@@ -94,7 +92,7 @@ class MixedPrecision final : public tk::Plugin {
   void on_micro_batch(tk::Context&) override { enter(); }
   void on_loss(tk::Context& ctx) override {
     leave();
-    if (scaling_) ctx.loss() = ctx.loss() * scale_;
+    if (scaling_) ctx.set_loss(ctx.loss() * scale_);
   }
   void on_backward(tk::Context& ctx) override {
     if (!scaling_ || !check_each_) return decline(tk::Event::Backward);  // nothing to check per micro-batch
@@ -131,7 +129,6 @@ class MixedPrecision final : public tk::Plugin {
   void start(tk::Context& ctx) {
     for (const auto& n : notes_) ctx.warn(n);
     notes_.clear();
-    dtype_ = fp16_ ? at::kHalf : at::kBFloat16;
     for (const auto& p : ctx.model().parameters())
       if (p.scalar_type() != at::kFloat)
         throw std::runtime_error("autocast needs float32 parameters, found " + std::string(c10::toString(p.scalar_type())) +
@@ -220,17 +217,24 @@ class MixedPrecision final : public tk::Plugin {
     return s.str();
   }
 
-  bool fp16_ = false, scaling_ = false, check_each_ = false, advance_on_skip_ = false;
-  double scale_ = 65536.0, growth_ = 2.0, backoff_ = 0.5, used_ = 65536.0;
-  int64_t interval_ = 2000, tracker_ = 0, skipped_ = 0;
+  // Options, with their defaults.
+  at::ScalarType dtype_ = at::kBFloat16;
+  LossScale loss_scale_ = LossScale::Auto;
+  double scale_ = 65536.0, growth_ = 2.0, backoff_ = 0.5;
+  int64_t interval_ = 2000;
+  bool check_each_ = false, advance_on_skip_ = false;
+  // Derived from them, and state.
+  bool fp16_ = false, scaling_ = false;
+  double used_ = 65536.0;
+  int64_t tracker_ = 0, skipped_ = 0;
   bool overflow_ = false, vetoed_here_ = false;
   std::vector<std::string> notes_;
   at::DeviceType device_ = at::kCPU;
-  at::ScalarType dtype_ = at::kBFloat16;
   bool active_ = false, prev_enabled_ = false;
   at::ScalarType prev_dtype_ = at::kBFloat16;
 };
 
 }  // namespace
 
-TK_PLUGIN(MixedPrecision, "mixed_precision", "0.1.0")
+TK_PLUGIN(MixedPrecision, "mixed_precision", "0.2.0",
+          "bf16 or fp16 autocast around forward and loss, with a dynamic loss scaler for fp16")

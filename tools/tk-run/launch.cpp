@@ -151,30 +151,62 @@ int free_port() {
   return port;
 }
 
-int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts) {
-  const int n = opts.nproc;
-  const int port = opts.master_port > 0 ? opts.master_port : free_port();
-  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  const std::string threads = std::to_string(std::max(1u, hw / static_cast<unsigned>(n)));
-  std::fprintf(stderr, "tk-run: starting %d workers, rendezvous on 127.0.0.1:%d\n", n, port);
-  std::fflush(stderr);
+namespace {
 
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
-  const pid_t launcher = getpid();
+using Clock = std::chrono::steady_clock;
 
-  char dir_template[] = "/tmp/tk-run-XXXXXX";
-  if (!mkdtemp(dir_template)) throw std::runtime_error("cannot make a temporary folder");
-  const std::string failure_dir = dir_template;
-  setenv("TK_FAILURE_DIR", failure_dir.c_str(), 1);
+/// The workers of one launch, from their start to the report of how they ended.
+class Launch {
+ public:
+  Launch(const std::vector<std::string>& argv, const LaunchOptions& opts)
+      : argv_(argv), opts_(opts), n_(opts.nproc), workers_(static_cast<size_t>(opts.nproc)) {}
+  ~Launch() {
+    for (auto& t : reapers_)
+      if (t.joinable()) t.join();
+  }
 
-  std::vector<Worker> workers(static_cast<size_t>(n));
-  std::vector<std::thread> reapers;
-  for (int r = 0; r < n; ++r) {
+  int run() {
+    start();
+    while (step()) {
+    }
+    for (auto& t : reapers_) t.join();
+    std::fflush(stdout);
+    return report();
+  }
+
+ private:
+  bool started(int r) const { return opts_.only_rank < 0 || r == opts_.only_rank; }
+  Worker& worker(int r) { return workers_[static_cast<size_t>(r)]; }
+
+  void start() {
+    port_ = opts_.master_port > 0 ? opts_.master_port : free_port();
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    threads_ = std::to_string(std::max(1u, hw / static_cast<unsigned>(n_)));
+    if (opts_.only_rank < 0) std::fprintf(stderr, "tk-run: starting %d workers, rendezvous on 127.0.0.1:%d\n", n_, port_);
+    std::fflush(stderr);
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
+    char dir_template[] = "/tmp/tk-run-XXXXXX";
+    if (!mkdtemp(dir_template)) throw std::runtime_error("cannot make a temporary folder");
+    failure_dir_ = dir_template;
+    setenv("TK_FAILURE_DIR", failure_dir_.c_str(), 1);
+    for (int r = 0; r < n_; ++r) {
+      if (started(r)) {
+        spawn(r);
+      } else {
+        worker(r).running = false;  // never started: neither failed nor running
+        worker(r).ended.store(true);
+      }
+    }
+  }
+
+  /// Starts rank `r` with the world's variables, its output into a pipe, and a thread that reaps it.
+  void spawn(int r) {
     int fds[2];
     if (pipe(fds) != 0) throw std::runtime_error("pipe() failed");
-    pid_t pid = fork();
+    const pid_t launcher = getpid();
+    const pid_t pid = fork();
     if (pid < 0) throw std::runtime_error("fork() failed");
     if (pid == 0) {
       // A worker dies with its launcher, however the launcher ends; checked after setting it, in
@@ -187,13 +219,13 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
       close(fds[1]);
       setenv("RANK", std::to_string(r).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(n_).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(n_).c_str(), 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      setenv("OMP_NUM_THREADS", threads.c_str(), 0);  // share the cores unless told otherwise
+      setenv("MASTER_PORT", std::to_string(port_).c_str(), 1);
+      setenv("OMP_NUM_THREADS", threads_.c_str(), 0);  // share the cores unless told otherwise
       std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      for (const auto& a : argv_) args.push_back(const_cast<char*>(a.c_str()));
       args.push_back(nullptr);
       execv("/proc/self/exe", args.data());
       std::fprintf(stderr, "cannot start worker: %s\n", std::strerror(errno));
@@ -201,123 +233,141 @@ int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts
     }
     close(fds[1]);
     fcntl(fds[0], F_SETFL, O_NONBLOCK);
-    workers[static_cast<size_t>(r)].pid = pid;
-    workers[static_cast<size_t>(r)].fd = fds[0];
+    worker(r).pid = pid;
+    worker(r).fd = fds[0];
     // Each worker is reaped the moment it ends, so that the first failure is known precisely
     // (the others often fail a moment later, when their collectives lose the peer).
-    reapers.emplace_back([w = &workers[static_cast<size_t>(r)]] {
+    reapers_.emplace_back([w = &worker(r)] {
       int status = 0;
       while (waitpid(w->pid, &status, 0) < 0 && errno == EINTR) {
       }
       w->status = status;
-      w->ended_at = std::chrono::steady_clock::now();
+      w->ended_at = Clock::now();
       w->ended.store(true);
     });
   }
 
-  int failed_rank = -1;
-  using clock = std::chrono::steady_clock;
-  clock::time_point kill_at{};
-  clock::time_point stop_sent = clock::time_point::max();  // when the launcher first signalled the workers
-  bool stopping = false, forwarded = false;
-  auto stop_all = [&](int sig) {
-    if (stop_sent == clock::time_point::max()) stop_sent = clock::now();
-    for (auto& w : workers)
+  void stop_all(int sig) {
+    if (stop_sent_ == Clock::time_point::max()) stop_sent_ = Clock::now();
+    for (auto& w : workers_)
       if (!w.ended.load()) kill(w.pid, sig);
-  };
+  }
 
-  for (;;) {
+  /// Forwards what the workers wrote, line by line, for up to 100 ms.
+  void pump_output() {
     std::vector<pollfd> pfds;
     std::vector<int> ranks;
-    for (int r = 0; r < n; ++r)
-      if (workers[static_cast<size_t>(r)].fd >= 0) {
-        pfds.push_back({workers[static_cast<size_t>(r)].fd, POLLIN, 0});
+    for (int r = 0; r < n_; ++r)
+      if (worker(r).fd >= 0) {
+        pfds.push_back({worker(r).fd, POLLIN, 0});
         ranks.push_back(r);
       }
     if (!pfds.empty()) poll(pfds.data(), pfds.size(), 100);
     for (size_t i = 0; i < pfds.size(); ++i) {
       if (!pfds[i].revents) continue;
-      Worker& w = workers[static_cast<size_t>(ranks[i])];
+      Worker& w = worker(ranks[i]);
       if (!drain(ranks[i], w)) {
         close(w.fd);
         w.fd = -1;
       }
     }
     std::fflush(stdout);
+  }
+
+  /// The first failure, once: the others are asked to stop.
+  void notice_failure() {
+    if (failed_rank_ >= 0 || stopping_) return;
+    bool someone_failed = false;
+    for (const auto& w : workers_) someone_failed |= !w.running && !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
+    if (someone_failed) failed_rank_ = first_failure(failure_dir_, workers_, stop_sent_);
+    if (failed_rank_ < 0) return;
+    std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", failed_rank_,
+                 describe_status(worker(failed_rank_).status).c_str());
+    stopping_ = true;
+    stop_all(SIGTERM);
+    kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts_.stop_grace_s * 1000));
+  }
+
+  /// One round: output, failures, signals, the grace period; false once every worker is done.
+  bool step() {
+    pump_output();
     bool any_running = false;
-    for (auto& w : workers) {
+    for (auto& w : workers_) {
       if (w.running && w.ended.load()) w.running = false;
       any_running |= w.running;
     }
-    if (failed_rank < 0 && !stopping) {
-      bool someone_failed = false;
-      for (const auto& w : workers)
-        someone_failed |= !w.running && !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
-      if (someone_failed) failed_rank = first_failure(failure_dir, workers, stop_sent);
-      if (failed_rank >= 0) {
-        const Worker& w = workers[static_cast<size_t>(failed_rank)];
-        std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", failed_rank,
-                     describe_status(w.status).c_str());
-        stopping = true;
-        stop_all(SIGTERM);
-        kill_at = clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.stop_grace_s * 1000));
-      }
-    }
-    if (g_signal && !forwarded) {
+    notice_failure();
+    if (g_signal && !forwarded_) {
       std::fprintf(stderr, "tk-run: got signal %d; stopping the workers\n", static_cast<int>(g_signal));
       stop_all(g_signal);
-      forwarded = stopping = true;
-      kill_at = clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts.stop_grace_s * 1000));
+      forwarded_ = stopping_ = true;
+      kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts_.stop_grace_s * 1000));
     }
-    if (stopping && any_running && clock::now() >= kill_at) {
+    if (stopping_ && any_running && Clock::now() >= kill_at_) {
       stop_all(SIGKILL);
-      kill_at = clock::now() + std::chrono::hours(1);
+      kill_at_ = Clock::now() + std::chrono::hours(1);
     }
     bool any_output = false;
-    for (const auto& w : workers) any_output |= w.fd >= 0;
-    if (!any_running && !any_output) break;
-    if (!any_running) {  // drain what is left, without waiting on pipes held open elsewhere
-      for (int r = 0; r < n; ++r) {
-        Worker& w = workers[static_cast<size_t>(r)];
-        if (w.fd >= 0) {
-          drain(r, w);
-          close(w.fd);
-          w.fd = -1;
+    for (const auto& w : workers_) any_output |= w.fd >= 0;
+    if (!any_running && !any_output) return false;
+    if (!any_running)  // drain what is left, without waiting on pipes held open elsewhere
+      for (int r = 0; r < n_; ++r)
+        if (worker(r).fd >= 0) {
+          drain(r, worker(r));
+          close(worker(r).fd);
+          worker(r).fd = -1;
         }
-      }
-    }
+    return true;
   }
-  for (auto& t : reapers) t.join();
-  std::fflush(stdout);
-  // With every rank's record in, the first failure is known for sure.
-  if (failed_rank >= 0) failed_rank = first_failure(failure_dir, workers, stop_sent);
-  // A rank that timed out waited for a peer. Healthy peers time out too, by themselves; the ones
-  // that never failed and had to be killed are the ones that hung.
-  std::vector<int> hung;
-  if (failed_rank >= 0 && failure_record(failure_dir, failed_rank).second == "timeout")
-    for (int r = 0; r < n; ++r) {
-      const Worker& w = workers[static_cast<size_t>(r)];
-      if (failure_record(failure_dir, r).first < 0 && WIFSIGNALED(w.status) && WTERMSIG(w.status) == SIGKILL &&
-          w.ended_at >= stop_sent)
+
+  /// A rank that timed out waited for a peer. Healthy peers time out too, by themselves; the ones
+  /// that never failed and had to be killed are the ones that hung.
+  std::vector<int> hung_ranks() {
+    std::vector<int> hung;
+    if (failed_rank_ < 0 || failure_record(failure_dir_, failed_rank_).second != "timeout") return hung;
+    for (int r = 0; r < n_; ++r) {
+      const Worker& w = worker(r);
+      if (started(r) && failure_record(failure_dir_, r).first < 0 && WIFSIGNALED(w.status) &&
+          WTERMSIG(w.status) == SIGKILL && w.ended_at >= stop_sent_)
         hung.push_back(r);
     }
-  std::error_code ec;
-  std::filesystem::remove_all(failure_dir, ec);
-  for (int r : hung) {
-    const Worker& w = workers[static_cast<size_t>(r)];
-    std::fprintf(stderr, "tk-run: rank %d hung: rank %d timed out waiting for it in a collective, and it neither "
-                 "failed nor stopped when asked, so it was killed. Its last output:\n", r, failed_rank);
-    for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
+    return hung;
   }
-  if (failed_rank >= 0) {
-    const Worker& w = workers[static_cast<size_t>(failed_rank)];
-    std::fprintf(stderr, "tk-run: rank %d failed (%s)%s. Its last output:\n", failed_rank,
-                 describe_status(w.status).c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
-    for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
-    return 1;
+
+  int report() {
+    // With every rank's record in, the first failure is known for sure.
+    if (failed_rank_ >= 0) failed_rank_ = first_failure(failure_dir_, workers_, stop_sent_);
+    const std::vector<int> hung = hung_ranks();
+    std::error_code ec;
+    std::filesystem::remove_all(failure_dir_, ec);
+    for (int r : hung) {
+      std::fprintf(stderr, "tk-run: rank %d hung: rank %d timed out waiting for it in a collective, and it neither "
+                   "failed nor stopped when asked, so it was killed. Its last output:\n", r, failed_rank_);
+      for (const auto& line : worker(r).tail) std::fprintf(stderr, "  %s\n", line.c_str());
+    }
+    if (failed_rank_ >= 0) {
+      const Worker& w = worker(failed_rank_);
+      std::fprintf(stderr, "tk-run: rank %d failed (%s)%s. Its last output:\n", failed_rank_,
+                   describe_status(w.status).c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
+      for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
+      return 1;
+    }
+    return g_signal ? 128 + g_signal : 0;
   }
-  if (g_signal) return 128 + g_signal;
-  return 0;
-}
+
+  const std::vector<std::string>& argv_;
+  const LaunchOptions& opts_;
+  const int n_;
+  std::vector<Worker> workers_;
+  std::vector<std::thread> reapers_;
+  std::string failure_dir_, threads_;
+  int port_ = 0, failed_rank_ = -1;
+  Clock::time_point kill_at_{}, stop_sent_ = Clock::time_point::max();  // when the launcher first signalled
+  bool stopping_ = false, forwarded_ = false;
+};
+
+}  // namespace
+
+int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts) { return Launch(argv, opts).run(); }
 
 }  // namespace tk

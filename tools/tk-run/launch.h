@@ -9,6 +9,7 @@ struct LaunchOptions {
   int nproc = 1;
   int master_port = 0;        ///< 0: pick a free port on loopback
   double stop_grace_s = 10.0; ///< after a rank fails, seconds the others get to stop before SIGKILL
+  int only_rank = -1;         ///< >= 0: start only this rank of the world (a dry run prints its plan)
 };
 
 /// Runs `argv` (this program, without --nproc) as `nproc` workers with RANK, WORLD_SIZE,

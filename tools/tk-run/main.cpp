@@ -121,11 +121,7 @@ int list_all() {
   for (const auto& c : registry.plugins()) {
     std::printf("  name = \"%s\"  %s\n", c.name.c_str(), c.doc.c_str());
     std::printf("      %-20s %s\n", "(from)", c.library.c_str());
-    try {
-      print_specs(registry.make_plugin(c.name)->option_specs());
-    } catch (const std::exception& e) {
-      std::printf("      cannot make it: %s\n", e.what());
-    }
+    print_specs(c.specs);
   }
   for (const auto& b : broken) std::printf("  %s\n", b.c_str());
   return 0;
@@ -169,210 +165,235 @@ void write_report(const tk::Trainer& trainer) {
   }
 }
 
-}  // namespace
-
 /// OpenMP worker threads that spin after each parallel region fight OpenBLAS's own threads for the
 /// cores: measured on 2 cores, a GPT step took 10x longer under LibTorch 2.6 and a CNN step 1.4x
 /// under 1.13 (docs/benchmarks.md). libgomp reads OMP_WAIT_POLICY when it is loaded, before main,
 /// so tk-run sets it to PASSIVE and runs itself again, once; a value the user set is kept.
-static void prefer_passive_openmp(char** argv) {
+void prefer_passive_openmp(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
   setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
   execv("/proc/self/exe", argv);  // returns only on failure: then run with what we have
 }
 
-int main(int argc, char** argv) {
-  prefer_passive_openmp(argv);
-  CLI::App app{"Trains the run a TOML recipe describes and writes it to the recipe's output folder.", "tk-run"};
+/// What the command line asked for.
+struct Cli {
   std::string recipe_path, level = "info", progress = "auto", resume;
   std::vector<std::string> overrides;
   bool dry_run = false, list = false, version = false, verify = false, report = false;
   tk::TrainerOptions topts;
   tk::LaunchOptions launch;
-  app.add_option("recipe", recipe_path, "the recipe (TOML) to train");
-  app.add_option("--set", overrides,
+  bool worker = std::getenv("TK_WORKER") != nullptr;
+};
+
+void add_options(CLI::App& app, Cli& c) {
+  app.add_option("recipe", c.recipe_path, "the recipe (TOML) to train");
+  app.add_option("--set", c.overrides,
                  "override a recipe value (repeatable), e.g. --set optimizer.lr=0.01, --set "
                  "plugins.grad_accum.steps=8; VALUE is TOML (strings may be bare)")
       ->type_name("KEY=VALUE")
       ->allow_extra_args(false);
-  app.add_flag("--dry-run", dry_run, "validate the recipe, load the plugins, print the resolved plan; no training");
-  app.add_flag("--verify-accumulation", verify,
+  app.add_flag("--dry-run", c.dry_run, "validate the recipe, load the plugins, print the resolved plan; no training");
+  app.add_flag("--verify-accumulation", c.verify,
                "compare the first step's gradient accumulated over its micro-batches with one batch of the same "
                "examples (float64, the recipe's model and data), name what makes them differ; exit 1 when they "
                "differ beyond the dtype's tolerance; no training");
-  app.add_flag("--report", report,
+  app.add_flag("--report", c.report,
                "when the run ends (completed, stopped or failed), write report.html into its output folder: its "
                "charts and summary (tk-report)");
-  app.add_option("--resume", resume,
+  app.add_option("--resume", c.resume,
                  "continue a run from a checkpoint folder, or \"latest\" (of the recipe's output); with the same "
                  "recipe, the result is bit-identical to an uninterrupted run")
       ->type_name("CKPT");
-  app.add_flag("--overwrite", topts.overwrite,
-               "start over in an output folder that holds another run, deleting that run's metrics, checkpoints "
-               "and weights (without it, such a run is refused)");
-  app.add_option("--allow-change", topts.allow_changes,
+  app.add_flag("--overwrite", c.topts.overwrite,
+               "start over in an output folder that holds another run, deleting that run's metrics, checkpoints, "
+               "weights and plugin files (without it, such a run is refused)");
+  app.add_option("--allow-change", c.topts.allow_changes,
                  "with --resume: let recipe KEY (or a whole section, or \"all\") differ from the checkpoint's "
                  "run (repeatable); any other difference is refused")
       ->type_name("KEY")
       ->allow_extra_args(false);
-  app.add_option("--nproc", launch.nproc,
+  app.add_option("--nproc", c.launch.nproc,
                  "train with N processes on this machine (needs a plugin that provides the world, such as ddp); "
                  "each worker's output is prefixed with its rank; one failing stops them all")
       ->type_name("N")
       ->check(CLI::Range(1, 4096));
-  app.add_option("--master-port", launch.master_port, "rendezvous port for --nproc (default: a free one)")
+  app.add_option("--master-port", c.launch.master_port, "rendezvous port for --nproc (default: a free one)")
       ->type_name("PORT")
       ->check(CLI::Range(1, 65535));
-  app.add_option("--log-level", level, "trace, debug, info (default), warn, error or off")
+  app.add_option("--log-level", c.level, "trace, debug, info (default), warn, error or off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
-  app.add_option("--progress", progress, "auto (default: a live line on a terminal), bar, plain or none")
+  app.add_option("--progress", c.progress, "auto (default: a live line on a terminal), bar, plain or none")
       ->check(CLI::IsMember({"auto", "bar", "plain", "none"}));
-  app.add_flag("--list", list, "list the components and plugins found, with their options");
-  app.add_flag("--version", version, "print versions and exit");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "tk-run: %s\nRun with --help for more information.\n", e.what());
-    return kExitUsage;
-  }
-  if (version) {
-    std::printf("tk-run %s (LibTorch %s, plugin ABI %u)\n", TK_VERSION_STRING, TORCH_VERSION, TK_PLUGIN_ABI_VERSION);
-    return 0;
-  }
-  if (list) return list_all();
-  auto die_usage = [](const std::string& msg) {
-    std::fprintf(stderr, "tk-run: %s\nRun with --help for more information.\n", msg.c_str());
-    return kExitUsage;
-  };
-  if (recipe_path.empty()) return die_usage("no recipe given");
-  if (!resume.empty()) topts.resume = resume;
-  if (!topts.allow_changes.empty() && resume.empty()) return die_usage("--allow-change needs --resume");
-  if (topts.overwrite && !resume.empty()) return die_usage("--overwrite starts a run over; it cannot go with --resume");
-  topts.progress = progress == "bar" ? tk::ProgressMode::Bar
-                   : progress == "plain" ? tk::ProgressMode::Plain
-                   : progress == "none" ? tk::ProgressMode::None : tk::ProgressMode::Auto;
-  const bool worker = std::getenv("TK_WORKER") != nullptr;
-  if (launch.nproc > 1 && worker) return die_usage("--nproc inside a worker");
+  app.add_flag("--list", c.list, "list the components and plugins found, with their options");
+  app.add_flag("--version", c.version, "print versions and exit");
+}
 
+int die_usage(const std::string& msg) {
+  std::fprintf(stderr, "tk-run: %s\nRun with --help for more information.\n", msg.c_str());
+  return kExitUsage;
+}
+
+/// The options that only make sense together, checked; "" when they do.
+std::string check_combination(Cli& c) {
+  if (c.recipe_path.empty()) return "no recipe given";
+  if (!c.resume.empty()) c.topts.resume = c.resume;
+  if (!c.topts.allow_changes.empty() && c.resume.empty()) return "--allow-change needs --resume";
+  if (c.topts.overwrite && !c.resume.empty()) return "--overwrite starts a run over; it cannot go with --resume";
+  if (c.launch.nproc > 1 && c.worker) return "--nproc inside a worker";
+  c.topts.progress = c.progress == "bar"     ? tk::ProgressMode::Bar
+                     : c.progress == "plain" ? tk::ProgressMode::Plain
+                     : c.progress == "none"  ? tk::ProgressMode::None
+                                             : tk::ProgressMode::Auto;
+  return "";
+}
+
+void set_up_log(const Cli& c) {
   auto logger = spdlog::stderr_color_mt("tk");
   const char* rank = std::getenv("RANK");
   const char* world = std::getenv("WORLD_SIZE");
-  if (rank && world && std::strcmp(world, "1") != 0 && !dry_run && !worker)
+  if (rank && world && std::strcmp(world, "1") != 0 && !c.dry_run && !c.worker)
     logger->set_pattern(std::string("[%H:%M:%S] [rank ") + rank + "] [%^%l%$] %v");
   else
     logger->set_pattern("[%H:%M:%S] [%^%l%$] %v");
   spdlog::set_default_logger(logger);
-  spdlog::set_level(spdlog::level::from_str(level));
+  spdlog::set_level(spdlog::level::from_str(c.level));
+}
 
-  auto print_dry_run = [](const std::string& plan) {
-    std::printf("%s", plan.c_str());
-    std::printf("dry run: the recipe is valid and every plugin loaded; nothing was trained\n");
-    return 0;
-  };
-  std::optional<tk::Recipe> recipe;
+int print_dry_run(const std::string& plan) {
+  std::printf("%s", plan.c_str());
+  std::printf("dry run: the recipe is valid and every plugin loaded; nothing was trained\n");
+  return 0;
+}
+
+/// --nproc N: the recipe's plugins must make a world (each worker would otherwise train the whole
+/// run alone, all into one folder), learnt from the plugins alone; then the workers (for a dry
+/// run, rank 0 of that world prints its plan).
+int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
+  const auto caps = tk::plugin_capabilities(recipe, c.topts);
+  if (!caps.count(tk::cap::kWorld))
+    return die_usage("--nproc " + std::to_string(c.launch.nproc) + " needs a plugin that provides the world (" +
+                     tk::cap::kWorld + "), such as ddp: add [[plugins]] name = \"ddp\" to the recipe; this one "
+                     "would train " + std::to_string(c.launch.nproc) + " independent copies of the run");
+  setenv("TK_WORKER", "1", 1);
+  std::vector<std::string> worker_argv = {argv[0]};
+  for (auto& a : args_without(argc, argv, {"--nproc", "--master-port"}, {})) worker_argv.push_back(a);
+  if (c.dry_run) c.launch.only_rank = 0;
   try {
-    recipe.emplace(tk::Recipe::from_file(recipe_path));
-    for (const auto& o : overrides) recipe->apply_override(o);
-    if (launch.nproc > 1) {
-      // Plan rank 0 of that world here, once: a bad recipe is reported before any worker starts,
-      // and so is a recipe in which no plugin makes a world (every worker would train the whole
-      // run alone, all into one folder).
-      setenv("WORLD_SIZE", std::to_string(launch.nproc).c_str(), 1);
-      setenv("RANK", "0", 1);
-      tk::TrainerOptions probe_opts = topts;
-      probe_opts.write_outputs = false;
-      tk::Trainer probe(*recipe, probe_opts);
-      const tk::RunPlan& plan = probe.plan();
-      if (plan.world_size != launch.nproc)
-        return die_usage("--nproc " + std::to_string(launch.nproc) + " needs a plugin that provides the world (" +
-                         tk::cap::kWorld + "), such as ddp: add [[plugins]] name = \"ddp\" to the recipe; this one "
-                         "would train " + std::to_string(launch.nproc) + " independent copies of the run");
-      if (dry_run) return print_dry_run(probe.describe());
-      unsetenv("WORLD_SIZE");
-      unsetenv("RANK");
-    }
+    return tk::launch_local(worker_argv, c.launch);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tk-run: error: %s\n", e.what());
-    return kExitUsage;
+    std::fprintf(stderr, "tk-run: cannot start the workers: %s\n", e.what());
+    return kExitFailed;
   }
-  if (launch.nproc > 1) {
-    setenv("TK_WORKER", "1", 1);
-    std::vector<std::string> worker_argv = {argv[0]};
-    for (auto& a : args_without(argc, argv, {"--nproc", "--master-port"}, {})) worker_argv.push_back(a);
-    try {
-      return tk::launch_local(worker_argv, launch);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "tk-run: cannot start the workers: %s\n", e.what());
-      return kExitFailed;
-    }
-  }
+}
 
+/// A worker under --nproc records the moment and the kind of its failure for the launcher.
+void record_failures_for_launcher(tk::TrainerOptions& topts) {
+  const char* dir = std::getenv("TK_FAILURE_DIR");
+  if (!dir) return;
+  const char* rank = std::getenv("RANK");
+  const std::string file = std::string(dir) + "/" + (rank ? rank : "0");
+  topts.on_failure = [file] {
+    std::string kind = "error";
+    if (auto current = std::current_exception()) {
+      try {
+        std::rethrow_exception(current);
+      } catch (const std::exception& e) {
+        if (is_timeout(e.what())) kind = "timeout";
+      } catch (...) {
+      }
+    }
+    tk::record_failure(file, kind);
+  };
+}
+
+/// What a finished run prints: its summary, the files it wrote, how to continue a stopped one.
+int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, const tk::FitResult& r) {
+  const std::string files = r.files.empty() ? "" : tk::join(r.files.data(), r.files.data() + r.files.size(), ",");
+  if (r.already_complete) {
+    std::printf("the run in %s is already complete (step %lld, checkpoint %s); nothing was trained\n",
+                r.output_dir.c_str(), static_cast<long long>(r.steps), r.checkpoint.c_str());
+    if (!files.empty()) std::printf("wrote again what was missing: %s/{%s}\n", r.output_dir.c_str(), files.c_str());
+    if (c.report) write_report(trainer);
+    return 0;
+  }
+  std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps),
+              static_cast<long long>(r.micro_steps), tk::format_duration(r.seconds).c_str());
+  if (!r.window_losses.empty()) std::printf("; loss %.4f -> %.4f", r.window_losses.front(), r.window_losses.back());
+  if (!r.validation_losses.empty()) std::printf("; validation loss %.4f", r.validation_losses.back());
+  if (r.skipped_steps) std::printf("; %lld steps skipped", static_cast<long long>(r.skipped_steps));
+  std::printf("; peak memory %.0f MiB\n", r.peak_rss_mib);
+  if (!r.output_dir.empty() && !files.empty()) std::printf("wrote %s/{%s}\n", r.output_dir.c_str(), files.c_str());
+  if (c.report) write_report(trainer);
+  if (r.stopped.empty()) return 0;
+  // The command that continues this very run: the same recipe, overrides and world.
+  std::string cmd = shell_quote(argv[0]);
+  for (const auto& a : args_without(argc, argv, {"--resume", "--nproc", "--master-port"}, {"--overwrite"}))
+    cmd += " " + shell_quote(a);
+  const char* world = std::getenv("WORLD_SIZE");
+  if (c.worker && world && std::strcmp(world, "1") != 0) cmd += std::string(" --nproc ") + world;
+  std::printf("stopped early (%s) after step %lld; checkpoint %s; continue with: %s --resume latest\n",
+              r.stopped == "signal" ? "signal" : "max_time", static_cast<long long>(r.steps), r.checkpoint.c_str(),
+              cmd.c_str());
+  return r.stopped == "signal" ? 128 + static_cast<int>(g_stop_signal) : 0;
+}
+
+/// This process trains (or verifies, or plans) the run.
+int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
+  record_failures_for_launcher(c.topts);
+  c.topts.stop_requested = [] { return g_stop_signal != 0; };
   std::unique_ptr<tk::Trainer> trainer;
   try {
-    if (const char* dir = std::getenv("TK_FAILURE_DIR")) {
-      const std::string file = std::string(dir) + "/" + (rank ? rank : "0");
-      topts.on_failure = [file] {
-        std::string kind = "error";
-        if (auto current = std::current_exception()) {
-          try {
-            std::rethrow_exception(current);
-          } catch (const std::exception& e) {
-            if (is_timeout(e.what())) kind = "timeout";
-          } catch (...) {
-          }
-        }
-        tk::record_failure(file, kind);
-      };
-    }
-    topts.stop_requested = [] { return g_stop_signal != 0; };
-    trainer = std::make_unique<tk::Trainer>(std::move(*recipe), topts);
-    if (verify) return print_accumulation_check(trainer->verify_accumulation());
+    trainer = std::make_unique<tk::Trainer>(std::move(recipe), c.topts);
+    if (c.verify) return print_accumulation_check(trainer->verify_accumulation());
     const std::string plan = trainer->describe();
-    if (dry_run) return print_dry_run(plan);
+    if (c.dry_run) return print_dry_run(plan);
     spdlog::info("plan:\n{}", plan);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_stop_signal);
-    try {
-      tk::FitResult r = trainer->fit();
-      if (r.already_complete) {
-        std::printf("the run in %s is already complete (step %lld, checkpoint %s); nothing was trained or changed\n",
-                    r.output_dir.c_str(), static_cast<long long>(r.steps), r.checkpoint.c_str());
-        if (report) write_report(*trainer);
-        return 0;
-      }
-      std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps),
-                  static_cast<long long>(r.micro_steps), tk::format_duration(r.seconds).c_str());
-      if (!r.window_losses.empty())
-        std::printf("; loss %.4f -> %.4f", r.window_losses.front(), r.window_losses.back());
-      if (!r.validation_losses.empty()) std::printf("; validation loss %.4f", r.validation_losses.back());
-      if (r.skipped_steps) std::printf("; %lld steps skipped", static_cast<long long>(r.skipped_steps));
-      std::printf("; peak memory %.0f MiB", r.peak_rss_mib);
-      std::printf("\n");
-      if (!r.output_dir.empty()) std::printf("wrote %s/{recipe.toml,metrics.jsonl,weights.pt}\n", r.output_dir.c_str());
-      if (report) write_report(*trainer);
-      if (!r.stopped.empty()) {
-        // The command that continues this very run: the same recipe, overrides and world.
-        std::string cmd = shell_quote(argv[0]);
-        for (const auto& a : args_without(argc, argv, {"--resume", "--nproc", "--master-port"}, {"--overwrite"}))
-          cmd += " " + shell_quote(a);
-        if (worker && world && std::strcmp(world, "1") != 0) cmd += std::string(" --nproc ") + world;
-        std::printf("stopped early (%s) after step %lld; checkpoint %s; continue with: %s --resume latest\n",
-                    r.stopped == "signal" ? "signal" : "max_time", static_cast<long long>(r.steps),
-                    r.checkpoint.c_str(), cmd.c_str());
-        if (r.stopped == "signal") return 128 + static_cast<int>(g_stop_signal);
-      }
-    } catch (const tk::RunRefused& e) {
-      std::fprintf(stderr, "tk-run: error: %s\n", e.what());
-      return kExitUsage;  // nothing was trained, nothing changed
-    } catch (const std::exception& e) {
-      spdlog::error("{}", e.what());
-      std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in its output folder\n");
-      if (report) write_report(*trainer);
-      return kExitFailed;
-    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
     return kExitUsage;
   }
-  return 0;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_stop_signal);
+  try {
+    return report_fit(argc, argv, c, *trainer, trainer->fit());
+  } catch (const tk::RunRefused& e) {
+    std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+    return kExitUsage;  // nothing was trained, nothing changed
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in its output folder\n");
+    if (c.report) write_report(*trainer);
+    return kExitFailed;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  prefer_passive_openmp(argv);
+  CLI::App app{"Trains the run a TOML recipe describes and writes it to the recipe's output folder.", "tk-run"};
+  Cli c;
+  add_options(app, c);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    return die_usage(e.what());
+  }
+  if (c.version) {
+    std::printf("tk-run %s (LibTorch %s, plugin ABI %u)\n", TK_VERSION_STRING, TORCH_VERSION, TK_PLUGIN_ABI_VERSION);
+    return 0;
+  }
+  if (c.list) return list_all();
+  if (const std::string wrong = check_combination(c); !wrong.empty()) return die_usage(wrong);
+  set_up_log(c);
+  std::optional<tk::Recipe> recipe;
+  try {
+    recipe.emplace(tk::Recipe::from_file(c.recipe_path));
+    for (const auto& o : c.overrides) recipe->apply_override(o);
+    if (c.launch.nproc > 1) return launch(argc, argv, c, *recipe);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+    return kExitUsage;
+  }
+  return train(argc, argv, c, std::move(*recipe));
 }

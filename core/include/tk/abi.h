@@ -14,8 +14,9 @@
 #include "tk/registry.h"
 #include "tk/version.h"
 
-/// Bumped whenever the entry point, tk::Plugin's hooks or tk::Context change incompatibly.
-#define TK_PLUGIN_ABI_VERSION 3u
+/// Bumped whenever the entry point, tk::Plugin's hooks or an interface type changes
+/// incompatibly. Also the SOVERSION of libtrainkit (libtrainkit.so.4).
+#define TK_PLUGIN_ABI_VERSION 4u
 /// The symbol the loader looks up in a plugin library.
 #define TK_PLUGIN_ENTRY_SYMBOL "tk_plugin_entry"
 
@@ -31,13 +32,31 @@ constexpr uint64_t layout_of() noexcept {
   return h;
 }
 
-/// The layout of every type that crosses the boundary between the core and a plugin library,
-/// computed from the headers a library is compiled with. A library built with other headers,
-/// another standard library ABI or other packing gets another value, and the loader refuses it.
+/// FNV-1a of a text, one character at a time.
+constexpr uint64_t text_hash(const char* s) noexcept {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (; *s; ++s) h = mix(h, static_cast<unsigned char>(*s));
+  return h;
+}
+
+#define TK_VIRTUAL_TEXT(R, N, A, Q) #R " " #N #A " " #Q ";"
+/// Plugin's virtual table as the headers declare it: each function's return type, name,
+/// parameters and qualifier, in order. Another hook, another order or another signature gives
+/// another text.
+inline constexpr const char kPluginVirtuals[] = TK_PLUGIN_VIRTUALS(TK_VIRTUAL_TEXT);
+#undef TK_VIRTUAL_TEXT
+
+/// The layout of every type that crosses the boundary between the core and a plugin library and
+/// the virtual table of Plugin, computed from the headers a library is compiled with. A library
+/// built with other headers, another standard library ABI or other packing gets another value,
+/// and the loader refuses it. The contexts, the plan and the plugin base are views of state the
+/// core owns (one pointer each), so the core's bookkeeping is not part of it.
 inline constexpr uint64_t kLayoutSignature =
-    mix(layout_of<Plugin, Context, SetupContext, Contract, RunPlan, Window, Counters, WindowTotals, Batch, DataInfo,
-                  DataSplits, Options, OptionSpec, OptionValue, Registry, Component<ModelMaker>, Component<PluginMaker>,
-                  StateDict, std::string, std::function<void()>, std::shared_ptr<void>, at::Tensor>(),
+    mix(mix(layout_of<Plugin, Context, SetupContext, OutputFiles, Contract, RunPlan, WindowRequest, Window, Counters,
+                      WindowTotals, Batch, DataInfo, DataSplits, Options, OptionSpec, OptionValue, OptionBinder,
+                      Registry, Component<ModelMaker>, Component<PluginMaker>, StateDict, NamedTensors, std::string,
+                      std::function<void()>, std::shared_ptr<void>, at::Tensor>(),
+            text_hash(kPluginVirtuals)),
         TK_PLUGIN_ABI_VERSION);
 
 }  // namespace tk::abi
@@ -74,8 +93,9 @@ typedef const tk_plugin_info* (*tk_plugin_entry_fn)();
   }
 
 /// Defines the entry point of a library that holds one strategy plugin, class `Class`
-/// (default-constructible), registered as `plugin_name`.
-#define TK_PLUGIN(Class, plugin_name, plugin_version)                                                \
-  TK_LIBRARY(plugin_name, plugin_version, [](tk::Registry& r) {                                      \
-    r.add_plugin(plugin_name, "", []() -> std::unique_ptr<tk::Plugin> { return std::make_unique<Class>(); }); \
+/// (default-constructible), registered as `plugin_name` with a one-line `description` (what
+/// `tk-run --list` and `tk-plugin info` show).
+#define TK_PLUGIN(Class, plugin_name, plugin_version, description)                                     \
+  TK_LIBRARY(plugin_name, plugin_version, [](tk::Registry& r) {                                        \
+    r.add_plugin(plugin_name, description, [] { return std::make_unique<Class>(); });                  \
   })

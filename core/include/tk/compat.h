@@ -7,7 +7,9 @@
 #include <cstring>
 #include <limits>
 #include <torch/version.h>
-#if defined(TK_WITH_CUDA)
+
+#include "tk/version.h"
+#if TK_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
 #endif
@@ -101,9 +103,9 @@ struct AllocatorBase : c10::Allocator {
 #endif
 };
 
-/// CUDA memory figures of the caching allocator (a build against a CUDA LibTorch defines
-/// TK_WITH_CUDA); 0 elsewhere.
-#if defined(TK_WITH_CUDA)
+/// CUDA memory figures of the caching allocator (a build against a CUDA LibTorch sets
+/// TK_WITH_CUDA in tk/version.h); 0 elsewhere.
+#if TK_WITH_CUDA
 inline void cuda_reset_peak(at::Device d) { c10::cuda::CUDACachingAllocator::resetPeakStats(d.index() < 0 ? 0 : d.index()); }
 inline double cuda_peak_bytes(at::Device d) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index() < 0 ? 0 : d.index());

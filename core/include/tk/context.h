@@ -1,16 +1,18 @@
 #pragma once
-/// What a plugin sees of the run while it trains (Context) and while it is set up (SetupContext).
+/// What a plugin sees of the run: while it trains (Context), while it is set up (SetupContext) and
+/// while it writes its files (OutputFiles). Each is a view of state the core owns: adding to that
+/// state changes nothing a plugin was compiled against.
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
 #include <filesystem>
-#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tk/batch.h"
 #include "tk/data.h"
+#include "tk/events.h"
 #include "tk/model.h"
 #include "tk/run_plan.h"
 
@@ -21,73 +23,90 @@ enum class FitStatus { Running, Completed, StoppedByTime, StoppedBySignal, Faile
 /// "running", "completed", "max_time", "signal", "failed".
 const char* to_string(FitStatus s) noexcept;
 
-/// Messages through the run's log, prefixed with the current plugin's name. Base of both contexts.
+/// Named tensors, as save_tensors writes them (tk/tensor_io.h uses the same type).
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+namespace detail {
+struct Dispatch;
+struct LoopState;
+struct SetupState;
+struct FilesState;
+struct ContextAccess;
+}  // namespace detail
+
+/// Messages through the run's log, prefixed with the current plugin's name. Base of the contexts.
 class PluginLog {
  public:
   void info(const std::string& msg) const;
   void warn(const std::string& msg) const;
 
  protected:
-  PluginLog() = default;
+  explicit PluginLog(const detail::Dispatch* d) noexcept : dispatch_(d) {}
   ~PluginLog() = default;
-  std::string current_plugin_;                           ///< set by the core around each call
-  std::function<void(int level, const std::string&)> log_;  ///< the run's log (0 info, 1 warning)
+  const detail::Dispatch* dispatch_;
 };
 
-/// Everything a plugin may read or change during an event. The core owns the bookkeeping behind
-/// it; a plugin holds a Context only for the duration of one hook.
+/// Everything a plugin may read or change during an event; a plugin holds it only for the
+/// duration of one hook. A call that belongs to one event fails, naming the plugin, the hook and
+/// the call, when it is made in another (a metric given as a tensor outside on_boundary, say).
 class Context : public PluginLog {
  public:
-  Model& model() const noexcept { return *model_; }
-  torch::optim::Optimizer& optimizer() const noexcept { return *optimizer_; }
-  const RunPlan& plan() const noexcept { return *plan_; }
-  int rank() const noexcept { return plan_->rank; }
-  int world_size() const noexcept { return plan_->world_size; }
-  /// How the recipe's loss reduces over its items.
-  Reduction reduction() const noexcept { return reduction_; }
+  Model& model() const;
+  torch::optim::Optimizer& optimizer() const;
+  const RunPlan& plan() const noexcept;
+  int rank() const noexcept;
+  int world_size() const noexcept;
+  /// How the recipe's loss reduces over its items (the plan's).
+  Reduction reduction() const noexcept;
+  /// The event being dispatched.
+  Event event() const noexcept;
 
-  const Counters& counters() const noexcept { return counters_; }
+  const Counters& counters() const noexcept;
   /// Where the current micro-batch sits in its window (micro_batch .. boundary events).
-  const Window& window() const noexcept { return window_; }
-  /// Totals of the current window up to the last backward. A sync plugin replaces them with
-  /// sums over all ranks at the boundary, before normalization.
-  WindowTotals& totals() noexcept { return totals_; }
-  const WindowTotals& totals() const noexcept { return totals_; }
+  const Window& window() const noexcept;
+  /// Totals of the current window up to the last backward.
+  const WindowTotals& totals() const noexcept;
+  /// The same, to replace with sums over all ranks before normalization (on_boundary only: a
+  /// sync plugin's).
+  WindowTotals& mutable_totals();
   /// The current micro-batch (micro_batch .. backward events), else null.
-  const Batch* batch() const noexcept { return batch_; }
-  /// The tensor backward runs on (loss event); a plugin may replace it (a loss scale, say).
-  at::Tensor& loss() noexcept { return loss_; }
+  const Batch* batch() const noexcept;
+  /// The tensor backward runs on (loss event).
+  const at::Tensor& loss() const;
+  /// Replaces the tensor backward runs on: a loss scale, say (on_loss only).
+  void set_loss(at::Tensor loss);
   /// This micro-batch's loss as computed, before any rescaling (loss and backward events). Read
   /// from the device when first asked for: a host synchronisation, counted in host_reads.
   double loss_value() const;
   /// The true loss of the window over all ranks (step_end event).
-  double window_loss() const noexcept { return window_loss_; }
+  double window_loss() const noexcept;
   /// The validation loss (validation_end event).
-  double validation_loss() const noexcept { return validation_loss_; }
+  double validation_loss() const noexcept;
   /// Learning rate of the step being taken (boundary and step_end events).
-  double lr() const noexcept { return lr_; }
-  /// The run's output folder; empty when outputs are off and on every rank but 0. Plugins write
-  /// their own files here (rank 0 only).
-  const std::filesystem::path& output_dir() const noexcept { return output_dir_; }
+  double lr() const noexcept;
+  /// The run's output folder; empty when outputs are off and on every rank but 0. A plugin writes
+  /// its files through Plugin::write_files, which the core keeps track of.
+  const std::filesystem::path& output_dir() const noexcept;
   /// Running until on_fit_end; there, how the run ended.
-  FitStatus status() const noexcept { return status_; }
+  FitStatus status() const noexcept;
 
-  /// Adds a value to this step's record in metrics.jsonl (boundary and step_end events).
+  /// Adds a value to this step's record in metrics.jsonl (boundary, step_end and validation_end
+  /// events).
   void metric(const std::string& name, double value);
-  /// The same for a value still on the device (a 1-element tensor), given in on_boundary: the core
-  /// reads it with the step's other device values in its one read per step.
+  /// The same for a value still on the device (a 1-element tensor; boundary event): the core reads
+  /// it with the step's other device values in its one read per step.
   void metric(const std::string& name, const at::Tensor& value);
 
-  /// Votes against the optimizer step of this window; the core skips it and counts it. The LR
-  /// schedule stays where it is unless `advance_schedule`. The first veto of a window wins.
+  /// Votes against the optimizer step of this window (boundary event); the core skips it and
+  /// counts it. The LR schedule stays where it is unless `advance_schedule`. The first veto wins.
   void veto_step(const std::string& reason, bool advance_schedule = false);
-  /// Votes against the step if `flag` (a 1-element tensor on the device, given in on_boundary) is
-  /// nonzero, decided when the core reads it after the boundary, without a read of its own. Host
+  /// Votes against the step if `flag` (a 1-element tensor on the device) is nonzero (boundary
+  /// event), decided when the core reads it after the boundary, without a read of its own. Host
   /// vetoes, and earlier flags, win.
   void veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule = false);
   /// Whether the step is vetoed: in on_boundary, by a host veto of a plugin dispatched earlier (a
   /// veto_step_if is not known yet); in on_step_end, by any veto.
-  bool step_vetoed() const noexcept { return !veto_reason_.empty(); }
+  bool step_vetoed() const noexcept;
   /// Whether this plugin's veto_step_if flag of this step was set (step_end event), whichever
   /// veto won.
   bool flag_was_set() const;
@@ -97,42 +116,18 @@ class Context : public PluginLog {
   /// metric() and veto_step_if().
   std::vector<double> read(const at::Tensor& values) const;
   /// Host reads of the current step so far: the core's one, loss_value() and read() calls.
-  int64_t host_reads() const noexcept { return host_reads_; }
+  int64_t host_reads() const noexcept;
+
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
 
  protected:
-  Context() = default;
+  explicit Context(detail::LoopState* state) noexcept;
   ~Context() = default;
-  /// After the boundary event: reads the window's loss (totals().loss) and the deferred metrics
-  /// and veto flags to the host, all in one read, and applies them.
-  void read_step_values();
 
-  Model* model_ = nullptr;
-  torch::optim::Optimizer* optimizer_ = nullptr;
-  const RunPlan* plan_ = nullptr;
-  Reduction reduction_ = Reduction::Mean;
-  Counters counters_;
-  Window window_;
-  WindowTotals totals_;
-  const Batch* batch_ = nullptr;
-  at::Tensor loss_;
-  at::Tensor loss_item_;  // this micro-batch's loss, detached, on the device
-  mutable double loss_value_ = 0.0;
-  mutable bool loss_read_ = false;
-  mutable int64_t host_reads_ = 0;
-  double window_loss_ = 0.0, validation_loss_ = 0.0, lr_ = 0.0;
-  std::filesystem::path output_dir_;
-  FitStatus status_ = FitStatus::Running;
-  std::vector<std::pair<std::string, double>> metrics_;
-  struct Deferred {  // a device value read after the boundary: a metric, or a veto flag
-    std::string name;  // the metric's; the veto's reason
-    at::Tensor value;
-    std::string plugin;
-    bool veto = false, advance_schedule = false;
-  };
-  std::vector<Deferred> deferred_;
-  std::vector<std::string> flagged_;  // plugins whose veto flag of this step was set
-  std::string veto_reason_, vetoed_by_;
-  bool veto_advances_schedule_ = false;
+ private:
+  friend struct detail::ContextAccess;
+  detail::LoopState* s_;
 };
 
 /// What a plugin sees in Plugin::setup: the model after it is built and moved to the run's device
@@ -141,20 +136,49 @@ class Context : public PluginLog {
 /// parameters, or wrap the whole model.
 class SetupContext : public PluginLog {
  public:
-  Model& model() const noexcept { return **model_; }
+  Model& model() const;
   /// The model as a shared pointer (to hold it inside a wrapper).
-  ModelPtr model_ptr() const noexcept { return *model_; }
+  ModelPtr model_ptr() const;
   /// Replaces the model (a wrapper that holds the old one, say).
   void set_model(ModelPtr m);
-  const RunPlan& plan() const noexcept { return *plan_; }
-  const DataInfo& data() const noexcept { return *data_; }
+  const RunPlan& plan() const noexcept;
+  const DataInfo& data() const noexcept;
 
- protected:
-  SetupContext() = default;
+  SetupContext(const SetupContext&) = delete;
+  SetupContext& operator=(const SetupContext&) = delete;
   ~SetupContext() = default;
-  ModelPtr* model_ = nullptr;
-  const RunPlan* plan_ = nullptr;
-  const DataInfo* data_ = nullptr;
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit SetupContext(detail::SetupState* state) noexcept;
+  detail::SetupState* s_;
+};
+
+/// What a plugin sees in Plugin::write_files: the trained model and a way to write files into the
+/// run's output folder that the core records as the plugin's. Those files are listed when the run
+/// ends, deleted with the run by `tk-run --overwrite`, and written again when a resume of the
+/// finished run finds one missing.
+class OutputFiles : public PluginLog {
+ public:
+  Model& model() const;
+  const RunPlan& plan() const noexcept;
+  /// The output folder the files go to.
+  const std::filesystem::path& dir() const noexcept;
+  /// Writes `tensors` to `<dir>/<file>` as a dict that Python reads with torch.load (as
+  /// weights.pt), atomically. `file` is a plain file name of the plugin's own, not one of the
+  /// core's (recipe.toml, metrics.jsonl, weights.pt, ...).
+  void save_tensors(const std::string& file, const NamedTensors& tensors);
+  /// Writes `text` to `<dir>/<file>`, atomically; the same rules for `file`.
+  void write_text(const std::string& file, const std::string& text);
+
+  OutputFiles(const OutputFiles&) = delete;
+  OutputFiles& operator=(const OutputFiles&) = delete;
+  ~OutputFiles() = default;
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit OutputFiles(detail::FilesState* state) noexcept;
+  detail::FilesState* s_;
 };
 
 }  // namespace tk

@@ -23,5 +23,7 @@ inline constexpr int kEventCount = 11;
 
 /// Stable lower-case name ("micro_batch", "boundary", ...), used in traces and errors.
 const char* to_string(Event e) noexcept;
+/// The name of the event's hook on tk::Plugin ("on_micro_batch", "on_boundary", ...).
+const char* hook_name(Event e) noexcept;
 
 }  // namespace tk

@@ -1,8 +1,13 @@
 #pragma once
 /// Typed, documented options: how plugins and built-in components declare what a recipe may set.
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -55,7 +60,11 @@ std::string format_bytes(double bytes);
 void require_memory(const Options& o, const std::string& key, double bytes, const std::string& what);
 
 /// A size in bytes from text such as "1.5GiB", "800MiB", "2GB" or "4096" (binary units KiB, MiB,
-/// GiB, TiB; decimal kB, MB, GB, TB); refused, naming `key` of `o`, when it is not one or not > 0.
+/// GiB, TiB; decimal kB, MB, GB, TB); nullopt when it is not one or not > 0.
+std::optional<double> parse_bytes(const std::string& text);
+/// What parse_bytes expects, for an error about `text`.
+std::string bytes_expected(const std::string& text);
+/// parse_bytes of option `key` of `o`, refused, naming the key, when it is not a size.
 double parse_bytes(const Options& o, const std::string& key);
 
 /// The file path option `key` of `o` names, refused (naming the key) when it is missing, a folder,
@@ -111,5 +120,64 @@ std::string to_toml(const OptionValue& v);
 
 /// Options filled with the specs' defaults only (for tests and for plugins built in code).
 Options defaults_of(const OptionSpecs& specs);
+
+namespace detail {
+struct BinderState;
+}
+
+/// How a plugin declares its options: each one once, bound to the member that holds it. The
+/// member's value when bind() is called is the option's default, its type the option's type; the
+/// core fills the members with the recipe's values before Plugin::init. A name is written once, so
+/// it cannot be misspelled where it is read; a name declared twice, a reserved one (`name`,
+/// `path`), an empty doc or a default outside its choices is refused when the library registers.
+class OptionBinder {
+ public:
+  /// A boolean, integer, float, string, or list of integers or floats.
+  OptionBinder& add(const std::string& name, bool& member, const std::string& doc);
+  OptionBinder& add(const std::string& name, int64_t& member, const std::string& doc);
+  OptionBinder& add(const std::string& name, double& member, const std::string& doc);
+  OptionBinder& add(const std::string& name, std::string& member, const std::string& doc);
+  OptionBinder& add(const std::string& name, std::vector<int64_t>& member, const std::string& doc);
+  OptionBinder& add(const std::string& name, std::vector<double>& member, const std::string& doc);
+  /// A string option that takes one of `choices`.
+  OptionBinder& add(const std::string& name, std::string& member, const std::string& doc,
+                    std::vector<std::string> choices);
+  /// A file or folder: a relative path is made absolute against the recipe's folder.
+  OptionBinder& path(const std::string& name, std::string& member, const std::string& doc);
+  /// A word of `words`, each standing for one value of `member`'s type (an enum, say); the
+  /// member's value now must be one of them (it is the default).
+  template <class E>
+  OptionBinder& choice(const std::string& name, E& member, const std::string& doc,
+                       std::vector<std::pair<std::string, E>> words) {
+    std::vector<std::string> names;
+    std::string fallback;
+    for (const auto& [word, value] : words) {
+      names.push_back(word);
+      if (value == member && fallback.empty()) fallback = word;
+    }
+    return add_word(name, &member, doc, std::move(names), fallback,
+                    [&member, words](const std::string& w) {
+                      for (const auto& [word, value] : words)
+                        if (word == w) member = value;
+                    });
+  }
+  /// Makes the option declared last one that a recipe must set.
+  OptionBinder& required();
+
+  /// Every option declared so far, in order.
+  const OptionSpecs& specs() const;
+
+  OptionBinder();
+  ~OptionBinder();
+  OptionBinder(const OptionBinder&) = delete;
+  OptionBinder& operator=(const OptionBinder&) = delete;
+
+ private:
+  friend struct detail::BinderState;
+  OptionBinder& add_word(const std::string& name, const void* member, const std::string& doc,
+                         std::vector<std::string> words, const std::string& current,
+                         std::function<void(const std::string&)> assign);
+  std::unique_ptr<detail::BinderState> state_;
+};
 
 }  // namespace tk

@@ -1,6 +1,10 @@
 #pragma once
-/// The plugin interface (ABI version 3): one hook per event, a setup hook, a declared contract.
+/// The plugin interface (API 4): options bound to members, a declared contract, the plan, setup,
+/// one hook per event, files, state.
+#include <cstdint>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tk/capabilities.h"
@@ -18,79 +22,180 @@ struct Contract {
   std::vector<std::string> conflicts; ///< refuse the run if some plugin provides these
 };
 
-/// Base class of every strategy. The core makes it through its library's registry, hands it its
-/// validated options (init), lets it shape the run plan (configure) and the model (setup), then
-/// calls the hooks of the events it overrides, in the order the contracts give.
+namespace detail {
+struct PluginState;
+struct PluginAccess;
+}  // namespace detail
+
+/// The event hooks, in Event order: X(hook, enumerator of tk::Event).
+#define TK_EVENT_HOOKS(X)                    \
+  X(on_fit_start, FitStart)                  \
+  X(on_epoch_start, EpochStart)              \
+  X(on_micro_batch, MicroBatch)              \
+  X(on_loss, Loss)                           \
+  X(on_backward, Backward)                   \
+  X(on_boundary, Boundary)                   \
+  X(on_step_end, StepEnd)                    \
+  X(on_epoch_end, EpochEnd)                  \
+  X(on_validation_start, ValidationStart)    \
+  X(on_validation_end, ValidationEnd)        \
+  X(on_fit_end, FitEnd)
+
+/// Base class of every strategy. The core makes it (through its library's registry, or as given
+/// in code), binds its options (bind, then init), lets it shape the run plan (configure) and the
+/// model (setup), then calls the hooks of the events it overrides, in the order the contracts
+/// give, and at the end of a completed run lets it write its files (write_files).
 ///
-/// Override only the hooks you need. The base hooks do nothing and tell the core that the plugin
-/// does not handle that event, so it is not called for it again (an override must not call them).
-/// A hook that throws stops the run; the core reports plugin, event and step.
+/// Override only the hooks you need: the core calls a plugin for an event only when its class
+/// overrides that event's hook (it reads this from the class when the plugin is registered or
+/// added). The base hooks do nothing; calling one from an override is harmless. A hook that throws
+/// stops the run; the core reports plugin, event and step.
 class Plugin {
  public:
-  virtual ~Plugin() = default;
+  Plugin();
+  virtual ~Plugin();
+  Plugin(const Plugin&) = delete;
+  Plugin& operator=(const Plugin&) = delete;
 
-  /// Options a recipe may set for this plugin; unknown or mistyped ones are refused by the core.
-  virtual OptionSpecs option_specs() const { return {}; }
-  /// Receives the validated options (defaults filled in). Reject bad values with fail_option().
-  virtual void init(const Options& opts) {}
+  /// Declares the options a recipe may set, each bound to the member that holds it (see
+  /// OptionBinder); the member's value at that moment is the default.
+  virtual void bind(OptionBinder& options) {}
+  /// The recipe's values are in the bound members (defaults where the recipe is silent): check
+  /// them here, and refuse a bad one with fail_option().
+  virtual void init() {}
   /// Declares ordering needs and what this plugin provides.
   virtual Contract contract() const { return {}; }
-  /// Adjusts the run plan (window, world) before training starts.
+  /// Shapes the run plan before training: the window (RunPlan::set_window) or the world
+  /// (RunPlan::set_world); may refuse the plan with fail_option().
   virtual void configure(RunPlan& plan) {}
   /// Once, after the model is built and before the optimizer exists; may change the model.
   virtual void setup(SetupContext& setup) {}
 
   /// Once, before the first epoch (after load_state when resuming).
-  virtual void on_fit_start(Context& ctx) { decline(Event::FitStart); }
+  virtual void on_fit_start(Context& ctx) {}
   /// Before an epoch's first micro-batch.
-  virtual void on_epoch_start(Context& ctx) { decline(Event::EpochStart); }
+  virtual void on_epoch_start(Context& ctx) {}
   /// A micro-batch was fetched; before its forward pass (ctx.window() says where it sits).
-  virtual void on_micro_batch(Context& ctx) { decline(Event::MicroBatch); }
-  /// The loss tensor is ready; ctx.loss() may be replaced (rescaled) before backward.
-  virtual void on_loss(Context& ctx) { decline(Event::Loss); }
+  virtual void on_micro_batch(Context& ctx) {}
+  /// The loss tensor is ready; ctx.set_loss() may replace it (rescaled) before backward.
+  virtual void on_loss(Context& ctx) {}
   /// This micro-batch's gradients were added in.
-  virtual void on_backward(Context& ctx) { decline(Event::Backward); }
+  virtual void on_backward(Context& ctx) {}
   /// The window is complete, before the optimizer step: sync, normalize, unscale, clip, veto.
-  virtual void on_boundary(Context& ctx) { decline(Event::Boundary); }
+  virtual void on_boundary(Context& ctx) {}
   /// After the optimizer step (or its veto), the schedule step and zero_grad.
-  virtual void on_step_end(Context& ctx) { decline(Event::StepEnd); }
+  virtual void on_step_end(Context& ctx) {}
   /// After an epoch's last micro-batch.
-  virtual void on_epoch_end(Context& ctx) { decline(Event::EpochEnd); }
+  virtual void on_epoch_end(Context& ctx) {}
   /// Before a validation pass (model in eval mode, no grad).
-  virtual void on_validation_start(Context& ctx) { decline(Event::ValidationStart); }
+  virtual void on_validation_start(Context& ctx) {}
   /// After a validation pass; ctx.validation_loss() is set.
-  virtual void on_validation_end(Context& ctx) { decline(Event::ValidationEnd); }
+  virtual void on_validation_end(Context& ctx) {}
   /// Once at the end, however the run ended (ctx.status()): also after a failure or a stop.
-  virtual void on_fit_end(Context& ctx) { decline(Event::FitEnd); }
+  virtual void on_fit_end(Context& ctx) {}
 
+  /// Writes the plugin's own files into the output folder (rank 0, outputs on): after on_fit_end
+  /// of a completed run, and on a resume of a finished run that finds one of them missing (after
+  /// load_state from its final checkpoint).
+  virtual void write_files(OutputFiles& files) {}
   /// The plugin's state, for checkpoints.
   virtual StateDict state() const { return {}; }
   /// Restores what `state()` returned; on a resume, before on_fit_start.
   virtual void load_state(const StateDict& s) {}
 
   /// The name under which the plugin was loaded.
-  const std::string& name() const noexcept { return name_; }
-  void set_name(std::string n) { name_ = std::move(n); }
-  /// The validated options of this instance (set by the core before init).
-  const Options& options() const noexcept { return options_; }
-  void set_options(Options o) { options_ = std::move(o); }
-  /// An error located at the recipe position of option `key`; usable in any hook.
-  [[noreturn]] void fail_option(const std::string& key, const std::string& what) const { options_.fail(key, what); }
-
-  /// False once a hook for `e` turned out to be the base one (known after its first dispatch).
-  bool handles(Event e) const noexcept { return (declined_ & (1u << static_cast<unsigned>(e))) == 0; }
+  const std::string& name() const noexcept;
+  /// The validated options of this instance (where each was set; whether it was given).
+  const Options& options() const noexcept;
+  /// An error located at the recipe position of the option bound to `member` (as given to
+  /// bind()); usable in init() and any later hook.
+  template <class T>
+  [[noreturn]] void fail_option(const T& member, const std::string& what) const {
+    static_assert(!std::is_array_v<T> && !std::is_pointer_v<T>,
+                  "fail_option takes the member an option is bound to (fail_option(steps_, ...)), not its name");
+    fail_bound(&member, what);
+  }
+  /// Whether the recipe (or a --set) gave the option bound to `member`, rather than its default.
+  template <class T>
+  bool option_given(const T& member) const {
+    static_assert(!std::is_array_v<T> && !std::is_pointer_v<T>, "option_given takes the bound member, not a name");
+    return given_bound(&member);
+  }
+  /// Whether the core calls this plugin for `e`: its class overrides that hook and it has not
+  /// declined it.
+  bool handles(Event e) const noexcept;
 
  protected:
-  /// Called by the base hooks only.
-  void decline(Event e) noexcept { declined_ |= 1u << static_cast<unsigned>(e); }
+  /// Stops the calls of this plugin's hook for `e` for the rest of the run: for a plugin that
+  /// finds, at run time, that it has nothing to do there (bf16 needs no loss-scale check).
+  void decline(Event e) noexcept;
 
  private:
-  std::string name_;
-  Options options_;
-  uint32_t declined_ = 0;
+  friend struct detail::PluginAccess;
+  [[noreturn]] void fail_bound(const void* member, const std::string& what) const;
+  bool given_bound(const void* member) const;
+  std::unique_ptr<detail::PluginState> state_;
 };
+
+/// Every virtual function of Plugin after its destructor, in declaration order:
+/// X(return type, name, parameters, qualifier). The loader's layout signature covers this table:
+/// a plugin compiled against headers with another hook table is refused. Keep it in step with
+/// the class (a core test checks it against the class's virtual table).
+#define TK_PLUGIN_VIRTUALS(X)                           \
+  X(void, bind, (OptionBinder&), )                      \
+  X(void, init, (), )                                   \
+  X(Contract, contract, (), const)                      \
+  X(void, configure, (RunPlan&), )                      \
+  X(void, setup, (SetupContext&), )                     \
+  X(void, on_fit_start, (Context&), )                   \
+  X(void, on_epoch_start, (Context&), )                 \
+  X(void, on_micro_batch, (Context&), )                 \
+  X(void, on_loss, (Context&), )                        \
+  X(void, on_backward, (Context&), )                    \
+  X(void, on_boundary, (Context&), )                    \
+  X(void, on_step_end, (Context&), )                    \
+  X(void, on_epoch_end, (Context&), )                   \
+  X(void, on_validation_start, (Context&), )            \
+  X(void, on_validation_end, (Context&), )              \
+  X(void, on_fit_end, (Context&), )                     \
+  X(void, write_files, (OutputFiles&), )                \
+  X(StateDict, state, (), const)                        \
+  X(void, load_state, (const StateDict&), )
+
+namespace detail {
+#define TK_CHECK_VIRTUAL(R, N, A, Q) \
+  static_assert(std::is_same_v<decltype(&Plugin::N), R(Plugin::*) A Q>, "TK_PLUGIN_VIRTUALS: " #N " differs from Plugin");
+TK_PLUGIN_VIRTUALS(TK_CHECK_VIRTUAL)
+#undef TK_CHECK_VIRTUAL
+
+/// The events whose hooks class `T` overrides (bit e set: it overrides the hook of Event e).
+template <class T>
+constexpr uint32_t hooks_of() noexcept {
+  static_assert(std::is_base_of_v<Plugin, T>, "a plugin derives from tk::Plugin");
+  uint32_t hooks = 0;
+#define TK_HOOK_BIT(hook, event) \
+  if (!std::is_same_v<decltype(&T::hook), void (Plugin::*)(Context&)>) hooks |= 1u << static_cast<unsigned>(Event::event);
+  TK_EVENT_HOOKS(TK_HOOK_BIT)
+#undef TK_HOOK_BIT
+  return hooks;
+}
+/// Whether `T` is a concrete plugin type the core can read hooks from (not tk::Plugin itself).
+template <class T>
+inline constexpr bool is_plugin_type_v = std::is_base_of_v<Plugin, T> && !std::is_same_v<T, Plugin>;
+}  // namespace detail
 
 /// Calls the hook of `e` on `p`.
 void dispatch(Plugin& p, Event e, Context& ctx);
+
+/// The hooks of a plugin given without its class (a std::shared_ptr<tk::Plugin>).
+inline constexpr uint32_t kUnknownHooks = ~0u;
+/// Makes a plugin made in code what the core makes of a [[plugins]] entry: named `name`, its
+/// options bound from `options` (TOML text; refused as a recipe's would be) and init() run, the
+/// core calling it only for the events in `hooks` (detail::hooks_of<YourPlugin>()). Once per
+/// instance; a plugin from a library's registry is ready already. Trainer::add_plugin and
+/// tk::testing::prepare call it.
+void prepare_plugin(Plugin& plugin, const std::string& name, const std::string& options, uint32_t hooks);
+/// Whether `plugin` was made ready (by its registry or prepare_plugin).
+bool is_prepared(const Plugin& plugin) noexcept;
 
 }  // namespace tk

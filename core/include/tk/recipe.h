@@ -44,19 +44,17 @@ class Recipe {
   bool sets(const std::string& section, const std::string& key) const;
 
   /// The values of `section` checked against `specs` (plus `name` when `named`); unknown keys and
-  /// wrong types are refused with the list of valid keys. Records the result for resolved().
+  /// wrong types are refused with the list of valid keys.
   Options options(const std::string& section, const OptionSpecs& specs, bool named = false) const;
 
   /// The `[[plugins]]` entries, in recipe order.
   std::vector<PluginEntry> plugins() const;
-  /// The options of plugin entry `i` checked against `specs`.
+  /// The options of plugin entry `i` checked against `specs`; an unknown key is refused with the
+  /// list of valid ones (`name` and `path` among them).
   Options plugin_options(size_t i, const OptionSpecs& specs) const;
-
-  /// The recipe as it was resolved: every section read so far with all values, defaults included.
-  std::string resolved() const;
-  /// The same as flat "section.key" -> TOML value pairs, in order; a plugin's keys are
-  /// "plugins.<name>.<key>" (its file "plugins.<name>.path"), and "plugins" lists the entries.
-  std::vector<std::pair<std::string, std::string>> resolved_values() const;
+  /// The name plugin entry `i` goes by in `--set plugins.<label>.key` and in the resolved recipe:
+  /// its `name`, else the plugin of its file (tk_<label>.so), else its index.
+  std::string plugin_label(size_t i) const;
 
   /// The file this recipe came from (or its source name).
   const std::string& source() const noexcept;
@@ -69,6 +67,33 @@ class Recipe {
   struct Impl;
   explicit Recipe(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+};
+
+/// The recipe as a run resolved it: each section it read, with every value (defaults included),
+/// in the order the run adds them. Built by the run from what it read, never as a side effect of
+/// reading: what recipe.toml and the run's identity hold is what the run was made of.
+class ResolvedRecipe {
+ public:
+  /// A section such as [optimizer]: the component's `name` (empty for [run]) and its values.
+  void add_section(const std::string& section, const std::string& name, const Options& values);
+  /// A [[plugins]] entry: its label (Recipe::plugin_label), its `name` and `path` as the recipe
+  /// gave them (either may be empty) and its values.
+  void add_plugin(const std::string& label, const std::string& name, const std::string& path, const Options& values);
+
+  /// As TOML: what the output folder's recipe.toml holds; it runs as it is.
+  std::string toml(const std::string& source) const;
+  /// As flat "section.key" -> TOML value pairs, in order; a plugin's keys are
+  /// "plugins.<label>.<key>" (its file "plugins.<label>.path"), and "plugins" lists the labels.
+  std::vector<std::pair<std::string, std::string>> values() const;
+
+ private:
+  struct Entry {
+    std::string header;
+    bool array = false;
+    std::string label, name, path;
+    Options options;
+  };
+  std::vector<Entry> entries_;
 };
 
 /// Validates `values` (a TOML table, given through the recipe) against specs. Exposed for plugins

@@ -8,10 +8,10 @@
 
 #include "tk/components.h"
 #include "tk/options.h"
+#include "tk/plugin.h"
 
 namespace tk {
 
-class Plugin;
 /// Makes a new instance of a strategy plugin.
 using PluginMaker = std::function<std::unique_ptr<Plugin>()>;
 
@@ -27,10 +27,15 @@ struct Component {
   std::shared_ptr<const void> keep;
   std::string name;
   std::string doc;
-  OptionSpecs specs;  ///< empty for plugins: they declare options themselves (Plugin::option_specs)
+  OptionSpecs specs;  ///< for plugins, what a fresh instance declares in Plugin::bind
   Maker make;
   std::string library;  ///< file that registered it ("(in-process)" for code)
+  uint32_t hooks = 0;   ///< plugins: the events whose hooks the class overrides (bit per tk::Event)
 };
+
+namespace detail {
+struct RegistryAccess;
+}
 
 class Registry {
  public:
@@ -45,15 +50,26 @@ class Registry {
   Registry& add_loss(std::string name, std::string doc, OptionSpecs specs, LossMaker make);
   Registry& add_optimizer(std::string name, std::string doc, OptionSpecs specs, OptimizerMaker make);
   Registry& add_schedule(std::string name, std::string doc, OptionSpecs specs, ScheduleMaker make);
-  /// Registers a strategy plugin, selected by `[[plugins]] name = "..."`.
-  Registry& add_plugin(std::string name, std::string doc, PluginMaker make);
+  /// Registers a strategy plugin, selected by `[[plugins]] name = "..."`: `make` returns a
+  /// std::unique_ptr of the plugin's own class (from which the core reads the hooks it overrides).
+  /// Its options are checked now (Plugin::bind on a fresh instance).
+  template <class Make>
+  Registry& add_plugin(std::string name, std::string doc, Make make) {
+    using T = typename decltype(make())::element_type;
+    static_assert(detail::is_plugin_type_v<T>,
+                  "add_plugin: return std::unique_ptr<YourPlugin>, not std::unique_ptr<tk::Plugin>: the core reads "
+                  "from the class which hooks it overrides");
+    return add_plugin_maker(std::move(name), std::move(doc),
+                            [make = std::move(make)]() -> std::unique_ptr<Plugin> { return make(); },
+                            detail::hooks_of<T>());
+  }
 
-  const std::vector<Component<ModelMaker>>& models() const noexcept { return models_; }
-  const std::vector<Component<DataMaker>>& data() const noexcept { return data_; }
-  const std::vector<Component<LossMaker>>& losses() const noexcept { return losses_; }
-  const std::vector<Component<OptimizerMaker>>& optimizers() const noexcept { return optimizers_; }
-  const std::vector<Component<ScheduleMaker>>& schedules() const noexcept { return schedules_; }
-  const std::vector<Component<PluginMaker>>& plugins() const noexcept { return plugins_; }
+  const std::vector<Component<ModelMaker>>& models() const noexcept;
+  const std::vector<Component<DataMaker>>& data() const noexcept;
+  const std::vector<Component<LossMaker>>& losses() const noexcept;
+  const std::vector<Component<OptimizerMaker>>& optimizers() const noexcept;
+  const std::vector<Component<ScheduleMaker>>& schedules() const noexcept;
+  const std::vector<Component<PluginMaker>>& plugins() const noexcept;
 
   /// A new instance of plugin `name` (named, and tied to its library), or null when none is registered.
   std::shared_ptr<Plugin> make_plugin(const std::string& name) const;
@@ -63,25 +79,11 @@ class Registry {
   /// Names registered by `file`, as "kind name" pairs in registration order.
   std::vector<std::pair<Kind, std::string>> registered_by(const std::string& file) const;
 
-  /// Sets the origin recorded for what is registered next (the loader calls it around a library's
-  /// registration function); `keep` keeps that library loaded.
-  void set_origin(std::string file, std::shared_ptr<const void> keep);
-
  private:
-  template <class Maker>
-  Registry& add(Kind kind, std::vector<Component<Maker>>& list, std::string name, std::string doc, OptionSpecs specs,
-                Maker make);
-
-  std::vector<Component<ModelMaker>> models_;
-  std::vector<Component<DataMaker>> data_;
-  std::vector<Component<LossMaker>> losses_;
-  std::vector<Component<OptimizerMaker>> optimizers_;
-  std::vector<Component<ScheduleMaker>> schedules_;
-  std::vector<Component<PluginMaker>> plugins_;
-  std::vector<std::string> libraries_;
-  std::vector<std::pair<std::string, std::pair<Kind, std::string>>> origins_;
-  std::string origin_ = "(in-process)";
-  std::shared_ptr<const void> keep_;
+  friend struct detail::RegistryAccess;
+  Registry& add_plugin_maker(std::string name, std::string doc, PluginMaker make, uint32_t hooks);
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 /// The component called `name` in `list`, or nullptr.

@@ -73,43 +73,79 @@ struct BatchRamp {
   bool active() const noexcept { return from > 0 && over > 0; }
 };
 
-/// The shape of a run, settled before training: plugins adjust it in Plugin::configure; the core
-/// then settles what they left open (the window size from an effective batch, the micro-batch
-/// from a memory budget). From on_fit_start on, every field is final.
-struct RunPlan {
-  int64_t micro_batch = 1;      ///< examples per micro-batch (per rank)
-  int64_t accumulation = 1;     ///< micro-batches per optimizer step (window size k; the final one under a ramp)
-  /// Examples per optimizer step over all ranks a plugin asked for (0: none). With it, a window
-  /// size of 0 is inferred (effective / (micro_batch x world_size)), an unset [data] micro_batch
-  /// too (from the window size), and a set one is checked against it.
-  int64_t effective_batch_goal = 0;
-  /// [data] micro_batch = "auto": the core picks the largest micro-batch whose training step fits
-  /// memory_budget (set by the core before configure).
-  bool micro_batch_auto = false;
-  /// Bytes one training step (parameters, gradients, optimizer state, activations) may take when
-  /// the micro-batch is picked by memory; 0: the device's free memory (CUDA only).
-  double memory_budget = 0;
-  /// Peak bytes of one training step measured at candidate micro-batches, when picked by memory.
-  std::vector<std::pair<int64_t, double>> measured_peaks;
-  BatchRamp ramp;               ///< the effective batch's ramp, if any
+/// What a window plugin asks for in Plugin::configure (RunPlan::set_window): the window's size,
+/// or the effective batch it follows from, and how the run treats it.
+struct WindowRequest {
+  /// Micro-batches per optimizer step (k); 0: inferred from `effective_batch` once every plugin
+  /// is configured and the world size is known.
+  int64_t steps = 1;
   LastWindow last_window = LastWindow::Step;
-  int world_size = 1;           ///< processes that train together
-  int rank = 0;
-  std::string loss_reduction = "mean";  ///< "mean" or "sum", of the recipe's loss
-  c10::DeviceType device = c10::kCPU;   ///< where the model and the batches live
-  std::set<std::string> capabilities;   ///< everything the run's plugins provide (see tk/capabilities.h)
-  std::string window_owner;     ///< plugin that set the window, for error messages
-  std::string world_owner;      ///< plugin that set the world, for error messages
+  /// Examples per optimizer step over all ranks (0: steps x micro_batch x world size). With it, an
+  /// unset [data] micro_batch is inferred from `steps`, and a set one is checked against it.
+  int64_t effective_batch = 0;
+  /// With [data] micro_batch = "auto": the bytes one training step may take (0: the device's free
+  /// memory, CUDA only); the core picks the largest micro-batch that fits.
+  double memory_budget = 0;
+  BatchRamp ramp;  ///< the effective batch's ramp, if any
+};
 
-  /// Sets the accumulation window (k = 0: inferred from effective_batch_goal); a second plugin
-  /// trying to set it is refused, naming both.
-  void set_window(int64_t k, LastWindow policy, const std::string& by);
-  /// Sets world size and rank; a second plugin trying to set it is refused, naming both.
-  void set_world(int world, int rank_, const std::string& by);
+namespace detail {
+struct PlanState;
+struct PlanAccess;
+}  // namespace detail
+
+/// The shape of a run, settled before training. Plugins shape it in Plugin::configure, through
+/// set_window and set_world only; the core then settles what they left open (the window size from
+/// an effective batch, the micro-batch from a memory budget). From on_fit_start on, it is final.
+/// The core owns what lies behind it: a plugin sees the values, never the bookkeeping.
+class RunPlan {
+ public:
+  /// Examples per micro-batch, per rank (0 while a micro-batch picked by memory is not yet picked:
+  /// configure and setup).
+  int64_t micro_batch() const noexcept;
+  /// Micro-batches per optimizer step (the window size k; under a ramp, the final one).
+  int64_t accumulation() const noexcept;
   /// micro_batch x accumulation x world_size.
-  int64_t effective_batch() const noexcept { return micro_batch * accumulation * world_size; }
-  /// Whether some plugin of the run provides `cap`.
-  bool has(const std::string& cap) const { return capabilities.count(cap) != 0; }
+  int64_t effective_batch() const noexcept;
+  /// Examples per optimizer step over all ranks that the window plugin asked for (0: none).
+  int64_t effective_batch_goal() const noexcept;
+  /// Whether the recipe asked for [data] micro_batch = "auto" (picked by memory).
+  bool micro_batch_auto() const noexcept;
+  /// The memory budget of a step when the micro-batch is picked by memory, in bytes.
+  double memory_budget() const noexcept;
+  /// Peak bytes of one training step measured at each candidate micro-batch, when picked by memory.
+  const std::vector<std::pair<int64_t, double>>& measured_peaks() const noexcept;
+  const BatchRamp& ramp() const noexcept;
+  LastWindow last_window() const noexcept;
+  /// Processes that train together, and this one's rank.
+  int world_size() const noexcept;
+  int rank() const noexcept;
+  /// How the recipe's loss reduces over its items.
+  Reduction reduction() const noexcept;
+  /// Where the model and the batches live.
+  c10::DeviceType device() const noexcept;
+  /// Whether some plugin of the run provides `cap` (tk/capabilities.h).
+  bool has(const std::string& cap) const;
+  /// Everything the run's plugins provide.
+  const std::set<std::string>& capabilities() const noexcept;
+  /// The plugins that set the window and the world ("" when none did).
+  const std::string& window_owner() const noexcept;
+  const std::string& world_owner() const noexcept;
+
+  /// Sets the accumulation window (configure only). A second plugin trying to set it is refused,
+  /// naming both.
+  void set_window(const WindowRequest& request);
+  /// Sets world size and rank (configure only); a second plugin trying to set them is refused,
+  /// naming both.
+  void set_world(int world_size, int rank);
+
+  RunPlan(const RunPlan&) = delete;
+  RunPlan& operator=(const RunPlan&) = delete;
+
+ private:
+  friend struct detail::PlanAccess;
+  explicit RunPlan(detail::PlanState* state) noexcept : s_(state) {}
+  detail::PlanState* s_;
 };
 
 }  // namespace tk

@@ -18,59 +18,71 @@
 
 namespace tk::testing {
 
+/// The plan a ManualContext shows: what the core would have settled before training.
+struct PlanSettings {
+  int64_t micro_batch = 1;
+  int64_t accumulation = 1;
+  LastWindow last_window = LastWindow::Step;
+  int world_size = 1;
+  int rank = 0;
+  Reduction reduction = Reduction::Mean;
+  c10::DeviceType device = c10::kCPU;
+  std::set<std::string> capabilities;  ///< what the run's plugins provide
+};
+
 /// A Context whose every field a test sets by hand; hand it to a plugin's hook (see call()).
 class ManualContext final : public Context {
  public:
-  ManualContext(Model& model, torch::optim::Optimizer& optimizer, const RunPlan& plan,
-                Reduction reduction = Reduction::Mean) {
-    model_ = &model;
-    optimizer_ = &optimizer;
-    plan_ = &plan;
-    reduction_ = reduction;
-  }
+  ManualContext(Model& model, torch::optim::Optimizer& optimizer, const PlanSettings& plan = {});
+  ~ManualContext();
 
-  Counters& mutable_counters() noexcept { return counters_; }
-  void set_window(const Window& w) noexcept { window_ = w; }
-  void set_batch(const Batch* b) noexcept { batch_ = b; }
-  void set_loss_value(double v) noexcept {
-    loss_value_ = v;
-    loss_read_ = true;
-  }
-  void set_window_loss(double v) noexcept { window_loss_ = v; }
-  void set_validation_loss(double v) noexcept { validation_loss_ = v; }
-  void set_lr(double v) noexcept { lr_ = v; }
-  void set_status(FitStatus s) noexcept { status_ = s; }
-  void set_output_dir(std::filesystem::path d) { output_dir_ = std::move(d); }
+  Counters& mutable_counters() noexcept;
+  void set_window(const Window& w) noexcept;
+  void set_batch(const Batch* b) noexcept;
+  void set_loss_value(double v) noexcept;
+  void set_window_loss(double v) noexcept;
+  void set_validation_loss(double v) noexcept;
+  void set_lr(double v) noexcept;
+  void set_status(FitStatus s) noexcept;
+  void set_output_dir(std::filesystem::path d);
   /// Where info() and warn() go (level 0 info, 1 warning); nowhere by default.
-  void set_log(std::function<void(int, const std::string&)> log) { log_ = std::move(log); }
+  void set_log(std::function<void(int, const std::string&)> log);
 
   /// The metrics plugins added since the last clear_step().
-  const std::vector<std::pair<std::string, double>>& metrics() const noexcept { return metrics_; }
+  const std::vector<std::pair<std::string, double>>& metrics() const noexcept;
   /// One metric's value, NaN when absent.
-  double metric_value(const std::string& name) const {
-    for (const auto& [k, v] : metrics_)
-      if (k == name) return v;
-    return std::nan("");
-  }
-  const std::string& veto_reason() const noexcept { return veto_reason_; }
-  const std::string& vetoed_by() const noexcept { return vetoed_by_; }
-  /// Forgets the metrics and the veto, as the core does before each boundary.
-  void clear_step() {
-    metrics_.clear();
-    deferred_.clear();
-    veto_reason_.clear();
-    vetoed_by_.clear();
-    veto_advances_schedule_ = false;
-  }
-  /// Calls the hook of `e` on `p` as the core does (with `p`'s name as the current plugin). After
-  /// a boundary hook, what the plugin left on the device (metrics, veto flags) is read, as the
-  /// core reads it after the boundary event.
-  void call(Plugin& p, Event e) {
-    current_plugin_ = p.name();
-    dispatch(p, e, *this);
-    if (e == Event::Boundary) read_step_values();
-    current_plugin_.clear();
-  }
+  double metric_value(const std::string& name) const;
+  const std::string& veto_reason() const noexcept;
+  const std::string& vetoed_by() const noexcept;
+  /// Forgets the metrics and the veto: what the core does before each boundary (the same code).
+  void clear_step();
+  /// Calls the hook of `e` on `p` as the core does (with `p`'s name as the current plugin, the
+  /// calls that belong to other events refused). After a boundary hook, what the plugin left on
+  /// the device (metrics, veto flags) is read, as the core reads it after the boundary event.
+  void call(Plugin& p, Event e);
+};
+
+/// Makes `plugin` what the core makes of a [[plugins]] entry: named `name`, its options bound from
+/// `options` (the entry's keys as TOML text), refused as a recipe's would be, and init() run.
+template <class T>
+std::shared_ptr<T> prepare(std::shared_ptr<T> plugin, const std::string& name, const std::string& options = "") {
+  static_assert(detail::is_plugin_type_v<T>, "prepare: give a std::shared_ptr of the plugin's own class");
+  prepare_plugin(*plugin, name, options, detail::hooks_of<T>());
+  return plugin;
+}
+/// The one strategy of library `file`, prepared with `options` as above.
+std::shared_ptr<Plugin> load_plugin(const std::filesystem::path& file, const std::string& options = "");
+
+/// A plugin instance a test adds to a run: a prepared or loaded one as it is, or a new one with
+/// the name and options (TOML) it gets here.
+struct InProcess {
+  template <class T>
+  InProcess(std::shared_ptr<T> p, std::string name_ = "", std::string options_ = "")
+      : plugin(std::move(p)), name(std::move(name_)), options(std::move(options_)),
+        hooks(detail::is_plugin_type_v<T> ? detail::hooks_of<T>() : kUnknownHooks) {}
+  std::shared_ptr<Plugin> plugin;
+  std::string name, options;
+  uint32_t hooks;
 };
 
 /// A small, fast recipe: an MLP on 256 synthetic examples, float64, 6 steps of SGD with momentum
@@ -85,7 +97,7 @@ struct RunOptions {
   std::vector<std::string> overrides;  ///< "key=value", as tk-run's --set
   /// Plugin libraries added as [[plugins]] entries: file, and its options as TOML text.
   std::vector<std::pair<std::filesystem::path, std::string>> libraries;
-  std::vector<std::shared_ptr<Plugin>> plugins;  ///< instances added after the recipe's plugins
+  std::vector<InProcess> plugins;  ///< instances added after the recipe's plugins
   std::vector<std::filesystem::path> plugin_dirs;  ///< searched before trainkit's own plugins folder
   std::filesystem::path output;  ///< write outputs here (empty: outputs off)
   std::optional<std::string> resume;  ///< as tk-run --resume (needs `output`)
@@ -111,9 +123,9 @@ inline bool identical(const Parameters& a, const Parameters& b) { return max_dif
 
 /// Records, at each boundary after all gradient work, the gradients (flat, float64), the step's
 /// lr and window size; at each step end the window loss; at each micro-batch its window position.
+/// Give it a name when adding it to a run ({capture, "capture"}).
 class Capture : public Plugin {
  public:
-  Capture();
   Contract contract() const override;
   void on_micro_batch(Context& ctx) override;
   void on_boundary(Context& ctx) override;
@@ -156,7 +168,8 @@ struct ContractOptions {
 struct CheckResult {
   std::string name;
   bool passed = false;
-  std::string detail;  ///< why it failed
+  bool skipped = false;  ///< not run (its detail says why); neither passed nor failed
+  std::string detail;    ///< why it failed, or why it was skipped
 };
 
 /// Runs the plugin contract against the (single-strategy) library `file`: it loads and names

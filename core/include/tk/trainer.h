@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,9 @@ struct FitResult {
   std::vector<double> validation_losses;
   std::filesystem::path output_dir;   ///< empty when outputs were off
   std::filesystem::path checkpoint;   ///< the last checkpoint written, if any
+  /// The files of the output folder the run wrote or rewrote, by name: the core's (recipe.toml,
+  /// metrics.jsonl, weights.pt, ...) and then each plugin's (Plugin::write_files).
+  std::vector<std::string> files;
   std::string stopped;                ///< "" when the run completed; "max_time" or "signal"
   bool already_complete = false;      ///< resumed from the final checkpoint: nothing was trained or changed
   FitStatus status = FitStatus::Running;  ///< Completed, StoppedByTime or StoppedBySignal
@@ -84,6 +88,11 @@ struct AccumulationCheck {
   bool exact() const noexcept { return max_difference <= tolerance; }
 };
 
+/// What the plugins of `recipe` provide (tk/capabilities.h), learnt by loading its libraries and
+/// giving its plugins their options, without building the run (no data, model or memory trial):
+/// what a launcher needs to know. Errors name the recipe position or plugin file at fault.
+std::set<std::string> plugin_capabilities(const Recipe& recipe, const TrainerOptions& opts = {});
+
 class Trainer {
  public:
   /// Builds model, data, loss, schedule and plugins from `recipe` (the Trainer keeps its own
@@ -94,9 +103,17 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  /// Adds a plugin made in code (not from a library) after the recipe's ones; before the run is
-  /// planned.
-  void add_plugin(std::shared_ptr<Plugin> plugin, const Options& opts);
+  /// Adds a plugin made in code (not from a library) after the recipe's ones, before the run is
+  /// planned: a prepared one (tk::prepare_plugin, or loaded from a library) as it is, else named
+  /// `name` with its options from `options` (TOML text, checked as a recipe's entry would be).
+  template <class T>
+  void add_plugin(std::shared_ptr<T> plugin, const std::string& name = "", const std::string& options = "") {
+    add_plugin(std::shared_ptr<Plugin>(std::move(plugin)), name, options,
+               detail::is_plugin_type_v<T> ? detail::hooks_of<T>() : kUnknownHooks);
+  }
+  /// The same, with the hooks its class overrides given (detail::hooks_of<YourPlugin>(); used
+  /// only when the plugin is not prepared yet).
+  void add_plugin(std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options, uint32_t hooks);
 
   /// The resolved plan as text: what `tk-run --dry-run` prints.
   std::string describe();
@@ -115,8 +132,11 @@ class Trainer {
   const DataSplits& data() const;
   /// The folder the run writes (run.output, else runs/<run.name>); empty when outputs are off.
   std::filesystem::path output_dir() const;
-  /// The Trainer's own copy of the recipe; resolved() gives what its output folder's recipe.toml holds.
+  /// The Trainer's own copy of the recipe.
   const Recipe& recipe() const;
+  /// The recipe as this run resolved it: what its output folder's recipe.toml holds (every
+  /// section it read, defaults filled in, overrides applied).
+  std::string resolved_recipe() const;
   /// Every component and plugin the run's libraries registered.
   const Registry& registry() const;
   /// Plugin names in dispatch order.

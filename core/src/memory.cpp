@@ -1,12 +1,12 @@
-// How many examples a step takes and in how many pieces: the window size inferred from an
-// effective batch, the micro-batch picked by memory, the windows of the run (fixed or ramping),
-// and the micro-batch halved after an out-of-memory error.
+// Memory: what a stretch of a run allocates (the CPU allocator counted, CUDA's caching allocator
+// read), trial steps that leave no trace, and the micro-batch picked for a memory budget.
 #include <c10/core/CPUAllocator.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 
@@ -118,6 +118,8 @@ double measure_step(Run& r, int64_t m, int64_t k) {
   return meter.take_peak();
 }
 
+}  // namespace
+
 std::vector<int64_t> divisors_of(int64_t n) {
   std::vector<int64_t> small, large;
   for (int64_t d = 1; d * d <= n; ++d)
@@ -128,16 +130,6 @@ std::vector<int64_t> divisors_of(int64_t n) {
   small.insert(small.end(), large.rbegin(), large.rend());
   return small;
 }
-
-/// The plugin that set the window, if its options hold `key`: errors about the effective batch
-/// point at its recipe line.
-[[noreturn]] void refuse(const Run& r, const std::string& key, const std::string& what) {
-  for (const auto& s : r.slots)
-    if (s.plugin && s.name == r.plan.window_owner && s.plugin->options().has(key)) s.plugin->options().fail(key, what);
-  throw Error(what);
-}
-
-}  // namespace
 
 MemoryMeter::MemoryMeter(const Run& r) : device_(r.device) {
   resident_ = bytes_of(r.model->parameters()) + bytes_of(r.model->buffers());
@@ -164,22 +156,6 @@ double MemoryMeter::take_peak() {
   return resident_ + static_cast<double>(CountingAllocator::instance().take_peak());
 }
 
-RngStates save_rng() {
-  RngStates out;
-  for (auto& [name, gen] : generators()) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    out.emplace_back(gen, gen.get_state());
-  }
-  return out;
-}
-
-void restore_rng(const RngStates& states) {
-  for (auto [gen, state] : states) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(state);
-  }
-}
-
 TrialGuard::TrialGuard(Run& r) : r_(r), rng_(save_rng()) {
   torch::NoGradGuard no_grad;
   for (const auto& p : r.model->parameters()) params_.push_back(p.detach().clone());
@@ -203,63 +179,14 @@ TrialGuard::~TrialGuard() {
   }
 }
 
-void settle_window(Run& r) {
-  RunPlan& p = r.plan;
-  const int64_t goal = p.effective_batch_goal, world = p.world_size;
-  const bool m_given = r.data_opts.is_set("micro_batch") && !p.micro_batch_auto;
-  if (goal < 0 || goal > kMaxCount)
-    refuse(r, "effective_batch", "an effective batch of " + std::to_string(goal) + " is beyond any machine (at most " +
-                                     std::to_string(kMaxCount) + " examples per optimizer step)");
-  if (goal == 0) {
-    if (p.micro_batch_auto)
-      r.data_opts.fail("micro_batch", "\"auto\" picks the micro-batch for an effective batch: set effective_batch "
-                                      "(and memory_budget) in a grad_accum plugin entry");
-    if (p.accumulation < 1) throw Error("plugin '" + p.window_owner + "' left the window size open without an effective batch");
-    return;
-  }
-  const std::string three = "effective_batch = " + std::to_string(goal) + ", micro_batch = " +
-                            (p.micro_batch_auto ? std::string("\"auto\"")
-                                                : std::to_string(p.micro_batch) + (m_given ? "" : " (the default)")) +
-                            ", steps = " + (p.accumulation > 0 ? std::to_string(p.accumulation) : std::string("(not set)")) +
-                            ", world size " + std::to_string(world);
-  if (goal % world != 0)
-    refuse(r, "effective_batch", three + ": the effective batch does not divide evenly over the " +
-                                     std::to_string(world) + " ranks");
-  const int64_t per_rank = goal / world;
-  if (p.micro_batch_auto) {
-    if (p.accumulation > 0)
-      refuse(r, "steps", three + ": with micro_batch = \"auto\" the steps follow from the micro-batch picked; remove steps");
-    p.micro_batch = 0;  // picked after setup, when the optimizer exists (pick_micro_batch)
-    return;
-  }
-  const int64_t m = p.micro_batch;
-  if (p.accumulation > 0 && m_given) {
-    if (m * p.accumulation != per_rank)
-      refuse(r, "effective_batch", three + ": " + std::to_string(m) + " x " + std::to_string(p.accumulation) + " x " +
-                                       std::to_string(world) + " = " + std::to_string(m * p.accumulation * world) +
-                                       ", not " + std::to_string(goal) + "; give any two of the three");
-  } else if (p.accumulation > 0) {
-    if (per_rank % p.accumulation != 0)
-      refuse(r, "effective_batch", three + ": " + std::to_string(per_rank) + " examples per rank do not split into " +
-                                       std::to_string(p.accumulation) + " equal micro-batches");
-    p.micro_batch = per_rank / p.accumulation;
-  } else {
-    if (per_rank % m != 0)
-      refuse(r, "effective_batch", three + ": " + std::to_string(per_rank) + " examples per rank are not a whole number of "
-                                       "micro-batches of " + std::to_string(m) + "; pick an effective batch that is a "
-                                       "multiple of " + std::to_string(m * world) + ", or another micro_batch");
-    p.accumulation = per_rank / m;
-  }
-}
-
 void pick_micro_batch(Run& r) {
-  RunPlan& p = r.plan;
+  PlanValues& p = r.plan;
   if (!p.micro_batch_auto || p.micro_batch > 0) return;
   double budget = p.memory_budget;
   std::string source = "memory_budget";
   if (budget <= 0) {
     if (!r.device.is_cuda())
-      refuse(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set memory_budget "
+      refuse_window(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set memory_budget "
                                  "(e.g. \"2GiB\") in the grad_accum entry");
     budget = p.memory_budget = compat::cuda_free_bytes(r.device);
     source = "free memory of " + r.device.str();
@@ -282,7 +209,7 @@ void pick_micro_batch(Run& r) {
   };
   int64_t chosen = candidates.front();
   if (!fits(measure(chosen)))
-    refuse(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(chosen) + " takes " +
+    refuse_window(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(chosen) + " takes " +
                                    format_bytes(peaks[chosen]) + "; with a " + std::to_string(int(kMargin * 100)) +
                                    "% margin that is more than the budget of " + format_bytes(budget) + " (" + source + ")");
   // Up in doublings while the prediction and then the measurement fit; then the largest divisor
@@ -309,48 +236,6 @@ void pick_micro_batch(Run& r) {
   for (const auto& [m, b] : peaks) list += (list.empty() ? "" : ", ") + std::to_string(m) + ": " + format_bytes(b);
   spdlog::info("micro-batch {} picked by memory: a step's peak {} of a {} budget ({}; {}% margin); measured {}", chosen,
                format_bytes(peaks[chosen]), format_bytes(budget), source, int(kMargin * 100), list);
-}
-
-void shape_windows(Run& r) {
-  const int64_t n = r.shard_size(), m = r.plan.micro_batch;
-  r.batches_per_epoch = r.data_opts.get_bool("drop_last") ? n / m : (n + m - 1) / m;
-  if (r.batches_per_epoch < 1)
-    r.data_opts.fail("micro_batch", "is larger than the " + std::string(r.plan.world_size > 1 ? "rank's share of the " : "") +
-                                        "data set (" + std::to_string(n) + " examples) and drop_last is on: an epoch "
-                                        "has no micro-batch");
-  int64_t micro_batches = 0;
-  if (!r.bound.by_steps() && (__builtin_mul_overflow(r.bound.count, r.batches_per_epoch, &micro_batches) ||
-                              micro_batches > kMaxCount))
-    r.run.fail("epochs", std::to_string(r.bound.count) + " epochs of " + std::to_string(r.batches_per_epoch) +
-                             " micro-batches are beyond what any machine can train (at most " +
-                             std::to_string(kMaxCount) + " micro-batches)");
-  r.windows = std::make_unique<WindowSchedule>(r.batches_per_epoch, r.plan.accumulation, r.plan.last_window,
-                                               r.bound.by_steps() ? 0 : r.bound.count);
-  if (r.plan.ramp.active()) {
-    const int64_t world = r.plan.world_size;
-    r.windows->set_ramp(r.plan.ramp, r.plan.effective_batch(), m * world,
-                        [n, m, world](int64_t b0, int64_t b1) { return world * (std::min(b1 * m, n) - b0 * m); });
-  }
-  r.total_steps = r.bound.by_steps() ? r.bound.count : r.windows->steps_in(r.bound.count);
-  if (r.total_steps < 1) throw Error("the run would take no optimizer step");
-}
-
-void rebatch(Run& r, int64_t m) {
-  const int64_t per_rank = r.plan.micro_batch * r.plan.accumulation, steps = r.total_steps;
-  r.plan.micro_batch = m;
-  r.plan.accumulation = per_rank / m;
-  shape_windows(r);
-  if (r.total_steps != steps)  // equal for step and drop windows: ceil(ceil(n/m)/k) = ceil(n/(m k))
-    throw Error("changing the micro-batch to " + std::to_string(m) + " would change the run's length from " +
-                std::to_string(steps) + " to " + std::to_string(r.total_steps) + " steps");
-}
-
-int64_t backed_off_micro_batch(const Run& r) {
-  const int64_t m = r.plan.micro_batch, per_rank = m * r.plan.accumulation;
-  int64_t best = 0;
-  for (int64_t d : divisors_of(per_rank))
-    if (2 * d <= m) best = d;
-  return best;
 }
 
 }  // namespace tk::detail

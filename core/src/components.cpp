@@ -1,0 +1,227 @@
+// The components of a run: [run] read into its settings, then the data set, model, loss,
+// optimizer and schedule the recipe's sections name, each made by its registered maker.
+#include <ATen/Parallel.h>
+#include <spdlog/spdlog.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <limits>
+#include <thread>
+
+#include "run.h"
+
+namespace tk::detail {
+namespace {
+
+OptionSpecs run_specs() {
+  return {opt_string("name", "run", "name of the run"),
+          opt_int("seed", 0, "seed of initialization, data order and synthetic data"),
+          opt_int("epochs", 0, "epochs to train (give epochs or steps)"),
+          opt_int("steps", 0, "optimizer steps to train (give epochs or steps)"),
+          opt_string("output", "", "output folder, relative to the working directory (default runs/<name>)"),
+          opt_string("dtype", "float32", "parameter and data type", {"float32", "float64"}),
+          opt_string("device", "auto", "where to train (auto: CUDA when available)", {"auto", "cpu", "cuda"}),
+          opt_int("log_every", 10, "optimizer steps between plain progress lines"),
+          opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
+          opt_int("threads", 0, "intra-op CPU threads (0: LibTorch's default)"),
+          opt_bool("trace", false, "record every plugin dispatch in trace.jsonl"),
+          opt_string("prefetch", "auto",
+                     "prepare the next micro-batch while the current one trains (auto: on CUDA, and on the CPU "
+                     "when preparing data takes a noticeable share of a micro-batch); the results are the same",
+                     {"auto", "on", "off"}),
+          opt_int("checkpoint_every", 0, "optimizer steps between checkpoints (0: only at the end)"),
+          opt_int("checkpoint_keep", 3, "newest checkpoints to keep"),
+          opt_string("max_time", "", "stop at the first boundary after this long, e.g. \"90s\", \"10m\", \"2h\" (\"\": no limit)")};
+}
+
+OptionSpecs loader_specs() {
+  OptionSpec micro_batch = opt_int("micro_batch", 32, "examples per micro-batch (\"auto\": picked by memory, see grad_accum)");
+  micro_batch.choices = {"auto"};
+  return {micro_batch,
+          opt_bool("shuffle", true, "shuffle every epoch (a pure function of seed and epoch)"),
+          opt_bool("drop_last", false, "drop an epoch's last, smaller micro-batch")};
+}
+
+/// "90s", "10m", "1.5h", "250ms" -> seconds; "" -> infinity.
+double parse_duration(const Options& o, const std::string& key) {
+  const std::string& v = o.get_string(key);
+  if (v.empty()) return std::numeric_limits<double>::infinity();
+  size_t pos = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &pos);
+  } catch (const std::exception&) {
+    o.fail(key, "expected a duration like \"90s\", \"10m\" or \"2h\", got \"" + v + "\"");
+  }
+  const std::string unit = v.substr(pos);
+  const double scale = unit == "ms" ? 1e-3 : unit == "s" ? 1 : unit == "m" ? 60 : unit == "h" ? 3600 : -1;
+  if (scale < 0 || x < 0)
+    o.fail(key, "expected a duration like \"90s\", \"10m\" or \"2h\" (units ms, s, m, h), got \"" + v + "\"");
+  return x * scale;
+}
+
+}  // namespace
+
+void read_run_section(Run& r, const Recipe& recipe) {
+  r.run = recipe.options("run", run_specs());
+  r.resolved.add_section("run", "", r.run);
+  const Options& o = r.run;
+  const int64_t epochs = o.get_int("epochs"), steps = o.get_int("steps");
+  if (epochs < 0) o.fail("epochs", "must be >= 0");
+  if (steps < 0) o.fail("steps", "must be >= 0");
+  if (epochs > 0 && steps > 0) o.fail("steps", "give either epochs or steps, not both");
+  for (const char* k : {"epochs", "steps"})
+    if (o.get_int(k) > kMaxCount)
+      o.fail(k, "is " + std::to_string(o.get_int(k)) + ", beyond what any machine can train (at most " +
+                    std::to_string(kMaxCount) + ")");
+  r.bound = steps > 0 ? Bound{Bound::Unit::Steps, steps} : Bound{Bound::Unit::Epochs, std::max<int64_t>(1, epochs)};
+  for (const char* k : {"log_every", "checkpoint_keep"})
+    if (o.get_int(k) < 1) o.fail(k, "must be >= 1");
+  for (const char* k : {"validate_every", "checkpoint_every"})
+    if (o.get_int(k) < 0) o.fail(k, "must be >= 0");
+  r.max_time_s = parse_duration(o, "max_time");
+  r.tracing = o.get_bool("trace");
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  if (o.get_int("threads") < 0) o.fail("threads", "must be >= 0 (0: LibTorch's default)");
+  if (o.get_int("threads") > 4 * cores)
+    o.fail("threads", "is " + std::to_string(o.get_int("threads")) + " on a machine with " + std::to_string(cores) +
+                          " cores; at most " + std::to_string(4 * cores) + " (4 per core) are accepted");
+  if (o.get_int("threads") > 0) at::set_num_threads(static_cast<int>(o.get_int("threads")));
+  r.dtype = o.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
+  const std::string& dev = o.get_string("device");
+  const bool cuda = torch::cuda::is_available();
+  if (dev == "cuda" && !cuda) o.fail("device", "CUDA is not available (this LibTorch has no CUDA, or no GPU is visible)");
+  r.device = (dev == "cuda" || (dev == "auto" && cuda)) ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  r.seed = static_cast<uint64_t>(o.get_int("seed"));
+}
+
+namespace {
+
+/// Runs `make` (a component's maker) so that whatever it throws names the recipe section: a
+/// LibTorch error in one line, an allocation that failed as such.
+template <class Make>
+auto made_in(const Options& o, const std::string& what, Make&& make) {
+  try {
+    return make();
+  } catch (const RecipeError&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw RecipeError(o.section_loc(), what + ": out of memory while making it");
+  } catch (const std::exception& e) {
+    throw RecipeError(o.section_loc(), what + ": " + message_of(e));
+  }
+}
+
+/// The component section `name` selects (or `fallback`), with its checked options (`extra` first)
+/// in `opts`, recorded as resolved.
+template <class Maker>
+const Component<Maker>& section(Run& r, const Recipe& recipe, const char* name, const char* fallback,
+                                const std::vector<Component<Maker>>& list, std::string& chosen, Options& opts,
+                                OptionSpecs extra = {}) {
+  const auto& c = *find_component(list, recipe.component(name, fallback, component_names(list)));
+  extra.insert(extra.end(), c.specs.begin(), c.specs.end());
+  chosen = c.name;
+  opts = recipe.options(name, extra, true);
+  r.resolved.add_section(name, c.name, opts);
+  return c;
+}
+
+}  // namespace
+
+/// Data, model, loss, optimizer (checked now, made after setup) and schedule.
+void build_components(Run& r, const Recipe& recipe) {
+  const auto& dc = section(r, recipe, "data", "", r.registry.data(), r.data_name, r.data_opts, loader_specs());
+  if (r.data_opts.get_word("micro_batch").empty() && r.data_opts.get_int("micro_batch") < 1)
+    r.data_opts.fail("micro_batch", "must be >= 1");
+  r.data = made_in(r.data_opts, "data '" + dc.name + "'", [&] { return dc.make(r.data_opts, r.seed); });
+  if (!r.data.train) throw RecipeError(r.data_opts.section_loc(), "data '" + dc.name + "' made no training split");
+
+  // `[model] torchscript = "file.pt"` needs no name.
+  const auto& mc = section(r, recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "",
+                           r.registry.models(), r.model_name, r.model_opts);
+  torch::manual_seed(r.seed);
+  r.model = made_in(r.model_opts, "model '" + mc.name + "'", [&] { return mc.make(r.model_opts, r.data.info); });
+  if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
+  r.model->to(r.device, r.dtype);
+  r.model->train();
+
+  const auto& lc = section(r, recipe, "loss", r.data.info.default_loss.c_str(), r.registry.losses(), r.loss_name,
+                           r.loss_opts);
+  r.loss = lc.make(r.loss_opts);
+  const auto& info = r.data.info;
+  if (info.ignore_index && r.loss_opts.has("ignore_index") && r.loss_opts.get_int("ignore_index") != *info.ignore_index)
+    r.loss_opts.fail("ignore_index", "is " + std::to_string(r.loss_opts.get_int("ignore_index")) +
+                                         ", but the data marks padding with " + std::to_string(*info.ignore_index) +
+                                         " (data.ignore_index): padding would count toward the loss");
+  const Targets wants = r.loss->targets();
+  if (wants != Targets::Any && (wants == Targets::Classes) != info.classification)
+    throw RecipeError(r.loss_opts.section_loc(),
+                      "loss '" + r.loss_name + "' takes " + (wants == Targets::Classes ? "class labels" : "real-valued targets") +
+                          ", but data '" + r.data_name + "' gives " +
+                          (info.classification ? "class labels" : "real-valued targets") +
+                          (info.default_loss.empty() ? std::string() : "; use " + info.default_loss));
+
+  const auto& oc = section(r, recipe, "optimizer", "", r.registry.optimizers(), r.opt_name, r.opt_opts);
+  r.optimizer_maker = &oc;
+  // Made now to check its options and read its learning rate; the real one is made after setup.
+  r.base_lr = get_lr(*oc.make(r.opt_opts, r.model->parameters()));
+
+  const auto& sc = section(r, recipe, "schedule", "constant", r.registry.schedules(), r.sched_name, r.sched_opts);
+  r.schedule = sc.make(r.sched_opts, r.base_lr);
+}
+
+Run::Run() {
+  plan.dispatch = &dispatch;
+  dispatch.log = [this](int level, const std::string& msg) {
+    if (level > 0) warn(msg);
+    else spdlog::info("{}", msg);
+  };
+}
+
+void Run::call_plugin(const Slot& slot, const char* hook, const std::function<void()>& fn) {
+  dispatch.enter(slot.name, hook);
+  try {
+    fn();
+  } catch (const RecipeError&) {
+    dispatch.leave();
+    throw;
+  } catch (const std::exception& err) {
+    dispatch.leave();
+    throw Error("plugin '" + slot.name + "' (" + slot.file + ") failed in " + hook + ": " + message_of(err));
+  }
+  dispatch.leave();
+}
+
+void Run::warn(const std::string& msg) {
+  warnings.push_back(msg);
+  spdlog::warn("{}", msg);
+}
+
+at::Tensor Run::shard_order(int64_t epoch) const {
+  const at::Tensor all = epoch_order(data.train->size(), seed, epoch, data_opts.get_bool("shuffle"));
+  if (plan.world_size == 1) return all;
+  return all.slice(0, plan.rank, shard_size() * plan.world_size, plan.world_size);
+}
+
+Batch Run::fetch(const Dataset& ds, const at::Tensor& indices) const {
+  Batch b = ds.get(indices);
+  b.input = place(b.input, device);
+  b.target = place(b.target, device);
+  return b;
+}
+
+at::Tensor Run::place(const at::Tensor& t, at::Device to, bool non_blocking) const {
+  return at::isFloatingType(t.scalar_type()) ? t.to(to, dtype, non_blocking) : t.to(to, non_blocking);
+}
+
+void make_optimizer(Run& r) {
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : r.model->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  if (trainable.empty())
+    throw RecipeError(r.model_opts.section_loc(), "model '" + r.model_name + "' has no trainable parameter" +
+                (r.model->parameters().empty() ? std::string() : " (every parameter has requires_grad = false)"));
+  r.optimizer = r.optimizer_maker->make(r.opt_opts, trainable);
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,97 @@
+// What a run is (its identity, as checkpoints record it) and continuing one from a checkpoint:
+// the recorded run compared with this one, then model, optimizer, generators and plugin states.
+#include <map>
+#include <set>
+
+#include "run.h"
+
+namespace fs = std::filesystem;
+
+namespace tk::detail {
+
+RunIdentity run_identity(const Run& r) {
+  // What may change between a run and its resume without changing what it trains.
+  static const std::set<std::string> kMayChange = {"run.name",           "run.output",         "run.max_time",
+                                                   "run.log_every",      "run.validate_every", "run.trace",
+                                                   "run.checkpoint_every", "run.checkpoint_keep",
+                                                   "run.prefetch"};
+  RunIdentity id;
+  id.world_size = r.plan.world_size;
+  for (auto& [k, v] : r.resolved.values())
+    if (!kMayChange.count(k)) id.recipe.emplace_back(k, v);
+  return id;
+}
+
+namespace {
+
+/// Hands each plugin its state from a checkpoint (before fit_start); warns about states nobody loads.
+void restore_plugin_states(Run& r, Checkpoint& resumed) {
+  for (const auto& slot : r.slots) {
+    if (!slot.plugin) continue;
+    auto it = resumed.plugin_states.find(slot.name);
+    if (it == resumed.plugin_states.end()) {
+      r.warn("plugin '" + slot.name + "' has no state in " + resumed.dir.string() + "; it starts fresh");
+      continue;
+    }
+    r.call_plugin(slot, "load_state", [&] { slot.plugin->load_state(it->second); });
+    resumed.plugin_states.erase(it);
+  }
+  for (const auto& [name, st] : resumed.plugin_states)
+    r.warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
+}
+
+/// Each difference between the checkpoint's run and this one that `allowed` does not cover.
+std::vector<std::string> differences(const RunIdentity& saved, const RunIdentity& now,
+                                     const std::vector<std::string>& allowed) {
+  auto is_allowed = [&](const std::string& key) {
+    for (const auto& a : allowed)
+      if (a == "all" || a == key || key.rfind(a + ".", 0) == 0) return true;
+    return false;
+  };
+  std::map<std::string, std::string> before(saved.recipe.begin(), saved.recipe.end());
+  std::vector<std::string> out;
+  auto show = [](const std::string* v) { return v ? *v : std::string("(not set)"); };
+  for (const auto& [k, v] : now.recipe) {
+    auto it = before.find(k);
+    const std::string* old = it == before.end() ? nullptr : &it->second;
+    if ((!old || *old != v) && !is_allowed(k)) out.push_back(k + ": " + show(old) + " -> " + v);
+    if (it != before.end()) before.erase(it);
+  }
+  for (const auto& [k, v] : before)
+    if (!is_allowed(k)) out.push_back(k + ": " + v + " -> (not set)");
+  if (saved.world_size != now.world_size && !is_allowed("world_size"))
+    out.push_back("world_size: " + std::to_string(saved.world_size) + " -> " + std::to_string(now.world_size));
+  return out;
+}
+
+}  // namespace
+
+Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_dir, const RunIdentity& identity,
+                       const std::vector<std::string>& allowed) {
+  std::string note;
+  const fs::path dir = resolve_checkpoint(which, output_dir, &note);
+  if (!note.empty()) r.warn(note);
+  // Checked before anything is loaded: another optimizer's state would not even load.
+  if (auto saved = read_run_identity(dir)) {
+    const auto diff = differences(*saved, identity, allowed);
+    if (!diff.empty()) {
+      std::string list;
+      for (const auto& d : diff) list += "\n  " + d;
+      throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
+                  list + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
+                  "or allow a change on purpose with --allow-change KEY");
+    }
+  } else {
+    r.warn(dir.string() + " does not record the recipe it was made with (written by an older trainkit): "
+           "make sure this recipe is the one it was started with");
+  }
+  Checkpoint resumed = load_checkpoint(dir, *r.model, *r.optimizer);
+  restore_plugin_states(r, resumed);
+  if (resumed.position.counters.total_steps != r.total_steps)
+    throw RunRefused(resumed.dir.string() + ": the checkpoint is of a run of " +
+                std::to_string(resumed.position.counters.total_steps) + " steps, this one has " +
+                std::to_string(r.total_steps) + ": resume with the recipe it was made with");
+  return resumed;
+}
+
+}  // namespace tk::detail
