@@ -29,3 +29,6 @@ set(TK_TORCH_LIBS "-L${tk_torch_libdir} -ltorch -ltorch_cpu -lc10")
 file(RELATIVE_PATH TK_PC_TO_PREFIX "/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/")
 configure_file(${PROJECT_SOURCE_DIR}/cmake/trainkit.pc.in ${PROJECT_BINARY_DIR}/trainkit.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/trainkit.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+
+# The example plugins, as an outside project builds them (tests/sdk/check_sdk.sh builds them from here).
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/examples/ DESTINATION ${CMAKE_INSTALL_DATADIR}/trainkit/examples)

@@ -36,14 +36,17 @@ function(tk_add_plugin name)
   endif()
 endfunction()
 
-# tk_add_plugin_test(NAME [OPTIONS toml] [NEUTRAL toml|none] [TESTS src...])
+# tk_add_plugin_test(NAME [OPTIONS toml] [NEUTRAL toml|none] [TESTS src... [OWN_MAIN]])
 # Registers with ctest the plugin contract for tk_<NAME>.so (`tk-plugin check`, as <NAME>.contract)
 # and, with TESTS, a doctest executable of those sources linked to trainkit::testing (as
 # <NAME>.tests). The tests see TK_PLUGIN_FILE (the plugin library) and TK_PLUGIN_DIR (trainkit's
 # own plugins). OPTIONS are the plugin options the contract's behavioural checks use; NEUTRAL the
 # options with which it must leave a run bit-identical ("none": it always changes the numerics).
+# The executable gets doctest's main() from a generated file, trainkit_doctest_main.cpp; with
+# OWN_MAIN it does not (your TESTS then define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN, or a main of
+# their own).
 function(tk_add_plugin_test name)
-  cmake_parse_arguments(P "" "OPTIONS;NEUTRAL" "TESTS" ${ARGN})
+  cmake_parse_arguments(P "OWN_MAIN" "OPTIONS;NEUTRAL" "TESTS" ${ARGN})
   set(target tk_plugin_${name})
   if(NOT TARGET ${target})
     message(FATAL_ERROR "tk_add_plugin_test(${name}): no plugin ${name}; call tk_add_plugin(${name} ...) first")
@@ -56,14 +59,22 @@ function(tk_add_plugin_test name)
     list(APPEND args --neutral "${P_NEUTRAL}")
   endif()
   add_test(NAME ${name}.contract COMMAND $<TARGET_FILE:trainkit::tk-plugin> check $<TARGET_FILE:${target}> ${args})
+  if(P_OWN_MAIN AND NOT P_TESTS)
+    message(FATAL_ERROR "tk_add_plugin_test(${name}): OWN_MAIN goes with TESTS")
+  endif()
   if(P_TESTS)
     find_package(doctest REQUIRED)
-    set(main ${CMAKE_CURRENT_BINARY_DIR}/tk_doctest_main.cpp)
-    if(NOT EXISTS ${main})
-      file(WRITE ${main} "#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN\n#include <doctest/doctest.h>\n")
+    set(main)
+    if(NOT P_OWN_MAIN)
+      set(main ${CMAKE_CURRENT_BINARY_DIR}/trainkit_doctest_main.cpp)
+      if(NOT EXISTS ${main})
+        file(WRITE ${main} "// doctest's main() for the tests of tk_add_plugin_test(). Tests that define their own\n"
+                           "// (DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN, or main()) pass OWN_MAIN instead.\n"
+                           "#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN\n#include <doctest/doctest.h>\n")
+      endif()
+      set_source_files_properties(${main} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
     endif()
     add_executable(${name}_tests ${P_TESTS} ${main})
-    set_source_files_properties(${main} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
     target_link_libraries(${name}_tests PRIVATE trainkit::testing doctest::doctest)
     target_compile_definitions(${name}_tests PRIVATE
       TK_PLUGIN_FILE="$<TARGET_FILE:${target}>"

@@ -7,8 +7,11 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +20,18 @@ inline std::vector<std::string> operator+(std::vector<std::string> a, const std:
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }
+
+/// Ends a test case that cannot run here, saying why. Such a case is named "... (may skip)" and
+/// runs in a ctest entry of its own (tk_skippable_cases in tests/CMakeLists.txt), which ctest then
+/// reports as skipped, not passed.
+#define TK_SKIP_IF(condition, why)                                  \
+  do {                                                              \
+    if (condition) {                                                \
+      std::printf("SKIPPED: %s\n", std::string(why).c_str());       \
+      std::fflush(stdout);                                          \
+      return;                                                       \
+    }                                                               \
+  } while (0)
 
 namespace tkt {
 
@@ -93,10 +108,61 @@ inline torch::Tensor flat_grads(torch::nn::Module& m) {
   return torch::cat(parts);
 }
 
-/// max |a - b| / (1 + max |b|): a relative distance that is robust near zero.
-inline double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  REQUIRE(a.sizes() == b.sizes());
-  return (a - b).abs().max().item<double>() / (1.0 + b.abs().max().item<double>());
+/// How closely two results computed two ways must agree, as in torch.allclose: element by
+/// element |a - b| <= rtol |b| + atol, where atol is `scale_atol` times the largest |b| (so that
+/// an element near zero is judged against the size of the tensor, and a tensor of small values
+/// as strictly as one of large values).
+struct Tol {
+  double rtol;
+  double scale_atol;
+};
+/// Tolerances fitted to the dtype the results were computed in: float64 agrees to about 1e-12
+/// whatever the order of summation; float32 to about 1e-6 per operation, a few hundred operations
+/// deep; bf16 and fp16 to their 8 and 11 bits of mantissa.
+inline Tol tol_for(torch::ScalarType t) {
+  switch (t) {
+    case torch::kDouble: return {1e-10, 1e-12};
+    case torch::kFloat: return {1e-4, 1e-5};
+    case torch::kHalf: return {5e-3, 1e-3};
+    case torch::kBFloat16: return {4e-2, 1e-2};
+    default: return {0.0, 0.0};
+  }
 }
+/// How far `a` is from `b` as a multiple of what `tol` allows: at most 1 when they agree, 0 when
+/// identical, infinite when `b` is all zeros and `a` is not, NaN when either holds a NaN.
+inline double excess(const torch::Tensor& a, const torch::Tensor& b, Tol tol) {
+  REQUIRE(a.sizes() == b.sizes());
+  const torch::Tensor x = a.detach().to(torch::kDouble), y = b.detach().to(torch::kDouble);
+  const torch::Tensor diff = (x - y).abs();
+  const double scale = y.abs().max().item<double>();
+  if (!(scale > 0)) return diff.max().item<double>() == 0.0 ? 0.0 : INFINITY;
+  return (diff / (tol.rtol * y.abs() + tol.scale_atol * scale)).max().item<double>();
+}
+/// max |a - b| / max |b|: how far apart two results are, relative to their size (for checks that
+/// they differ).
+inline double distance(const torch::Tensor& a, const torch::Tensor& b) {
+  REQUIRE(a.sizes() == b.sizes());
+  const torch::Tensor x = a.detach().to(torch::kDouble), y = b.detach().to(torch::kDouble);
+  return (x - y).abs().max().item<double>() / y.abs().max().item<double>();
+}
+
+/// Sets an environment variable for the life of the guard, then puts back what was there.
+class EnvGuard {
+ public:
+  EnvGuard(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ~EnvGuard() {
+    if (old_) setenv(name_, old_->c_str(), 1);
+    else unsetenv(name_);
+  }
+  EnvGuard(const EnvGuard&) = delete;
+  EnvGuard& operator=(const EnvGuard&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
 
 }  // namespace tkt

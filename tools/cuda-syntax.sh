@@ -116,8 +116,9 @@ if signed and "\n" not in signed:
 EOF
 )"
   [[ -n "$sources" ]] || skip "no Debian mirror for '$suite' in /etc/apt/sources.list* (set TK_CUDA_MIRROR)"
-  local mirror
+  local mirror suites
   mirror="$(sed -n 's/^URIs: //p' <<<"$sources")"
+  suites="$(sed -n 's/^Suites: //p' <<<"$sources")"
 
   local tmp="$cache/.fetch"
   rm -rf "$tmp"
@@ -127,11 +128,11 @@ EOF
     -o "Dir::State::Lists=$tmp/lists" -o "Dir::Cache=$tmp/cache" -o "APT::Get::List-Cleanup=0")
   # As root apt hands the download to the _apt user, which cannot write into this folder.
   [[ $(id -u) -eq 0 ]] && apt+=(-o "APT::Sandbox::User=root")
-  echo "cuda-syntax: fetching ${TK_CUDA_PACKAGES:-nvidia-cuda-dev} from $mirror ($suite, non-free)"
+  echo "cuda-syntax: fetching ${TK_CUDA_PACKAGES:-nvidia-cuda-dev} from $mirror ($suites, non-free)"
   if ! apt-get "${apt[@]}" -q update >"$tmp/update.log" 2>&1 || grep -q '^[WE]: Failed to fetch' "$tmp/update.log"; then
     sed 's/^/  /' "$tmp/update.log" | grep -E '^  (E|W|Err):' | head -5 >&2 || true
     rm -rf "$tmp"
-    skip "apt-get update of $mirror $suite (non-free) failed: no network or no such mirror"
+    skip "apt-get update of $mirror $suites (non-free) failed: no network or no such mirror"
   fi
   local packages
   read -r -a packages <<<"${TK_CUDA_PACKAGES:-nvidia-cuda-dev}"
@@ -160,7 +161,7 @@ EOF
      IFS=_ read -r name version arch <<<"${deb%.deb}"
      echo "$name ${version//%3a/:} ($arch)"
    done) >"$cache/PACKAGES.tmp"
-  echo "mirror $mirror $suite" >>"$cache/PACKAGES.tmp"
+  echo "mirror $mirror $suites" >>"$cache/PACKAGES.tmp"
   rm -rf "$tmp"
   mv "$cache/PACKAGES.tmp" "$cache/PACKAGES"  # last: the cache is complete
 }

@@ -187,7 +187,8 @@ void Run::call_plugin(const Slot& slot, const char* hook, const std::function<vo
     throw;
   } catch (const std::exception& err) {
     dispatch.leave();
-    throw Error("plugin '" + slot.name + "' (" + slot.file + ") failed in " + hook + ": " + message_of(err));
+    const std::string from = slot.file.empty() || slot.file.front() == '(' ? slot.file : "(" + slot.file + ")";
+    throw Error("plugin '" + slot.name + "' " + from + " failed in " + hook + ": " + message_of(err));
   }
   dispatch.leave();
 }

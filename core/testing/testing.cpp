@@ -16,9 +16,7 @@ using detail::ContextAccess;
 
 namespace {
 
-detail::LoopState* new_state(Model& model, torch::optim::Optimizer& optimizer, const PlanSettings& p) {
-  auto* s = new detail::LoopState;
-  auto* plan = new detail::PlanState;
+void apply(detail::PlanState* plan, const PlanSettings& p) {
   plan->micro_batch = p.micro_batch;
   plan->accumulation = p.accumulation;
   plan->last_window = p.last_window;
@@ -27,6 +25,12 @@ detail::LoopState* new_state(Model& model, torch::optim::Optimizer& optimizer, c
   plan->reduction = p.reduction;
   plan->device = p.device;
   plan->capabilities = p.capabilities;
+}
+
+detail::LoopState* new_state(Model& model, torch::optim::Optimizer& optimizer, const PlanSettings& p) {
+  auto* s = new detail::LoopState;
+  auto* plan = new detail::PlanState;
+  apply(plan, p);
   s->plan = plan;
   s->model = &model;
   s->optimizer = &optimizer;
@@ -84,6 +88,30 @@ void ManualContext::call(Plugin& p, Event e) {
   s.d.leave();
   if (e == Event::Boundary) s.read_step_values();
 }
+
+struct ManualPlan::Impl {
+  detail::Dispatch dispatch;
+  detail::PlanState plan;
+};
+
+ManualPlan::ManualPlan(const PlanSettings& settings) : impl_(std::make_unique<Impl>()) {
+  apply(&impl_->plan, settings);
+  impl_->plan.dispatch = &impl_->dispatch;
+}
+ManualPlan::~ManualPlan() = default;
+
+void ManualPlan::configure(Plugin& p) {
+  impl_->dispatch.enter(p.name(), "configure");
+  try {
+    p.configure(impl_->plan.view);
+  } catch (...) {
+    impl_->dispatch.leave();
+    throw;
+  }
+  impl_->dispatch.leave();
+}
+
+const RunPlan& ManualPlan::plan() const noexcept { return impl_->plan.view; }
 
 std::shared_ptr<Plugin> load_plugin(const std::filesystem::path& file, const std::string& options) {
   auto p = PluginLoader({}).load_plugin(file).plugin;
@@ -189,6 +217,7 @@ RunResult run(const std::string& recipe_toml, const RunOptions& opts) {
   for (const auto& d : PluginLoader::default_dirs()) dirs.push_back(d);
   t.plugin_dirs = dirs;
   t.resume = opts.resume;
+  t.overwrite = opts.overwrite;
   t.stop_requested = opts.stop_requested;
   Trainer trainer(std::move(recipe), t);
   for (const auto& p : opts.plugins) trainer.add_plugin(p.plugin, p.name, p.options, p.hooks);

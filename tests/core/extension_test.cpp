@@ -44,7 +44,6 @@ std::string with_library(const char* recipe, const fs::path& lib) {
 /// Records how the run ended and which hooks ran; overrides three hooks and no others.
 class StatusProbe : public tk::Plugin {
  public:
-  StatusProbe() { set_name("status_probe"); }
   void on_fit_start(tk::Context& ctx) override { start_status = ctx.status(); }
   void on_boundary(tk::Context& ctx) override { ++boundaries; }
   void on_fit_end(tk::Context& ctx) override { end_status = ctx.status(); }
@@ -56,7 +55,6 @@ class StatusProbe : public tk::Plugin {
 class Orders : public tk::Plugin {
  public:
   Orders(std::string after, bool require) {
-    set_name("orders");
     contract_.after = {std::move(after)};
     if (require) contract_.requires_ = contract_.after;
   }
@@ -170,13 +168,13 @@ TEST_SUITE("extension") {
     auto probe = std::make_shared<StatusProbe>();
     auto opts = tkt::quiet();
     tk::Trainer t(tkt::recipe({"run.trace=true"}), opts);
-    t.add_plugin(probe, tk::Options());
+    t.add_plugin(probe, "status_probe");
     t.fit();
     CHECK(probe->start_status == tk::FitStatus::Running);
     CHECK(probe->end_status == tk::FitStatus::Completed);
     CHECK(probe->boundaries == 6);
     CHECK(probe->handles(tk::Event::Boundary));
-    CHECK_FALSE(probe->handles(tk::Event::MicroBatch));  // the base hook ran once and was dropped
+    CHECK_FALSE(probe->handles(tk::Event::MicroBatch));  // its class does not override on_micro_batch
     int micro = 0, boundary = 0;
     for (const auto& e : t.trace()) {
       micro += e.event == tk::Event::MicroBatch;
@@ -187,21 +185,21 @@ TEST_SUITE("extension") {
 
     auto timed = std::make_shared<StatusProbe>();
     tk::Trainer t2(tkt::recipe({"run.max_time=\"0s\""}), tkt::quiet());
-    t2.add_plugin(timed, tk::Options());
+    t2.add_plugin(timed, "status_probe");
     CHECK(t2.fit().status == tk::FitStatus::StoppedByTime);
     CHECK(timed->end_status == tk::FitStatus::StoppedByTime);
 
     auto failed = std::make_shared<StatusProbe>();
     std::string text = std::string(tkt::kTinyRecipe) + "\n[[plugins]]\nname = \"probe\"\nthrow_at_step = 2\n";
     tk::Trainer t3(tkt::recipe({}, text.c_str()), tkt::quiet());
-    t3.add_plugin(failed, tk::Options());
+    t3.add_plugin(failed, "status_probe");
     CHECK_THROWS_AS(t3.fit(), tk::PluginRuntimeError);
     CHECK(failed->end_status == tk::FitStatus::Failed);
   }
 
   TEST_CASE("a capability name that nothing provides and nobody knows is reported") {
     tk::Trainer t(tkt::recipe(), tkt::quiet());
-    t.add_plugin(std::make_shared<Orders>("grads.normalised", false), tk::Options());
+    t.add_plugin(std::make_shared<Orders>("grads.normalised", false), "orders");
     t.plan();
     REQUIRE(t.warnings().size() == 1);
     CHECK(t.warnings()[0] == "plugin 'orders' orders itself after 'grads.normalised', which no plugin of this run "
@@ -209,11 +207,11 @@ TEST_SUITE("extension") {
                              "ordering has no effect");
     // A known name that this run happens not to provide is fine.
     tk::Trainer quiet_one(tkt::recipe(), tkt::quiet());
-    quiet_one.add_plugin(std::make_shared<Orders>(tk::cap::kGradsSynced, false), tk::Options());
+    quiet_one.add_plugin(std::make_shared<Orders>(tk::cap::kGradsSynced, false), "orders");
     quiet_one.plan();
     CHECK(quiet_one.warnings().empty());
     tk::Trainer strict(tkt::recipe(), tkt::quiet());
-    strict.add_plugin(std::make_shared<Orders>("grads.cliped", true), tk::Options());
+    strict.add_plugin(std::make_shared<Orders>("grads.cliped", true), "orders");
     CHECK_THROWS_WITH(strict.plan(), "plugin 'orders' requires 'grads.cliped', which no plugin in this run provides "
                                      "(not a known capability name; did you mean 'grads.clipped'?)");
   }
@@ -229,7 +227,7 @@ TEST_SUITE("extension") {
     fs::current_path(fs::temp_directory_path());
     tk::Trainer from_file(tk::Recipe::from_file(dir / "recipe.toml"), tkt::quiet());
     CHECK_NOTHROW(from_file.describe());
-    CHECK(from_file.recipe().resolved().find("path = \"" + (dir / "data/corpus.txt").string() + "\"") != std::string::npos);
+    CHECK(from_file.resolved_recipe().find("path = \"" + (dir / "data/corpus.txt").string() + "\"") != std::string::npos);
     // A --set value is relative to where the command runs.
     fs::current_path(dir / "data");
     auto overridden = tk::Recipe::from_file(dir / "recipe.toml");
@@ -252,7 +250,6 @@ TEST_SUITE("extension") {
 
   TEST_CASE("validation hooks run in eval mode without grad; fit_end runs once when it fails itself") {
     struct Checks : tk::Plugin {
-      Checks() { set_name("checks"); }
       void on_validation_start(tk::Context& ctx) override { seen.push_back(!ctx.model().is_training() && !at::GradMode::is_enabled()); }
       void on_validation_end(tk::Context& ctx) override { seen.push_back(!ctx.model().is_training() && !at::GradMode::is_enabled()); }
       void on_fit_end(tk::Context&) override {
@@ -264,7 +261,7 @@ TEST_SUITE("extension") {
     };
     auto checks = std::make_shared<Checks>();
     tk::Trainer t(tkt::recipe({"data.validation_samples=16"}), tkt::quiet());
-    t.add_plugin(checks, tk::Options());
+    t.add_plugin(checks, "checks");
     CHECK_THROWS_WITH(t.fit(), doctest::Contains("plugin 'checks' failed in event fit_end"));
     CHECK(checks->seen == std::vector<bool>{true, true});
     CHECK(checks->fit_ends == 1);
@@ -329,7 +326,7 @@ TEST_SUITE("extension") {
       tk::Trainer t(tkt::recipe({std::string("run.prefetch=\"") + mode + "\"", "data.fail_at_get=8"}, text.c_str()),
                     tkt::quiet());
       auto probe = std::make_shared<StatusProbe>();
-      t.add_plugin(probe, {});
+      t.add_plugin(probe, "status_probe");
       CHECK_THROWS_WITH(t.fit(), doctest::Contains("injected data failure at get 8"));  // micro-batch 6
       CHECK(probe->boundaries == 5);
     }

@@ -38,14 +38,20 @@ TEST_SUITE("loader") {
     CHECK(lp.version == "1.0.0");
     CHECK(lp.file == kFixtures / "tk_probe.so");
     CHECK(lp.plugin->name() == "probe");
-    CHECK(lp.plugin->option_specs().size() == 9);
+    tk::Registry registry;
+    loader.load(loader.find("probe"), registry);
+    REQUIRE(registry.plugins().size() == 1);
+    CHECK(registry.plugins().front().specs.size() == 9);
+    CHECK(registry.plugins().front().doc == "records the events it sees; vetoes, throws or kills on request");
   }
 
   TEST_CASE("each broken library is refused with the file and expected vs found") {
     const fs::path bad_abi = kFixtures / "tk_bad_abi.so";
     CHECK(load_error(bad_abi) == bad_abi.string() + ": plugin ABI version mismatch: expected " +
                                      std::to_string(TK_PLUGIN_ABI_VERSION) +
-                                     ", got 999 (rebuild the plugin against this trainkit)");
+                                     ", got 999. Rebuild the plugin against this trainkit (" TK_VERSION
+                                     "): `cmake -S . -B build -DCMAKE_PREFIX_PATH=<trainkit's prefix> && cmake "
+                                     "--build build`; it was built for a newer trainkit than this one");
     const fs::path no_entry = kFixtures / "tk_no_entry.so";
     CHECK(load_error(no_entry) == no_entry.string() +
                                       ": not a trainkit plugin: it does not export the entry point 'tk_plugin_entry' "
@@ -56,7 +62,7 @@ TEST_SUITE("loader") {
                                        TORCH_VERSION + " (the LibTorch this trainkit uses)");
     const fs::path null_factory = kFixtures / "tk_null_factory.so";
     CHECK(load_error(null_factory) == fs::weakly_canonical(null_factory).string() +
-                                           ": plugin 'null_factory' factory returned null");
+                                           ": plugin 'null_factory': its factory returned null");
     const fs::path no_register = kFixtures / "tk_no_register.so";
     CHECK(load_error(no_register) == no_register.string() + ": plugin 'no_register' has a null registration function");
     const fs::path bad_layout = kFixtures / "tk_bad_layout.so";
@@ -118,7 +124,7 @@ TEST_SUITE("loader") {
       plugin = loader.load_plugin(file).plugin;
     }
     CHECK(is_loaded(file));
-    CHECK(plugin->option_specs().size() == 9);  // code of the library still runs
+    CHECK(plugin->contract().provides == std::vector<std::string>{"grads.clipped"});  // its code still runs
     auto copy = plugin;
     plugin.reset();
     CHECK(is_loaded(file));

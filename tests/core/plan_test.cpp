@@ -113,13 +113,31 @@ TEST_SUITE("plan") {
                       "plugins 'fp8' and 'amp' cannot be combined: 'fp8' conflicts with 'autocast'");
   }
 
-  TEST_CASE("only one plugin may shape the window") {
-    tk::RunPlan p;
-    p.set_window(4, LastWindow::Step, "grad_accum");
-    CHECK_THROWS_WITH(p.set_window(2, LastWindow::Drop, "other"),
+  TEST_CASE("only one plugin may shape the window, and only in its configure hook") {
+    struct Shapes : tk::Plugin {
+      explicit Shapes(int64_t k) : k_(k) {}
+      void configure(tk::RunPlan& plan) override {
+        tk::WindowRequest w;
+        w.steps = k_;
+        plan.set_window(w);
+      }
+      int64_t k_;
+    };
+    auto a = tk::testing::prepare(std::make_shared<Shapes>(4), "grad_accum");
+    auto b = tk::testing::prepare(std::make_shared<Shapes>(2), "other");
+    tk::testing::PlanSettings settings;
+    settings.micro_batch = 8;
+    tk::testing::ManualPlan plan(settings);
+    plan.configure(*a);
+    CHECK(plan.plan().accumulation() == 4);
+    CHECK(plan.plan().window_owner() == "grad_accum");
+    CHECK(plan.plan().effective_batch() == 32);
+    CHECK_THROWS_WITH(plan.configure(*b),
                       "plugins 'grad_accum' and 'other' both set the accumulation window; keep one of them");
-    p.micro_batch = 8;
-    CHECK(p.effective_batch() == 32);
+    // Outside configure (a hook that kept the plan, say), the plan cannot be changed.
+    CHECK_THROWS_WITH(const_cast<tk::RunPlan&>(plan.plan()).set_window(tk::WindowRequest{}),
+                      "a plugin called plan.set_window() in no hook (outside any call of the core); it belongs to "
+                      "configure");
   }
 
   TEST_CASE("the data order is a pure function of seed and epoch") {

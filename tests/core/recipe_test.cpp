@@ -38,16 +38,16 @@ TEST_SUITE("recipe") {
   TEST_CASE("a minimal recipe fills in defaults and resolves them") {
     auto r = tkt::recipe({}, kMinimal.c_str());
     tk::Trainer t(r, tkt::quiet());
-    CHECK(t.plan().micro_batch == 32);
-    CHECK(t.plan().accumulation == 1);
-    const std::string resolved = t.recipe().resolved();
+    CHECK(t.plan().micro_batch() == 32);
+    CHECK(t.plan().accumulation() == 1);
+    const std::string resolved = t.resolved_recipe();
     CHECK(resolved.find("[optimizer]\nname = \"sgd\"") != std::string::npos);
     CHECK(resolved.find("momentum = 0.0") != std::string::npos);
     CHECK(resolved.find("micro_batch = 32") != std::string::npos);
     // The resolved recipe is itself a valid recipe that resolves to the same text.
     auto again = tk::Recipe::from_string(resolved, "resolved.toml");
     tk::Trainer t2(again, tkt::quiet());
-    const std::string twice = t2.recipe().resolved();
+    const std::string twice = t2.resolved_recipe();
     CHECK(twice.substr(twice.find('\n')) == resolved.substr(resolved.find('\n')));
   }
 
@@ -95,16 +95,16 @@ TEST_SUITE("recipe") {
     auto r = tkt::recipe({"optimizer.lr=0.5", "run.name=renamed", "schedule.name=warmup_cosine"});
     tk::Trainer t(r, tkt::quiet());
     CHECK(tk::get_lr(t.optimizer()) == doctest::Approx(0.5));
-    CHECK(t.recipe().resolved().find("name = \"renamed\"") != std::string::npos);
-    CHECK(t.recipe().resolved().find("[schedule]\nname = \"warmup_cosine\"") != std::string::npos);
+    CHECK(t.resolved_recipe().find("name = \"renamed\"") != std::string::npos);
+    CHECK(t.resolved_recipe().find("[schedule]\nname = \"warmup_cosine\"") != std::string::npos);
 
     auto with_plugin = std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
     auto r2 = tkt::recipe({"plugins.grad_accum.steps=4"}, with_plugin.c_str());
     tk::Trainer t2(r2, tkt::quiet());
-    CHECK(t2.plan().accumulation == 4);
+    CHECK(t2.plan().accumulation() == 4);
     auto r3 = tkt::recipe({"plugins.0.steps=5"}, with_plugin.c_str());
     tk::Trainer t3(r3, tkt::quiet());
-    CHECK(t3.plan().accumulation == 5);
+    CHECK(t3.plan().accumulation() == 5);
     CHECK(error_of([&] { tkt::recipe({"plugins.clip.max_norm=1"}, with_plugin.c_str()); })
               .find("the recipe has no plugin 'clip'") != std::string::npos);
     CHECK(error_of([&] { tkt::recipe({"optimizer.lr"}); }).find("expected key=value") != std::string::npos);
@@ -113,7 +113,7 @@ TEST_SUITE("recipe") {
   TEST_CASE("plugin options are validated against the plugin's declaration") {
     auto text = std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nstep = 2\n";
     std::string e = build_error(text);
-    CHECK(e.find("test.toml:26:1: unknown key 'step' in [plugins.grad_accum]; valid keys: name, steps, "
+    CHECK(e.find("test.toml:26:1: unknown key 'step' in [plugins.grad_accum]; valid keys: name, path, steps, "
                  "effective_batch, memory_budget, ramp_from, ramp_steps, ramp_samples, normalize, last_window") == 0);
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = \"four\"\n");
     CHECK(e.find("plugins.grad_accum.steps: expected integer, got string") != std::string::npos);

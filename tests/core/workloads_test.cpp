@@ -150,12 +150,9 @@ TEST_SUITE("workloads") {
     fs::remove_all(dir);
   }
 
-  TEST_CASE("the Fashion-MNIST Debian ships has 60000 balanced training images and 10000 test images") {
+  TEST_CASE("the Fashion-MNIST Debian ships has 60000 balanced training images and 10000 test images (may skip)") {
     const fs::path dir = "/usr/share/datasets/fashion-mnist";
-    if (!fs::exists(dir)) {
-      MESSAGE("skipped: " << dir << " is missing (package dataset-fashion-mnist; tools/setup.sh installs it)");
-      return;
-    }
+    TK_SKIP_IF(!fs::exists(dir), dir.string() + " is missing (package dataset-fashion-mnist; tools/setup.sh installs it)");
     auto d = make_data("fashion-mnist", "");
     REQUIRE(d.train->size() == 60000);
     REQUIRE(d.validation->size() == 10000);
@@ -292,12 +289,12 @@ TEST_SUITE("workloads") {
     auto [big, big_losses] = run(kGptRecipe, {"data.micro_batch=8"});
     auto [acc, acc_losses] = run(accum, {"data.micro_batch=2", "loss.reduction=\"sum\"",
                                          "plugins.grad_accum.normalize=\"tokens\""});
-    CHECK(tkt::rel_diff(acc, big) < 1e-10);
+    CHECK(tkt::excess(acc, big, tkt::tol_for(torch::kDouble)) <= 1.0);
     REQUIRE(acc_losses.size() == 3);
     for (size_t i = 0; i < 3; ++i) CHECK(acc_losses[i] == doctest::Approx(big_losses[i]).epsilon(1e-10));
     // The mean of per-micro-batch means weighs the padded micro-batches wrongly: visibly different.
     auto [means, means_losses] = run(accum, {"data.micro_batch=2"});
-    CHECK(tkt::rel_diff(means, big) > 1e-4);
+    CHECK(tkt::distance(means, big) > 1e-4);
     fs::remove_all(dir);
   }
 
@@ -406,11 +403,10 @@ name = "sgd"
     // What the model sees in the first step is the data itself.
     struct Inputs final : tk::Plugin {
       std::vector<torch::Tensor> seen;
-      Inputs() { set_name("inputs"); }
       void on_micro_batch(tk::Context& ctx) override { seen.push_back(ctx.batch()->input.clone()); }
     };
     auto c = std::make_shared<Inputs>();
-    t.add_plugin(c, tk::Options());
+    t.add_plugin(c, "inputs");
     t.fit();
     REQUIRE(!c->seen.empty());
     CHECK(torch::equal(c->seen.front(), x));

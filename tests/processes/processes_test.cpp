@@ -8,6 +8,9 @@ using tkt::tk_run;
 using tkt::weights;
 using tkt::kBase;
 
+/// kBase trains in float64.
+const tkt::Tol kF64 = tkt::tol_for(torch::kDouble);
+
 
 TEST_SUITE("ddp") {
   TEST_CASE("2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window") {
@@ -21,9 +24,12 @@ TEST_SUITE("ddp") {
     REQUIRE(one.rc == 0);
     auto big = tk_run(root / "big", kBase, "--set data.micro_batch=16");
     REQUIRE(big.rc == 0);
-    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "one")) < 1e-12);
-    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "big")) < 1e-12);
-    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "big")) >= 0.0);
+    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
+    CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
+    // Not the equality of runs that did nothing: the last three steps moved the weights.
+    auto half = tk_run(root / "half", kBase, "--set data.micro_batch=16 --set run.steps=3");
+    REQUIRE(half.rc == 0);
+    CHECK(tkt::distance(weights(root / "two"), weights(root / "half")) > 1e-4);
     // The logged loss is the global window's.
     auto l2 = tkt::metric(root / "two/out/metrics.jsonl", "loss"), lb = tkt::metric(root / "big/out/metrics.jsonl", "loss");
     REQUIRE(l2.size() == 6);
@@ -49,7 +55,7 @@ TEST_SUITE("ddp") {
     REQUIRE(two.rc == 0);
     auto big = tk_run(root / "big", kBase, "--set data.micro_batch=8");
     REQUIRE(big.rc == 0);
-    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "big")) < 1e-12);
+    CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
     fs::remove_all(root);
   }
 
@@ -70,7 +76,7 @@ TEST_SUITE("ddp") {
     REQUIRE(one.rc == 0);
     CHECK(tkt::metric(root / "one/out/metrics.jsonl", "micro_batches") ==
           std::vector<double>{4, 4, 4, 2, 4, 4, 4, 2});
-    CHECK(tkt::rel_diff(weights(root / "two"), weights(root / "one")) < 1e-12);
+    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
     fs::remove_all(root);
   }
 

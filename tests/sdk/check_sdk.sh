@@ -36,7 +36,9 @@ test -s "$work/first-plugin.sh"
 cat "$work/first-plugin.sh"
 (cd "$work" && bash -euxo pipefail first-plugin.sh)
 
-for dir in "$src"/examples/*/; do
+# The examples as the installed prefix ships them.
+test -d "$prefix/share/trainkit/examples"
+for dir in "$prefix"/share/trainkit/examples/*/; do
   name="$(basename "$dir")"
   log "examples/$name"
   cmake -S "$dir" -B "$work/build-$name" "${cmake_args[@]}" > "$work/configure-$name.log"
@@ -54,10 +56,27 @@ test "$(grep -o '"status":"completed"' "$work/examples.html" | wc -l)" -eq "$(ls
 log "a plugin built with pkg-config only"
 export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
 cp "$src/plugins/clip/clip.cpp" "$work/pc_clip.cpp"
-sed -i 's/TK_PLUGIN(Clip, "clip", "0.1.0")/TK_PLUGIN(Clip, "pc_clip", "0.1.0")/' "$work/pc_clip.cpp"
+sed -i 's/TK_PLUGIN(Clip, "clip",/TK_PLUGIN(Clip, "pc_clip",/' "$work/pc_clip.cpp"
+grep -q 'TK_PLUGIN(Clip, "pc_clip",' "$work/pc_clip.cpp"
 # shellcheck disable=SC2046
 g++ -O1 -shared -fPIC -fvisibility=hidden -o "$work/tk_pc_clip.so" "$work/pc_clip.cpp" $(pkg-config --cflags --libs trainkit)
 tk-plugin info "$work/tk_pc_clip.so" | tee "$work/info.txt"
 grep -q "plugin pc_clip" "$work/info.txt"
 grep -q "provides   grads.clipped" "$work/info.txt"
+log "tk_add_plugin_test with OWN_MAIN: tests that define doctest's main themselves"
+own="$work/own-main"
+mkdir -p "$own/tests"
+cp "$src/plugins/clip/clip.cpp" "$own/own_clip.cpp"
+sed -i 's/TK_PLUGIN(Clip, "clip",/TK_PLUGIN(Clip, "own_clip",/' "$own/own_clip.cpp"
+printf '%s\n' 'cmake_minimum_required(VERSION 3.18)' 'project(own_main LANGUAGES CXX)' \
+  'find_package(trainkit 0.3 REQUIRED)' 'tk_add_plugin(own_clip SOURCES own_clip.cpp)' 'enable_testing()' \
+  'tk_add_plugin_test(own_clip TESTS tests/own_main_test.cpp OWN_MAIN)' > "$own/CMakeLists.txt"
+printf '%s\n' '#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN' '#include <tk/doctest.h>' \
+  'TEST_CASE("a test file with doctest'"'"'s main of its own builds and runs") {' \
+  '  CHECK(tk::testing::load_plugin(TK_PLUGIN_FILE, "max_norm = 2.0")->name() == "own_clip");' '}' \
+  > "$own/tests/own_main_test.cpp"
+cmake -S "$own" -B "$own/build" "${cmake_args[@]}" > "$work/configure-own-main.log"
+cmake --build "$own/build"
+ctest --test-dir "$own/build" --output-on-failure
+
 log "sdk: every step passed"

@@ -18,7 +18,7 @@ project(@NAME@ VERSION 0.1.0 LANGUAGES CXX)
 
 # trainkit's package: trainkit::core, trainkit::testing, tk_add_plugin(), tk_add_plugin_test().
 # Point CMake at an installed trainkit with -DCMAKE_PREFIX_PATH=<prefix> if it is not in /usr.
-find_package(trainkit 0.2 REQUIRED)
+find_package(trainkit 0.3 REQUIRED)
 
 # Builds tk_@NAME@.so: the file a recipe loads.
 tk_add_plugin(@NAME@ SOURCES src/@NAME@.cpp)
@@ -28,20 +28,20 @@ enable_testing()
 tk_add_plugin_test(@NAME@ TESTS tests/@NAME@_test.cpp)
 )";
 
-const char* kSource = R"(// @NAME@: a trainkit plugin. It counts the micro-batches of every optimizer step and writes the
-// count to metrics.jsonl as `@NAME@_micro_batches`; replace that with what your strategy does.
+const char* kSource = R"(// @NAME@: a trainkit plugin. It counts the micro-batches of every optimizer step, writes the
+// count to metrics.jsonl as `@NAME@_micro_batches`, and at the end of a completed run writes
+// @NAME@.txt into the output folder; replace that with what your strategy does.
 #include <tk/abi.h>
 
 namespace {
 
 class @CLASS@ final : public tk::Plugin {
  public:
-  /// Options a recipe may set in this plugin's [[plugins]] entry (name and path are reserved).
-  tk::OptionSpecs option_specs() const override {
-    return {tk::opt_bool("enabled", true, "record the micro-batch count of every step")};
-  }
-  /// Receives the validated options; refuse bad values with fail_option("key", "why").
-  void init(const tk::Options& o) override { enabled_ = o.get_bool("enabled"); }
+  /// Options a recipe may set in this plugin's [[plugins]] entry (name and path are reserved),
+  /// each bound to the member that holds it; the member's value here is the default.
+  void bind(tk::OptionBinder& o) override { o.add("enabled", enabled_, "record the micro-batch count of every step"); }
+  /// The recipe's values are in the members now; refuse a bad one with fail_option(member, "why").
+  void init() override {}
   /// What this plugin provides and what must run before it (names from tk/capabilities.h).
   tk::Contract contract() const override { return {}; }
   /// Adjusts the run plan (accumulation window, world) before training.
@@ -57,7 +57,7 @@ class @CLASS@ final : public tk::Plugin {
   void on_epoch_start(tk::Context& ctx) override {}
   /// A micro-batch was fetched; before its forward pass.
   void on_micro_batch(tk::Context& ctx) override { ++micro_batches_; }
-  /// The loss is ready; ctx.loss() may be replaced before backward.
+  /// The loss is ready; ctx.set_loss() may replace it before backward.
   void on_loss(tk::Context& ctx) override {}
   /// This micro-batch's gradients were added in.
   void on_backward(tk::Context& ctx) override {}
@@ -77,6 +77,11 @@ class @CLASS@ final : public tk::Plugin {
   /// Once at the end, however the run ended (ctx.status()).
   void on_fit_end(tk::Context& ctx) override {}
 
+  /// At the end of a completed run (rank 0, outputs on): this plugin's files, which the core
+  /// lists, deletes with the run on --overwrite, and writes again on a resume that finds one lost.
+  void write_files(tk::OutputFiles& files) override {
+    files.write_text("@NAME@.txt", "optimizer steps seen: " + std::to_string(steps_) + "\n");
+  }
   /// What a checkpoint keeps of this plugin.
   tk::StateDict state() const override { return {{"steps", torch::tensor(steps_)}}; }
   /// Restores it; on a resume, before on_fit_start.
@@ -89,7 +94,7 @@ class @CLASS@ final : public tk::Plugin {
 
 }  // namespace
 
-TK_PLUGIN(@CLASS@, "@NAME@", "0.1.0")
+TK_PLUGIN(@CLASS@, "@NAME@", "0.1.0", "counts the micro-batches of every optimizer step")
 )";
 
 const char* kTest = R"(// Unit tests of @NAME@, run in process with trainkit::testing.
@@ -103,6 +108,16 @@ TEST_CASE("@NAME@ records the micro-batches of every optimizer step") {
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   REQUIRE(run.fit.step_metrics.size() == 6);
   for (const auto& step : run.fit.step_metrics) CHECK(step.at("@NAME@_micro_batches") == 4.0);
+}
+
+TEST_CASE("@NAME@'s options: defaults, a value given, a mistyped one refused") {
+  auto plugin = tk::testing::load_plugin(TK_PLUGIN_FILE, "enabled = false");
+  CHECK(plugin->options().get_bool("enabled") == false);
+  tk::testing::RunOptions opts;
+  opts.plugins = {plugin};
+  const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
+  for (const auto& step : run.fit.step_metrics) CHECK(step.count("@NAME@_micro_batches") == 0);
+  CHECK_THROWS_AS(tk::testing::load_plugin(TK_PLUGIN_FILE, "enabled = 3"), tk::RecipeError);
 }
 
 TEST_CASE("@NAME@ leaves the training itself unchanged") {
@@ -150,7 +165,7 @@ A trainkit plugin. Build, test and try it:
 cmake -S . -B build -G Ninja          # add -DCMAKE_PREFIX_PATH=<prefix> for a trainkit installed elsewhere
 cmake --build build
 ctest --test-dir build --output-on-failure   # the plugin contract and tests/@NAME@_test.cpp
-tk-run recipe.toml                    # metrics.jsonl gets @NAME@_micro_batches every step
+tk-run recipe.toml                    # metrics.jsonl gets @NAME@_micro_batches every step; @NAME@.txt at the end
 tk-plugin info build/tk_@NAME@.so     # what the library declares
 ```
 

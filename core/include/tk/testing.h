@@ -62,6 +62,23 @@ class ManualContext final : public Context {
   void call(Plugin& p, Event e);
 };
 
+/// A plan as the core makes it before the plugins configure it, for unit tests of a configure
+/// hook: configure() calls it as the core does; plan() shows the result.
+class ManualPlan {
+ public:
+  explicit ManualPlan(const PlanSettings& settings = {});
+  ~ManualPlan();
+  ManualPlan(const ManualPlan&) = delete;
+  ManualPlan& operator=(const ManualPlan&) = delete;
+  /// Calls `p.configure(plan)` as plugin `p.name()`; its errors propagate as they are.
+  void configure(Plugin& p);
+  const RunPlan& plan() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 /// Makes `plugin` what the core makes of a [[plugins]] entry: named `name`, its options bound from
 /// `options` (the entry's keys as TOML text), refused as a recipe's would be, and init() run.
 template <class T>
@@ -101,6 +118,7 @@ struct RunOptions {
   std::vector<std::filesystem::path> plugin_dirs;  ///< searched before trainkit's own plugins folder
   std::filesystem::path output;  ///< write outputs here (empty: outputs off)
   std::optional<std::string> resume;  ///< as tk-run --resume (needs `output`)
+  bool overwrite = false;  ///< as tk-run --overwrite: start over in a folder that holds another run
   std::function<bool()> stop_requested;  ///< checked at each boundary (a stop with a checkpoint)
 };
 

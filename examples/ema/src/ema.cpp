@@ -5,10 +5,10 @@
 // weights, so that averaging starts from the weights of that moment; a vetoed step changes no
 // weight and is not averaged. The average lives in the parameters' own dtype and device, is part
 // of the plugin's state (it survives checkpoints and resumes), and at the end of a completed run
-// goes to <output>/ema_weights.pt, named like the parameters: a dict that Python reads with
-// torch.load. The model itself is never touched: training is bit-identical with or without it.
+// goes to <output>/ema_weights.pt (Plugin::write_files), named like the parameters: a dict that
+// Python reads with torch.load. The model itself is never touched: training is bit-identical with
+// or without it.
 #include <tk/abi.h>
-#include <tk/tensor_io.h>
 
 #include <map>
 #include <stdexcept>
@@ -22,18 +22,16 @@ const std::string kAvgPrefix = "avg.";
 
 class Ema final : public tk::Plugin {
  public:
-  /// Options a recipe may set: decay and start_step.
-  tk::OptionSpecs option_specs() const override {
-    return {tk::opt_float("decay", 0.999, "weight of the old average at each update, in [0, 1)"),
-            tk::opt_int("start_step", 0, "first optimizer step (0-based) whose weights enter the average")};
+  /// Options a recipe may set: decay and start_step, bound to the members that hold them.
+  void bind(tk::OptionBinder& o) override {
+    o.add("decay", decay_, "weight of the old average at each update, in [0, 1)");
+    o.add("start_step", start_step_, "first optimizer step (0-based) whose weights enter the average");
   }
 
-  /// Reads and checks the options.
-  void init(const tk::Options& o) override {
-    decay_ = o.get_float("decay");
-    start_step_ = o.get_int("start_step");
-    if (!(decay_ >= 0.0 && decay_ < 1.0)) fail_option("decay", "must be in [0, 1)");
-    if (start_step_ < 0) fail_option("start_step", "must be >= 0");
+  /// Checks the options.
+  void init() override {
+    if (!(decay_ >= 0.0 && decay_ < 1.0)) fail_option(decay_, "must be in [0, 1)");
+    if (start_step_ < 0) fail_option(start_step_, "must be >= 0");
   }
 
   /// Starts the average at the current weights, or checks the one restored from a checkpoint
@@ -74,14 +72,17 @@ class Ema final : public tk::Plugin {
     ctx.metric("ema_updates", static_cast<double>(updates_));
   }
 
-  /// Writes ema_weights.pt when the run completed and has an output folder (rank 0 only).
-  void on_fit_end(tk::Context& ctx) override {
-    if (ctx.status() != tk::FitStatus::Completed || ctx.output_dir().empty()) return;
+  /// Writes ema_weights.pt: the core calls it on rank 0 at the end of a completed run with an
+  /// output folder, and again on a resume of that run if the file went missing.
+  void write_files(tk::OutputFiles& files) override {
     tk::NamedTensors weights;
-    for (const auto& p : ctx.model().named_parameters()) weights.emplace_back(p.key(), avg_.at(p.key()));
-    const auto file = ctx.output_dir() / "ema_weights.pt";
-    tk::save_tensor_dict(file, weights);
-    ctx.info("wrote " + file.string() + " (" + std::to_string(updates_) + " updates)");
+    for (const auto& p : files.model().named_parameters()) {
+      auto it = avg_.find(p.key());
+      if (it == avg_.end()) throw std::runtime_error("the average has no parameter '" + p.key() + "'");
+      weights.emplace_back(p.key(), it->second);
+    }
+    files.save_tensors("ema_weights.pt", weights);
+    files.info("wrote " + (files.dir() / "ema_weights.pt").string() + " (" + std::to_string(updates_) + " updates)");
   }
 
   /// The average ("avg.<parameter name>") and the number of updates ("updates").
@@ -117,4 +118,4 @@ class Ema final : public tk::Plugin {
 
 }  // namespace
 
-TK_PLUGIN(Ema, "ema", "0.1.0")
+TK_PLUGIN(Ema, "ema", "0.2.0", "an exponential moving average of the weights, written to ema_weights.pt")

@@ -4,6 +4,7 @@
 #include <tk/tensor_io.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <memory>
 #include <set>
@@ -19,14 +20,7 @@ namespace {
 
 /// An instance of the plugin with options given as TOML, as a [[plugins]] entry would make it;
 /// the test keeps it to read its state after the run.
-std::shared_ptr<tk::Plugin> make_ema(const std::string& options) {
-  const tk::PluginLoader loader({});
-  auto p = loader.load_plugin(TK_PLUGIN_FILE).plugin;
-  const tk::Options o = tk::parse_options(options, p->option_specs(), "plugins.ema");
-  p->set_options(o);
-  p->init(o);
-  return p;
-}
+std::shared_ptr<tk::Plugin> make_ema(const std::string& options) { return tk::testing::load_plugin(TK_PLUGIN_FILE, options); }
 
 /// The average an instance holds, by parameter name.
 Parameters average_of(const tk::Plugin& ema) {
@@ -46,7 +40,6 @@ Parameters parameters_of(tk::Model& model) {
 /// Records the weights at the start of the run and after every optimizer step.
 class Recorder final : public tk::Plugin {
  public:
-  Recorder() { set_name("recorder"); }
   void on_fit_start(tk::Context& ctx) override { snapshots.push_back(parameters_of(ctx.model())); }
   void on_step_end(tk::Context& ctx) override { snapshots.push_back(parameters_of(ctx.model())); }
   /// snapshots[0]: the initial weights; snapshots[k]: the weights after step k - 1 (0-based).
@@ -101,7 +94,7 @@ TEST_CASE("the average is decay * average + (1 - decay) * weights after every st
   auto ema = make_ema("decay = 0.5");
   auto recorder = std::make_shared<Recorder>();
   tk::testing::RunOptions opts;
-  opts.plugins = {ema, recorder};
+  opts.plugins = {ema, {recorder, "recorder"}};
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   REQUIRE(recorder->snapshots.size() == 7);
   const Parameters expected = reference(recorder->snapshots, 0.5, 0);
@@ -115,7 +108,7 @@ TEST_CASE("a vetoed step is not averaged") {
   auto ema = make_ema("decay = 0.5");
   auto recorder = std::make_shared<Recorder>();
   tk::testing::RunOptions opts;
-  opts.plugins = {ema, recorder, std::make_shared<tk::testing::VetoAt>(std::set<int64_t>{2})};
+  opts.plugins = {ema, {recorder, "recorder"}, {std::make_shared<tk::testing::VetoAt>(std::set<int64_t>{2}), "veto_at"}};
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   CHECK(run.fit.skipped_steps == 1);
   const std::vector<double> updates = {1, 2, 2, 3, 4, 5};
@@ -129,7 +122,7 @@ TEST_CASE("before start_step the average follows the weights") {
   auto ema = make_ema("decay = 0.5\nstart_step = 3");
   auto recorder = std::make_shared<Recorder>();
   tk::testing::RunOptions opts;
-  opts.plugins = {ema, recorder};
+  opts.plugins = {ema, {recorder, "recorder"}};
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   const std::vector<double> updates = {0, 0, 0, 1, 2, 3};
   CHECK(updates_of(run) == updates);
@@ -169,6 +162,37 @@ TEST_CASE("a completed run with outputs writes ema_weights.pt, named like the pa
     CHECK((entry.second.scalar_type() == it->second.scalar_type()));
   }
   CHECK(names.size() == saved.size());
+  // The run lists it among the files it wrote.
+  const auto& files = run.fit.files;
+  CHECK(std::find(files.begin(), files.end(), "ema_weights.pt") != files.end());
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a resume of the finished run writes ema_weights.pt again when it is lost, and --overwrite deletes it") {
+  const fs::path dir = temp_dir("again");
+  tk::testing::RunOptions opts;
+  opts.libraries = {{TK_PLUGIN_FILE, "decay = 0.9"}};
+  opts.output = dir;
+  tk::testing::run(tk::testing::kTinyRecipe, opts);
+  const Parameters written = read_weights(dir / "ema_weights.pt");
+  fs::remove(dir / "ema_weights.pt");
+  tk::testing::RunOptions resume = opts;
+  resume.resume = "latest";
+  const auto again = tk::testing::run(tk::testing::kTinyRecipe, resume);
+  CHECK(again.fit.already_complete);
+  REQUIRE(fs::exists(dir / "ema_weights.pt"));
+  CHECK(tk::testing::identical(read_weights(dir / "ema_weights.pt"), written));
+  CHECK(again.fit.files == std::vector<std::string>{"ema_weights.pt"});
+  // Nothing is missing: a second resume writes nothing.
+  CHECK(tk::testing::run(tk::testing::kTinyRecipe, resume).fit.files.empty());
+  // --overwrite starts the folder over: the old run's plugin file goes with it, though the new run
+  // has no ema.
+  tk::testing::RunOptions over;
+  over.output = dir;
+  over.overwrite = true;
+  tk::testing::run(tk::testing::kTinyRecipe, over);
+  CHECK_FALSE(fs::exists(dir / "ema_weights.pt"));
+  CHECK(fs::exists(dir / "weights.pt"));
   fs::remove_all(dir);
 }
 

@@ -35,20 +35,17 @@ std::string format_norm(double v) {
 class GradHealth final : public tk::Plugin {
  public:
   /// Options a recipe may set: log_every, veto_non_finite, max_consecutive.
-  tk::OptionSpecs option_specs() const override {
-    return {tk::opt_int("log_every", 0, "steps between log lines naming the 3 largest gradient norms (0: never)"),
-            tk::opt_bool("veto_non_finite", true, "skip the optimizer step when a gradient is not finite"),
-            tk::opt_int("max_consecutive", 0,
-                        "stop the run after this many steps in a row with non-finite gradients (0: never)")};
+  void bind(tk::OptionBinder& o) override {
+    o.add("log_every", log_every_, "steps between log lines naming the 3 largest gradient norms (0: never)");
+    o.add("veto_non_finite", veto_, "skip the optimizer step when a gradient is not finite");
+    o.add("max_consecutive", max_consecutive_,
+          "stop the run after this many steps in a row with non-finite gradients (0: never)");
   }
 
-  /// Reads and checks the options.
-  void init(const tk::Options& o) override {
-    log_every_ = o.get_int("log_every");
-    veto_ = o.get_bool("veto_non_finite");
-    max_consecutive_ = o.get_int("max_consecutive");
-    if (log_every_ < 0) fail_option("log_every", "must be >= 0");
-    if (max_consecutive_ < 0) fail_option("max_consecutive", "must be >= 0");
+  /// Checks the options.
+  void init() override {
+    if (log_every_ < 0) fail_option(log_every_, "must be >= 0");
+    if (max_consecutive_ < 0) fail_option(max_consecutive_, "must be >= 0");
   }
 
   /// Runs after every plugin that syncs, normalizes or unscales gradients; provides nothing.
@@ -143,4 +140,5 @@ class GradHealth final : public tk::Plugin {
 
 }  // namespace
 
-TK_PLUGIN(GradHealth, "grad_health", "0.1.0")
+TK_PLUGIN(GradHealth, "grad_health", "0.2.0",
+          "gradient norms of every step; vetoes a step whose gradients are not finite")

@@ -17,12 +17,7 @@ namespace {
 
 /// An instance of the plugin with options given as TOML, as a [[plugins]] entry would make it.
 std::shared_ptr<tk::Plugin> make_plugin(const std::string& options) {
-  const tk::PluginLoader loader({});
-  auto p = loader.load_plugin(TK_PLUGIN_FILE).plugin;
-  const tk::Options o = tk::parse_options(options, p->option_specs(), "plugins.grad_health");
-  p->set_options(o);
-  p->init(o);
-  return p;
+  return tk::testing::load_plugin(TK_PLUGIN_FILE, options);
 }
 
 /// A model that is four one-element parameters, whose gradients a test sets by hand.
@@ -39,8 +34,7 @@ class FourParams final : public tk::Model {
 struct Bench {
   std::shared_ptr<FourParams> model = std::make_shared<FourParams>();
   torch::optim::SGD optimizer{model->parameters(), torch::optim::SGDOptions(0.1)};
-  tk::RunPlan plan;
-  tk::testing::ManualContext ctx{*model, optimizer, plan};
+  tk::testing::ManualContext ctx{*model, optimizer};
   std::vector<std::string> infos, warnings;
 
   Bench() {
@@ -60,7 +54,6 @@ struct Bench {
 /// grad_health, computed another way.
 class NormRecorder final : public tk::Plugin {
  public:
-  NormRecorder() { set_name("norm_recorder"); }
   tk::Contract contract() const override {
     tk::Contract c;
     c.after = {tk::cap::kGradsSynced, tk::cap::kGradsNormalized, tk::cap::kGradsUnscaled};
@@ -78,7 +71,7 @@ class NormRecorder final : public tk::Plugin {
 /// Sets one gradient element to `value` after the last backward of chosen 0-based steps.
 class Inject final : public tk::Plugin {
  public:
-  Inject(std::set<int64_t> steps, double value) : steps_(std::move(steps)), value_(value) { set_name("inject"); }
+  Inject(std::set<int64_t> steps, double value) : steps_(std::move(steps)), value_(value) {}
   void on_backward(tk::Context& ctx) override {
     if (!steps_.count(ctx.counters().step) || !ctx.window().is_last()) return;
     torch::NoGradGuard no_grad;
@@ -173,7 +166,7 @@ TEST_CASE("metrics every step, equal to norms recomputed after normalization") {
   tk::testing::RunOptions opts;
   // 4 micro-batches per step: the gradients are only right once grad_accum has normalized them.
   opts.libraries = {{TK_PLUGIN_FILE, ""}, {TK_PLUGIN_DIR "/tk_grad_accum.so", "steps = 4"}};
-  opts.plugins = {recorder};
+  opts.plugins = {{recorder, "norm_recorder"}};
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   REQUIRE(run.fit.step_metrics.size() == 6);
   REQUIRE(recorder->norms.size() == 6);
@@ -206,7 +199,7 @@ TEST_CASE("it changes nothing in a run whose gradients stay finite") {
 TEST_CASE("an injected NaN gradient skips its step and the weights stay finite") {
   auto health = make_plugin("");
   tk::testing::RunOptions opts;
-  opts.plugins = {health, std::make_shared<Inject>(std::set<int64_t>{2}, NAN)};
+  opts.plugins = {health, {std::make_shared<Inject>(std::set<int64_t>{2}, NAN), "inject"}};
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   CHECK(run.fit.steps == 6);
   CHECK(run.fit.skipped_steps == 1);
@@ -220,7 +213,7 @@ TEST_CASE("an injected NaN gradient skips its step and the weights stay finite")
 TEST_CASE("with veto_non_finite = false the NaN reaches the weights") {
   tk::testing::RunOptions opts;
   opts.libraries = {{TK_PLUGIN_FILE, "veto_non_finite = false"}};
-  opts.plugins = {std::make_shared<Inject>(std::set<int64_t>{5}, NAN)};  // the last step
+  opts.plugins = {{std::make_shared<Inject>(std::set<int64_t>{5}, NAN), "inject"}};  // the last step
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   CHECK(run.fit.skipped_steps == 0);
   CHECK_FALSE(all_finite(run.parameters));
@@ -229,12 +222,12 @@ TEST_CASE("with veto_non_finite = false the NaN reaches the weights") {
 TEST_CASE("max_consecutive = 2 stops a run at its second non-finite step in a row") {
   tk::testing::RunOptions opts;
   opts.libraries = {{TK_PLUGIN_FILE, "max_consecutive = 2"}};
-  opts.plugins = {std::make_shared<Inject>(std::set<int64_t>{2, 3}, NAN)};
+  opts.plugins = {{std::make_shared<Inject>(std::set<int64_t>{2, 3}, NAN), "inject"}};
   CHECK_THROWS_WITH_AS(tk::testing::run(tk::testing::kTinyRecipe, opts),
                        doctest::Contains("plugin 'grad_health' failed in event boundary at step 3"),
                        tk::PluginRuntimeError);
 
-  opts.plugins = {std::make_shared<Inject>(std::set<int64_t>{1, 3}, NAN)};  // not in a row
+  opts.plugins = {{std::make_shared<Inject>(std::set<int64_t>{1, 3}, NAN), "inject"}};  // not in a row
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   CHECK(run.fit.skipped_steps == 2);
   CHECK(all_finite(run.parameters));

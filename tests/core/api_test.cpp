@@ -1,0 +1,253 @@
+// The plugin API's guarantees: the layout signature covers Plugin's virtual table; options are
+// declared once, bound to members and refused when malformed; calls made in a hook they do not
+// belong to are refused naming plugin, hook and call; a base hook called from an override changes
+// nothing; a plugin's files are its own.
+#include <tk/abi.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "support.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+/// The virtual-table slot a pointer to a virtual member function names (Itanium C++ ABI: on
+/// x86-64 the pointer holds 1 + the slot's byte offset; on AArch64 the offset, with the virtual
+/// bit in the adjustment).
+template <class M>
+std::ptrdiff_t slot_of(M member) {
+  struct Rep {
+    std::uintptr_t ptr;
+    std::ptrdiff_t adj;
+  };
+  static_assert(sizeof(M) == sizeof(Rep), "a pointer to member function of the Itanium ABI");
+  Rep r{};
+  std::memcpy(&r, &member, sizeof r);
+#if defined(__aarch64__)
+  REQUIRE((r.adj & 1) == 1);
+  return static_cast<std::ptrdiff_t>(r.ptr / sizeof(void*));
+#else
+  REQUIRE((r.ptr & 1) == 1);
+  return static_cast<std::ptrdiff_t>((r.ptr - 1) / sizeof(void*));
+#endif
+}
+
+/// Plugin with one virtual function more: its slot is the first after Plugin's own.
+struct OneMore : tk::Plugin {
+  virtual void sentinel() {}
+};
+
+/// Calls, in the hook its option names, one context call that belongs elsewhere.
+class Misuse final : public tk::Plugin {
+ public:
+  void bind(tk::OptionBinder& o) override {
+    o.add("call", call_, "the call to make", {"none", "tensor_metric", "veto", "metric", "set_loss", "totals", "flag"});
+  }
+  void on_micro_batch(tk::Context& ctx) override {
+    if (call_ == "metric") ctx.metric("x", 1.0);
+  }
+  void on_backward(tk::Context& ctx) override {
+    if (call_ == "veto") ctx.veto_step("no");
+    if (call_ == "set_loss") ctx.set_loss(ctx.loss());
+    if (call_ == "flag") ctx.flag_was_set();
+  }
+  void on_step_end(tk::Context& ctx) override {
+    if (call_ == "tensor_metric") ctx.metric("x", torch::ones({1}));
+    if (call_ == "totals") ctx.mutable_totals();
+  }
+
+ private:
+  std::string call_ = "none";
+};
+
+/// Overrides on_micro_batch and calls the base hook from it, as a habit from other frameworks.
+class CallsBase final : public tk::Plugin {
+ public:
+  void on_micro_batch(tk::Context& ctx) override {
+    ++calls;
+    tk::Plugin::on_micro_batch(ctx);
+  }
+  int calls = 0;
+};
+
+/// Options bound to members, with where each was set.
+class Bound final : public tk::Plugin {
+ public:
+  enum class Mode { Fast, Exact };
+  void bind(tk::OptionBinder& o) override {
+    o.add("steps", steps, "steps");
+    o.add("rate", rate, "a rate");
+    o.add("label", label, "a label");
+    o.path("file", file, "a file");
+    o.add("sizes", sizes, "sizes");
+    o.choice("mode", mode, "how", {{"fast", Mode::Fast}, {"exact", Mode::Exact}});
+  }
+  void init() override {
+    if (steps < 0) fail_option(steps, "must be >= 0");
+    given = option_given(rate);
+  }
+  int64_t steps = 3;
+  double rate = 0.5;
+  std::string label = "x", file;
+  std::vector<int64_t> sizes = {1, 2};
+  Mode mode = Mode::Exact;
+  bool given = false;
+};
+
+/// A plugin whose options are declared wrong, as `kind` says.
+class Malformed final : public tk::Plugin {
+ public:
+  explicit Malformed(int kind) : kind_(kind) {}
+  void bind(tk::OptionBinder& o) override {
+    if (kind_ == 0) o.add("a", a_, "first").add("a", b_, "again");
+    if (kind_ == 1) o.add("name", a_, "reserved");
+    if (kind_ == 2) o.add("a", a_, "");
+    if (kind_ == 3) o.add("s", s_, "one of two", {"x", "y"});
+    if (kind_ == 4) o.add("a", a_, "first").add("b", a_, "the same member");
+  }
+
+ private:
+  int kind_;
+  int64_t a_ = 0, b_ = 0;
+  std::string s_ = "z";
+};
+
+/// Writes a file of the name its option gives.
+class Writes final : public tk::Plugin {
+ public:
+  void bind(tk::OptionBinder& o) override { o.add("file", file_, "the file to write"); }
+  void write_files(tk::OutputFiles& files) override { files.write_text(file_, "hello\n"); }
+
+ private:
+  std::string file_ = "mine.txt";
+};
+
+std::string fit_error(tk::Trainer& t) {
+  try {
+    t.fit();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_SUITE("plugin API") {
+  TEST_CASE("the layout signature covers Plugin's virtual table: the list matches the class, slot by slot") {
+    // Slots 0 and 1 hold the destructors; then every virtual function, in declaration order.
+    std::ptrdiff_t expected = 2;
+#define TK_CHECK_SLOT(R, N, A, Q)                    \
+  {                                                  \
+    CAPTURE(#N);                                     \
+    CHECK(slot_of(&tk::Plugin::N) == expected);      \
+    ++expected;                                      \
+  }
+    TK_PLUGIN_VIRTUALS(TK_CHECK_SLOT)
+#undef TK_CHECK_SLOT
+    // Nothing follows: a virtual function added to Plugin without the list would sit here.
+    CHECK(slot_of(&OneMore::sentinel) == expected);
+    // The text the signature hashes names every hook.
+    CHECK(std::string(tk::abi::kPluginVirtuals).find("void write_files(OutputFiles&) ;") != std::string::npos);
+  }
+
+  TEST_CASE("a call made in a hook it does not belong to is refused, naming plugin, hook and call") {
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"tensor_metric", "called ctx.metric(name, tensor) in on_step_end; it belongs to on_boundary"},
+        {"veto", "called ctx.veto_step() in on_backward; it belongs to on_boundary"},
+        {"metric", "called ctx.metric(name, value) in on_micro_batch; it belongs to on_boundary or on_step_end or "
+                   "on_validation_end"},
+        {"set_loss", "called ctx.set_loss() in on_backward; it belongs to on_loss"},
+        {"totals", "called ctx.mutable_totals() in on_step_end; it belongs to on_boundary"},
+        {"flag", "called ctx.flag_was_set() in on_backward; it belongs to on_step_end"},
+    };
+    for (const auto& [call, message] : cases) {
+      CAPTURE(call);
+      tk::Trainer t(tkt::recipe(), tkt::quiet());
+      t.add_plugin(std::make_shared<Misuse>(), "misuse", "call = \"" + call + "\"");
+      const std::string e = fit_error(t);
+      CHECK(e.find("plugin 'misuse' failed in event ") == 0);
+      CHECK(e.find("plugin 'misuse' " + message) != std::string::npos);
+    }
+    tk::Trainer fine(tkt::recipe(), tkt::quiet());
+    fine.add_plugin(std::make_shared<Misuse>(), "misuse");
+    CHECK(fit_error(fine).empty());
+  }
+
+  TEST_CASE("a base hook called from an override changes nothing: the plugin keeps its event") {
+    auto p = std::make_shared<CallsBase>();
+    tk::Trainer t(tkt::recipe(), tkt::quiet());
+    t.add_plugin(p, "calls_base");
+    const auto r = t.fit();
+    CHECK(p->calls == r.micro_steps);
+    CHECK(p->handles(tk::Event::MicroBatch));
+    CHECK_FALSE(p->handles(tk::Event::Boundary));
+  }
+
+  TEST_CASE("options are declared once, bound to members, and located where they were set") {
+    auto p = tk::testing::prepare(std::make_shared<Bound>(), "bound",
+                                  "steps = 7\nrate = 2\nlabel = \"y\"\nsizes = [4]\nmode = \"fast\"\nfile = \"a/b.txt\"");
+    CHECK(p->steps == 7);
+    CHECK(p->rate == 2.0);
+    CHECK(p->label == "y");
+    CHECK(p->sizes == std::vector<int64_t>{4});
+    CHECK(p->mode == Bound::Mode::Fast);
+    CHECK(fs::path(p->file).is_absolute());
+    CHECK(p->given);
+    // Defaults are the members' values when bind() runs.
+    auto d = tk::testing::prepare(std::make_shared<Bound>(), "bound");
+    CHECK(d->steps == 3);
+    CHECK(d->mode == Bound::Mode::Exact);
+    CHECK_FALSE(d->given);
+    CHECK(d->options().get_string("mode") == "exact");
+    // A bad value is refused at the option's place; a word that is not one of the choices too.
+    CHECK_THROWS_WITH(tk::testing::prepare(std::make_shared<Bound>(), "bound", "steps = -1"),
+                      doctest::Contains("plugins.bound.steps: must be >= 0"));
+    CHECK_THROWS_WITH(tk::testing::prepare(std::make_shared<Bound>(), "bound", "mode = \"slow\""),
+                      doctest::Contains("expected one of fast, exact, got \"slow\""));
+    // A second preparation, or a plugin given as tk::Plugin, is refused.
+    CHECK_THROWS_WITH(tk::prepare_plugin(*p, "again", "", tk::detail::hooks_of<Bound>()),
+                      doctest::Contains("is prepared already"));
+    tk::Trainer t(tkt::recipe(), tkt::quiet());
+    CHECK_THROWS_WITH(t.add_plugin(std::shared_ptr<tk::Plugin>(std::make_shared<Bound>()), "bound"),
+                      doctest::Contains("give it as a std::shared_ptr of its own class"));
+  }
+
+  TEST_CASE("malformed option declarations are refused before anything runs") {
+    const std::vector<std::string> messages = {"option 'a' is declared twice",
+                                               "option 'name' is reserved",
+                                               "option 'a' has no doc",
+                                               "its default \"z\" is not one of its choices",
+                                               "is bound to a member another option is bound to"};
+    for (int kind = 0; kind < 5; ++kind) {
+      CAPTURE(kind);
+      CHECK_THROWS_WITH(tk::testing::prepare(std::make_shared<Malformed>(kind), "malformed"),
+                        doctest::Contains(messages[static_cast<size_t>(kind)].c_str()));
+    }
+  }
+
+  TEST_CASE("a plugin writes its own files only: not the core's, not outside the folder") {
+    for (const std::string bad : {"metrics.jsonl", "../escape.txt", "sub/file.txt", ".hidden", "weights.pt"}) {
+      CAPTURE(bad);
+      const fs::path dir = tkt::temp_dir("bad-file");
+      auto opts = tkt::quiet();
+      opts.write_outputs = true;
+      tk::Trainer t(tkt::recipe({"run.output=\"" + dir.string() + "\""}), opts);
+      t.add_plugin(std::make_shared<Writes>(), "writes", "file = " + tk::to_toml(bad));
+      CHECK(fit_error(t).find("plugin 'writes' (in-process) failed in write_files: the file name '" + bad + "'") == 0);
+      CHECK_FALSE(fs::exists(dir.parent_path() / "escape.txt"));
+      fs::remove_all(dir);
+    }
+    const fs::path dir = tkt::temp_dir("good-file");
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer t(tkt::recipe({"run.output=\"" + dir.string() + "\""}), opts);
+    t.add_plugin(std::make_shared<Writes>(), "writes");
+    const auto r = t.fit();
+    CHECK(r.files == std::vector<std::string>{"recipe.toml", "metrics.jsonl", "weights.pt", "mine.txt"});
+    CHECK(fs::exists(dir / "mine.txt"));
+    fs::remove_all(dir);
+  }
+}
