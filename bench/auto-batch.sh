@@ -5,28 +5,28 @@
 # the parameters and buffers), next to the process's peak RSS and the time per optimizer step.
 #   bash bench/auto-batch.sh [B] [steps] [budget...]   (after tools/build.sh; default 64, 4, 300MiB 600MiB 1.2GiB)
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-bin="${BUILD_DIR:-$root/build}/bin"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 B="${1:-64}"
 steps="${2:-4}"
+bench_int B "$B" 1
+bench_int steps "$steps" 2  # the time per step is taken over steps 1..steps
 shift $(( $# < 2 ? $# : 2 ))
 budgets=("$@")
 [ ${#budgets[@]} -gt 0 ] || budgets=(300MiB 600MiB 1.2GiB)
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
 model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data.seq_len=256)
 echo "GPT 4 layers x 256 wide, 8 heads, 256-token sequences, AdamW; effective batch $B; $steps steps per budget"
-echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores; LibTorch $("$bin/tk-run" --version | sed -n 's/.*LibTorch \([^,]*\),.*/\1/p')"
+bench_cpu
 echo "| budget | picked | trial peak (MiB) | steps' peak reached (MiB) | reached / budget | peak RSS (MiB) | s / step |"
 echo "|---|---|---|---|---|---|---|"
 for budget in "${budgets[@]}"; do
-  dir="$out/$budget"
-  "$bin/tk-run" "$root/recipes/gpt-tiny.toml" --progress none --set run.output="$dir" "${model[@]}" \
+  bench_tk "budget-$budget" "$steps" "$bench_root/recipes/gpt-tiny.toml" --progress none "${model[@]}" \
     --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
     --set data.micro_batch=auto --set plugins.grad_accum.steps=0 --set plugins.grad_accum.effective_batch="$B" \
-    --set plugins.grad_accum.memory_budget="\"$budget\"" 2>"$dir.log" >/dev/null || { cat "$dir.log" >&2; exit 1; }
-  trial=$(sed -n 's/.*a step.s peak \([0-9.]*\) \(MiB\|GiB\).*/\1 \2/p' "$dir.log")
-  /usr/bin/python3 - "$dir/metrics.jsonl" "$budget" "$trial" <<'PY'
+    --set plugins.grad_accum.memory_budget="\"$budget\""
+  trial=$(sed -n 's/.*a step.s peak \([0-9.]*\) \(MiB\|GiB\).*/\1 \2/p' "$tk_err")
+  [ "$(wc -l <<<"$trial")" -eq 1 ] && [ -n "$trial" ] ||
+    bench_die "tk-run (budget $budget) did not report the trial's peak once ('a step's peak N MiB'); its stderr:" "$tk_err"
+  /usr/bin/python3 - "$tk_dir/metrics.jsonl" "$budget" "$trial" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 value, unit = sys.argv[3].split()

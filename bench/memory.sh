@@ -3,13 +3,13 @@
 # 4 x 32 with gradient accumulation, and 32 alone. Accumulation should cost about what 32 costs.
 #   bash bench/memory.sh          (after tools/build.sh)
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-bin="${BUILD_DIR:-$root/build}/bin"
-out=$(mktemp -d)
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+[ $# -eq 0 ] || bench_usage "memory.sh takes no arguments"
+steps=12  # bench/memory.toml's run.steps
 run() {  # label, micro_batch, k
-  "$bin/tk-run" "$root/bench/memory.toml" --progress none --log-level warn --set run.output="$out/$1" \
-    --set data.micro_batch="$2" --set plugins.grad_accum.steps="$3" >/dev/null
-  /usr/bin/python3 - "$out/$1/metrics.jsonl" "$1" "$2" "$3" <<'PY'
+  bench_tk "$1" "$steps" "$bench_root/bench/memory.toml" --progress none --log-level warn \
+    --set data.micro_batch="$2" --set plugins.grad_accum.steps="$3"
+  /usr/bin/python3 - "$tk_dir/metrics.jsonl" "$1" "$2" "$3" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 ms = 1000 * (rows[-1]["wall_time"] - rows[1]["wall_time"]) / (len(rows) - 2)
@@ -18,9 +18,9 @@ print(f"| {sys.argv[2]} | {sys.argv[3]} x {sys.argv[4]} | {rows[-1]['peak_rss_mi
 PY
 }
 echo "MLP 64-1024x4-16 on every position of 128-long sequences, AdamW, normalize = tokens, 12 steps"
+bench_cpu
 echo "| configuration | micro-batch x k | peak RSS (MiB) | ms / optimizer step | loss step 1 | loss step 12 |"
 echo "|---|---|---|---|---|---|"
 run "batch 128" 128 1
 run "4 x 32 accumulated" 32 4
 run "batch 32" 32 1
-rm -rf "$out"

@@ -3,27 +3,28 @@
 # Python (Debian's python3-torch). Runs are interleaved, REPS times each; medians and ratios printed.
 #   bash bench/overhead.sh [REPS] [THREADS]   (after tools/build.sh; THREADS 0: the libraries' default)
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-bin="${BUILD_DIR:-$root/build}/bin"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 reps=${1:-5}
 threads=${2:-0}
+bench_int REPS "$reps" 1
+bench_int THREADS "$threads" 0
 steps=300 warmup=50
-shape="256 512 2 10 16384 64 4 $steps $warmup $threads"
-out=$(mktemp -d)
-
-tk_ms() {
-  "$bin/tk-run" "$root/bench/overhead.toml" --progress none --log-level warn \
-    --set run.threads="$threads" --set run.output="$out/tk" >/dev/null
-  /usr/bin/python3 "$root/bench/step_ms.py" "$out/tk/metrics.jsonl" "$warmup" "$steps"
-}
+shape=(256 512 2 10 16384 64 4 $steps $warmup "$threads")
+times="$bench_work/times"
+cpu=$(bench_cpu python)
 
 for i in $(seq "$reps"); do
-  echo "tk $(tk_ms)" >>"$out/times"
-  echo "cpp $("$bin/tk-bench-loop" $shape | awk '{print $2}')" >>"$out/times"
-  echo "py $(/usr/bin/python3 "$root/bench/bench_loop.py" $shape | awk '{print $2}')" >>"$out/times"
+  bench_tk "run-$i" "$steps" "$bench_root/bench/overhead.toml" --progress none --log-level warn \
+    --set run.threads="$threads"
+  ms=$(/usr/bin/python3 "$bench_root/bench/step_ms.py" "$tk_dir/metrics.jsonl" "$warmup" "$steps")
+  echo "tk $ms" >>"$times"
+  bench_cmd "tk-bench-loop (run $i)" ms_per_step "$bench_bin/tk-bench-loop" "${shape[@]}"
+  echo "cpp $cmd_value" >>"$times"
+  bench_cmd "bench_loop.py (run $i)" ms_per_step "$bench_python" "$bench_root/bench/bench_loop.py" "${shape[@]}"
+  echo "py $cmd_value" >>"$times"
 done
 
-/usr/bin/python3 - "$out/times" "$reps" "$threads" <<'PY'
+/usr/bin/python3 - "$times" "$reps" "$threads" "$cpu" <<'PY'
 import statistics, sys
 times = {}
 for line in open(sys.argv[1]):
@@ -31,6 +32,7 @@ for line in open(sys.argv[1]):
     times.setdefault(k, []).append(float(v))
 med = {k: statistics.median(v) for k, v in times.items()}
 print(f"MLP 256-512-512-10, micro-batch 64 x 4 accumulation, AdamW, {sys.argv[3]} threads, {sys.argv[2]} interleaved runs each")
+print(sys.argv[4])
 best = {k: min(v) for k, v in times.items()}
 print("| loop | median ms/step | best ms/step | all runs (ms/step) | median vs C++ | best vs C++ |")
 print("|---|---|---|---|---|---|")
@@ -40,4 +42,3 @@ for k in ("tk", "cpp", "py"):
     print(f"| {names[k]} | {med[k]:.2f} | {best[k]:.2f} | {runs} | {med[k] / med['cpp']:.3f} | "
           f"{best[k] / best['cpp']:.3f} |")
 PY
-rm -rf "$out"

@@ -57,8 +57,8 @@ fetch_headers() {
   fi
   [[ -n "$suite" ]] || skip "no Debian suite (set TK_CUDA_SUITE)"
 
-  # One deb822 stanza per mirror and suite: the mirror of the machine's sources that serves the
-  # suite itself (not -security), with its -updates suite if the sources name it too.
+  # One deb822 stanza: the first mirror of the machine's sources that serves the suite itself
+  # (not -security), with its -updates suite if the sources name it too.
   local sources
   sources="$(TK_SUITE="$suite" python3 - <<'EOF'
 import glob, os, re

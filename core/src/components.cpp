@@ -215,6 +215,12 @@ at::Tensor Run::place(const at::Tensor& t, at::Device to, bool non_blocking) con
   return at::isFloatingType(t.scalar_type()) ? t.to(to, dtype, non_blocking) : t.to(to, non_blocking);
 }
 
+void refuse_window(const Run& r, const std::string& key, const std::string& what) {
+  for (const auto& s : r.slots)
+    if (s.plugin && s.name == r.plan.window_owner && s.plugin->options().has(key)) s.plugin->options().fail(key, what);
+  throw Error(what);
+}
+
 void make_optimizer(Run& r) {
   std::vector<at::Tensor> trainable;
   for (const auto& p : r.model->parameters())

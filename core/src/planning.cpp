@@ -89,11 +89,6 @@ void plan_run(Run& r) {
   }
 }
 
-void refuse_window(const Run& r, const std::string& key, const std::string& what) {
-  for (const auto& s : r.slots)
-    if (s.plugin && s.name == r.plan.window_owner && s.plugin->options().has(key)) s.plugin->options().fail(key, what);
-  throw Error(what);
-}
 
 void settle_window(Run& r) {
   PlanValues& p = r.plan;

@@ -1,8 +1,8 @@
 #pragma once
 // The parts of a run and the functions that build, plan, check and train it, each named with the
-// file that holds it. Not installed. The files depend on each other in this order only (no cycle):
-//   components -> data_check, rng -> memory -> planning -> resume (checkpoint) -> outputs -> loop
-// libraries.cpp, describe.cpp and verify.cpp use what precedes them.
+// file that holds it. Not installed. Each file uses only the ones before it in this order (no
+// cycle): components, libraries, data_check, rng, memory, planning, checkpoint, resume, describe,
+// verify, prefetch, outputs, loop, trainer.
 #include <torch/optim/optimizer.h>
 
 #include <fstream>
@@ -106,6 +106,9 @@ void read_run_section(Run& run, const Recipe& recipe);
 void build_components(Run& run, const Recipe& recipe);
 /// Makes the optimizer over the model's trainable parameters (again, after a trial step).
 void make_optimizer(Run& run);
+/// An error about the effective batch, at the recipe line of the window plugin's option `key`
+/// when it has one (planning and the memory pick refuse with it).
+[[noreturn]] void refuse_window(const Run& run, const std::string& key, const std::string& what);
 
 // ---- data_check.cpp: the data and the model checked before training ---------------------------------
 
@@ -181,9 +184,6 @@ void rebatch(Run& run, int64_t m);
 /// The micro-batch to fall back to after an out-of-memory error: the largest that divides the
 /// examples per step and is at most half the current one (0: none).
 int64_t backed_off_micro_batch(const Run& run);
-/// An error about the effective batch, at the recipe line of the window plugin's option `key`
-/// when it has one.
-[[noreturn]] void refuse_window(const Run& run, const std::string& key, const std::string& what);
 
 // ---- resume.cpp: what a run is, and continuing one from a checkpoint ----------------------------------
 

@@ -218,6 +218,7 @@ RunResult run(const std::string& recipe_toml, const RunOptions& opts) {
   t.plugin_dirs = dirs;
   t.resume = opts.resume;
   t.overwrite = opts.overwrite;
+  t.allow_changes = opts.allow_changes;
   t.stop_requested = opts.stop_requested;
   Trainer trainer(std::move(recipe), t);
   for (const auto& p : opts.plugins) trainer.add_plugin(p.plugin, p.name, p.options, p.hooks);

@@ -6,6 +6,8 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "support.h"
 
@@ -248,6 +250,33 @@ TEST_SUITE("plugin API") {
     const auto r = t.fit();
     CHECK(r.files == std::vector<std::string>{"recipe.toml", "metrics.jsonl", "weights.pt", "mine.txt"});
     CHECK(fs::exists(dir / "mine.txt"));
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("a plugin loaded by path goes by its file's name: --set and --allow-change plugins.<name>.key reach it") {
+    const fs::path dir = tkt::temp_dir("by-path");
+    const fs::path probe = fs::path(TK_TEST_PLUGIN_DIR) / "tk_probe.so";
+    tk::testing::RunOptions first;
+    first.libraries = {{probe, "veto_at_step = 90"}};
+    first.overrides = {"plugins.probe.veto_at_step=99"};
+    first.output = dir;
+    int boundaries = 0;
+    first.stop_requested = [&boundaries] { return ++boundaries == 3; };
+    const auto stopped = tk::testing::run(tk::testing::kTinyRecipe, first);
+    REQUIRE(stopped.fit.status == tk::FitStatus::StoppedBySignal);
+    std::ifstream recipe(dir / "recipe.toml");
+    const std::string text((std::istreambuf_iterator<char>(recipe)), std::istreambuf_iterator<char>());
+    CHECK(text.find("veto_at_step = 99") != std::string::npos);
+    // The same entry with another value: refused, naming the key by the plugin's name ...
+    tk::testing::RunOptions again = first;
+    again.overrides = {"plugins.probe.veto_at_step=98"};
+    again.stop_requested = nullptr;
+    again.resume = "latest";
+    CHECK_THROWS_WITH(tk::testing::run(tk::testing::kTinyRecipe, again),
+                      doctest::Contains("plugins.probe.veto_at_step: 99 -> 98"));
+    // ... and allowed by that name.
+    again.allow_changes = {"plugins.probe.veto_at_step"};
+    CHECK(tk::testing::run(tk::testing::kTinyRecipe, again).fit.status == tk::FitStatus::Completed);
     fs::remove_all(dir);
   }
 }

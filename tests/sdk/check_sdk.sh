@@ -45,8 +45,12 @@ for dir in "$prefix"/share/trainkit/examples/*/; do
   cmake --build "$work/build-$name"
   ctest --test-dir "$work/build-$name" --output-on-failure
   (cd "$work" && tk-run "$dir/recipe.toml" --progress plain --report \
-     --set "plugins.$name.path=$work/build-$name/tk_$name.so" --set "run.output=$work/run-$name")
+     --set "plugins.$name.path=$work/build-$name/tk_$name.so" --set "run.output=$work/run-$name") | tee "$work/run-$name.log"
   grep -q '<script id="tk-data"' "$work/run-$name/report.html"
+  if [ "$name" = ema ]; then  # its file, listed in the closing line and in files.json
+    grep -q "^wrote $work/run-ema/{recipe.toml,metrics.jsonl,weights.pt,ema_weights.pt}" "$work/run-ema.log"
+    grep -q '"ema_weights.pt"' "$work/run-ema/files.json"
+  fi
 done
 
 log "the installed tk-report: both example runs in one page"

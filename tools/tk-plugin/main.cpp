@@ -4,6 +4,8 @@
 //   tk-plugin check LIB.so [--options TOML] [--neutral TOML|none]   run the plugin contract
 //   tk-plugin info LIB.so                         name, versions, ABI, options, contract, components
 #include <CLI/CLI.hpp>
+
+#include "../cli_parse.h"
 #include <tk/abi.h>
 #include <tk/loader.h>
 #include <tk/testing.h>
@@ -101,13 +103,7 @@ int main(int argc, char** argv) {
                         "plugin that always changes the numerics");
   auto* cmd_info = app.add_subcommand("info", "describe a library: versions, ABI, options, contract, components");
   cmd_info->add_option("library", file, "the plugin library (tk_NAME.so)")->required()->check(CLI::ExistingFile);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "tk-plugin: %s\nRun with --help for more information.\n", e.what());
-    return 2;
-  }
+  if (const auto rc = tk::parse_command_line(app, argc, argv, "tk-plugin")) return *rc;
 
   try {
     if (*cmd_new) return tk::scaffold(name, dir.empty() ? name : dir);

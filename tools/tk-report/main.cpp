@@ -3,6 +3,8 @@
 //   tk-report RUN_DIR [RUN_DIR ...] [-o report.html]
 #include <CLI/CLI.hpp>
 
+#include "../cli_parse.h"
+
 #include <cstdio>
 
 #include "report.h"
@@ -20,13 +22,7 @@ int main(int argc, char** argv) {
   app.add_option("-o,--output", out, "the page to write (default: report.html in the run's folder for one run, "
                                      "else ./report.html)")
       ->type_name("FILE");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "tk-report: %s\nRun with --help for more information.\n", e.what());
-    return 2;
-  }
+  if (const auto rc = tk::parse_command_line(app, argc, argv, "tk-report")) return *rc;
   std::vector<std::filesystem::path> runs(dirs.begin(), dirs.end());
   if (out.empty()) out = runs.size() == 1 ? (runs[0] / "report.html").string() : "report.html";
   try {

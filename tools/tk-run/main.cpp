@@ -8,6 +8,7 @@
 #include <tk/capabilities.h>
 #include <tk/trainer.h>
 
+#include "../cli_parse.h"
 #include "launch.h"
 #include "report.h"
 
@@ -373,12 +374,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Trains the run a TOML recipe describes and writes it to the recipe's output folder.", "tk-run"};
   Cli c;
   add_options(app, c);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    return die_usage(e.what());
-  }
+  if (const auto rc = tk::parse_command_line(app, argc, argv, "tk-run")) return *rc;
   if (c.version) {
     std::printf("tk-run %s (LibTorch %s, plugin ABI %u)\n", TK_VERSION_STRING, TORCH_VERSION, TK_PLUGIN_ABI_VERSION);
     return 0;

@@ -119,6 +119,7 @@ struct RunOptions {
   std::filesystem::path output;  ///< write outputs here (empty: outputs off)
   std::optional<std::string> resume;  ///< as tk-run --resume (needs `output`)
   bool overwrite = false;  ///< as tk-run --overwrite: start over in a folder that holds another run
+  std::vector<std::string> allow_changes;  ///< as tk-run --allow-change, with `resume`
   std::function<bool()> stop_requested;  ///< checked at each boundary (a stop with a checkpoint)
 };
 
