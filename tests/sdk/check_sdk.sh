@@ -45,10 +45,10 @@ for dir in "$prefix"/share/trainkit/examples/*/; do
   cmake --build "$work/build-$name"
   ctest --test-dir "$work/build-$name" --output-on-failure
   (cd "$work" && tk-run "$dir/recipe.toml" --progress plain --report \
-     --set "plugins.$name.path=$work/build-$name/tk_$name.so" --set "run.output=$work/run-$name") | tee "$work/run-$name.log"
+     --set "plugins.$name.path=$work/build-$name/tk_$name.so" --set "run.output=$work/run-$name") | tee "$work/tk-run-$name.log"
   grep -q '<script id="tk-data"' "$work/run-$name/report.html"
   if [ "$name" = ema ]; then  # its file, listed in the closing line and in files.json
-    grep -q "^wrote $work/run-ema/{recipe.toml,metrics.jsonl,weights.pt,ema_weights.pt}" "$work/run-ema.log"
+    grep -q "^wrote $work/run-ema/{recipe.toml,metrics.jsonl,weights.pt,ema_weights.pt}" "$work/tk-run-ema.log"
     grep -q '"ema_weights.pt"' "$work/run-ema/files.json"
   fi
 done
@@ -74,7 +74,7 @@ cp "$src/plugins/clip/clip.cpp" "$own/own_clip.cpp"
 sed -i 's/TK_PLUGIN(Clip, "clip",/TK_PLUGIN(Clip, "own_clip",/' "$own/own_clip.cpp"
 printf '%s\n' 'cmake_minimum_required(VERSION 3.18)' 'project(own_main LANGUAGES CXX)' \
   'find_package(trainkit 0.3 REQUIRED)' 'tk_add_plugin(own_clip SOURCES own_clip.cpp)' 'enable_testing()' \
-  'tk_add_plugin_test(own_clip TESTS tests/own_main_test.cpp OWN_MAIN)' > "$own/CMakeLists.txt"
+  'tk_add_plugin_test(own_clip NEUTRAL "max_norm = 1e30" TESTS tests/own_main_test.cpp OWN_MAIN)' > "$own/CMakeLists.txt"
 printf '%s\n' '#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN' '#include <tk/doctest.h>' \
   'TEST_CASE("a test file with doctest'"'"'s main of its own builds and runs") {' \
   '  CHECK(tk::testing::load_plugin(TK_PLUGIN_FILE, "max_norm = 2.0")->name() == "own_clip");' '}' \
