@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 
 #include "support.h"
 
@@ -278,5 +279,26 @@ TEST_SUITE("plugin API") {
     again.allow_changes = {"plugins.probe.veto_at_step"};
     CHECK(tk::testing::run(tk::testing::kTinyRecipe, again).fit.status == tk::FitStatus::Completed);
     fs::remove_all(dir);
+  }
+
+  TEST_CASE("the contract catches a plugin that drops its restored state, and reports a skipped check as skipped") {
+    tk::testing::ContractOptions c;
+    c.check_neutral = false;
+    const auto results = tk::testing::check_contract(fs::path(TK_TEST_PLUGIN_DIR) / "tk_forgetful.so", c);
+    std::map<std::string, tk::testing::CheckResult> by_name;
+    for (const auto& r : results) by_name[r.name] = r;
+    const auto& resume = by_name.at("a run stopped at a checkpoint and resumed equals an uninterrupted one, its state included");
+    CHECK_FALSE(resume.passed);
+    CHECK(resume.detail == "state entry 'seen' differs at the end of the resumed run");
+    CHECK_FALSE(by_name.at("round-trips its state into a fresh instance").passed);
+    const auto& neutral = by_name.at("leaves a run bit-identical with neutral options");
+    CHECK(neutral.skipped);
+    CHECK_FALSE(neutral.passed);
+    // The well-behaved probe passes them all.
+    for (const auto& r : tk::testing::check_contract(fs::path(TK_TEST_PLUGIN_DIR) / "tk_probe.so")) {
+      CAPTURE(r.name);
+      CAPTURE(r.detail);
+      CHECK(r.passed);
+    }
   }
 }
