@@ -37,6 +37,9 @@
 #                      given last, e.g. TK_BENCH_EXTRA="--set run.prefetch=off"
 #   TK_BENCH_PYTHON    the Python of the hand-written Python loops
 #   TK_BENCH_KEEP=1    keep bench_work (its path is printed on stderr) to look at the runs' folders
+#   TK_BENCH_OMP       an OMP_WAIT_POLICY (PASSIVE, ACTIVE) for every program the script starts; unset,
+#                      each runs as a user's would: tk-run with PASSIVE (it sets it for itself), the
+#                      hand-written loops with libgomp's default. The CPU line says which.
 # Call the run functions from the script's own shell, not inside $(...) or a pipeline: they set
 # variables, and a failure must stop the script, not a subshell.
 
@@ -45,6 +48,7 @@ set -euo pipefail
 bench_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bench_bin="${BUILD_DIR:-$bench_root/build}/bin"
 bench_python="${TK_BENCH_PYTHON:-/usr/bin/python3}"
+if [ -n "${TK_BENCH_OMP:-}" ]; then export OMP_WAIT_POLICY="$TK_BENCH_OMP"; fi
 read -r -a bench_extra <<<"${TK_BENCH_EXTRA:-}"
 bench_pid=$$
 bench_work="$(mktemp -d "${TMPDIR:-/tmp}/tk-bench.XXXXXX")"
@@ -197,5 +201,7 @@ bench_cpu() {  # [python]
     torch=$("$bench_python" -c 'import torch; print(torch.__version__)')
     line+="; Python loops' torch $torch"
   fi
+  if [ -n "${OMP_WAIT_POLICY:-}" ]; then line+="; OMP_WAIT_POLICY=$OMP_WAIT_POLICY for every program"
+  else line+="; OMP_WAIT_POLICY: tk-run PASSIVE (its own), the hand-written loops libgomp's default"; fi
   echo "$line"
 }

@@ -170,6 +170,16 @@ void build_components(Run& r, const Recipe& recipe) {
   r.schedule = sc.make(r.sched_opts, r.base_lr);
 }
 
+void check_component_sections(Run& r, const Recipe& recipe) {
+  std::string name;
+  Options opts;
+  section(r, recipe, "data", "", r.registry.data(), name, opts, loader_specs());
+  section(r, recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "", r.registry.models(), name, opts);
+  if (recipe.sets("loss", "name")) section(r, recipe, "loss", "", r.registry.losses(), name, opts);
+  section(r, recipe, "optimizer", "", r.registry.optimizers(), name, opts);
+  section(r, recipe, "schedule", "constant", r.registry.schedules(), name, opts);
+}
+
 Run::Run() {
   plan.dispatch = &dispatch;
   dispatch.log = [this](int level, const std::string& msg) {

@@ -130,8 +130,10 @@ void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
 std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerOptions& opts) {
   recipe.check_sections(kSections);
   Run r;
+  read_run_section(r, recipe);
   load_standard_libraries(r.registry);
   load_plugins(r, recipe, loader_for(recipe, opts));
+  check_component_sections(r, recipe);
   std::set<std::string> out;
   for (const auto& s : r.slots)
     if (s.plugin)

@@ -95,7 +95,8 @@ void assemble(Run& run, const Recipe& recipe, const TrainerOptions& opts);
 void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options,
                 uint32_t hooks);
 /// What a launcher needs to know of a recipe's plugins without building a run: the capabilities
-/// they provide (plugins loaded and given their options; no data, model or memory trial).
+/// they provide. The recipe's sections and the plugins' options are checked on the way (plugins
+/// loaded and given their options; no data, model or memory trial).
 std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerOptions& opts);
 
 // ---- components.cpp: [run] and the components of the recipe's sections -----------------------------
@@ -104,6 +105,9 @@ std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerO
 void read_run_section(Run& run, const Recipe& recipe);
 /// Data, model, loss, optimizer (checked now, made after setup) and schedule.
 void build_components(Run& run, const Recipe& recipe);
+/// The component sections' names and options checked against what is registered, nothing made
+/// (what a launcher checks before it starts workers).
+void check_component_sections(Run& run, const Recipe& recipe);
 /// Makes the optimizer over the model's trainable parameters (again, after a trial step).
 void make_optimizer(Run& run);
 /// An error about the effective batch, at the recipe line of the window plugin's option `key`

@@ -52,6 +52,16 @@ TEST_SUITE("loader") {
                                      ", got 999. Rebuild the plugin against this trainkit (" TK_VERSION
                                      "): `cmake -S . -B build -DCMAKE_PREFIX_PATH=<trainkit's prefix> && cmake "
                                      "--build build`; it was built for a newer trainkit than this one");
+    const fs::path old_abi = kFixtures / "tk_old_abi.so";
+    CHECK(load_error(old_abi) == old_abi.string() + ": plugin ABI version mismatch: expected " +
+                                     std::to_string(TK_PLUGIN_ABI_VERSION) + ", got " +
+                                     std::to_string(TK_PLUGIN_ABI_VERSION - 1) +
+                                     ". Rebuild the plugin against this trainkit (" TK_VERSION
+                                     "): `cmake -S . -B build -DCMAKE_PREFIX_PATH=<trainkit's prefix> && cmake "
+                                     "--build build`; a plugin written for API " +
+                                     std::to_string(TK_PLUGIN_ABI_VERSION - 1) +
+                                     " needs the source changes listed under \"Porting a plugin to API " +
+                                     std::to_string(TK_PLUGIN_ABI_VERSION) + "\" in docs/plugins.md");
     const fs::path no_entry = kFixtures / "tk_no_entry.so";
     CHECK(load_error(no_entry) == no_entry.string() +
                                       ": not a trainkit plugin: it does not export the entry point 'tk_plugin_entry' "

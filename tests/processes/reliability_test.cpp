@@ -148,6 +148,25 @@ TEST_SUITE("reliability") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("--nproc checks the recipe and its plugins without building the run; a worker's refusal is the launch's") {
+    const fs::path root = tkt::temp_dir("nproc-checks");
+    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 30.0\n";
+    // A key no component has: refused by the launcher, at its place, before any worker starts.
+    auto key = tk_run(root / "key", recipe, "--nproc 2 --set model.hiden=[8]");
+    INFO(key.out);
+    CHECK(key.rc == 2);
+    CHECK(has(key, "unknown key 'hiden' in [model]"));
+    CHECK(!has(key, "starting 2 workers"));
+    // The launcher makes no data set: a value the data set's maker refuses is each worker's
+    // refusal, and the launch exits as a refusal too.
+    auto data = tk_run(root / "data", recipe, "--nproc 2 --set data.samples=0");
+    INFO(data.out);
+    CHECK(data.rc == 2);
+    CHECK(has(data, "starting 2 workers"));
+    CHECK(has(data, "data.samples: must be"));
+    fs::remove_all(root);
+  }
+
   TEST_CASE("resume refuses a different run, listing each change; --allow-change lets one through") {
     const fs::path root = tkt::temp_dir("strict-resume");
     const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 --set run.max_time=\\\"0s\\\" ";

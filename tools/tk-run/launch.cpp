@@ -350,7 +350,8 @@ class Launch {
       std::fprintf(stderr, "tk-run: rank %d failed (%s)%s. Its last output:\n", failed_rank_,
                    describe_status(w.status).c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
       for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
-      return 1;
+      // A worker that refused the run before training (exit 2) makes the launch a refusal too.
+      return WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2 ? 2 : 1;
     }
     return g_signal ? 128 + g_signal : 0;
   }

@@ -16,7 +16,7 @@ struct LaunchOptions {
 /// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set. Forwards their output
 /// line by line with a "[rank i]" prefix. When a worker fails (non-zero exit or a signal), stops the
 /// others (SIGTERM, then SIGKILL after the grace period) and returns non-zero with that rank's
-/// error; never waits forever. When the first failure is a timeout, the ranks that never failed
+/// error (2 when that rank refused the run before training, else 1); never waits forever. When the first failure is a timeout, the ranks that never failed
 /// by themselves and had to be killed are named as the ones that hung. SIGINT/SIGTERM/SIGHUP to
 /// tk-run are forwarded to the workers; the workers die with the launcher (PR_SET_PDEATHSIG).
 int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts);

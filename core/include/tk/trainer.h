@@ -90,7 +90,8 @@ struct AccumulationCheck {
 
 /// What the plugins of `recipe` provide (tk/capabilities.h), learnt by loading its libraries and
 /// giving its plugins their options, without building the run (no data, model or memory trial):
-/// what a launcher needs to know. Errors name the recipe position or plugin file at fault.
+/// what a launcher needs to know. The recipe's sections and keys are checked on the way; errors
+/// name the recipe position or plugin file at fault.
 std::set<std::string> plugin_capabilities(const Recipe& recipe, const TrainerOptions& opts = {});
 
 class Trainer {
