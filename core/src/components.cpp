@@ -189,18 +189,21 @@ Run::Run() {
 }
 
 void Run::call_plugin(const Slot& slot, const char* hook, const std::function<void()>& fn) {
+  struct Entered {
+    Dispatch& d;
+    ~Entered() { d.leave(); }
+  } entered{dispatch};
   dispatch.enter(slot.name, hook);
+  const std::string from = slot.file.empty() || slot.file.front() == '(' ? slot.file : "(" + slot.file + ")";
   try {
     fn();
   } catch (const RecipeError&) {
-    dispatch.leave();
     throw;
   } catch (const std::exception& err) {
-    dispatch.leave();
-    const std::string from = slot.file.empty() || slot.file.front() == '(' ? slot.file : "(" + slot.file + ")";
     throw Error("plugin '" + slot.name + "' " + from + " failed in " + hook + ": " + message_of(err));
+  } catch (...) {
+    throw Error("plugin '" + slot.name + "' " + from + " failed in " + hook + ": an unknown exception");
   }
-  dispatch.leave();
 }
 
 void Run::warn(const std::string& msg) {

@@ -148,13 +148,42 @@ double Context::lr() const noexcept { return s_->lr; }
 const std::filesystem::path& Context::output_dir() const noexcept { return s_->output_dir; }
 FitStatus Context::status() const noexcept { return s_->status; }
 
+namespace {
+
+/// The keys of a step's record the core writes itself: a plugin's metric may not take one.
+const char* const kCoreKeys[] = {"step", "epoch", "loss", "lr", "micro_batches", "effective_batch", "samples", "tokens",
+                                 "wall_time", "peak_rss_mib", "host_reads", "skipped", "micro_batch", "step_peak_mib",
+                                 "memory_budget_mib", "backoff", "validation_loss", "validation_accuracy",
+                                 "validation_perplexity"};
+
+void check_metric_name(const detail::Dispatch& d, const std::string& name) {
+  if (name.empty()) throw Error("plugin '" + d.plugin + "' called ctx.metric() with an empty name");
+  for (const char* k : kCoreKeys)
+    if (name == k)
+      throw Error("plugin '" + d.plugin + "' called ctx.metric(\"" + name + "\"): that key is the core's own in each "
+                  "record; name the metric after the plugin (\"" + d.plugin + "_" + name + "\")");
+}
+
+/// A value left on the device must be one element: the core reads one per deferred value.
+void check_one_element(const detail::Dispatch& d, const char* call, const at::Tensor& t) {
+  if (!t.defined() || t.numel() != 1)
+    throw Error("plugin '" + d.plugin + "' called " + call + " with " +
+                (t.defined() ? "a tensor of " + std::to_string(t.numel()) + " elements" : std::string("an undefined tensor")) +
+                "; it takes a 1-element tensor");
+}
+
+}  // namespace
+
 void Context::metric(const std::string& name, double value) {
   s_->d.require("ctx.metric(name, value)", {Event::Boundary, Event::StepEnd, Event::ValidationEnd});
+  check_metric_name(s_->d, name);
   s_->step.set_metric(name, value);
 }
 
 void Context::metric(const std::string& name, const at::Tensor& value) {
   s_->d.require("ctx.metric(name, tensor)", {Event::Boundary});
+  check_metric_name(s_->d, name);
+  check_one_element(s_->d, "ctx.metric(name, tensor)", value);
   s_->step.deferred.push_back({name, value.detach(), s_->d.plugin, false, false});
 }
 
@@ -165,11 +194,15 @@ void Context::veto_step(const std::string& reason, bool advance_schedule) {
 
 void Context::veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule) {
   s_->d.require("ctx.veto_step_if()", {Event::Boundary});
+  check_one_element(s_->d, "ctx.veto_step_if()", flag);
   s_->step.deferred.push_back({reason.empty() ? std::string("(no reason given)") : reason, flag.detach(), s_->d.plugin,
                                true, advance_schedule});
 }
 
-bool Context::step_vetoed() const noexcept { return !s_->step.veto_reason.empty(); }
+bool Context::step_vetoed() const {
+  s_->d.require("ctx.step_vetoed()", {Event::Boundary, Event::StepEnd});
+  return !s_->step.veto_reason.empty();
+}
 
 bool Context::flag_was_set() const {
   s_->d.require("ctx.flag_was_set()", {Event::StepEnd});

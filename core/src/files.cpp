@@ -53,7 +53,9 @@ void sync_folder(const fs::path& dir) {
 void write_file_atomic(const fs::path& file, const std::string& data) {
   fs::path tmp = file;
   tmp += ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A new file, never one a link of that name points at: a left-over .tmp (or a planted link) goes.
+  ::unlink(tmp.c_str());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) fail("create", tmp, errno);
   try {
     write_all(fd, data.data(), data.size(), tmp);

@@ -130,14 +130,24 @@ void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
 std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerOptions& opts) {
   recipe.check_sections(kSections);
   Run r;
-  read_run_section(r, recipe);
-  load_standard_libraries(r.registry);
-  load_plugins(r, recipe, loader_for(recipe, opts));
-  check_component_sections(r, recipe);
   std::set<std::string> out;
-  for (const auto& s : r.slots)
-    if (s.plugin)
-      for (const auto& cap : s.plugin->contract().provides) out.insert(cap);
+  // Errors leave as objects made here, while the libraries whose code threw are still loaded.
+  try {
+    read_run_section(r, recipe);
+    load_standard_libraries(r.registry);
+    load_plugins(r, recipe, loader_for(recipe, opts));
+    check_component_sections(r, recipe);
+    for (const auto& s : r.slots)
+      if (s.plugin) r.call_plugin(s, "contract", [&] {
+          for (const auto& cap : s.plugin->contract().provides) out.insert(cap);
+        });
+  } catch (const RecipeError& e) {
+    throw RecipeError(e);
+  } catch (const PluginLoadError& e) {
+    throw PluginLoadError(e.what());
+  } catch (const std::exception& e) {
+    throw Error(message_of(e));
+  }
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <set>
 
 #include "prefetch.h"
 #include "run.h"
@@ -52,6 +53,7 @@ class Loop {
   JsonLine step_record(int64_t epoch, bool skipped, double wall_time);
   void record_validation(JsonLine& line);
   std::pair<double, double> validate();
+  void fit_end();
   void fit_end_after_failure();
 
   /// What a window changes before its step, kept at its start to redo it after a back-off.
@@ -75,6 +77,7 @@ class Loop {
   LoopView ctx_{&s_};
   const int64_t n_;  // examples this rank reads per epoch
   std::array<std::vector<const Slot*>, kEventCount> handlers_;  // who handles each event, in order
+  std::set<const Slot*> not_started_;  // plugins whose on_fit_start has not run (yet)
 
   // State of the fit in progress.
   FitResult result_;
@@ -105,6 +108,10 @@ void Loop::emit(Event e) {
   auto& list = handlers_[static_cast<size_t>(e)];
   for (size_t i = 0; i < list.size();) {
     const Slot& s = *list[i];
+    if (!s.plugin->handles(e)) {  // it declined the event (in this hook or another)
+      list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
     s_.d.enter(s.name, hook_name(e), e);
     auto failure = [&](const std::string& what) {
       s_.d.leave();
@@ -119,10 +126,7 @@ void Loop::emit(Event e) {
     } catch (...) {
       throw failure("an unknown exception");
     }
-    if (!s.plugin->handles(e)) {  // it declined the event for the rest of the run
-      list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
-      continue;
-    }
+    if (e == Event::FitStart) not_started_.erase(&s);
     if (r_.tracing) trace_.push_back({s.name, e, s_.counters.step, s_.counters.micro_step});
     ++i;
   }
@@ -164,7 +168,7 @@ bool Loop::optimizer_step() {
   s_.read_step_values();
   const WindowTotals& t = s_.totals;
   s_.window_loss = t.tokens > 0 ? t.loss_sum / static_cast<double>(t.tokens) : 0.0;
-  const bool skipped = ctx_.step_vetoed();
+  const bool skipped = !s_.step.veto_reason.empty();
   if (!skipped && !std::isfinite(s_.window_loss))
     throw Error("the loss is " + std::to_string(s_.window_loss) + " at step " + std::to_string(s_.counters.step + 1) +
                 ": training diverged; nothing was stepped (lower the learning rate?)");
@@ -358,6 +362,7 @@ void Loop::train_epoch(int64_t epoch, int64_t first) {
 }
 
 void Loop::train_epochs(Start start) {
+  for (const Slot* s : handlers_[static_cast<size_t>(Event::FitStart)]) not_started_.insert(s);
   emit(Event::FitStart);
   r_.optimizer->zero_grad();
   done_ = s_.counters.step >= r_.total_steps;
@@ -382,7 +387,31 @@ void Loop::finish_training() {
     outputs_->record(line);
   }
   s_.status = result_.status;
-  emit(Event::FitEnd);
+  fit_end();
+}
+
+/// Every plugin's on_fit_end, each called even when one before it failed; the first failure is
+/// then the run's.
+void Loop::fit_end() {
+  std::exception_ptr first;
+  for (const Slot* s : handlers_[static_cast<size_t>(Event::FitEnd)]) {
+    if (!s->plugin->handles(Event::FitEnd)) continue;
+    s_.d.enter(s->name, hook_name(Event::FitEnd), Event::FitEnd);
+    try {
+      s->plugin->on_fit_end(ctx_);
+    } catch (const std::exception& err) {
+      if (!first)
+        first = std::make_exception_ptr(PluginRuntimeError("plugin '" + s->name + "' failed in event fit_end at step " +
+                                                           std::to_string(s_.counters.step) + ": " + message_of(err)));
+    } catch (...) {
+      if (!first)
+        first = std::make_exception_ptr(PluginRuntimeError("plugin '" + s->name +
+                                                           "' failed in event fit_end: an unknown exception"));
+    }
+    if (r_.tracing) trace_.push_back({s->name, Event::FitEnd, s_.counters.step, s_.counters.micro_step});
+  }
+  s_.d.leave();
+  if (first) std::rethrow_exception(first);
 }
 
 /// status.json of a run that fails with the exception in flight: "failed" and its message. Never
@@ -401,11 +430,13 @@ void record_failure(const RunOutputs& outputs, int64_t step) noexcept {
   }
 }
 
-/// After a failure every plugin gets fit_end (status failed) once; its errors then are dropped.
+/// After a failure every plugin whose on_fit_start ran (or that has none) gets fit_end (status
+/// failed) once; its errors then are dropped.
 void Loop::fit_end_after_failure() {
-  if (s_.status != FitStatus::Running) return;  // fit_end itself failed: it ran once already
+  if (s_.status != FitStatus::Running) return;  // fit_end itself failed: every plugin had it already
   s_.status = FitStatus::Failed;
   for (const Slot* s : handlers_[static_cast<size_t>(Event::FitEnd)]) {
+    if (not_started_.count(s) || !s->plugin->handles(Event::FitEnd)) continue;
     try {
       s_.d.enter(s->name, hook_name(Event::FitEnd), Event::FitEnd);
       s->plugin->on_fit_end(ctx_);

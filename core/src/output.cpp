@@ -1,10 +1,12 @@
 #include "tk/output.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 
+#include "readable.h"
 #include "tk/error.h"
 
 namespace tk {
@@ -109,3 +111,19 @@ void Progress::finish() {
 }
 
 }  // namespace tk
+
+namespace tk::detail {
+
+double peak_rss_mib() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;
+}
+
+std::string fmt_loss(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return buf;
+}
+
+}  // namespace tk::detail

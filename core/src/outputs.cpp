@@ -1,5 +1,4 @@
 // What a run writes: the output folder, its metrics records, checkpoints, weights and trace.
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,18 +15,6 @@
 namespace fs = std::filesystem;
 
 namespace tk::detail {
-
-double peak_rss_mib() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_maxrss) / 1024.0;
-}
-
-std::string fmt_loss(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.4g", v);
-  return buf;
-}
 
 fs::path output_dir_of(const Run& run) {
   const std::string& o = run.run.get_string("output");
@@ -48,20 +35,50 @@ constexpr const char* kManifest = "files.json";  // the plugins' files: {"plugin
 const std::set<std::string> kCoreFiles = {"recipe.toml", "metrics.jsonl", "weights.pt", "trace.jsonl", "status.json",
                                           "report.html", "checkpoints", kManifest, ".tk-lock"};
 
-/// The plugins' files files.json records, by plugin; empty when there is none or it is damaged.
-std::map<std::string, std::vector<std::string>> plugin_files_in(const fs::path& dir) {
-  std::map<std::string, std::vector<std::string>> out;
+/// Why `file` cannot be a plugin's file name, or "".
+std::string bad_file_name(const std::string& file) {
+  if (file.empty() || file == "." || file == "..") return "is not a file name";
+  if (file.find('/') != std::string::npos || file.find('\0') != std::string::npos)
+    return "is not a plain file name (no folders: the file goes into the output folder)";
+  if (file.front() == '.') return "starts with a dot (hidden names are the core's)";
+  if (kCoreFiles.count(file) || file.rfind("recipe.toml", 0) == 0) return "is one of the core's files";
+  if (file.size() > 4 && file.compare(file.size() - 4, 4, ".tmp") == 0) return "ends with .tmp (the core's partial files)";
+  return "";
+}
+
+/// The plugins' files as files.json records them, by plugin (a plugin that wrote none has an empty
+/// list). nullopt when there is no files.json; `damaged` says why when it cannot be read, and then
+/// only the names that pass bad_file_name are kept (a damaged or hand-edited list can never name a
+/// core file, a folder or anything outside the output folder).
+std::optional<std::map<std::string, std::vector<std::string>>> read_manifest(const fs::path& dir,
+                                                                             std::string* damaged = nullptr) {
   std::ifstream in(dir / kManifest);
-  if (!in) return out;
+  if (!in) return std::nullopt;
+  std::map<std::string, std::vector<std::string>> out;
   const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object() || !j.contains("plugins") || !j["plugins"].is_object()) return out;
-  for (const auto& [plugin, files] : j["plugins"].items())
-    if (files.is_array())
-      for (const auto& f : files)
-        if (f.is_string() && kCoreFiles.count(f.get<std::string>()) == 0 &&
-            f.get<std::string>().find('/') == std::string::npos)
-          out[plugin].push_back(f.get<std::string>());
+  auto bad = [&](const std::string& why) {
+    if (damaged && damaged->empty()) *damaged = (dir / kManifest).string() + ": " + why;
+  };
+  if (!j.is_object() || !j.contains("plugins") || !j["plugins"].is_object()) {
+    bad("damaged (not a {\"plugins\": {...}} object)");
+    return out;
+  }
+  for (const auto& [plugin, files] : j["plugins"].items()) {
+    auto& list = out[plugin];
+    if (!files.is_array()) {
+      bad("the entry of plugin '" + plugin + "' is not a list");
+      continue;
+    }
+    for (const auto& f : files)
+      if (f.is_string() && bad_file_name(f.get<std::string>()).empty()) list.push_back(f.get<std::string>());
+      else bad("an entry of plugin '" + plugin + "' is not a plugin's file name");
+  }
   return out;
+}
+
+/// The plugins' files, for deleting or looking at (empty without a readable files.json).
+std::map<std::string, std::vector<std::string>> plugin_files_in(const fs::path& dir) {
+  return read_manifest(dir).value_or(std::map<std::string, std::vector<std::string>>{});
 }
 
 /// What of a run a folder holds: the files trainkit writes there that make up a run.
@@ -73,19 +90,8 @@ std::vector<std::string> run_files_in(const fs::path& dir) {
   if (fs::is_directory(dir / "checkpoints", ec) && !fs::is_empty(dir / "checkpoints", ec)) found.push_back("checkpoints/");
   for (const auto& [plugin, files] : plugin_files_in(dir))
     for (const auto& f : files)
-      if (fs::exists(dir / f, ec)) found.push_back(f);
+      if (fs::is_regular_file(fs::symlink_status(dir / f, ec))) found.push_back(f);
   return found;
-}
-
-/// Why `file` cannot be a plugin's file name, or "".
-std::string bad_file_name(const std::string& file) {
-  if (file.empty() || file == "." || file == "..") return "is not a file name";
-  if (file.find('/') != std::string::npos || file.find('\0') != std::string::npos)
-    return "is not a plain file name (no folders: the file goes into the output folder)";
-  if (file.front() == '.') return "starts with a dot (hidden names are the core's)";
-  if (kCoreFiles.count(file) || file.rfind("recipe.toml", 0) == 0) return "is one of the core's files";
-  if (file.size() > 4 && file.compare(file.size() - 4, 4, ".tmp") == 0) return "ends with .tmp (the core's partial files)";
-  return "";
 }
 
 }  // namespace
@@ -98,19 +104,25 @@ void RunOutputs::claim() {
   lock_.acquire(dir_);
   if (resuming_) return;
   const auto found = run_files_in(dir_);
-  if (found.empty()) return;
+  if (found.empty()) {
+    // What an older files.json lists is gone: it is not this new run's.
+    fs::remove(dir_ / kManifest, ec);
+    return;
+  }
   if (!overwrite_)
     throw RunRefused("the output folder '" + dir_.string() + "' holds another run (" +
                 join(found.data(), found.data() + found.size()) +
                 "): continue it with --resume latest, replace it with --overwrite, or give this run another "
                 "run.output");
   spdlog::warn("--overwrite: deleting the run in '{}' ({})", dir_.string(), join(found.data(), found.data() + found.size()));
-  std::vector<std::string> doomed;
-  for (const auto& [plugin, files] : plugin_files_in(dir_)) doomed.insert(doomed.end(), files.begin(), files.end());
+  // The plugins' files: plain files only (a folder or a link of that name is not one the core
+  // wrote), then the core's own, the manifest last, so that a failed deletion leaves the rest listed.
+  for (const auto& [plugin, files] : plugin_files_in(dir_))
+    for (const auto& f : files)
+      if (fs::is_regular_file(fs::symlink_status(dir_ / f, ec)) && !fs::remove(dir_ / f, ec) && ec)
+        throw Error("cannot delete '" + (dir_ / f).string() + "': " + ec.message());
   for (const char* f : {"metrics.jsonl", "weights.pt", "trace.jsonl", "recipe.toml", "status.json", "report.html",
-                        "checkpoints", kManifest})
-    doomed.emplace_back(f);  // the manifest last: a failed deletion leaves the rest listed
-  for (const auto& f : doomed) {
+                        "checkpoints", kManifest}) {
     fs::remove_all(dir_ / f, ec);
     if (ec) throw Error("cannot delete '" + (dir_ / f).string() + "': " + ec.message());
   }
@@ -175,36 +187,50 @@ void RunOutputs::write_weights(const Run& run) {
 void RunOutputs::record_plugin_file(const std::string& plugin, const std::string& file) {
   const std::string why = bad_file_name(file);
   if (!why.empty()) throw Error("the file name '" + file + "' " + why);
-  auto files = plugin_files_in(dir_);
+  auto files = manifest();
   for (const auto& [other, list] : files)
     if (other != plugin && std::find(list.begin(), list.end(), file) != list.end())
       throw Error("'" + file + "' is plugin '" + other + "''s file in " + dir_.string());
   auto& mine = files[plugin];
   if (std::find(mine.begin(), mine.end(), file) == mine.end()) {
     mine.push_back(file);
-    nlohmann::ordered_json j;
-    j["plugins"] = nlohmann::ordered_json::object();
-    for (const auto& [p, list] : files) j["plugins"][p] = list;
-    write_atomic(dir_ / kManifest, j.dump(1) + "\n");  // listed before it exists: never a file of nobody's
+    write_manifest(files);  // listed before it exists: never a file of nobody's
   }
   wrote(file);
 }
 
+std::map<std::string, std::vector<std::string>> RunOutputs::manifest() const {
+  std::string damaged;
+  auto files = read_manifest(dir_, &damaged);
+  if (!damaged.empty())
+    throw Error(damaged + "; it lists the plugins' files of this run: repair it, or delete it and the files it listed");
+  return files.value_or(std::map<std::string, std::vector<std::string>>{});
+}
+
+void RunOutputs::write_manifest(const std::map<std::string, std::vector<std::string>>& files) const {
+  nlohmann::ordered_json j;
+  j["plugins"] = nlohmann::ordered_json::object();
+  for (const auto& [p, list] : files) j["plugins"][p] = list;
+  write_atomic(dir_ / kManifest, j.dump(1) + "\n");
+}
+
 void RunOutputs::write_plugin_files(Run& run, bool only_missing) {
-  const auto listed = plugin_files_in(dir_);
   FilesState state{&run.dispatch, run.model.get(), &run.plan, dir_,
                    [this](const std::string& plugin, const std::string& file) { record_plugin_file(plugin, file); }};
   OutputFiles files = ContextAccess::files(state);
   for (size_t i : run.order) {
     const Slot& slot = run.slots[i];
-    if (only_missing) {
-      auto it = listed.find(slot.name);
-      const bool all_there = it != listed.end() && std::all_of(it->second.begin(), it->second.end(), [&](const auto& f) {
-                               return fs::exists(dir_ / f);
-                             });
-      if (all_there) continue;
-    }
+    const auto listed = manifest();
+    const auto it = listed.find(slot.name);
+    if (only_missing && it != listed.end() &&
+        std::all_of(it->second.begin(), it->second.end(), [&](const auto& f) { return fs::exists(dir_ / f); }))
+      continue;  // it wrote its files, and they are all there
     run.call_plugin(slot, "write_files", [&] { slot.plugin->write_files(files); });
+    auto after = manifest();
+    if (!after.count(slot.name)) {  // it wrote none: recorded, so that a resume does not ask again
+      after[slot.name] = {};
+      write_manifest(after);
+    }
   }
 }
 

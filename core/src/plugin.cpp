@@ -123,6 +123,9 @@ OptionBinder& OptionBinder::add_word(const std::string& name, const void* member
                                      std::vector<std::string> words, const std::string& current,
                                      std::function<void(const std::string&)> assign) {
   if (current.empty()) throw Error("option '" + name + "': the member's value now (its default) is none of its words");
+  for (size_t i = 0; i < words.size(); ++i)
+    for (size_t j = i + 1; j < words.size(); ++j)
+      if (words[i] == words[j]) throw Error("option '" + name + "': the word \"" + words[i] + "\" is given twice");
   // The spec holds the word; the member gets the value it stands for.
   return state_->declare(*this, opt_string(name, current, doc, std::move(words)), member,
                          [assign = std::move(assign)](const OptionValue& v) { assign(std::get<std::string>(v)); });
@@ -145,11 +148,9 @@ OptionSpecs declared_options(Plugin& p, OptionBinder* binder) {
   return b.specs();
 }
 
-void name_plugin(Plugin& p, const std::string& name, uint32_t hooks) {
-  PluginState& s = PluginAccess::state(p);
-  s.name = name;
-  s.hooks = hooks;
-}
+void name_plugin(Plugin& p, const std::string& name) { PluginAccess::state(p).name = name; }
+
+void set_class_hooks(Plugin& p, uint32_t hooks) noexcept { PluginAccess::state(p).hooks = hooks; }
 
 void configure_options(Plugin& p, const std::function<Options(const OptionSpecs&)>& values) {
   PluginState& s = PluginAccess::state(p);
@@ -169,8 +170,8 @@ void configure_options(Plugin& p, const std::function<Options(const OptionSpecs&
     b.assign[i](options.values().at(b.specs[i].name));
     s.bound.emplace_back(b.members[i], b.specs[i].name);
   }
-  s.prepared = true;
   p.init();
+  s.prepared = true;  // only once init() accepted the values
 }
 
 }  // namespace detail
@@ -182,7 +183,8 @@ void prepare_plugin(Plugin& plugin, const std::string& name, const std::string& 
   if (hooks == kUnknownHooks)
     throw Error("plugin '" + name + "' was given as a std::shared_ptr<tk::Plugin>: give it as a std::shared_ptr of its "
                 "own class, from which the core reads the hooks it overrides");
-  detail::name_plugin(plugin, name, hooks);
+  detail::name_plugin(plugin, name);
+  detail::set_class_hooks(plugin, hooks);
   detail::configure_options(plugin, [&](const OptionSpecs& specs) { return parse_options(options, specs, "plugins." + name); });
 }
 

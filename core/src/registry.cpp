@@ -71,9 +71,8 @@ Registry& Registry::add_schedule(std::string name, std::string doc, OptionSpecs 
   return *this;
 }
 
-Registry& Registry::add_plugin_maker(std::string name, std::string doc, PluginMaker make, uint32_t hooks) {
+Registry& Registry::add_plugin_maker(std::string name, std::string doc, PluginMaker make) {
   auto& c = impl_->add(Kind::Plugin, impl_->plugins, std::move(name), std::move(doc), {}, std::move(make));
-  c.hooks = hooks;
   // Its options, checked now: a fresh instance declares them.
   try {
     std::unique_ptr<Plugin> probe = c.make();
@@ -106,7 +105,7 @@ std::shared_ptr<Plugin> Registry::make_plugin(const std::string& name) const {
     throw PluginLoadError(c->library + ": plugin '" + name + "' failed to construct: " + message_of(e));
   }
   if (!p) throw PluginLoadError(c->library + ": plugin '" + name + "' factory returned null");
-  detail::name_plugin(*p, name, c->hooks);
+  detail::name_plugin(*p, name);
   // The deleter holds the library: its code stays mapped until the instance is gone.
   return std::shared_ptr<Plugin>(p.release(), [keep = c->keep](Plugin* raw) mutable {
     delete raw;

@@ -6,12 +6,14 @@
 #include <torch/optim/optimizer.h>
 
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "files.h"
+#include "readable.h"
 #include "state.h"
 #include "tk/checkpoint.h"
 #include "tk/components.h"
@@ -249,6 +251,9 @@ class RunOutputs {
   void write_plugin_files(Run& run, bool only_missing);
   /// Records `file` as plugin `plugin`'s in files.json before it is written.
   void record_plugin_file(const std::string& plugin, const std::string& file);
+  /// files.json's lists, by plugin; refuses a damaged one.
+  std::map<std::string, std::vector<std::string>> manifest() const;
+  void write_manifest(const std::map<std::string, std::vector<std::string>>& files) const;
   void wrote(const std::string& file);
 
   bool active_ = false, resuming_ = false, overwrite_ = false;
@@ -263,10 +268,6 @@ class RunOutputs {
 
 /// The folder a run writes: run.output, else runs/<run.name>.
 std::filesystem::path output_dir_of(const Run& run);
-/// Peak resident memory of this process so far, in MiB.
-double peak_rss_mib();
-/// A loss or perplexity for people: 4 significant digits.
-std::string fmt_loss(double v);
 
 // ---- loop.cpp ------------------------------------------------------------------------------------------
 

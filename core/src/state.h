@@ -172,9 +172,8 @@ struct PluginAccess {
 };
 /// The option specs a plugin declares (Plugin::bind), into `binder` when given.
 OptionSpecs declared_options(Plugin& p, OptionBinder* binder = nullptr);
-/// Names an instance and records the hooks its class overrides (a registry does, for the
-/// plugins it makes).
-void name_plugin(Plugin& p, const std::string& name, uint32_t hooks);
+/// Names an instance (a registry does, for the plugins it makes; their factory recorded the hooks).
+void name_plugin(Plugin& p, const std::string& name);
 /// Gives a named instance its options: `values` checks the recipe's (or a test's) values against
 /// the declared specs; they go into the bound members, then init() runs.
 void configure_options(Plugin& p, const std::function<Options(const OptionSpecs&)>& values);

@@ -89,7 +89,6 @@ class Ddp final : public tk::Plugin {
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
     rdv_timeout_ = std::chrono::milliseconds(static_cast<int64_t>(rendezvous_timeout_s_ * 1000));
     bucket_bytes_ = static_cast<int64_t>(bucket_mb_ * 1024 * 1024);
-    world_ = detect_world();
   }
 
   tk::Contract contract() const override {
@@ -99,6 +98,7 @@ class Ddp final : public tk::Plugin {
   }
 
   void configure(tk::RunPlan& plan) override {
+    world_ = detect_world();  // here, not in init: a launcher reads the plugins before any world exists
     plan.set_world(world_.size, world_.rank);
     // Without a normalizer, a mean loss is averaged over ranks here, as single-process training
     // would average it over the global batch; a sum loss stays a sum.

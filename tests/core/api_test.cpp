@@ -75,6 +75,37 @@ class CallsBase final : public tk::Plugin {
   int calls = 0;
 };
 
+/// A plugin class with a subclass that overrides one hook more.
+struct BaseCounts : tk::Plugin {
+  void on_boundary(tk::Context&) override { ++boundaries; }
+  int boundaries = 0;
+};
+struct DerivedCounts final : BaseCounts {
+  void on_micro_batch(tk::Context&) override { ++micro_batches; }
+  int micro_batches = 0;
+};
+
+/// Gives a metric, a veto flag or an on_fit_end failure, as its option says.
+class Gives final : public tk::Plugin {
+ public:
+  void bind(tk::OptionBinder& o) override {
+    o.add("what", what_, "what to give", {"core_key", "empty_tensor", "two_elements", "fit_end_throws", "fit_end"});
+  }
+  void on_boundary(tk::Context& ctx) override {
+    if (what_ == "core_key") ctx.metric("loss", 1.0);
+    if (what_ == "empty_tensor") ctx.metric("x", torch::zeros({0}));
+    if (what_ == "two_elements") ctx.veto_step_if(torch::zeros({2}), "no");
+  }
+  void on_fit_end(tk::Context&) override {
+    ++fit_ends;
+    if (what_ == "fit_end_throws") throw std::runtime_error("cleanup failed");
+  }
+  int fit_ends = 0;
+
+ private:
+  std::string what_ = "fit_end";
+};
+
 /// Options bound to members, with where each was set.
 class Bound final : public tk::Plugin {
  public:
@@ -300,5 +331,89 @@ TEST_SUITE("plugin API") {
       CAPTURE(r.detail);
       CHECK(r.passed);
     }
+  }
+
+  TEST_CASE("a plugin given as a base class of its own is called for every event its class may override") {
+    std::shared_ptr<BaseCounts> p = std::make_shared<DerivedCounts>();
+    tk::Trainer t(tkt::recipe(), tkt::quiet());
+    t.add_plugin(p, "derived");
+    const auto r = t.fit();
+    CHECK(static_cast<DerivedCounts&>(*p).micro_batches == r.micro_steps);
+    CHECK(p->boundaries == r.steps);
+    // Given as its own class, it is called for what it overrides only.
+    auto exact = std::make_shared<BaseCounts>();
+    tk::Trainer t2(tkt::recipe(), tkt::quiet());
+    t2.add_plugin(exact, "base");
+    t2.fit();
+    CHECK(exact->handles(tk::Event::Boundary));
+    CHECK_FALSE(exact->handles(tk::Event::MicroBatch));
+  }
+
+  TEST_CASE("a metric may not take a key of the core's, and a device value is one element") {
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"core_key", "called ctx.metric(\"loss\"): that key is the core's own in each record"},
+        {"empty_tensor", "called ctx.metric(name, tensor) with a tensor of 0 elements; it takes a 1-element tensor"},
+        {"two_elements", "called ctx.veto_step_if() with a tensor of 2 elements; it takes a 1-element tensor"},
+    };
+    for (const auto& [what, message] : cases) {
+      CAPTURE(what);
+      tk::Trainer t(tkt::recipe(), tkt::quiet());
+      t.add_plugin(std::make_shared<Gives>(), "gives", "what = \"" + what + "\"");
+      CHECK(fit_error(t).find("plugin 'gives' " + message) != std::string::npos);
+    }
+  }
+
+  TEST_CASE("every plugin's on_fit_end runs when another's fails, and the first failure is the run's") {
+    auto first = std::make_shared<Gives>(), second = std::make_shared<Gives>();
+    tk::Trainer t(tkt::recipe(), tkt::quiet());
+    t.add_plugin(first, "first", "what = \"fit_end_throws\"");
+    t.add_plugin(second, "second");
+    CHECK(fit_error(t).find("plugin 'first' failed in event fit_end at step 6: cleanup failed") == 0);
+    CHECK(first->fit_ends == 1);
+    CHECK(second->fit_ends == 1);
+    // A plugin whose on_fit_start was never reached (an earlier one threw there) gets no on_fit_end.
+    struct StartThrows final : tk::Plugin {
+      void on_fit_start(tk::Context&) override { throw std::runtime_error("no start"); }
+    };
+    struct Starts final : tk::Plugin {
+      void on_fit_start(tk::Context&) override { ++starts; }
+      void on_fit_end(tk::Context&) override { ++ends; }
+      int starts = 0, ends = 0;
+    };
+    auto later = std::make_shared<Starts>();
+    tk::Trainer t2(tkt::recipe(), tkt::quiet());
+    t2.add_plugin(std::make_shared<StartThrows>(), "start_throws");
+    t2.add_plugin(later, "later");
+    CHECK(fit_error(t2).find("plugin 'start_throws' failed in event fit_start") == 0);
+    CHECK(later->starts == 0);
+    CHECK(later->ends == 0);
+  }
+
+  TEST_CASE("--overwrite deletes the plain files files.json names for plugins, never a folder, a core name or outside") {
+    const fs::path dir = tkt::temp_dir("manifest"), outside = dir.parent_path() / (dir.filename().string() + "-outside.txt");
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    {
+      tk::Trainer t(tkt::recipe({"run.output=\"" + dir.string() + "\""}), opts);
+      t.add_plugin(std::make_shared<Writes>(), "writes");
+      t.fit();
+    }
+    REQUIRE(fs::exists(dir / "mine.txt"));
+    // A hand-edited (or damaged) list: names that are no plugin's file must never be deleted.
+    std::ofstream(dir / "files.json") << R"({"plugins": {"writes": ["mine.txt", "..", "", ".", "keep", "recipe.toml",
+                                          "../)" << outside.filename().string() << R"("], "other": "not a list"}})";
+    fs::create_directories(dir / "keep");
+    std::ofstream(dir / "keep" / "data.txt") << "mine\n";
+    std::ofstream(outside) << "not trainkit's\n";
+    opts.overwrite = true;
+    tk::Trainer again(tkt::recipe({"run.output=\"" + dir.string() + "\""}), opts);
+    again.fit();
+    CHECK_FALSE(fs::exists(dir / "mine.txt"));
+    CHECK(fs::exists(dir / "keep" / "data.txt"));
+    CHECK(fs::exists(outside));
+    CHECK(fs::exists(dir / "metrics.jsonl"));
+    CHECK_FALSE(fs::exists(dir / "files.json"));  // the new run wrote no plugin file
+    fs::remove_all(dir);
+    fs::remove(outside);
   }
 }

@@ -191,13 +191,18 @@ class Launch {
     if (!mkdtemp(dir_template)) throw std::runtime_error("cannot make a temporary folder");
     failure_dir_ = dir_template;
     setenv("TK_FAILURE_DIR", failure_dir_.c_str(), 1);
-    for (int r = 0; r < n_; ++r) {
-      if (started(r)) {
-        spawn(r);
-      } else {
-        worker(r).running = false;  // never started: neither failed nor running
-        worker(r).ended.store(true);
+    try {
+      for (int r = 0; r < n_; ++r) {
+        if (started(r)) {
+          spawn(r);
+        } else {
+          worker(r).running = false;  // never started: neither failed nor running
+          worker(r).ended.store(true);
+        }
       }
+    } catch (...) {
+      stop_all(SIGKILL);  // the ranks started so far would wait for the others in their rendezvous
+      throw;
     }
   }
 
@@ -250,7 +255,7 @@ class Launch {
   void stop_all(int sig) {
     if (stop_sent_ == Clock::time_point::max()) stop_sent_ = Clock::now();
     for (auto& w : workers_)
-      if (!w.ended.load()) kill(w.pid, sig);
+      if (w.pid > 0 && !w.ended.load()) kill(w.pid, sig);  // never -1: that would be every process
   }
 
   /// Forwards what the workers wrote, line by line, for up to 100 ms.

@@ -47,8 +47,10 @@ class PluginLog {
 };
 
 /// Everything a plugin may read or change during an event; a plugin holds it only for the
-/// duration of one hook. A call that belongs to one event fails, naming the plugin, the hook and
-/// the call, when it is made in another (a metric given as a tensor outside on_boundary, say).
+/// duration of one hook. The calls that change what the core does (metric, veto_step,
+/// veto_step_if, mutable_totals, set_loss) and step_vetoed and flag_was_set fail, naming the
+/// plugin, the hook and the call, when made in an event they do not belong to; the values each
+/// accessor's doc ties to events mean nothing elsewhere.
 class Context : public PluginLog {
  public:
   Model& model() const;
@@ -91,7 +93,7 @@ class Context : public PluginLog {
   FitStatus status() const noexcept;
 
   /// Adds a value to this step's record in metrics.jsonl (boundary, step_end and validation_end
-  /// events).
+  /// events); the core's own keys (step, loss, lr, ...) are refused.
   void metric(const std::string& name, double value);
   /// The same for a value still on the device (a 1-element tensor; boundary event): the core reads
   /// it with the step's other device values in its one read per step.
@@ -106,7 +108,7 @@ class Context : public PluginLog {
   void veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule = false);
   /// Whether the step is vetoed: in on_boundary, by a host veto of a plugin dispatched earlier (a
   /// veto_step_if is not known yet); in on_step_end, by any veto.
-  bool step_vetoed() const noexcept;
+  bool step_vetoed() const;
   /// Whether this plugin's veto_step_if flag of this step was set (step_end event), whichever
   /// veto won.
   bool flag_was_set() const;

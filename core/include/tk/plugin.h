@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <vector>
 
 #include "tk/capabilities.h"
@@ -46,9 +47,9 @@ struct PluginAccess;
 /// model (setup), then calls the hooks of the events it overrides, in the order the contracts
 /// give, and at the end of a completed run lets it write its files (write_files).
 ///
-/// Override only the hooks you need: the core calls a plugin for an event only when its class
-/// overrides that event's hook (it reads this from the class when the plugin is registered or
-/// added). The base hooks do nothing; calling one from an override is harmless. A hook that throws
+/// Override only the hooks you need, as public members: the core calls a plugin for an event only
+/// when its class overrides that event's hook (it reads this from the class when the plugin is
+/// made or added). The base hooks do nothing; calling one from an override is harmless. A hook that throws
 /// stops the run; the core reports plugin, event and step.
 class Plugin {
  public:
@@ -182,6 +183,17 @@ constexpr uint32_t hooks_of() noexcept {
 /// Whether `T` is a concrete plugin type the core can read hooks from (not tk::Plugin itself).
 template <class T>
 inline constexpr bool is_plugin_type_v = std::is_base_of_v<Plugin, T> && !std::is_same_v<T, Plugin>;
+/// Every event.
+inline constexpr uint32_t kAllHooks = (1u << kEventCount) - 1;
+/// The hooks the core calls on `plugin`, given as a `T`: those `T` overrides when `plugin` is a `T`
+/// itself, every event when it is of a class derived from `T` (which may override more; the base
+/// hooks do nothing).
+template <class T>
+uint32_t hooks_for(const T& plugin) noexcept {
+  return typeid(plugin) == typeid(T) ? hooks_of<T>() : kAllHooks;
+}
+/// Records the hooks the core calls on an instance (the registry's factory does, as it makes it).
+void set_class_hooks(Plugin& plugin, uint32_t hooks) noexcept;
 }  // namespace detail
 
 /// Calls the hook of `e` on `p`.
@@ -191,7 +203,7 @@ void dispatch(Plugin& p, Event e, Context& ctx);
 inline constexpr uint32_t kUnknownHooks = ~0u;
 /// Makes a plugin made in code what the core makes of a [[plugins]] entry: named `name`, its
 /// options bound from `options` (TOML text; refused as a recipe's would be) and init() run, the
-/// core calling it only for the events in `hooks` (detail::hooks_of<YourPlugin>()). Once per
+/// core calling it only for the events in `hooks` (detail::hooks_for<YourPlugin>(plugin)). Once per
 /// instance; a plugin from a library's registry is ready already. Trainer::add_plugin and
 /// tk::testing::prepare call it.
 void prepare_plugin(Plugin& plugin, const std::string& name, const std::string& options, uint32_t hooks);

@@ -30,7 +30,6 @@ struct Component {
   OptionSpecs specs;  ///< for plugins, what a fresh instance declares in Plugin::bind
   Maker make;
   std::string library;  ///< file that registered it ("(in-process)" for code)
-  uint32_t hooks = 0;   ///< plugins: the events whose hooks the class overrides (bit per tk::Event)
 };
 
 namespace detail {
@@ -59,9 +58,11 @@ class Registry {
     static_assert(detail::is_plugin_type_v<T>,
                   "add_plugin: return std::unique_ptr<YourPlugin>, not std::unique_ptr<tk::Plugin>: the core reads "
                   "from the class which hooks it overrides");
-    return add_plugin_maker(std::move(name), std::move(doc),
-                            [make = std::move(make)]() -> std::unique_ptr<Plugin> { return make(); },
-                            detail::hooks_of<T>());
+    return add_plugin_maker(std::move(name), std::move(doc), [make = std::move(make)]() -> std::unique_ptr<Plugin> {
+      auto p = make();
+      if (p) detail::set_class_hooks(*p, detail::hooks_for<T>(*p));
+      return p;
+    });
   }
 
   const std::vector<Component<ModelMaker>>& models() const noexcept;
@@ -81,7 +82,7 @@ class Registry {
 
  private:
   friend struct detail::RegistryAccess;
-  Registry& add_plugin_maker(std::string name, std::string doc, PluginMaker make, uint32_t hooks);
+  Registry& add_plugin_maker(std::string name, std::string doc, PluginMaker make);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -84,7 +84,7 @@ class ManualPlan {
 template <class T>
 std::shared_ptr<T> prepare(std::shared_ptr<T> plugin, const std::string& name, const std::string& options = "") {
   static_assert(detail::is_plugin_type_v<T>, "prepare: give a std::shared_ptr of the plugin's own class");
-  prepare_plugin(*plugin, name, options, detail::hooks_of<T>());
+  prepare_plugin(*plugin, name, options, detail::hooks_for<T>(*plugin));
   return plugin;
 }
 /// The one strategy of library `file`, prepared with `options` as above.
@@ -95,8 +95,11 @@ std::shared_ptr<Plugin> load_plugin(const std::filesystem::path& file, const std
 struct InProcess {
   template <class T>
   InProcess(std::shared_ptr<T> p, std::string name_ = "", std::string options_ = "")
-      : plugin(std::move(p)), name(std::move(name_)), options(std::move(options_)),
-        hooks(detail::is_plugin_type_v<T> ? detail::hooks_of<T>() : kUnknownHooks) {}
+      : name(std::move(name_)), options(std::move(options_)), hooks(kUnknownHooks) {
+    if constexpr (detail::is_plugin_type_v<T>)
+      if (p) hooks = detail::hooks_for<T>(*p);
+    plugin = std::move(p);
+  }
   std::shared_ptr<Plugin> plugin;
   std::string name, options;
   uint32_t hooks;

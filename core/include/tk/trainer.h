@@ -109,11 +109,12 @@ class Trainer {
   /// `name` with its options from `options` (TOML text, checked as a recipe's entry would be).
   template <class T>
   void add_plugin(std::shared_ptr<T> plugin, const std::string& name = "", const std::string& options = "") {
-    add_plugin(std::shared_ptr<Plugin>(std::move(plugin)), name, options,
-               detail::is_plugin_type_v<T> ? detail::hooks_of<T>() : kUnknownHooks);
+    uint32_t hooks = kUnknownHooks;
+    if constexpr (detail::is_plugin_type_v<T>) hooks = plugin ? detail::hooks_for<T>(*plugin) : kUnknownHooks;
+    add_plugin(std::shared_ptr<Plugin>(std::move(plugin)), name, options, hooks);
   }
-  /// The same, with the hooks its class overrides given (detail::hooks_of<YourPlugin>(); used
-  /// only when the plugin is not prepared yet).
+  /// The same, with the hooks its class overrides given (detail::hooks_for<YourPlugin>(plugin);
+  /// used only when the plugin is not prepared yet).
   void add_plugin(std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options, uint32_t hooks);
 
   /// The resolved plan as text: what `tk-run --dry-run` prints.
