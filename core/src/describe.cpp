@@ -38,7 +38,11 @@ std::string describe(Run& d, const Recipe& recipe) {
     out << "\n";
   }
   out << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
-      << (p.window_owner.empty() ? "" : ", set by " + p.window_owner) << ")\n"
+      << (p.window_owner.empty() ? "" : ", set by " + p.window_owner) << ")"
+      << (p.accumulation > d.batches_per_epoch ? "; a window spans epochs (" + std::to_string(d.batches_per_epoch) +
+                                                     " micro-batches per epoch)"
+                                               : std::string())
+      << "\n"
       << "world size    " << p.world_size << (p.world_owner.empty() ? "" : " (set by " + p.world_owner + ")") << "\n"
       << "effective     " << p.effective_batch() << " examples per optimizer step (" << p.micro_batch << " x "
       << p.accumulation << " x " << p.world_size << ")"

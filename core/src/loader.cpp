@@ -7,11 +7,15 @@
 
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "registry_access.h"
 #include "tk/abi.h"
@@ -25,6 +29,62 @@ std::string hex(uint64_t v) {
   std::ostringstream s;
   s << "0x" << std::hex << v;
   return s.str();
+}
+
+/// The file offset of virtual address `addr` in a loaded segment's file bytes, or nullopt.
+std::optional<uint64_t> file_offset(const std::vector<Elf64_Phdr>& segments, uint64_t addr, uint64_t bytes) {
+  for (const auto& ph : segments)
+    if (ph.p_type == PT_LOAD && addr >= ph.p_vaddr && addr - ph.p_vaddr <= ph.p_filesz &&
+        bytes <= ph.p_filesz - (addr - ph.p_vaddr))
+      return ph.p_offset + (addr - ph.p_vaddr);
+  return std::nullopt;
+}
+
+/// The dynamic section, and the tables the dynamic loader reads through it, lie inside the file
+/// and hold what a linker writes: a library whose bytes were lost (an interrupted copy, zeros
+/// where its tables were) crashes dlopen rather than failing it.
+void check_dynamic(const fs::path& file, std::ifstream& in, const std::vector<Elf64_Phdr>& segments) {
+  const std::string where = file.string();
+  auto damaged = [&](const std::string& what) {
+    return PluginLoadError(where + ": damaged (" + what + "); build or copy it again");
+  };
+  const auto dyn = std::find_if(segments.begin(), segments.end(), [](const Elf64_Phdr& p) { return p.p_type == PT_DYNAMIC; });
+  if (dyn == segments.end() || dyn->p_filesz < sizeof(Elf64_Dyn)) throw damaged("no dynamic section");
+  std::vector<Elf64_Dyn> entries(dyn->p_filesz / sizeof(Elf64_Dyn));
+  in.clear();
+  in.seekg(static_cast<std::streamoff>(dyn->p_offset));
+  if (!in.read(reinterpret_cast<char*>(entries.data()), static_cast<std::streamsize>(entries.size() * sizeof(Elf64_Dyn))))
+    throw damaged("its dynamic section cannot be read");
+  std::map<int64_t, uint64_t> tags;
+  bool ended = false;
+  for (const auto& e : entries) {
+    if (e.d_tag == DT_NULL) {
+      ended = true;
+      break;
+    }
+    tags.emplace(e.d_tag, e.d_un.d_val);
+  }
+  if (!ended || tags.empty()) throw damaged(tags.empty() ? "its dynamic section is all zeros" : "its dynamic section has no end");
+  for (int64_t tag : {DT_STRTAB, DT_SYMTAB, DT_STRSZ})
+    if (!tags.count(tag)) throw damaged("its dynamic section names no symbol or string table");
+  if (!tags.count(DT_GNU_HASH) && !tags.count(DT_HASH)) throw damaged("its dynamic section names no hash table");
+  const uint64_t strsz = tags[DT_STRSZ];
+  const auto strtab = file_offset(segments, tags[DT_STRTAB], strsz);
+  if (!strtab || strsz == 0) throw damaged("its string table lies outside the file");
+  // A string table starts and ends with a NUL, and holds the names: not all zeros.
+  std::string strings(strsz, '\0');
+  in.clear();
+  in.seekg(static_cast<std::streamoff>(*strtab));
+  if (!in.read(strings.data(), static_cast<std::streamsize>(strsz)) || strings.front() != '\0' || strings.back() != '\0' ||
+      strings.find_first_not_of('\0') == std::string::npos)
+    throw damaged("its string table is not one");
+  const uint64_t hash_addr = tags.count(DT_GNU_HASH) ? tags[DT_GNU_HASH] : tags[DT_HASH];
+  const auto hash = file_offset(segments, hash_addr, 8);
+  uint32_t buckets = 0;
+  in.clear();
+  if (hash) in.seekg(static_cast<std::streamoff>(*hash));
+  if (!hash || !in.read(reinterpret_cast<char*>(&buckets), sizeof buckets) || buckets == 0)
+    throw damaged("its symbol hash table is empty or outside the file");
 }
 
 /// Refuses what the dynamic loader must not be handed: anything but a complete ELF shared library
@@ -63,11 +123,13 @@ void check_elf(const fs::path& file) {
     throw truncated("program headers");
   if (h.e_shoff != 0 && h.e_shoff + uint64_t{h.e_shnum} * h.e_shentsize > size) throw truncated("section headers");
   in.seekg(static_cast<std::streamoff>(h.e_phoff));
+  std::vector<Elf64_Phdr> segments(h.e_phnum);
   for (int i = 0; i < h.e_phnum; ++i) {
-    Elf64_Phdr ph{};
+    Elf64_Phdr& ph = segments[static_cast<size_t>(i)];
     if (!in.read(reinterpret_cast<char*>(&ph), sizeof ph)) throw truncated("program headers");
-    if (ph.p_offset + ph.p_filesz > size) throw truncated("segment " + std::to_string(i));
+    if (ph.p_offset > size || ph.p_filesz > size - ph.p_offset) throw truncated("segment " + std::to_string(i));
   }
+  check_dynamic(file, in, segments);
 }
 
 /// Opens the library and reads its entry point; the handle stays with `lib`.

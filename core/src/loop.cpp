@@ -55,6 +55,8 @@ class Loop {
   std::pair<double, double> validate();
   void fit_end();
   void fit_end_after_failure();
+  std::string model_label() const;
+  std::string non_finite_loss();
 
   /// What a window changes before its step, kept at its start to redo it after a back-off.
   struct WindowStart {
@@ -89,6 +91,7 @@ class Loop {
   int64_t checkpoint_every_ = 0, validate_every_ = 0, last_validation_step_ = -1;
   bool done_ = false, in_window_ = false;  // checkpoints and resumes are at boundaries
   WindowStart opened_;
+  std::vector<at::Tensor> window_indices_;  // the examples of the window's micro-batches, for a diagnosis
   std::string backoff_note_;  // for the next step's record
 };
 
@@ -138,6 +141,9 @@ void Loop::micro_batch(Batch& batch) {
   emit(Event::MicroBatch);
   at::Tensor out = r_.model->forward(batch.input);
   s_.loss = (*r_.loss)(out, batch);
+  if (!s_.loss.requires_grad())
+    throw Error(model_label() + ": its output does not depend on a trainable parameter (it is detached, or computed "
+                "without grad): backward has nothing to differentiate");
   // The loss stays on the device: no host read per micro-batch (loss_value() reads on demand).
   s_.loss_item = s_.loss.detach();
   s_.loss_read = false;
@@ -169,9 +175,7 @@ bool Loop::optimizer_step() {
   const WindowTotals& t = s_.totals;
   s_.window_loss = t.tokens > 0 ? t.loss_sum / static_cast<double>(t.tokens) : 0.0;
   const bool skipped = !s_.step.veto_reason.empty();
-  if (!skipped && !std::isfinite(s_.window_loss))
-    throw Error("the loss is " + std::to_string(s_.window_loss) + " at step " + std::to_string(s_.counters.step + 1) +
-                ": training diverged; nothing was stepped (lower the learning rate?)");
+  if (!skipped && !std::isfinite(s_.window_loss)) throw Error(non_finite_loss());
   if (!skipped) r_.optimizer->step();
   else ++s_.counters.skipped_steps;
   r_.optimizer->zero_grad();
@@ -204,6 +208,40 @@ int64_t Loop::back_off(const WindowStart& w, const std::string& what) {
   r_.warn(where + "; backing off to " + std::to_string(smaller) + " x " + std::to_string(r_.plan.accumulation) +
           " micro-batches, and the step is redone from its first");
   return first_example / smaller;
+}
+
+std::string Loop::model_label() const {
+  const std::string file = r_.model_opts.has("torchscript") ? r_.model_opts.get_path("torchscript") : "";
+  return "model '" + r_.model_name + "'" + (file.empty() ? "" : " (" + file + ")");
+}
+
+/// Why the window's loss is not finite, looked for only now that it is: the data of the window's
+/// micro-batches, the parameters, the model's output; the learning rate when none of those.
+std::string Loop::non_finite_loss() {
+  const std::string what = "the loss is " + std::to_string(s_.window_loss) + " at step " +
+                           std::to_string(s_.counters.step + 1) + "; nothing was stepped: ";
+  torch::NoGradGuard no_grad;
+  for (const auto& idx : window_indices_) {
+    const Batch b = r_.fetch(*r_.data.train, idx);
+    for (const auto* t : {&b.input, &b.target}) {
+      if (!at::isFloatingType(t->scalar_type())) continue;
+      const at::Tensor bad = t->isfinite().logical_not().reshape({t->size(0), -1}).any(1);
+      if (bad.any().item<bool>())
+        return what + "training example " + std::to_string(idx[bad.nonzero()[0][0]].item<int64_t>()) + " of data '" +
+               r_.data_name + "' has a NaN or infinite " + (t == &b.input ? "input" : "target") +
+               " (the data check before training reads the first million examples only)";
+    }
+  }
+  for (const auto& p : r_.model->named_parameters())
+    if (!p.value().isfinite().all().item<bool>())
+      return what + "parameter " + p.key() + " is no longer finite: training diverged (lower the learning rate?)";
+  for (const auto& idx : window_indices_) {
+    const Batch b = r_.fetch(*r_.data.train, idx);
+    if (!r_.model->forward(b.input).isfinite().all().item<bool>())
+      return what + model_label() + " gives a non-finite output for finite inputs and parameters";
+  }
+  return what + "the model's outputs are finite, the loss '" + r_.loss_name +
+         "' of them is not: training diverged (lower the learning rate?)";
 }
 
 /// Loss (item-weighted) and accuracy over the validation split.
@@ -309,6 +347,7 @@ void Loop::end_window(int64_t epoch, int64_t b) {
 
 void Loop::open_window(int64_t epoch, int64_t b) {
   s_.totals = WindowTotals{};
+  window_indices_.clear();
   s_.host_reads = 0;
   in_window_ = true;
   if (back_off_ready()) opened_ = {b, s_.counters, save_rng()};
@@ -325,6 +364,7 @@ bool Loop::train_micro_batch(int64_t epoch, int64_t& b, const at::Tensor& order)
     if (b + 1 < r_.batches_per_epoch) prefetch_->ahead({epoch, b + 1, m}, indices(b + 1));
     s_.batch = &batch;
     s_.counters.batch_in_epoch = b;
+    window_indices_.push_back(indices(b));
     micro_batch(batch);
   } catch (const c10::OutOfMemoryError& e) {
     s_.batch = nullptr;

@@ -183,6 +183,27 @@ int64_t WindowSchedule::steps_in(int64_t epochs) const {
   return step;
 }
 
+bool WindowSchedule::ramp_completes(int64_t total_steps) const {
+  if (!ramp_.active()) return true;
+  if (!ramp_.by_samples) return ramp_.over <= total_steps;
+  // Examples of the windows up to the last step, until the ramp is over or the run is.
+  constexpr int64_t kMaxRampSteps = 10'000'000;
+  int64_t step = 0, samples = 0;
+  for (int64_t e = 0; step < total_steps; ++e) {
+    for (int64_t b = 0; b < m_ && step < total_steps; ++step) {
+      if (samples >= ramp_.over) return true;
+      if (step > kMaxRampSteps)
+        throw Error("the batch ramp lasts more than " + std::to_string(kMaxRampSteps) + " optimizer steps; shorten it");
+      const auto w = start(e, b, step, samples);
+      if (!w) break;
+      const int64_t take = std::min(w->size, m_ - b);
+      samples += samples_in_(b, b + take);
+      b += take;
+    }
+  }
+  return samples >= ramp_.over;
+}
+
 std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins, std::vector<std::string>* warnings) {
   const size_t n = plugins.size();
   std::map<std::string, size_t> provider;

@@ -152,6 +152,15 @@ void shape_windows(Run& r) {
     r.run.fail("epochs", std::to_string(r.bound.count) + " epochs of " + std::to_string(r.batches_per_epoch) +
                              " micro-batches are beyond what any machine can train (at most " +
                              std::to_string(kMaxCount) + " micro-batches)");
+  // A window cut at every epoch's end would never take the step the plan says.
+  if (r.plan.accumulation > r.batches_per_epoch && r.plan.last_window != LastWindow::Carry)
+    refuse_window(r, r.plan.effective_batch_goal > 0 ? "effective_batch" : "steps",
+                  "an optimizer step of " + std::to_string(r.plan.accumulation) + " micro-batches of " +
+                      std::to_string(m) + " (" + std::to_string(r.plan.effective_batch()) +
+                      " examples) is more than an epoch holds (" + std::to_string(r.batches_per_epoch) +
+                      " micro-batches, " + std::to_string(n) + " examples" + (r.plan.world_size > 1 ? " per rank" : "") +
+                      "): every step would be cut at the epoch's end; ask for a smaller step, or set last_window = "
+                      "\"carry\" so that a window spans epochs");
   r.windows = std::make_unique<WindowSchedule>(r.batches_per_epoch, r.plan.accumulation, r.plan.last_window,
                                                r.bound.by_steps() ? 0 : r.bound.count);
   if (r.plan.ramp.active()) {
@@ -161,6 +170,13 @@ void shape_windows(Run& r) {
   }
   r.total_steps = r.bound.by_steps() ? r.bound.count : r.windows->steps_in(r.bound.count);
   if (r.total_steps < 1) throw Error("the run would take no optimizer step");
+  const BatchRamp& ramp = r.plan.ramp;
+  if (ramp.active() && !r.windows->ramp_completes(r.total_steps))
+    refuse_window(r, ramp.by_samples ? "ramp_samples" : "ramp_steps",
+                  "the batch ramp lasts " + std::to_string(ramp.over) + (ramp.by_samples ? " examples" : " optimizer steps") +
+                      ", longer than the run's " + std::to_string(r.total_steps) + " optimizer steps" +
+                      (ramp.by_samples ? " take" : "") + ": the run would end before its effective batch of " +
+                      std::to_string(r.plan.effective_batch()) + "; shorten the ramp or lengthen the run");
 }
 
 void rebatch(Run& r, int64_t m) {

@@ -35,6 +35,7 @@ def main():
     trunc = write("trunc.so", lib[:30000])
     text = write("text.so", "not a library\n")
     fake = write("fake.so", b"\x7fELF" + b"\x02\x01\x01" + bytes(200))
+    zeros = write("zeros.so", lib[:30000] + bytes(len(lib) - 30000))  # an interrupted, preallocated copy
     plugin_recipe = lambda path: write(os.path.basename(path) + ".toml", '[model]\nname = "mlp"\n[data]\nname = '
                                        '"synthetic-classification"\n[optimizer]\nname = "sgd"\n[[plugins]]\npath = "%s"\n' % path)
     os.makedirs(os.path.join(work, "folder"))
@@ -56,6 +57,10 @@ torch.save({"inputs": torch.randn(64, 2, 2, 2, 2), "targets": y}, d + "/five_d.p
 torch.save(collections.OrderedDict(inputs=x, targets=y), d + "/ordered.pt")
 torch.save({"inputs": x}, d + "/one_key.pt")
 torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
+# A NaN past the first million examples (which the check before training reads), in the first
+# micro-batch the run reaches when it is not shuffled.
+big = torch.zeros(1000016, 1); big[1000008, 0] = float("nan")
+torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d + "/late_nan.pt")
 """
                         , work], check=True)
         # TorchScript models that do not fit 8-feature data of 10 classes.
@@ -73,6 +78,19 @@ torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
             ("a TorchScript model with every parameter frozen", [ts("frozen"), "--dry-run"], 2, "ts_frozen.toml:3:1: model 'torchscript' has no trainable parameter"),
         ]
         t = lambda f: write(f + ".toml", base % os.path.join(work, f + ".pt"))
+        late = [t("late_nan"), "--set", "data.shuffle=false", "--set", "data.micro_batch=200002", "--set",
+                "data.classes=2", "--set", "run.steps=5", "--set", "run.output=\"%s\"" % os.path.join(work, "late-run"),
+                "--overwrite", "--progress", "none"]
+        tensor_cases += [
+            ("a NaN past the first million examples", late, 1, "training example 1000008 of data 'tensors' has a NaN or "
+             "infinite input"),
+            ("a model whose output is NaN", [ts("nan_out"), "--progress", "none", "--overwrite", "--set",
+                                              "run.output=\"%s\"" % os.path.join(work, "nan-run")], 1,
+             "model 'torchscript' (%s) gives a non-finite output for finite inputs and parameters" % os.path.join(work, "nan_out.ts")),
+            ("a model whose output is detached", [ts("detached"), "--progress", "none", "--overwrite", "--set",
+                                                  "run.output=\"%s\"" % os.path.join(work, "detached-run")], 1,
+             "model 'torchscript' (%s): its output does not depend on a trainable parameter" % os.path.join(work, "detached.ts")),
+        ]
         tensor_cases += [
             ("target out of the class range", [t("oob"), "--dry-run"], 2, "example", "has target 10, outside the 10 classes"),
             ("negative targets", [t("negative"), "--dry-run"], 2, "outside the 10 classes"),
@@ -108,6 +126,20 @@ torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
         ("a NUL in run.name", [write("nul.toml", open(quick).read().replace('name = "quickstart"', 'name = "a\\u0000b"')), "--dry-run"],
          2, "run.name: contains a NUL character"),
         ("a text path that is a folder", [gpt, "--dry-run", "--set", 'data.path="%s"' % os.path.join(work, "folder")], 2, "is a folder, not a file"),
+        ("a zero-filled plugin library", [plugin_recipe(zeros), "--dry-run"], 2, "zeros.so: damaged ("),
+        ("an effective batch larger than an epoch", [quick, "--dry-run", "--set", "plugins.grad_accum.steps=0", "--set",
+         "plugins.grad_accum.effective_batch=16384"], 2,
+         "plugins.grad_accum.effective_batch: an optimizer step of 512 micro-batches of 32 (16384 examples) is more "
+         "than an epoch holds (256 micro-batches, 8192 examples)"),
+        ("a ramp longer than the run", [quick, "--dry-run", "--set", "run.epochs=0", "--set", "run.steps=20", "--set",
+         "plugins.grad_accum.steps=0", "--set", "plugins.grad_accum.effective_batch=128", "--set",
+         "plugins.grad_accum.ramp_from=32", "--set", "plugins.grad_accum.ramp_steps=100000000"], 2,
+         "plugins.grad_accum.ramp_steps: the batch ramp lasts 100000000 optimizer steps, longer than the run's 20"),
+        ("a ramp of more examples than the run takes", [quick, "--dry-run", "--set", "run.epochs=0", "--set", "run.steps=20",
+         "--set", "plugins.grad_accum.steps=0", "--set", "plugins.grad_accum.effective_batch=128", "--set",
+         "plugins.grad_accum.ramp_from=32", "--set", "plugins.grad_accum.ramp_samples=100000000"], 2,
+         "plugins.grad_accum.ramp_samples: the batch ramp lasts 100000000 examples, longer than the run's 20 optimizer "
+         "steps take"),
     ] + tensor_cases
     failed = 0
     for label, args, rc, *expect in cases:

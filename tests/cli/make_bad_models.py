@@ -64,6 +64,24 @@ class Frozen(torch.nn.Module):
         return self.l(x)
 
 
+class NanOut(torch.nn.Module):  # finite parameters and inputs, a NaN output
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.l(x) * float("nan")
+
+
+class Detached(torch.nn.Module):  # its output does not depend on its parameters for autograd
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.l(x).detach()
+
+
 for name, model in [("two_args", TwoArgs()), ("flat", Flat()), ("five_out", FiveOut()), ("wide", Wide()),
-                    ("ints", Ints()), ("frozen", Frozen())]:
+                    ("ints", Ints()), ("frozen", Frozen()), ("nan_out", NanOut()), ("detached", Detached())]:
     torch.jit.save(torch.jit.script(model), "%s/%s.ts" % (sys.argv[1], name))

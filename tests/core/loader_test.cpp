@@ -96,6 +96,16 @@ TEST_SUITE("loader") {
       std::ofstream(truncated / "tk_cut.so", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
     }
     CHECK(load_error(truncated / "tk_cut.so").find(": truncated or damaged (") != std::string::npos);
+    // Of the right size, zeros from byte 30000 on (an interrupted, preallocated copy): the tables
+    // the dynamic loader reads are gone, and it would crash on them.
+    {
+      std::ifstream in(fs::path(TK_PLUGIN_DIR) / "tk_clip.so", std::ios::binary);
+      std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      REQUIRE(bytes.size() > 30000);
+      std::fill(bytes.begin() + 30000, bytes.end(), '\0');
+      std::ofstream(truncated / "tk_zeros.so", std::ios::binary) << bytes;
+    }
+    CHECK(load_error(truncated / "tk_zeros.so").find(truncated.string() + "/tk_zeros.so: damaged (") == 0);
     CHECK(load_error(truncated) == truncated.string() + ": is a folder, not a plugin library");
     CHECK(load_error("/dev/null") == "/dev/null: is not a regular file (a device or a pipe?)");
     fs::remove_all(truncated);

@@ -67,12 +67,16 @@ TEST_SUITE("reliability") {
     }
     SUBCASE("files that may not grow past a limit, as on a disk that fills up") {
       // With a 24 KiB limit on file size the checkpoint files fit and metrics.jsonl, after some
-      // 100 records, does not.
+      // 100 records, does not. SIGXFSZ has its default disposition (it would kill the process):
+      // tk-run ignores it and fails the write instead.
       const std::string sets = "--set run.steps=400 --set run.checkpoint_every=10 ";
-      auto p = tkt::shell("trap '' XFSZ; ulimit -f 24; " + tkt::tk_run_command(root, kAccum, sets));
+      auto p = tkt::shell("trap - XFSZ; ulimit -f 24; " + tkt::tk_run_command(root, kAccum, sets));
       INFO(p.out);
       CHECK(p.rc == 1);
       CHECK(has(p, "cannot write '" + (root / "out/metrics.jsonl").string() + "': File too large"));
+      const std::string status = tkt::read_text(root / "out/status.json");
+      CHECK(status.find("\"status\":\"failed\"") != std::string::npos);
+      CHECK(status.find("File too large") != std::string::npos);
       const auto kept = records(root / "out/metrics.jsonl");
       REQUIRE(kept.size() > 20);
       CHECK(kept.size() < 400);
@@ -88,7 +92,7 @@ TEST_SUITE("reliability") {
     SUBCASE("a checkpoint that cannot be written leaves none half-written") {
       // 40 KiB: the records fit, a checkpoint of this wider model (~75 KiB) does not.
       const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 --set model.hidden=[96,96]";
-      auto p = tkt::shell("trap '' XFSZ; ulimit -f 40; " + tkt::tk_run_command(root, kBase, sets));
+      auto p = tkt::shell("trap - XFSZ; ulimit -f 40; " + tkt::tk_run_command(root, kBase, sets));
       INFO(p.out);
       CHECK(p.rc == 1);
       CHECK(has(p, "model.pt.tmp': File too large"));

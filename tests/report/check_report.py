@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -139,6 +140,7 @@ def check_pages(a):
     expect("nowhere: no such folder" in p.stderr, "a missing folder: " + p.stderr)
     p = r.report([a.work], os.path.join(a.work, "x.html"), expect_rc=2)
     expect("not a run's output folder" in p.stderr, "a folder that is not a run: " + p.stderr)
+    check_outputs_refused(r, accum)
 
     # What the pages hold.
     d = embedded(pages["all"])
@@ -167,6 +169,36 @@ def check_pages(a):
     print("pages: %d runs read, statuses %s" % (len(by), status))
     return pages, {"accum-4x32": accum, "batch-128": big, "failed": failed, "killed": killed, "live": live,
                    "damaged": damaged}
+
+
+def check_outputs_refused(r, run_dir):
+    """-o never writes over what is not a report: a run's own files, a folder, a device, a link."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    with open(metrics, "rb") as f:
+        before = f.read()
+    p = r.report([run_dir], metrics, expect_rc=2)
+    expect("exists and is not a report of tk-report" in p.stderr, "-o metrics.jsonl: " + p.stderr)
+    with open(metrics, "rb") as f:
+        expect(f.read() == before, "-o metrics.jsonl changed the run's records")
+    p = r.report([run_dir], "/dev/null", expect_rc=2)
+    expect("/dev/null: is not a regular file" in p.stderr, "-o /dev/null: " + p.stderr)
+    expect(stat.S_ISCHR(os.stat("/dev/null").st_mode), "/dev/null is no longer a character device")
+    p = r.report([run_dir], run_dir, expect_rc=2)
+    expect("is a folder" in p.stderr, "-o a folder: " + p.stderr)
+    link = os.path.join(r.a.work, "link.html")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(metrics, link)
+    p = r.report([run_dir], link, expect_rc=2)
+    expect("is a link" in p.stderr, "-o a link: " + p.stderr)
+    with open(metrics, "rb") as f:
+        expect(f.read() == before, "-o a link to metrics.jsonl changed the run's records")
+    notes = os.path.join(r.a.work, "notes.html")
+    with open(notes, "w") as f:
+        f.write("<html>my notes</html>\n")
+    r.report([run_dir], notes, expect_rc=2)
+    # A report is replaced (the one tk-run --report wrote, say).
+    r.report([run_dir], os.path.join(run_dir, "report.html"))
 
 
 def find_chromium():

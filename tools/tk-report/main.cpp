@@ -32,6 +32,9 @@ int main(int argc, char** argv) {
   } catch (const tk::report::NotARun& e) {
     std::fprintf(stderr, "tk-report: error: %s\n", e.what());
     return 2;
+  } catch (const tk::report::NotReplaceable& e) {
+    std::fprintf(stderr, "tk-report: error: %s\n", e.what());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-report: error: %s\n", e.what());
     return 1;

@@ -254,8 +254,36 @@ std::string render(const std::vector<fs::path>& dirs, std::vector<std::string>& 
   return page;
 }
 
+namespace {
+
+/// Refuses to write over what is not a report: a folder, a device, a link, or a file without the
+/// report's marker (a run's metrics.jsonl, say).
+void check_replaceable(const fs::path& out) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(out, ec);
+  if (ec || !fs::exists(st)) {
+    if (out.has_parent_path() && !fs::is_directory(out.parent_path(), ec))
+      throw NotReplaceable(out.string() + ": its folder " + out.parent_path().string() + " does not exist");
+    return;  // a new file
+  }
+  const std::string what = fs::is_directory(st) ? "a folder" : fs::is_symlink(st) ? "a link" : "not a regular file";
+  if (!fs::is_regular_file(st))
+    throw NotReplaceable(out.string() + ": is " + what + "; the report goes to a regular file of its own");
+  std::ifstream in(out, std::ios::binary);
+  std::string head(4096, '\0');
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(in.gcount()));
+  // Pages of tk-report before it wrote the marker carry its title.
+  if (head.find(kReportMarker) == std::string::npos && head.find("<title>trainkit report</title>") == std::string::npos)
+    throw NotReplaceable(out.string() + ": exists and is not a report of tk-report (its first 4 KiB have no " +
+                         kReportMarker + "): it is not replaced; give -o a new file, or a report to replace");
+}
+
+}  // namespace
+
 Written write(const std::vector<fs::path>& runs, const fs::path& out) {
   Written w{out, {}};
+  check_replaceable(out);
   write_atomic(out, render(runs, w.warnings));
   return w;
 }

@@ -371,6 +371,9 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
 
 int main(int argc, char** argv) {
   prefer_passive_openmp(argv);
+  // Past a file-size limit (ulimit -f) a write fails with EFBIG, which the run reports like a full
+  // disk (exit 1, the file named, status.json "failed"), instead of the process being killed.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"Trains the run a TOML recipe describes and writes it to the recipe's output folder.", "tk-run"};
   Cli c;
   add_options(app, c);

@@ -36,6 +36,9 @@ class WindowSchedule {
   int64_t steps_in(int64_t epochs) const;
   /// Micro-batches of the window that starts as optimizer step `step` after `samples` examples.
   int64_t size_at(int64_t step, int64_t samples) const;
+  /// Whether the ramp (if any) is over within a run of `total_steps` optimizer steps: it lasts at
+  /// most that many steps, or the run's steps take at least its examples.
+  bool ramp_completes(int64_t total_steps) const;
 
  private:
   int64_t fixed_steps_from(int64_t epoch, int64_t b, int64_t epochs) const;
