@@ -237,8 +237,13 @@ std::string Loop::non_finite_loss() {
       return what + "parameter " + p.key() + " is no longer finite: training diverged (lower the learning rate?)";
   for (const auto& idx : window_indices_) {
     const Batch b = r_.fetch(*r_.data.train, idx);
-    if (!r_.model->forward(b.input).isfinite().all().item<bool>())
-      return what + model_label() + " gives a non-finite output for finite inputs and parameters";
+    if (r_.model->forward(b.input).isfinite().all().item<bool>()) continue;
+    if (s_.counters.step == 0)
+      return what + model_label() + " gives a non-finite output for finite inputs and its initial parameters";
+    double largest = 0;
+    for (const auto& p : r_.model->parameters()) largest = std::max(largest, p.abs().max().item<double>());
+    return what + model_label() + " gives a non-finite output for finite inputs and parameters (the largest " +
+           fmt_loss(largest) + "): training diverged (lower the learning rate?), or the model computes a NaN";
   }
   return what + "the model's outputs are finite, the loss '" + r_.loss_name +
          "' of them is not: training diverged (lower the learning rate?)";

@@ -14,6 +14,7 @@
 
 #include "files.h"
 #include "readable.h"
+#include "run_folder.h"
 #include "state.h"
 #include "tk/checkpoint.h"
 #include "tk/components.h"
@@ -251,9 +252,12 @@ class RunOutputs {
   void write_plugin_files(Run& run, bool only_missing);
   /// Records `file` as plugin `plugin`'s in files.json before it is written.
   void record_plugin_file(const std::string& plugin, const std::string& file);
-  /// files.json's lists, by plugin; refuses a damaged one.
-  std::map<std::string, std::vector<std::string>> manifest() const;
-  void write_manifest(const std::map<std::string, std::vector<std::string>>& files) const;
+  /// Records `file` as the core's in files.json before it is written (once).
+  void own(const std::string& file) const;
+  /// files.json as it is; refuses a damaged one.
+  Manifest load_manifest() const;
+  /// The run's record of its files, read from files.json when first needed.
+  Manifest& manifest() const;
   void wrote(const std::string& file);
 
   bool active_ = false, resuming_ = false, overwrite_ = false;
@@ -264,6 +268,8 @@ class RunOutputs {
   FolderLock lock_;
   AppendFile metrics_;
   std::vector<std::string> written_;
+  mutable Manifest manifest_;  // files.json as this run keeps it (read when first needed)
+  mutable bool manifest_loaded_ = false;
 };
 
 /// The folder a run writes: run.output, else runs/<run.name>.

@@ -86,7 +86,7 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
              "infinite input"),
             ("a model whose output is NaN", [ts("nan_out"), "--progress", "none", "--overwrite", "--set",
                                               "run.output=\"%s\"" % os.path.join(work, "nan-run")], 1,
-             "model 'torchscript' (%s) gives a non-finite output for finite inputs and parameters" % os.path.join(work, "nan_out.ts")),
+             "model 'torchscript' (%s) gives a non-finite output for finite inputs and its initial parameters" % os.path.join(work, "nan_out.ts")),
             ("a model whose output is detached", [ts("detached"), "--progress", "none", "--overwrite", "--set",
                                                   "run.output=\"%s\"" % os.path.join(work, "detached-run")], 1,
              "model 'torchscript' (%s): its output does not depend on a trainable parameter" % os.path.join(work, "detached.ts")),

@@ -400,7 +400,9 @@ TEST_SUITE("plugin API") {
     }
     REQUIRE(fs::exists(dir / "mine.txt"));
     // A hand-edited (or damaged) list: names that are no plugin's file must never be deleted.
-    std::ofstream(dir / "files.json") << R"({"plugins": {"writes": ["mine.txt", "..", "", ".", "keep", "recipe.toml",
+    std::ofstream(dir / "files.json") << R"({"core": ["recipe.toml", "metrics.jsonl", "status.json", "weights.pt",
+                                                     "checkpoints", "../x"],
+                                            "plugins": {"writes": ["mine.txt", "..", "", ".", "keep", "recipe.toml",
                                           "../)" << outside.filename().string() << R"("], "other": "not a list"}})";
     fs::create_directories(dir / "keep");
     std::ofstream(dir / "keep" / "data.txt") << "mine\n";
@@ -412,7 +414,10 @@ TEST_SUITE("plugin API") {
     CHECK(fs::exists(dir / "keep" / "data.txt"));
     CHECK(fs::exists(outside));
     CHECK(fs::exists(dir / "metrics.jsonl"));
-    CHECK_FALSE(fs::exists(dir / "files.json"));  // the new run wrote no plugin file
+    std::ifstream manifest(dir / "files.json");
+    const std::string listed((std::istreambuf_iterator<char>(manifest)), std::istreambuf_iterator<char>());
+    CHECK(listed.find("mine.txt") == std::string::npos);  // the new run wrote none
+    CHECK(listed.find("\"metrics.jsonl\"") != std::string::npos);
     fs::remove_all(dir);
     fs::remove(outside);
   }

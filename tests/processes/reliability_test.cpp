@@ -56,14 +56,14 @@ void check_same_run(const fs::path& dir, const fs::path& reference) {
 TEST_SUITE("reliability") {
   TEST_CASE("a write that fails stops the run at once, naming the file; the last good checkpoint is kept") {
     const fs::path root = tkt::temp_dir("full-disk");
-    SUBCASE("metrics.jsonl on a full device") {
+    SUBCASE("metrics.jsonl a link to a device: not trainkit's, never written through") {
       fs::create_directories(root / "out");
       fs::create_symlink("/dev/full", root / "out/metrics.jsonl");
-      auto p = tk_run(root, kBase, "");
+      auto p = tk_run(root, kBase, "--overwrite");
       INFO(p.out);
-      CHECK(p.rc == 1);
-      CHECK(has(p, "cannot write '" + (root / "out/metrics.jsonl").string() + "': No space left on device"));
-      CHECK(!has(p, "wrote /"));
+      CHECK(p.rc == 2);
+      CHECK(has(p, "holds files trainkit did not write where it writes (metrics.jsonl)"));
+      CHECK(fs::is_symlink(root / "out/metrics.jsonl"));
     }
     SUBCASE("files that may not grow past a limit, as on a disk that fills up") {
       // With a 24 KiB limit on file size the checkpoint files fit and metrics.jsonl, after some
@@ -138,6 +138,42 @@ TEST_SUITE("reliability") {
     CHECK(records(root / "out/metrics.jsonl").size() == 4);
     CHECK(!fs::exists(root / "out/checkpoints/step-00000006"));  // the old run's checkpoints are gone
     CHECK(fs::exists(root / "out/checkpoints/step-00000004"));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("--overwrite deletes only what trainkit wrote; files of a person's at trainkit's names are never touched") {
+    const fs::path root = tkt::temp_dir("foreign");
+    // A folder of a person's own, at the names trainkit writes: refused, with or without --overwrite.
+    fs::create_directories(root / "out/checkpoints/epoch_10");
+    std::ofstream(root / "out/checkpoints/epoch_10/model.bin") << "my model\n";
+    std::ofstream(root / "out/weights.pt") << "my weights\n";
+    std::ofstream(root / "out/notes.txt") << "my notes\n";
+    for (const std::string flag : {"", "--overwrite"}) {
+      auto p = tk_run(root, kBase, "--set run.steps=2 " + flag);
+      INFO(p.out);
+      CHECK(p.rc == 2);
+      CHECK(has(p, "holds files trainkit did not write where it writes (weights.pt, checkpoints/epoch_10)"));
+    }
+    CHECK(tkt::read_text(root / "out/weights.pt") == "my weights\n");
+    CHECK(tkt::read_text(root / "out/checkpoints/epoch_10/model.bin") == "my model\n");
+    // Without them, a run trains there and leaves notes.txt alone; then a person's folder in
+    // checkpoints/ of that run stops an --overwrite, which deletes nothing.
+    fs::remove_all(root / "out/checkpoints");
+    fs::remove(root / "out/weights.pt");
+    REQUIRE(tk_run(root, kBase, "--set run.steps=2").rc == 0);
+    fs::create_directories(root / "out/checkpoints/mine");
+    auto over = tk_run(root, kBase, "--set run.steps=2 --overwrite");
+    INFO(over.out);
+    CHECK(over.rc == 2);
+    CHECK(has(over, "(checkpoints/mine)"));
+    CHECK(fs::exists(root / "out/weights.pt"));
+    CHECK(fs::exists(root / "out/checkpoints/step-00000002"));
+    fs::remove_all(root / "out/checkpoints/mine");
+    auto clean = tk_run(root, kBase, "--set run.steps=3 --overwrite");
+    INFO(clean.out);
+    CHECK(clean.rc == 0);
+    CHECK(!fs::exists(root / "out/checkpoints/step-00000002"));
+    CHECK(tkt::read_text(root / "out/notes.txt") == "my notes\n");
     fs::remove_all(root);
   }
 
