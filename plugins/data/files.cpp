@@ -277,6 +277,9 @@ DataSplits make_text(const Options& o, uint64_t) {
     total += d.size();
     longest = std::max(longest, d.size());
   }
+  if (longest < 2)
+    o.fail("path", path + " gives no training sequence: its longest document has " + std::to_string(longest) +
+                       " tokens, and a sequence needs at least 2 (an input and the next one)");
   if (static_cast<double>(t) > 2.0 * static_cast<double>(longest) + 16.0)
     o.fail("seq_len", "is " + std::to_string(t) + ", more than twice the longest document of " + path + " (" +
                           std::to_string(longest) + " tokens): every example would be mostly padding");

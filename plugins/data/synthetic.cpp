@@ -51,9 +51,13 @@ void check_positive(const Options& o, std::initializer_list<const char*> keys) {
 /// Refuses synthetic data whose tensors (`values` numbers per example, float32, a few temporaries
 /// while generating) could not fit this machine's memory.
 void require_data_fits(const Options& o, double values_per_example) {
-  const double n = static_cast<double>(o.get_int("samples")) + std::max<double>(0, static_cast<double>(o.get_int("validation_samples")));
-  require_memory(o, "samples", 3 * 4 * n * values_per_example,
-                 std::to_string(o.get_int("samples")) + " examples of " + std::to_string(o.get_int("features")) + " features");
+  const int64_t train = o.get_int("samples"), val = std::max<int64_t>(0, o.get_int("validation_samples"));
+  const double n = static_cast<double>(train) + static_cast<double>(val);
+  // The split that asks for more is the one named.
+  const char* key = val > train ? "validation_samples" : "samples";
+  require_memory(o, key, 3 * 4 * n * values_per_example,
+                 std::to_string(train) + " training and " + std::to_string(val) + " validation examples of " +
+                     std::to_string(o.get_int("features")) + " features");
 }
 
 /// A fixed random teacher maps inputs to targets: a learnable task with a known structure.
@@ -139,6 +143,9 @@ DataSplits tensor_file(const Options& o, uint64_t) {
   if (x.dim() < 2 || x.size(0) != y.size(0))
     o.fail("inputs", "expected inputs [N, features], [N, T, features] or images [N, C, H, W] and targets with the same N, got " +
                          c10::str(x.sizes()) + " and " + c10::str(y.sizes()));
+  if (x.numel() == 0 || y.numel() == 0)
+    o.fail("inputs", "the inputs " + c10::str(x.sizes()) + " and targets " + c10::str(y.sizes()) +
+                         " hold no values: every example needs at least one input and one target");
   const bool tokens_in = o.get_bool("token_inputs");
   if (tokens_in && (x.dim() != 2 || at::isFloatingType(x.scalar_type()) || x.min().item<int64_t>() < 0))
     o.fail("token_inputs", "needs inputs of non-negative integer token ids [N, T], got " +

@@ -262,10 +262,17 @@ class ScriptedModel : public Model {
       into.register_parameter(p.name, p.value, p.value.requires_grad());
     for (const auto& b : from.named_buffers(/*recurse=*/false)) into.register_buffer(b.name, b.value);
     for (const auto& child : from.named_children()) {
-      auto sub = std::make_shared<torch::nn::Module>(child.name);
+      // Named after the scripted module's class ("BatchNorm2d"), which TorchScript keeps: what
+      // the BatchNorm note and the accumulation verifier look for.
+      auto sub = std::make_shared<torch::nn::Module>(class_of(child.value, child.name));
       mirror(*sub, child.value);
       into.register_module(child.name, sub);
     }
+  }
+
+  static std::string class_of(const torch::jit::Module& m, const std::string& fallback) {
+    const auto type = m.type();
+    return type && type->name() ? "TorchScript " + type->name()->name() : fallback;
   }
 
   torch::jit::Module module_;

@@ -57,6 +57,7 @@ torch.save({"inputs": torch.randn(64, 2, 2, 2, 2), "targets": y}, d + "/five_d.p
 torch.save(collections.OrderedDict(inputs=x, targets=y), d + "/ordered.pt")
 torch.save({"inputs": x}, d + "/one_key.pt")
 torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
+torch.save({"inputs": torch.zeros(64, 0), "targets": y}, d + "/no_features.pt")
 # A NaN past the first million examples (which the check before training reads), in the first
 # micro-batch the run reaches when it is not shuffled.
 big = torch.zeros(1000016, 1); big[1000008, 0] = float("nan")
@@ -99,6 +100,7 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
             ("5-D inputs for an MLP", [t("five_d"), "--dry-run"], 2, "does not go through the model"),
             ("an OrderedDict", [t("ordered"), "--dry-run"], 2, "ordered.pt"),
             ("a file without targets", [t("no_targets"), "--dry-run"], 2, "data.targets: the file has no tensor 'targets'"),
+            ("inputs of no features", [t("no_features"), "--dry-run"], 2, "data.inputs: the inputs [64, 0] and targets [64] hold no values"),
             # LibTorch 1.13 cannot unpickle a dict of one entry; 2.x reads it and finds no targets.
             ("a dict of one tensor", [t("one_key"), "--dry-run"], 2,
              ("one_key.pt: not a tensor file written by torch.save or trainkit (a plain dict of name -> tensor): its "
@@ -119,7 +121,12 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
         ("epochs that overflow", [quick, "--dry-run", "--set", "run.epochs=1099511627776"], 2, "beyond what any machine can train"),
         ("accumulation that overflows", [quick, "--dry-run", "--set", "plugins.grad_accum.steps=9223372036854775807"], 2, "effective batch"),
         ("a model larger than memory", [quick, "--dry-run", "--set", "model.hidden=[100000000,100000000]"], 2, "model.hidden: a model of 1e+16 parameters"),
-        ("data larger than memory", [quick, "--dry-run", "--set", "data.samples=4000000000"], 2, "data.samples: 4000000000 examples"),
+        ("data larger than memory", [quick, "--dry-run", "--set", "data.samples=4000000000"], 2,
+         "data.samples: 4000000000 training and 2048 validation examples"),
+        ("an empty text file", [gpt, "--dry-run", "--set", 'data.path="%s"' % write("empty.txt", "")], 2,
+         "empty.txt gives no training sequence: its longest document has 0 tokens"),
+        ("validation data larger than memory", [quick, "--dry-run", "--set", "data.validation_samples=9223372036854775807"], 2,
+         "data.validation_samples: 8192 training and 9223372036854775807 validation examples"),
         ("seq_len longer than the text", [gpt, "--dry-run", "--set", "data.seq_len=100000000"], 2, "data.seq_len: is 100000000, more than twice the longest document"),
         ("noise = nan", [quick, "--dry-run", "--set", "data.noise=nan"], 2, "data.noise: is nan"),
         ("an empty key in --set", [quick, "--dry-run", "--set", "run.=2"], 2, "--set run.=2: empty component in key"),

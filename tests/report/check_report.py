@@ -141,6 +141,13 @@ def check_pages(a):
     p = r.report([a.work], os.path.join(a.work, "x.html"), expect_rc=2)
     expect("not a run's output folder" in p.stderr, "a folder that is not a run: " + p.stderr)
     check_outputs_refused(r, accum)
+    garbage = os.path.join(r.a.work, "garbage-status")
+    shutil.rmtree(garbage, ignore_errors=True)
+    shutil.copytree(big, garbage)
+    with open(os.path.join(garbage, "status.json"), "w") as f:
+        f.write("\x00\x01 not json")
+    p = r.report([garbage], os.path.join(r.a.work, "garbage.html"))
+    expect("garbage-status/status.json: damaged" in p.stderr, "a damaged status.json is not warned about: " + p.stderr)
 
     # What the pages hold.
     d = embedded(pages["all"])

@@ -164,12 +164,15 @@ long lock_holder(const fs::path& file) {
 
 /// Where the run stands: status.json as the run last wrote it, checked against the folder's lock
 /// (a "running" run whose lock nobody holds was killed).
-json read_status(const fs::path& dir) {
+json read_status(const fs::path& dir, std::vector<std::string>& warnings) {
   json s = json::object();
   if (fs::exists(dir / "status.json")) {
     s = json::parse(read_text(dir / "status.json"), nullptr, false);
-    if (s.is_discarded() || !s.is_object() || !s.contains("status") || !s["status"].is_string())
+    if (s.is_discarded() || !s.is_object() || !s.contains("status") || !s["status"].is_string()) {
+      warnings.push_back((dir / "status.json").string() + ": damaged (not a status tk-run writes); the run's state is "
+                         "shown as unknown");
       s = {{"status", "unknown"}, {"detail", "status.json is damaged"}};
+    }
   } else {
     // A folder written before runs recorded their status.
     s["status"] = fs::exists(dir / "weights.pt") ? "completed" : "unknown";
@@ -196,7 +199,7 @@ json read_run(const fs::path& dir, std::vector<std::string>& warnings) {
   if (!has_metrics && !has_recipe)
     throw NotARun(dir.string() + ": not a run's output folder (it has neither metrics.jsonl nor recipe.toml)");
   json run = {{"path", dir.string()}, {"notes", json::array()}};
-  run["status"] = read_status(dir);
+  run["status"] = read_status(dir, warnings);
   read_metrics(dir / "metrics.jsonl", run, warnings);
   run["recipe"] = json::object();
   if (has_recipe) {
