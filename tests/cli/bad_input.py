@@ -46,8 +46,10 @@ def main():
         subprocess.run(["/usr/bin/python3", "-c", """
 import collections, torch, sys
 d = sys.argv[1]
+torch.manual_seed(0)
 x = torch.randn(64, 8)
-torch.save({"inputs": x, "targets": torch.randint(0, 11, (64,))}, d + "/oob.pt")
+oob = torch.randint(0, 10, (64,)); oob[5] = 10  # one target outside the 10 classes, whatever the draw
+torch.save({"inputs": x, "targets": oob}, d + "/oob.pt")
 torch.save({"inputs": x, "targets": torch.randint(-5, 0, (64,))}, d + "/negative.pt")
 torch.save({"inputs": x, "targets": torch.randn(64)}, d + "/float.pt")
 y = torch.randint(0, 10, (64,))
