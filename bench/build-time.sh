@@ -24,8 +24,7 @@ secs run_warm "tk-run + plugins, warm" build "tk-run tk_plugins"; run_hits=$(hit
 rm -rf "$work/clone/build" "$CCACHE_DIR"
 secs all_cold "everything, cold" build ""; rm -rf "$work/clone/build"; ccache -z > /dev/null
 secs all_warm "everything, warm" build ""; all_hits=$(hits)
-cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
-echo "build times on $(nproc) cores ($cpu), ccache $(ccache --version | head -1 | awk '{print $3}')"
+echo "build times on $(nproc) cores, ccache $(ccache --version | head -1 | awk '{print $3}')"
 bench_bin="$work/clone/build/bin" bench_cpu
 printf '| build | cold (empty ccache) | warm (ccache kept, build folder new) | warm-build ccache |\n|---|---|---|---|\n'
 printf '| tools/run.sh: tk-run + plugins | %d s | %d s | %s |\n' "$run_cold" "$run_warm" "$run_hits"

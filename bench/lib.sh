@@ -184,7 +184,7 @@ bench_cmd() {  # NAME KEY CMD...
 
 bench_cpu() {  # [python]
   local model flags f isa="" line torch
-  model=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -n 1)
+  model=$({ lscpu 2>/dev/null || true; } | sed -n 's/^Model name: *//p' | head -n 1)
   [ -n "$model" ] || model=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
   flags=" $(sed -n 's/^\(flags\|Features\)[[:space:]]*: //p' /proc/cpuinfo | head -n 1) "
   for f in avx2 avx512f avx512_bf16 amx_tile amx_bf16; do
