@@ -74,7 +74,7 @@ case_ "precision.sh: tk-run refused"                  "$refused" "${refuse[@]}" 
 case_ "memory.sh: tk-run refused"                     "$refused" "${refuse[@]}" -- memory.sh
 case_ "gpt-memory.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- gpt-memory.sh 8 3
 case_ "auto-batch.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- auto-batch.sh 8 2 300MiB
-case_ "ddp.sh: tk-run refused"                        "$refused" "${refuse[@]}" -- ddp.sh
+case_ "ddp.sh: tk-run refused"                        "$refused" "${refuse[@]}" -- ddp.sh 1
 case_ "precision.sh: 2nd tk-run refused (folder in use)" "holds another run" BUILD_DIR="$tmp/second-refused" -- precision.sh 1
 case_ "overhead.sh: tk-run killed mid-run"            "ended by signal SIGKILL" TK_FAULT=metrics-written:10 -- overhead.sh 1 1
 case_ "precision.sh: tk-run ends short, exit 0"       "holds 20 step records" TK_BENCH_EXTRA="--set run.steps=20" -- precision.sh 1

@@ -244,4 +244,17 @@ void make_optimizer(Run& r) {
   r.optimizer = r.optimizer_maker->make(r.opt_opts, trainable);
 }
 
+void zero_grads(Run& r) {
+  for (auto& group : r.optimizer->param_groups())
+    for (auto& p : group.params()) {
+      at::Tensor& g = p.mutable_grad();
+      if (!g.defined()) {
+        g = at::zeros_like(p, at::MemoryFormat::Preserve);
+        continue;
+      }
+      if (g.requires_grad()) g = g.detach();  // a graph left by create_graph: dropped (detach_ fails on views)
+      g.zero_();
+    }
+}
+
 }  // namespace tk::detail

@@ -178,7 +178,7 @@ bool Loop::optimizer_step() {
   if (!skipped && !std::isfinite(s_.window_loss)) throw Error(non_finite_loss());
   if (!skipped) r_.optimizer->step();
   else ++s_.counters.skipped_steps;
-  r_.optimizer->zero_grad();
+  zero_grads(r_);
   ++s_.counters.step;
   if (!skipped || s_.step.veto_advances_schedule) ++s_.counters.schedule_step;
   emit(Event::StepEnd);
@@ -408,8 +408,9 @@ void Loop::train_epoch(int64_t epoch, int64_t first) {
 
 void Loop::train_epochs(Start start) {
   for (const Slot* s : handlers_[static_cast<size_t>(Event::FitStart)]) not_started_.insert(s);
+  zero_grads(r_);  // before fit_start: data parallel's buckets take the gradients as they are made
   emit(Event::FitStart);
-  r_.optimizer->zero_grad();
+  zero_grads(r_);
   done_ = s_.counters.step >= r_.total_steps;
   // A micro-batch picked by memory, or any run on CUDA (where reading the caching allocator's
   // peak costs nothing): each step's record says how much it took.

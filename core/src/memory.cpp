@@ -113,7 +113,7 @@ double measure_step(Run& r, int64_t m, int64_t k) {
       loss.backward();
     }
     r.optimizer->step();
-    r.optimizer->zero_grad();
+    zero_grads(r);
   }
   return meter.take_peak();
 }

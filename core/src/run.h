@@ -113,6 +113,13 @@ void build_components(Run& run, const Recipe& recipe);
 void check_component_sections(Run& run, const Recipe& recipe);
 /// Makes the optimizer over the model's trainable parameters (again, after a trial step).
 void make_optimizer(Run& run);
+/// Zeroes the gradients of the optimizer's parameters in place, keeping their storage (data
+/// parallel's gradients are views of its buckets), on every LibTorch (2.x's zero_grad drops them,
+/// 1.x's detaches them in place, which views refuse). A parameter without one gets a zero
+/// gradient: every trainable parameter holds one from the start of training, so a step that does
+/// not use a parameter steps it with a zero gradient in a fresh run, a resumed one and on every
+/// rank alike.
+void zero_grads(Run& run);
 /// An error about the effective batch, at the recipe line of the window plugin's option `key`
 /// when it has one (planning and the memory pick refuse with it).
 [[noreturn]] void refuse_window(const Run& run, const std::string& key, const std::string& what);

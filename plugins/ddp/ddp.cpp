@@ -1,27 +1,35 @@
 // Distributed data parallel on PyTorch's c10d: a TCPStore rendezvous, ProcessGroupGloo on CPU
-// (ProcessGroupNCCL on CUDA where LibTorch was built with it).
+// (ProcessGroupNCCL on CUDA where LibTorch was built with it), and c10d's Reducer, the bucketed
+// gradient all-reduce that PyTorch's DistributedDataParallel runs on.
 //
-// Every rank starts from rank 0's parameters and buffers, reads its own shard of each epoch (the
-// core strides the shared shuffle by rank) and accumulates gradients locally. At the boundary, once
-// per window and before normalization, unscaling and clipping (its contract says so), the
-// gradients are summed across ranks in a few flat buckets, together with the window's totals
-// (micro-batches, samples, tokens, loss), so that normalization divides by the global counts and
-// the step equals the single-process step on the global window.
+// Every rank starts from rank 0's parameters and buffers (after checking that every rank built
+// the same model), reads its own shard of each epoch (the core strides the shared shuffle by
+// rank) and accumulates gradients locally over a window's micro-batches. The window's last
+// backward is the one the reducer is armed for: as each bucket of gradients becomes ready, its
+// sum over ranks is launched while backward goes on computing the rest, so communication
+// overlaps computation. Parameters a rank did not use get zeros from it (the unused-parameter
+// search, on by default), so ranks may take different branches of a model. At the boundary the
+// window's totals (micro-batches, samples, tokens, loss) are summed too, so that normalization
+// divides by the global counts and the step equals the single-process step on the global window.
 //
 // The world comes from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 // MASTER_PORT) or Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with MASTER_ADDR and
 // MASTER_PORT given); `tk-run --nproc N` sets the former. Without them the world is one process.
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #include <tk/abi.h>
 #include <tk/compat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <sstream>
 
 namespace {
@@ -71,13 +79,114 @@ World detect_world() {
   return w;
 }
 
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+/// When the reducer launched the all-reduces of the current window's last backward. The reducer
+/// calls its communication hook from autograd's thread (the caller's on the CPU, a device thread
+/// on CUDA); the plugin reads these after backward has returned.
+struct Launches {
+  std::mutex m;
+  Clock::time_point first, last;
+  int64_t count = 0;
+
+  void reset() {
+    std::lock_guard<std::mutex> lock(m);
+    count = 0;
+  }
+  void launched() {
+    std::lock_guard<std::mutex> lock(m);
+    last = Clock::now();
+    if (count++ == 0) first = last;
+  }
+};
+
+/// The reducer's communication hook: each bucket summed over ranks, in place. (Without a hook the
+/// reducer divides by the world size; trainkit's normalization divides by the window's global
+/// counts instead.)
+class SumHook final : public c10d::CommHookInterface {
+ public:
+  SumHook(c10::intrusive_ptr<c10d::ProcessGroup> group, std::shared_ptr<Launches> launches)
+      : group_(std::move(group)), launches_(std::move(launches)) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    launches_->launched();
+    std::vector<at::Tensor> tensors{bucket.getBufferRef()};
+    return group_->allreduce(tensors)->getFuture();
+  }
+  /// The all-reduce's future holds the list of tensors it reduced: one, the bucket.
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    return result.isTensor() ? result.toTensor() : result.toTensorVector().at(0);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::shared_ptr<Launches> launches_;
+};
+
+/// c10d's Reducer, told which parameters a window's earlier micro-batches used. PyTorch's reducer
+/// records use only in the backward it is armed for (a window's last), so a parameter used in an
+/// earlier micro-batch and not in the last would count as unused everywhere: its gradient left
+/// unsummed on the ranks that have one, absent on the others. Marking every parameter that holds
+/// a gradient as used gives it the sum over ranks, zeros for the ranks without one.
+class WindowReducer final : public c10d::Reducer {
+ public:
+  using c10d::Reducer::Reducer;
+  /// After prepare_for_backward, before backward (its used-map is cleared when a backward ends).
+  void mark_used(const std::vector<int64_t>& indices) {
+    if (indices.empty() || !local_used_map_.defined()) return;
+    local_used_map_.index_fill_(0, torch::tensor(indices, torch::kLong), 1);
+  }
+};
+
+/// 64-bit FNV-1a of a name, to compare names across ranks as numbers.
+int64_t name_hash(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 1);
+}
+
+/// One parameter's or buffer's description, the same width for every tensor: its name's hash,
+/// dtype, dimensions (up to kDims; more are folded into the last) and trainability.
+constexpr int kDims = 8;
+constexpr int kWidth = kDims + 4;
+
+void describe(const std::string& name, const at::Tensor& t, std::vector<int64_t>& out) {
+  out.push_back(name_hash(name));
+  out.push_back(static_cast<int64_t>(t.scalar_type()));
+  out.push_back(t.dim());
+  for (int d = 0; d < kDims; ++d) {
+    int64_t v = d < t.dim() ? t.size(d) : -1;
+    for (int64_t e = kDims; d == kDims - 1 && e < t.dim(); ++e) v = v * 1000003 + t.size(e);
+    out.push_back(v);
+  }
+  out.push_back(t.requires_grad() ? 1 : 0);
+}
+
+std::string shape_of(const int64_t* row) {
+  std::ostringstream s;
+  s << "[";
+  for (int64_t d = 0; d < std::min<int64_t>(row[2], kDims); ++d) s << (d ? ", " : "") << row[3 + d];
+  if (row[2] > kDims) s << ", ...";
+  s << "] " << c10::toString(static_cast<at::ScalarType>(row[1])) << (row[3 + kDims] ? "" : ", frozen");
+  return s.str();
+}
+
 class Ddp final : public tk::Plugin {
  public:
   void bind(tk::OptionBinder& o) override {
     o.add("backend", backend_, "collective backend: gloo (CPU), nccl (CUDA), auto", {"auto", "gloo", "nccl"});
     o.add("timeout_s", timeout_s_, "seconds a collective may take before the run fails");
     o.add("rendezvous_timeout_s", rendezvous_timeout_s_, "seconds to wait for every rank to join");
-    o.add("bucket_mb", bucket_mb_, "size of the flat gradient buckets all-reduced together");
+    o.add("bucket_mb", bucket_mb_, "size of the gradient buckets all-reduced together (PyTorch DDP's bucket_cap_mb)");
+    o.add("first_bucket_mb", first_bucket_mb_,
+          "size of the first bucket, the one launched earliest in backward (PyTorch DDP uses 1 MiB)");
+    o.add("find_unused_parameters", find_unused_,
+          "search each window's last backward for parameters that get no gradient and count them as zero on that "
+          "rank; false skips the search for models that use every parameter, and a parameter that turns out unused "
+          "is then an error");
     o.add("check_every", check_every_, "every N steps, verify that all ranks hold the same parameters (0: never)");
   }
 
@@ -85,10 +194,12 @@ class Ddp final : public tk::Plugin {
     if (!(timeout_s_ > 0)) fail_option(timeout_s_, "must be > 0");
     if (!(rendezvous_timeout_s_ > 0)) fail_option(rendezvous_timeout_s_, "must be > 0");
     if (!(bucket_mb_ > 0)) fail_option(bucket_mb_, "must be > 0");
+    if (!(first_bucket_mb_ > 0)) fail_option(first_bucket_mb_, "must be > 0");
     if (check_every_ < 0) fail_option(check_every_, "must be >= 0");
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
     rdv_timeout_ = std::chrono::milliseconds(static_cast<int64_t>(rendezvous_timeout_s_ * 1000));
-    bucket_bytes_ = static_cast<int64_t>(bucket_mb_ * 1024 * 1024);
+    bucket_bytes_ = static_cast<int64_t>(std::min(bucket_mb_ * 1024 * 1024, 1e15));
+    first_bucket_bytes_ = static_cast<int64_t>(std::min(first_bucket_mb_ * 1024 * 1024, 1e15));
   }
 
   tk::Contract contract() const override {
@@ -110,16 +221,87 @@ class Ddp final : public tk::Plugin {
 #endif
   }
 
-  void on_fit_start(tk::Context& ctx) override { start(ctx); }
-  void on_boundary(tk::Context& ctx) override { sync(ctx); }
+  void on_fit_start(tk::Context& ctx) override {
+    if (world_.size == 1) return;
+    join(ctx);
+    agree_on_window(ctx.plan());
+    check_same_model(ctx.model());
+    broadcast_from_rank0(ctx.model());
+    build_reducer(ctx);
+  }
+
+  void on_loss(tk::Context& ctx) override {
+    if (!reducer_) return decline(tk::Event::Loss);
+    if (!ctx.window().is_last()) return;  // the window's other micro-batches accumulate locally
+    // Once, after the first window: buckets in the order gradients became ready (a broadcast from
+    // rank 0; PyTorch does it only without the unused-parameter search). It also fails if the
+    // previous reduction did not finish.
+    if (reducer_->rebuild_buckets()) buckets_ = static_cast<int64_t>(reducer_->get_grad_buckets(false).size());
+    std::vector<int64_t> used;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].grad().defined()) used.push_back(static_cast<int64_t>(i));
+    launches_->reset();
+    std::fill(got_grad_->begin(), got_grad_->end(), 0);
+    const auto t0 = Clock::now();
+    reducer_->prepare_for_backward({ctx.loss()});
+    reducer_->mark_used(used);
+    backward_start_ = Clock::now();
+    prepare_ms_ = ms_between(t0, backward_start_);
+  }
+
+  void on_backward(tk::Context& ctx) override {
+    if (!reducer_) return decline(tk::Event::Backward);
+    if (!ctx.window().is_last()) return;
+    const auto end = Clock::now();
+    std::lock_guard<std::mutex> lock(launches_->m);
+    if (launches_->count != buckets_) throw std::runtime_error(unused_message(ctx));
+    unused_ = std::count(got_grad_->begin(), got_grad_->end(), 0);
+    backward_ms_ = ms_between(backward_start_, end);
+    overlap_ms_ = ms_between(launches_->first, launches_->last);
+    wait_ms_ = ms_between(launches_->last, end);
+  }
+
+  void on_boundary(tk::Context& ctx) override {
+    if (!group_) return decline(tk::Event::Boundary);
+    const auto t0 = Clock::now();
+    torch::NoGradGuard no_grad;
+    if (average_)
+      for (auto& p : params_)
+        if (p.grad().defined()) p.mutable_grad().div_(world_.size);
+    // The window's counts and its loss (still on the device) in one all-reduce; the counts come
+    // back to the host (normalization needs them there), the loss stays for the core's read.
+    tk::WindowTotals& t = ctx.mutable_totals();
+    auto totals = torch::tensor({static_cast<double>(t.micro_batches), static_cast<double>(t.samples),
+                                 static_cast<double>(t.tokens), 0.0},
+                                torch::kDouble)
+                      .to(params_.front().device());
+    if (t.loss.defined()) totals.select(0, 3).copy_(t.loss);
+    allreduce(totals);
+    const std::vector<double> counts = ctx.read(totals.slice(0, 0, 3));
+    t.micro_batches = std::llround(counts[0]);
+    t.samples = std::llround(counts[1]);
+    t.tokens = std::llround(counts[2]);
+    t.loss = totals.select(0, 3);
+    ++syncs_;
+    // The buckets, the used-map the unused-parameter search sums, and the totals.
+    allreduces_ += buckets_ + (find_unused_ ? 1 : 0) + 1;
+    ctx.metric("ddp_boundary_ms", ms_between(t0, Clock::now()));
+    ctx.metric("ddp_backward_ms", backward_ms_);
+    ctx.metric("ddp_overlap_ms", overlap_ms_);
+    ctx.metric("ddp_wait_ms", wait_ms_);
+    ctx.metric("ddp_prepare_ms", prepare_ms_);
+    ctx.metric("ddp_buckets", static_cast<double>(buckets_));
+    ctx.metric("ddp_unused", static_cast<double>(unused_));
+    ctx.metric("ddp_syncs", static_cast<double>(syncs_));
+    ctx.metric("ddp_allreduces", static_cast<double>(allreduces_));
+  }
+
   void on_step_end(tk::Context& ctx) override {
-    if (!pg_ || check_every_ == 0) return decline(tk::Event::StepEnd);
+    if (!group_ || check_every_ == 0) return decline(tk::Event::StepEnd);
     if (ctx.counters().step % check_every_ == 0) check_same(ctx);
   }
-  void on_fit_end(tk::Context&) override {
-    pg_.reset();
-    store_.reset();
-  }
+  void on_fit_end(tk::Context&) override { leave(); }
+  ~Ddp() override { leave(); }
 
   tk::StateDict state() const override {
     return {{"syncs", torch::tensor(syncs_)}, {"allreduces", torch::tensor(allreduces_)}};
@@ -130,8 +312,7 @@ class Ddp final : public tk::Plugin {
   }
 
  private:
-  void start(tk::Context& ctx) {
-    if (world_.size == 1) return;
+  void join(tk::Context& ctx) {
     c10d::TCPStoreOptions so;
     so.port = static_cast<std::uint16_t>(world_.port);
     so.isServer = world_.rank == 0;
@@ -150,81 +331,140 @@ class Ddp final : public tk::Plugin {
       const bool loopback = world_.addr == "127.0.0.1" || world_.addr == "localhost";
       opts->devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                        : c10d::ProcessGroupGloo::createDefaultDevice());
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, world_.rank, world_.size, opts);
+      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, world_.rank, world_.size, opts);
+      group_ = tk::compat::process_group(gloo, store_, world_.rank, world_.size, false);
     }
 #ifdef USE_C10D_NCCL
     if (backend_ == "nccl") {
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout_;
-      pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, world_.rank, world_.size, opts);
+      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, world_.rank, world_.size, opts);
+      group_ = tk::compat::process_group(nccl, store_, world_.rank, world_.size, true);
     }
 #endif
     ctx.info("rank " + std::to_string(world_.rank) + " of " + std::to_string(world_.size) + " joined (" + backend_ +
              ", " + world_.source + ", rendezvous " + world_.addr + ":" + std::to_string(world_.port) + ")");
-    // Every rank must step with the same window; a micro-batch picked by memory was measured by
-    // each rank on its own.
-    const tk::RunPlan& plan = ctx.plan();
+  }
+
+  /// Every rank must step with the same window; a micro-batch picked by memory was measured by
+  /// each rank on its own.
+  void agree_on_window(const tk::RunPlan& plan) {
     auto shape = torch::tensor({plan.micro_batch(), plan.accumulation(), -plan.micro_batch(), -plan.accumulation()},
                                torch::kLong);
-    {
-      std::vector<torch::Tensor> v{shape};
-      c10d::AllreduceOptions ao;
-      ao.reduceOp = c10d::ReduceOp::MAX;
-      pg_->allreduce(v, ao)->wait();
-    }
+    allreduce(shape, c10d::ReduceOp::MAX);
     if (shape[0].item<int64_t>() != -shape[2].item<int64_t>() || shape[1].item<int64_t>() != -shape[3].item<int64_t>())
       throw std::runtime_error("the ranks planned different windows (rank " + std::to_string(world_.rank) + ": " +
                                std::to_string(plan.micro_batch()) + " x " + std::to_string(plan.accumulation()) +
                                " micro-batches; over all ranks the micro-batch ranges from " +
                                std::to_string(-shape[2].item<int64_t>()) + " to " + std::to_string(shape[0].item<int64_t>()) +
                                "): give [data] micro_batch, or the same memory_budget on every rank");
-    // Every rank starts from rank 0's parameters and buffers.
-    torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> state;
-    for (const auto& p : ctx.model().parameters()) state.push_back(p);
-    for (const auto& b : ctx.model().buffers()) state.push_back(b);
-    for (auto& bucket : buckets(state)) {
-      auto flat = flatten(bucket);
-      std::vector<torch::Tensor> v{flat};
-      c10d::BroadcastOptions bo;
-      bo.rootRank = 0;
-      pg_->broadcast(v, bo)->wait();
-      unflatten(flat, bucket);
-    }
   }
 
-  void sync(tk::Context& ctx) {
-    if (!pg_) return;
-    torch::NoGradGuard no_grad;
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<torch::Tensor> grads;
-    for (const auto& p : ctx.model().parameters())
-      if (p.grad().defined()) grads.push_back(p.grad());
-    for (auto& bucket : buckets(grads)) {
-      auto flat = flatten(bucket);
-      allreduce(flat);
-      if (average_) flat.div_(world_.size);
-      unflatten(flat, bucket);
+  /// Refuses ranks whose models differ from rank 0's (the count of parameters and buffers, each
+  /// one's name, dtype, shape and trainability): the rank that differs names the first difference;
+  /// the others say which rank it is.
+  void check_same_model(tk::Model& model) {
+    std::vector<std::string> names;
+    std::vector<int64_t> rows;
+    for (const auto& p : model.named_parameters()) names.push_back("parameter '" + p.key() + "'"), describe(p.key(), p.value(), rows);
+    for (const auto& b : model.named_buffers()) names.push_back("buffer '" + b.key() + "'"), describe(b.key(), b.value(), rows);
+    const int64_t n_params = static_cast<int64_t>(model.parameters().size());
+    auto counts = torch::tensor({n_params, static_cast<int64_t>(names.size()) - n_params}, torch::kLong);
+    const auto mine = counts.clone();
+    broadcast(counts);
+    std::string why;
+    if (!counts.equal(mine)) {
+      why = std::to_string(mine[0].item<int64_t>()) + " parameters and " + std::to_string(mine[1].item<int64_t>()) +
+            " buffers here, " + std::to_string(counts[0].item<int64_t>()) + " and " +
+            std::to_string(counts[1].item<int64_t>()) + " on rank 0";
+    } else {
+      auto theirs = torch::tensor(rows, torch::kLong);
+      broadcast(theirs);
+      const int64_t* r0 = theirs.data_ptr<int64_t>();
+      for (size_t i = 0; i < names.size() && why.empty(); ++i) {
+        const int64_t* a = rows.data() + i * kWidth;
+        const int64_t* b = r0 + i * kWidth;
+        if (std::equal(a, a + kWidth, b)) continue;
+        why = a[0] != b[0] ? names[i] + " (number " + std::to_string(i) + ") has another name on rank 0"
+                           : names[i] + " is " + shape_of(a) + " here and " + shape_of(b) + " on rank 0";
+      }
     }
-    // The window's counts and its loss (still on the device) in one all-reduce; the counts come
-    // back to the host (normalization needs them there), the loss stays for the core's read.
-    tk::WindowTotals& t = ctx.mutable_totals();
-    const at::Device device = grads.empty() ? at::Device(at::kCPU) : grads.front().device();
-    auto totals = torch::tensor({static_cast<double>(t.micro_batches), static_cast<double>(t.samples),
-                                 static_cast<double>(t.tokens), 0.0},
-                                torch::kDouble)
-                      .to(device);
-    if (t.loss.defined()) totals.select(0, 3).copy_(t.loss);
-    allreduce(totals);
-    const std::vector<double> counts = ctx.read(totals.slice(0, 0, 3));
-    t.micro_batches = std::llround(counts[0]);
-    t.samples = std::llround(counts[1]);
-    t.tokens = std::llround(counts[2]);
-    t.loss = totals.select(0, 3);
-    ++syncs_;
-    ctx.metric("ddp_sync_ms", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    ctx.metric("ddp_syncs", static_cast<double>(syncs_));
-    ctx.metric("ddp_allreduces", static_cast<double>(allreduces_));
+    // Every rank learns the lowest rank that differs, so that none goes on to wait for it.
+    auto first = torch::tensor({why.empty() ? int64_t{-1} : -static_cast<int64_t>(world_.rank)}, torch::kLong);
+    allreduce(first, c10d::ReduceOp::MAX);
+    if (!why.empty())
+      throw std::runtime_error("the model on rank " + std::to_string(world_.rank) + " differs from rank 0's: " + why +
+                               "; every rank must build the same model");
+    if (first.item<int64_t>() != -1)
+      throw std::runtime_error("the model on rank " + std::to_string(-first.item<int64_t>()) +
+                               " differs from rank 0's (that rank's error names the difference)");
+  }
+
+  /// Every rank starts from rank 0's parameters and buffers.
+  void broadcast_from_rank0(tk::Model& model) {
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> state;
+    for (const auto& p : model.parameters()) state.push_back(p);
+    for (const auto& b : model.buffers()) state.push_back(b);
+    c10d::broadcast_coalesced(group_, state, static_cast<size_t>(std::min<int64_t>(bucket_bytes_, 256 << 20)), 0);
+  }
+
+  void build_reducer(tk::Context& ctx) {
+    std::unordered_map<size_t, std::string> names;
+    for (const auto& p : ctx.model().named_parameters())
+      if (p.value().requires_grad()) {
+        names[params_.size()] = p.key();
+        param_names_.push_back(p.key());
+        params_.push_back(p.value());
+      }
+    if (params_.empty()) throw std::runtime_error("the model has no trainable parameter: nothing for data parallel to sum");
+    // Buckets in the reverse order of definition, which approximates the order gradients become
+    // ready in backward: the first (small) bucket is launched earliest.
+    std::vector<at::Tensor> reversed(params_.rbegin(), params_.rend());
+    std::vector<int64_t> order(params_.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(order.size() - 1 - i);
+    const std::vector<bool> sparse(params_.size(), false);
+    auto assigned = c10d::compute_bucket_assignment_by_size(
+        reversed, {static_cast<size_t>(first_bucket_bytes_), static_cast<size_t>(bucket_bytes_)}, sparse, order);
+    auto& buckets = std::get<0>(assigned);
+    buckets_ = static_cast<int64_t>(buckets.size());
+    reducer_ = std::make_unique<WindowReducer>(params_, buckets, std::get<1>(assigned), group_, sparse, bucket_bytes_,
+                                               find_unused_, /*gradient_as_bucket_view=*/true, names, first_bucket_bytes_);
+    reducer_->register_comm_hook(std::make_unique<SumHook>(group_, launches_));
+    // Which parameters got a gradient in the last backward: counted in the step's record, and
+    // named when the search is off and one did not.
+    got_grad_ = std::make_shared<std::vector<char>>(params_.size(), 0);
+    for (size_t i = 0; i < params_.size(); ++i)
+      hooks_.push_back(params_[i].register_hook([flags = got_grad_, i](const at::Tensor&) { (*flags)[i] = 1; }));
+    std::ostringstream m;
+    m << params_.size() << " parameters in " << buckets_ << " bucket" << (buckets_ == 1 ? "" : "s") << " (first "
+      << first_bucket_mb_ << " MiB, then " << bucket_mb_ << " MiB), unused-parameter search "
+      << (find_unused_ ? "on" : "off");
+    ctx.info(m.str());
+  }
+
+  std::string unused_message(const tk::Context& ctx) const {
+    std::string missing;
+    int64_t count = 0;
+    for (size_t i = 0; got_grad_ && i < params_.size(); ++i)
+      if (!(*got_grad_)[i] && count++ < 5) missing += (missing.empty() ? "'" : ", '") + param_names_[i] + "'";
+    if (!find_unused_ && count > 0)
+      return "parameter" + std::string(count == 1 ? " " : "s ") + missing + (count > 5 ? " and others" : "") +
+             " got no gradient in the last backward of step " + std::to_string(ctx.counters().step + 1) + " on rank " +
+             std::to_string(world_.rank) + ", and find_unused_parameters = false: set it to true (the default) for a "
+             "model that does not use every parameter in every micro-batch";
+    return "the reducer launched " + std::to_string(launches_->count) + " of its " + std::to_string(buckets_) +
+           " buckets in the last backward of step " + std::to_string(ctx.counters().step + 1) + " on rank " +
+           std::to_string(world_.rank);
+  }
+
+  void leave() {
+    for (size_t i = 0; i < hooks_.size(); ++i) params_[i].remove_hook(hooks_[i]);
+    hooks_.clear();
+    reducer_.reset();
+    params_.clear();
+    group_.reset();
+    store_.reset();
   }
 
   /// Fails the run when the ranks no longer hold the same parameters.
@@ -233,12 +473,8 @@ class Ddp final : public tk::Plugin {
     double sum = 0.0;
     for (const auto& p : ctx.model().parameters()) sum += p.to(torch::kDouble).sum().item<double>();
     auto lo = torch::tensor({sum}, torch::kDouble), hi = lo.clone();
-    std::vector<torch::Tensor> vl{lo}, vh{hi};
-    c10d::AllreduceOptions mn, mx;
-    mn.reduceOp = c10d::ReduceOp::MIN;
-    mx.reduceOp = c10d::ReduceOp::MAX;
-    pg_->allreduce(vl, mn)->wait();
-    pg_->allreduce(vh, mx)->wait();
+    allreduce(lo, c10d::ReduceOp::MIN);
+    allreduce(hi, c10d::ReduceOp::MAX);
     if (lo.item<double>() != hi.item<double>()) {
       std::ostringstream m;
       m.precision(17);
@@ -248,55 +484,48 @@ class Ddp final : public tk::Plugin {
     }
   }
 
-  void allreduce(torch::Tensor& t) {
-    std::vector<torch::Tensor> v{t};
-    pg_->allreduce(v)->wait();
-    ++allreduces_;
+  void allreduce(at::Tensor& t, c10d::ReduceOp op = c10d::ReduceOp::SUM) {
+    std::vector<at::Tensor> v{t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op;
+    group_->allreduce(v, o)->wait();
   }
 
-  std::vector<std::vector<torch::Tensor>> buckets(const std::vector<torch::Tensor>& ts) const {
-    std::vector<std::vector<torch::Tensor>> out;
-    int64_t bytes = 0;
-    for (const auto& t : ts) {
-      const int64_t tb = t.numel() * static_cast<int64_t>(t.element_size());
-      if (out.empty() || bytes + tb > bucket_bytes_ || out.back().front().scalar_type() != t.scalar_type()) {
-        out.emplace_back();
-        bytes = 0;
-      }
-      out.back().push_back(t);
-      bytes += tb;
-    }
-    return out;
-  }
-
-  static torch::Tensor flatten(const std::vector<torch::Tensor>& ts) {
-    std::vector<torch::Tensor> flat;
-    for (const auto& t : ts) flat.push_back(t.reshape({-1}));
-    return torch::cat(flat);
-  }
-
-  static void unflatten(const torch::Tensor& flat, std::vector<torch::Tensor>& ts) {
-    int64_t off = 0;
-    for (auto& t : ts) {
-      t.copy_(flat.slice(0, off, off + t.numel()).view_as(t));
-      off += t.numel();
-    }
+  void broadcast(at::Tensor& t) {
+    std::vector<at::Tensor> v{t};
+    c10d::BroadcastOptions o;
+    o.rootRank = 0;
+    group_->broadcast(v, o)->wait();
   }
 
   // Options, with their defaults.
   std::string backend_ = "auto";
-  double timeout_s_ = 300.0, rendezvous_timeout_s_ = 300.0, bucket_mb_ = 25.0;
+  double timeout_s_ = 300.0, rendezvous_timeout_s_ = 300.0, bucket_mb_ = 25.0, first_bucket_mb_ = 1.0;
+  bool find_unused_ = true;
   int64_t check_every_ = 0;
   // Derived from them, and state.
   World world_;
   std::chrono::milliseconds timeout_{300000}, rdv_timeout_{300000};
-  int64_t bucket_bytes_ = 25 << 20;
+  int64_t bucket_bytes_ = 25 << 20, first_bucket_bytes_ = 1 << 20;
   bool average_ = false;
   int64_t syncs_ = 0, allreduces_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<tk::compat::CollectiveGroup> pg_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  // The reducer, the parameters it sums (trainable ones, in model order) and their names.
+  std::unique_ptr<WindowReducer> reducer_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> param_names_;
+  int64_t buckets_ = 0;
+  std::shared_ptr<Launches> launches_ = std::make_shared<Launches>();
+  std::shared_ptr<std::vector<char>> got_grad_;
+  std::vector<unsigned> hooks_;
+  // The last window's figures, for its step's record.
+  Clock::time_point backward_start_;
+  double prepare_ms_ = 0, backward_ms_ = 0, overlap_ms_ = 0, wait_ms_ = 0;
+  int64_t unused_ = 0;  // trainable parameters without a gradient in the last backward, here
 };
+
 
 }  // namespace
 
-TK_PLUGIN(Ddp, "ddp", "0.2.0", "data parallel on c10d: gradients summed across ranks once per window")
+TK_PLUGIN(Ddp, "ddp", "0.3.0", "data parallel on c10d's Reducer: gradients summed across ranks during each window's last backward")

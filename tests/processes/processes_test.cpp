@@ -1,5 +1,12 @@
 // tk-run as a process: data parallel with --nproc on loopback (Gloo, CPU), kills and resumes.
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+
 #include "process_support.h"
 
 namespace fs = std::filesystem;
@@ -7,6 +14,7 @@ namespace fs = std::filesystem;
 using tkt::tk_run;
 using tkt::weights;
 using tkt::kBase;
+using tkt::Proc;
 
 /// kBase trains in float64.
 const tkt::Tol kF64 = tkt::tol_for(torch::kDouble);
@@ -34,14 +42,109 @@ TEST_SUITE("ddp") {
     auto l2 = tkt::metric(root / "two/out/metrics.jsonl", "loss"), lb = tkt::metric(root / "big/out/metrics.jsonl", "loss");
     REQUIRE(l2.size() == 6);
     for (size_t i = 0; i < l2.size(); ++i) CHECK(l2[i] == doctest::Approx(lb[i]).epsilon(1e-12));
-    // One sync per window (6), each one gradient bucket plus the window totals: not per micro-batch (12).
+    // One sync per window (6), each one gradient bucket, the used-map of the unused-parameter search
+    // and the window totals: not per micro-batch (12).
     auto syncs = tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs");
     auto calls = tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces");
     CHECK(syncs == std::vector<double>{1, 2, 3, 4, 5, 6});
-    CHECK(calls == std::vector<double>{2, 4, 6, 8, 10, 12});
+    CHECK(calls == std::vector<double>{3, 6, 9, 12, 15, 18});
     CHECK(tkt::metric(root / "two/out/metrics.jsonl", "micro_batches").back() == 4);  // 2 ranks x k = 2
     // Only rank 0 wrote; every line of the launcher's output carries its rank.
     CHECK(two.out.find("[rank 1] ") != std::string::npos);
+    fs::remove_all(root);
+  }
+
+  // Hard-routed experts (tests/fixtures/components_lib.cpp): with micro-batches of 2, each rank's
+  // micro-batch uses at most 2 of the 4 experts, so ranks use different parameters in a window,
+  // and a parameter used in a window's first micro-batch is often unused in its last.
+  std::string experts_recipe(bool varied) {
+    std::string r = kBase;
+    r.replace(r.find("name = \"mlp\"\nhidden = [16]\nactivation = \"tanh\""), 46,
+              std::string("name = \"toy_experts\"\nhidden = 8\nexperts = 4\nvaried = ") + (varied ? "true" : "false"));
+    return r + "[[plugins]]\nname = \"toy_components\"\n";
+  }
+
+  TEST_CASE("ranks that use different parameters take the DDP step: unused gradients count as zero") {
+    for (bool varied : {false, true}) {
+      CAPTURE(varied);
+      const fs::path root = tkt::temp_dir("ddp-unused");
+      const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+      const std::string base = experts_recipe(varied);
+      auto two = tk_run(root / "two", base + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n" + accum,
+                        "--nproc 2 --set data.micro_batch=2");
+      INFO(two.out);
+      REQUIRE(two.rc == 0);
+      auto one = tk_run(root / "one", base + accum, "--set data.micro_batch=4");
+      REQUIRE(one.rc == 0);
+      auto big = tk_run(root / "big", base, "--set data.micro_batch=8");
+      REQUIRE(big.rc == 0);
+      CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
+      CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
+      // The case happened: in some window's last backward rank 0 left parameters without a gradient.
+      const auto unused = tkt::metric(root / "two/out/metrics.jsonl", "ddp_unused");
+      REQUIRE(unused.size() == 6);
+      CHECK(*std::max_element(unused.begin(), unused.end()) >= 2);
+      // And the run moved the weights.
+      auto half = tk_run(root / "half", base, "--set data.micro_batch=8 --set run.steps=3");
+      REQUIRE(half.rc == 0);
+      CHECK(tkt::distance(weights(root / "two"), weights(root / "half")) > 1e-4);
+      fs::remove_all(root);
+    }
+  }
+
+  TEST_CASE("find_unused_parameters = false: the same step without the search, and an unused parameter is named") {
+    const fs::path root = tkt::temp_dir("ddp-no-search");
+    const std::string ddp = "[[plugins]]\nname = \"ddp\"\nfind_unused_parameters = false\ntimeout_s = 20.0\n";
+    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+    auto two = tk_run(root / "two", std::string(kBase) + ddp + accum, "--nproc 2");
+    INFO(two.out);
+    REQUIRE(two.rc == 0);
+    auto one = tk_run(root / "one", std::string(kBase) + accum, "--set data.micro_batch=8");
+    REQUIRE(one.rc == 0);
+    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
+    // Per window: the one bucket and the totals, no used-map.
+    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces") == std::vector<double>{2, 4, 6, 8, 10, 12});
+    // A model that leaves parameters unused: an error naming one, in bounded time, not a hang.
+    auto bad = tk_run(root / "bad", experts_recipe(false) + ddp + accum, "--nproc 2 --set data.micro_batch=2");
+    CHECK(bad.rc == 1);
+    CHECK(bad.out.find("got no gradient in the last backward of step 1 on rank") != std::string::npos);
+    CHECK(bad.out.find("parameters 'expert") != std::string::npos);
+    CHECK(bad.out.find("find_unused_parameters = false: set it to true") != std::string::npos);
+    CHECK(bad.seconds < 20.0);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("2 ranks killed and resumed end bit-identical to an uninterrupted 2-rank run (the reducer rebuilt)") {
+    const fs::path root = tkt::temp_dir("ddp-resume");
+    const std::string recipe =
+        experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+    const std::string sets = "--nproc 2 --set data.micro_batch=2 --set run.steps=12 --set run.checkpoint_every=4 ";
+    auto one = tk_run(root / "one", recipe, sets);
+    INFO(one.out);
+    REQUIRE(one.rc == 0);
+    // Rank 0 killed right after the record of step 9 (the checkpoint is at 8): the world stops.
+    auto killed = tk_run(root / "two", recipe, sets, "TK_FAULT=metrics-written:9");
+    CHECK(killed.rc == 1);
+    CHECK(killed.out.find("tk-run: rank 0 failed (was killed by signal 9") != std::string::npos);
+    auto resumed = tk_run(root / "two", recipe, sets + "--resume latest");
+    INFO(resumed.out);
+    REQUIRE(resumed.rc == 0);
+    CHECK(resumed.out.find("resuming from") != std::string::npos);
+    CHECK(torch::equal(weights(root / "two"), weights(root / "one")));
+    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "loss") == tkt::metric(root / "one/out/metrics.jsonl", "loss"));
+    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs") ==
+          tkt::metric(root / "one/out/metrics.jsonl", "ddp_syncs"));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("ranks whose models differ are refused at start, naming the first difference") {
+    const fs::path root = tkt::temp_dir("ddp-differ");
+    auto p = tk_run(root, experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 20.0\n",
+                    "--nproc 2 --set model.hidden_on_rank1=10");
+    CHECK(p.rc == 1);
+    CHECK(p.out.find("the model on rank 1 differs from rank 0's: parameter 'trunk.weight' is [10, 8] Double here and "
+                     "[8, 8] Double on rank 0; every rank must build the same model") != std::string::npos);
+    CHECK(p.out.find("step 1/") == std::string::npos);  // refused before any step
     fs::remove_all(root);
   }
 
@@ -131,6 +234,96 @@ TEST_SUITE("ddp") {
     CHECK(p.rc == 1);
     CHECK(p.out.find("tk-run: rank 1 failed (was killed by signal 9") != std::string::npos);
     CHECK(p.seconds < 30.0);
+    fs::remove_all(root);
+  }
+
+  /// A port that is free, with the next one free too (the launchers of several nodes use both).
+  int free_port_pair() {
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      int ports[2] = {0, 0};
+      int s[2] = {socket(AF_INET, SOCK_STREAM, 0), socket(AF_INET, SOCK_STREAM, 0)};
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      socklen_t len = sizeof a;
+      bool ok = bind(s[0], reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                getsockname(s[0], reinterpret_cast<sockaddr*>(&a), &len) == 0;
+      ports[0] = ntohs(a.sin_port);
+      a.sin_port = htons(static_cast<uint16_t>(ports[0] + 1));
+      ok = ok && ports[0] < 65535 && bind(s[1], reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+      close(s[0]);
+      close(s[1]);
+      if (ok) return ports[0];
+    }
+    FAIL("no two free neighbouring ports on 127.0.0.1");
+    return 0;
+  }
+
+  /// Two launchers on 127.0.0.1 as node 0 and node 1 of one world, 2 workers each: node 0's
+  /// output in out, node 1's in DIR/node1.log (its exit status on the last line of out).
+  Proc two_nodes(const fs::path& dir, const std::string& recipe, const std::string& args) {
+    const std::string nodes = " --nnodes 2 --master-addr 127.0.0.1 --master-port " + std::to_string(free_port_pair()) +
+                              " --nproc 2 " + args;
+    const std::string node1 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 1");
+    const std::string node0 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 0");
+    return tkt::shell("{ " + node1 + " > " + (dir / "node1.log").string() + " 2>&1; echo \"node 1 exited $?\" >> " +
+                      (dir / "node1.log").string() + "; } & n1=$!; " + node0 + " 2>&1; rc=$?; wait $n1; exit $rc");
+  }
+
+  TEST_CASE("two launchers as node 0 and node 1, 2 workers each, form a world of 4 equal to one process") {
+    const fs::path root = tkt::temp_dir("ddp-nodes");
+    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+    auto four = two_nodes(root / "four", std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n" + accum, "");
+    const std::string node1 = tkt::read_text(root / "four/node1.log");
+    INFO(four.out);
+    INFO(node1);
+    REQUIRE(four.rc == 0);
+    CHECK(node1.find("node 1 exited 0") != std::string::npos);
+    CHECK(node1.find("[rank 3] ") != std::string::npos);
+    CHECK(four.out.find("world size    4 (set by ddp)") != std::string::npos);
+    auto one = tk_run(root / "one", std::string(kBase) + accum, "--set data.micro_batch=16");
+    REQUIRE(one.rc == 0);
+    CHECK(tkt::excess(weights(root / "four"), weights(root / "one"), kF64) <= 1.0);
+    CHECK(tkt::metric(root / "four/out/metrics.jsonl", "micro_batches").back() == 8);  // 4 ranks x k = 2
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a rank that dies on one node stops the other node, which names it") {
+    const fs::path root = tkt::temp_dir("ddp-nodes-kill");
+    auto p = two_nodes(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 30.0\n" +
+                                 "[[plugins]]\nname = \"probe\"\nkill_at_step = 2\nonly_rank = 3\n", "");
+    const std::string node1 = tkt::read_text(root / "node1.log");
+    INFO(p.out);
+    INFO(node1);
+    CHECK(p.rc == 1);
+    CHECK(p.out.find("tk-run: the world failed: rank 3 failed (was killed by signal 9 (Killed)) on node 1") !=
+          std::string::npos);
+    CHECK(node1.find("tk-run: rank 3 failed (was killed by signal 9 (Killed))") != std::string::npos);
+    CHECK(node1.find("node 1 exited 1") != std::string::npos);
+    CHECK(p.seconds < 30.0);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a node whose launcher dies stops the other node, which names it") {
+    const fs::path root = tkt::temp_dir("ddp-nodes-gone");
+    auto p = two_nodes(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 30.0\n" +
+                                 "[[plugins]]\nname = \"probe\"\nkill_launcher_at_step = 2\nonly_rank = 2\n", "");
+    INFO(p.out);
+    CHECK(p.rc == 1);
+    CHECK(p.out.find("tk-run: the world failed: node 1 stopped answering") != std::string::npos);
+    CHECK(p.seconds < 30.0);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("--nnodes needs --master-port, and --node-rank inside --nnodes") {
+    const fs::path root = tkt::temp_dir("ddp-nodes-usage");
+    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n";
+    auto p = tk_run(root, recipe, "--nnodes 2 --node-rank 0 --nproc 2");
+    CHECK(p.rc == 2);
+    CHECK(p.out.find("--nnodes 2 needs --master-port (the same on every node)") != std::string::npos);
+    p = tk_run(root, recipe, "--nnodes 2 --node-rank 2 --master-port 29500 --nproc 2");
+    CHECK(p.rc == 2);
+    CHECK(p.out.find("--node-rank 2 is outside --nnodes 2 (node ranks go from 0 to 1)") != std::string::npos);
     fs::remove_all(root);
   }
 

@@ -1,5 +1,7 @@
 #include "launch.h"
 
+#include "nodes.h"
+
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -15,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -98,16 +101,16 @@ std::pair<int64_t, std::string> failure_record(const std::string& dir, int r) {
 /// When rank `r` failed: the time it recorded, or when it ended (killed by a signal, say);
 /// -1 while it has neither failed nor ended badly.
 int64_t failure_time(const std::string& dir, int r, const Worker& w) {
-  const int64_t t = failure_record(dir, r).first;
+  const int64_t t = failure_record(dir, r).first;  // r: the worker's rank in the world
   if (t >= 0) return t;
   const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
   if (w.running || ok) return -1;
   return std::chrono::duration_cast<std::chrono::nanoseconds>(w.ended_at.time_since_epoch()).count();
 }
 
-/// The rank that failed first, or -1. A worker killed by a signal before the launcher sent any is
+/// The worker (an index into `workers`, whose ranks start at `base`) that failed first, or -1. A worker killed by a signal before the launcher sent any is
 /// a cause (its peers only notice it is gone); otherwise the earliest recorded failure wins.
-int first_failure(const std::string& dir, const std::vector<Worker>& workers,
+int first_failure(const std::string& dir, const std::vector<Worker>& workers, int base,
                   std::chrono::steady_clock::time_point stop_sent) {
   int first = -1;
   int64_t best = 0;
@@ -118,7 +121,7 @@ int first_failure(const std::string& dir, const std::vector<Worker>& workers,
   }
   if (first >= 0) return first;
   for (int r = 0; r < static_cast<int>(workers.size()); ++r) {
-    const int64_t t = failure_time(dir, r, workers[static_cast<size_t>(r)]);
+    const int64_t t = failure_time(dir, base + r, workers[static_cast<size_t>(r)]);
     if (t >= 0 && (first < 0 || t < best)) {
       first = r;
       best = t;
@@ -155,11 +158,17 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-/// The workers of one launch, from their start to the report of how they ended.
+/// After the first failure anywhere, how long the launchers of a multi-node world keep listening
+/// for the other nodes' accounts before they name the cause (a node gone needs its heartbeat to
+/// stop for 3 s).
+constexpr auto kSettle = std::chrono::milliseconds(5000);
+
+/// The workers of one node's launch, from their start to the report of how they ended.
 class Launch {
  public:
   Launch(const std::vector<std::string>& argv, const LaunchOptions& opts)
-      : argv_(argv), opts_(opts), n_(opts.nproc), workers_(static_cast<size_t>(opts.nproc)) {}
+      : argv_(argv), opts_(opts), n_(opts.nproc), base_(opts.node_rank * opts.nproc),
+        world_(opts.nnodes * opts.nproc), workers_(static_cast<size_t>(opts.nproc)) {}
   ~Launch() {
     for (auto& t : reapers_)
       if (t.joinable()) t.join();
@@ -171,18 +180,31 @@ class Launch {
     }
     for (auto& t : reapers_) t.join();
     std::fflush(stdout);
-    return report();
+    const int rc = report();
+    if (link_) link_->finish(rc == 0);
+    return rc;
   }
 
  private:
   bool started(int r) const { return opts_.only_rank < 0 || r == opts_.only_rank; }
   Worker& worker(int r) { return workers_[static_cast<size_t>(r)]; }
+  int rank(int r) const { return base_ + r; }  // worker r's rank in the world
 
   void start() {
     port_ = opts_.master_port > 0 ? opts_.master_port : free_port();
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     threads_ = std::to_string(std::max(1u, hw / static_cast<unsigned>(n_)));
-    if (opts_.only_rank < 0) std::fprintf(stderr, "tk-run: starting %d workers, rendezvous on 127.0.0.1:%d\n", n_, port_);
+    if (opts_.nnodes > 1 && opts_.only_rank < 0) {
+      std::fprintf(stderr, "tk-run: node %d of %d: waiting for the other launchers at %s:%d\n", opts_.node_rank,
+                   opts_.nnodes, opts_.master_addr.c_str(), port_ + 1);
+      std::fflush(stderr);
+      link_ = std::make_unique<NodeLink>(opts_.master_addr, port_ + 1, opts_.nnodes, opts_.node_rank,
+                                         opts_.node_timeout_s);
+      std::fprintf(stderr, "tk-run: node %d of %d: starting ranks %d-%d of %d, rendezvous on %s:%d\n", opts_.node_rank,
+                   opts_.nnodes, base_, base_ + n_ - 1, world_, opts_.master_addr.c_str(), port_);
+    } else if (opts_.only_rank < 0) {
+      std::fprintf(stderr, "tk-run: starting %d workers, rendezvous on %s:%d\n", n_, opts_.master_addr.c_str(), port_);
+    }
     std::fflush(stderr);
     struct sigaction sa {};
     sa.sa_handler = on_signal;
@@ -206,7 +228,8 @@ class Launch {
     }
   }
 
-  /// Starts rank `r` with the world's variables, its output into a pipe, and a thread that reaps it.
+  /// Starts worker `r` with the world's variables (torchrun's names), its output into a pipe, and
+  /// a thread that reaps it.
   void spawn(int r) {
     int fds[2];
     if (pipe(fds) != 0) throw std::runtime_error("pipe() failed");
@@ -222,11 +245,13 @@ class Launch {
       dup2(fds[1], STDERR_FILENO);
       close(fds[0]);
       close(fds[1]);
-      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("RANK", std::to_string(rank(r)).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(n_).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(world_).c_str(), 1);
       setenv("LOCAL_WORLD_SIZE", std::to_string(n_).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("GROUP_RANK", std::to_string(opts_.node_rank).c_str(), 1);
+      setenv("GROUP_WORLD_SIZE", std::to_string(opts_.nnodes).c_str(), 1);
+      setenv("MASTER_ADDR", opts_.master_addr.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port_).c_str(), 1);
       setenv("OMP_NUM_THREADS", threads_.c_str(), 0);  // share the cores unless told otherwise
       std::vector<char*> args;
@@ -261,17 +286,18 @@ class Launch {
   /// Forwards what the workers wrote, line by line, for up to 100 ms.
   void pump_output() {
     std::vector<pollfd> pfds;
-    std::vector<int> ranks;
+    std::vector<int> index;
     for (int r = 0; r < n_; ++r)
       if (worker(r).fd >= 0) {
         pfds.push_back({worker(r).fd, POLLIN, 0});
-        ranks.push_back(r);
+        index.push_back(r);
       }
     if (!pfds.empty()) poll(pfds.data(), pfds.size(), 100);
+    else std::this_thread::sleep_for(std::chrono::milliseconds(100));  // settling: no output left
     for (size_t i = 0; i < pfds.size(); ++i) {
       if (!pfds[i].revents) continue;
-      Worker& w = worker(ranks[i]);
-      if (!drain(ranks[i], w)) {
+      Worker& w = worker(index[i]);
+      if (!drain(rank(index[i]), w)) {
         close(w.fd);
         w.fd = -1;
       }
@@ -279,21 +305,63 @@ class Launch {
     std::fflush(stdout);
   }
 
-  /// The first failure, once: the others are asked to stop.
+  /// This node's first failure as the other nodes get it.
+  NodeFailure local_account() {
+    const Worker& w = worker(failed_rank_);
+    NodeFailure f;
+    const std::string kind = failure_record(failure_dir_, rank(failed_rank_)).second;
+    f.kind = kind == "timeout" ? NodeFailure::Timeout
+             : kind.empty() && !w.running && WIFSIGNALED(w.status) && w.ended_at < stop_sent_ ? NodeFailure::Signal
+                                                                                               : NodeFailure::Error;
+    // When it failed, by this machine's real-time clock (the records use the monotonic one).
+    const int64_t mono = failure_time(failure_dir_, rank(failed_rank_), w);
+    f.time_ns = mono >= 0 ? realtime_ns() - (now_ns() - mono) : failure_real_ns_;
+    f.node = opts_.node_rank;
+    f.what = "rank " + std::to_string(rank(failed_rank_)) + " failed" +
+             (w.running ? std::string() : " (" + describe_status(w.status) + ")") + " on node " +
+             std::to_string(opts_.node_rank);
+    for (const auto& line : w.tail) f.what += "\n" + line;
+    return f;
+  }
+
+  /// The first failure, once: the others are asked to stop (and, across nodes, told).
   void notice_failure() {
-    if (failed_rank_ >= 0 || stopping_) return;
+    if (failed_rank_ >= 0 || (stopping_ && !link_)) return;
     bool someone_failed = false;
     for (const auto& w : workers_) someone_failed |= !w.running && !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
-    if (someone_failed) failed_rank_ = first_failure(failure_dir_, workers_, stop_sent_);
+    if (someone_failed) failed_rank_ = first_failure(failure_dir_, workers_, base_, stop_sent_);
     if (failed_rank_ < 0) return;
-    std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", failed_rank_,
-                 describe_status(worker(failed_rank_).status).c_str());
+    failure_real_ns_ = realtime_ns();
+    if (link_) link_->publish(local_account());
+    if (stopping_) return;  // another node's failure stopped this one already
+    const Worker& w = worker(failed_rank_);  // it may have recorded its failure and still be ending
+    std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", rank(failed_rank_),
+                 w.running ? "failed" : describe_status(w.status).c_str());
+    stop(Clock::now());
+  }
+
+  /// SIGTERM to this node's workers, SIGKILL after the grace period; across nodes, the accounts
+  /// are gathered until `kSettle` after `first`.
+  void stop(Clock::time_point first) {
     stopping_ = true;
     stop_all(SIGTERM);
     kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts_.stop_grace_s * 1000));
+    if (link_ && settle_until_ == Clock::time_point::max()) settle_until_ = first + kSettle;
   }
 
-  /// One round: output, failures, signals, the grace period; false once every worker is done.
+  /// What the other nodes said this round; the first failure anywhere stops this node.
+  void listen_to_nodes() {
+    if (!link_) return;
+    for (auto& f : link_->poll()) {
+      if (!stopping_)
+        std::fprintf(stderr, "tk-run: %s; stopping this node's ranks\n", f.headline().c_str());
+      remote_.push_back(std::move(f));
+      if (!stopping_) stop(Clock::now());
+    }
+  }
+
+  /// One round: output, failures, signals, the grace period; false once every worker is done
+  /// (and, across nodes, the accounts of a failure are in).
   bool step() {
     pump_output();
     bool any_running = false;
@@ -302,6 +370,7 @@ class Launch {
       any_running |= w.running;
     }
     notice_failure();
+    listen_to_nodes();
     if (g_signal && !forwarded_) {
       std::fprintf(stderr, "tk-run: got signal %d; stopping the workers\n", static_cast<int>(g_signal));
       stop_all(g_signal);
@@ -314,11 +383,12 @@ class Launch {
     }
     bool any_output = false;
     for (const auto& w : workers_) any_output |= w.fd >= 0;
-    if (!any_running && !any_output) return false;
+    const bool settling = link_ && stopping_ && !forwarded_ && Clock::now() < settle_until_;
+    if (!any_running && !any_output) return settling;
     if (!any_running)  // drain what is left, without waiting on pipes held open elsewhere
       for (int r = 0; r < n_; ++r)
         if (worker(r).fd >= 0) {
-          drain(r, worker(r));
+          drain(rank(r), worker(r));
           close(worker(r).fd);
           worker(r).fd = -1;
         }
@@ -329,30 +399,54 @@ class Launch {
   /// that never failed and had to be killed are the ones that hung.
   std::vector<int> hung_ranks() {
     std::vector<int> hung;
-    if (failed_rank_ < 0 || failure_record(failure_dir_, failed_rank_).second != "timeout") return hung;
+    if (failed_rank_ < 0 || failure_record(failure_dir_, rank(failed_rank_)).second != "timeout") return hung;
     for (int r = 0; r < n_; ++r) {
       const Worker& w = worker(r);
-      if (started(r) && failure_record(failure_dir_, r).first < 0 && WIFSIGNALED(w.status) &&
+      if (started(r) && failure_record(failure_dir_, rank(r)).first < 0 && WIFSIGNALED(w.status) &&
           WTERMSIG(w.status) == SIGKILL && w.ended_at >= stop_sent_)
         hung.push_back(r);
     }
     return hung;
   }
 
+  /// Across nodes: another node's account, when it names the cause rather than this node's.
+  std::optional<NodeFailure> remote_cause() {
+    std::optional<NodeFailure> best;
+    for (const auto& f : remote_)
+      if (!best || f.before(*best)) best = f;
+    if (!best) return best;
+    if (failed_rank_ >= 0) {
+      const NodeFailure mine = local_account();
+      if (!best->before(mine)) return std::nullopt;
+    }
+    return best;
+  }
+
   int report() {
     // With every rank's record in, the first failure is known for sure.
-    if (failed_rank_ >= 0) failed_rank_ = first_failure(failure_dir_, workers_, stop_sent_);
-    const std::vector<int> hung = hung_ranks();
+    if (failed_rank_ >= 0) failed_rank_ = first_failure(failure_dir_, workers_, base_, stop_sent_);
+    const std::optional<NodeFailure> remote = remote_cause();
+    const std::vector<int> hung = remote ? std::vector<int>{} : hung_ranks();
     std::error_code ec;
     std::filesystem::remove_all(failure_dir_, ec);
+    if (remote) {
+      std::fprintf(stderr, "tk-run: the world failed: %s. Its last output:\n", remote->headline().c_str());
+      const std::string& what = remote->what;
+      for (size_t at = what.find('\n'); at != std::string::npos;) {
+        const size_t next = what.find('\n', at + 1);
+        std::fprintf(stderr, "  %s\n", what.substr(at + 1, next - at - 1).c_str());
+        at = next;
+      }
+      return 1;
+    }
     for (int r : hung) {
       std::fprintf(stderr, "tk-run: rank %d hung: rank %d timed out waiting for it in a collective, and it neither "
-                   "failed nor stopped when asked, so it was killed. Its last output:\n", r, failed_rank_);
+                   "failed nor stopped when asked, so it was killed. Its last output:\n", rank(r), rank(failed_rank_));
       for (const auto& line : worker(r).tail) std::fprintf(stderr, "  %s\n", line.c_str());
     }
     if (failed_rank_ >= 0) {
       const Worker& w = worker(failed_rank_);
-      std::fprintf(stderr, "tk-run: rank %d failed (%s)%s. Its last output:\n", failed_rank_,
+      std::fprintf(stderr, "tk-run: rank %d failed (%s)%s. Its last output:\n", rank(failed_rank_),
                    describe_status(w.status).c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
       for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
       // A worker that refused the run before training (exit 2) makes the launch a refusal too.
@@ -363,17 +457,21 @@ class Launch {
 
   const std::vector<std::string>& argv_;
   const LaunchOptions& opts_;
-  const int n_;
+  const int n_, base_, world_;
   std::vector<Worker> workers_;
   std::vector<std::thread> reapers_;
   std::string failure_dir_, threads_;
   int port_ = 0, failed_rank_ = -1;
+  int64_t failure_real_ns_ = 0;
   Clock::time_point kill_at_{}, stop_sent_ = Clock::time_point::max();  // when the launcher first signalled
+  Clock::time_point settle_until_ = Clock::time_point::max();
   bool stopping_ = false, forwarded_ = false;
+  std::unique_ptr<NodeLink> link_;  // the other nodes' launchers, with --nnodes > 1
+  std::vector<NodeFailure> remote_;
 };
 
 }  // namespace
 
-int launch_local(const std::vector<std::string>& argv, const LaunchOptions& opts) { return Launch(argv, opts).run(); }
+int launch_workers(const std::vector<std::string>& argv, const LaunchOptions& opts) { return Launch(argv, opts).run(); }
 
 }  // namespace tk

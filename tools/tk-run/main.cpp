@@ -81,6 +81,9 @@ std::vector<std::string> args_without(int argc, char** argv, const std::vector<s
   return out;
 }
 
+/// The launcher's options, which its workers do not get.
+const std::vector<std::string> kLaunchOptions = {"--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port"};
+
 void print_specs(const tk::OptionSpecs& specs) {
   for (const auto& s : specs) {
     std::printf("      %-20s %-18s default %s\n", s.name.c_str(), tk::to_string(s.type),
@@ -218,9 +221,22 @@ void add_options(CLI::App& app, Cli& c) {
                  "each worker's output is prefixed with its rank; one failing stops them all")
       ->type_name("N")
       ->check(CLI::Range(1, 4096));
-  app.add_option("--master-port", c.launch.master_port, "rendezvous port for --nproc (default: a free one)")
+  app.add_option("--nnodes", c.launch.nnodes,
+                 "train on N machines, each running this command with its own --node-rank (and --nproc workers, "
+                 "ranks node-rank x nproc ...); a failure on one stops them all")
+      ->type_name("N")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--node-rank", c.launch.node_rank, "this machine's place among --nnodes, from 0")
+      ->type_name("R")
+      ->check(CLI::Range(0, 4095));
+  app.add_option("--master-addr", c.launch.master_addr,
+                 "the address of node 0, where the rendezvous runs (default 127.0.0.1)")
+      ->type_name("HOST");
+  app.add_option("--master-port", c.launch.master_port,
+                 "rendezvous port (default with one node: a free one); with --nnodes the launchers also use the "
+                 "port after it")
       ->type_name("PORT")
-      ->check(CLI::Range(1, 65535));
+      ->check(CLI::Range(1, 65534));
   app.add_option("--log-level", c.level, "trace, debug, info (default), warn, error or off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--progress", c.progress, "auto (default: a live line on a terminal), bar, plain or none")
@@ -240,7 +256,12 @@ std::string check_combination(Cli& c) {
   if (!c.resume.empty()) c.topts.resume = c.resume;
   if (!c.topts.allow_changes.empty() && c.resume.empty()) return "--allow-change needs --resume";
   if (c.topts.overwrite && !c.resume.empty()) return "--overwrite starts a run over; it cannot go with --resume";
-  if (c.launch.nproc > 1 && c.worker) return "--nproc inside a worker";
+  if ((c.launch.nproc > 1 || c.launch.nnodes > 1) && c.worker) return "--nproc or --nnodes inside a worker";
+  if (c.launch.node_rank >= c.launch.nnodes)
+    return "--node-rank " + std::to_string(c.launch.node_rank) + " is outside --nnodes " +
+           std::to_string(c.launch.nnodes) + " (node ranks go from 0 to " + std::to_string(c.launch.nnodes - 1) + ")";
+  if (c.launch.nnodes > 1 && c.launch.master_port == 0)
+    return "--nnodes " + std::to_string(c.launch.nnodes) + " needs --master-port (the same on every node)";
   c.topts.progress = c.progress == "bar"     ? tk::ProgressMode::Bar
                      : c.progress == "plain" ? tk::ProgressMode::Plain
                      : c.progress == "none"  ? tk::ProgressMode::None
@@ -277,10 +298,10 @@ int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
                      "would train " + std::to_string(c.launch.nproc) + " independent copies of the run");
   setenv("TK_WORKER", "1", 1);
   std::vector<std::string> worker_argv = {argv[0]};
-  for (auto& a : args_without(argc, argv, {"--nproc", "--master-port"}, {})) worker_argv.push_back(a);
+  for (auto& a : args_without(argc, argv, kLaunchOptions, {})) worker_argv.push_back(a);
   if (c.dry_run) c.launch.only_rank = 0;
   try {
-    return tk::launch_local(worker_argv, c.launch);
+    return tk::launch_workers(worker_argv, c.launch);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-run: cannot start the workers: %s\n", e.what());
     return kExitFailed;
@@ -307,6 +328,19 @@ void record_failures_for_launcher(tk::TrainerOptions& topts) {
   };
 }
 
+/// The launch options of a worker's world, for the command that continues its run ("" outside
+/// a launch): --nproc, and with several nodes the node options, this node's.
+std::string same_world(const Cli& c) {
+  const char* world = std::getenv("WORLD_SIZE");
+  if (!c.worker || !world || std::strcmp(world, "1") == 0) return "";
+  const char* per_node = std::getenv("LOCAL_WORLD_SIZE");
+  const char* nodes = std::getenv("GROUP_WORLD_SIZE");
+  if (!per_node || !nodes || std::strcmp(nodes, "1") == 0) return std::string(" --nproc ") + world;
+  return std::string(" --nnodes ") + nodes + " --node-rank " + std::getenv("GROUP_RANK") + " --master-addr " +
+         shell_quote(std::getenv("MASTER_ADDR")) + " --master-port " + std::getenv("MASTER_PORT") + " --nproc " +
+         per_node;
+}
+
 /// What a finished run prints: its summary, the files it wrote, how to continue a stopped one.
 int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, const tk::FitResult& r) {
   const std::string files = r.files.empty() ? "" : tk::join(r.files.data(), r.files.data() + r.files.size(), ",");
@@ -328,10 +362,10 @@ int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, 
   if (r.stopped.empty()) return 0;
   // The command that continues this very run: the same recipe, overrides and world.
   std::string cmd = shell_quote(argv[0]);
-  for (const auto& a : args_without(argc, argv, {"--resume", "--nproc", "--master-port"}, {"--overwrite"}))
-    cmd += " " + shell_quote(a);
-  const char* world = std::getenv("WORLD_SIZE");
-  if (c.worker && world && std::strcmp(world, "1") != 0) cmd += std::string(" --nproc ") + world;
+  std::vector<std::string> drop = kLaunchOptions;
+  drop.push_back("--resume");
+  for (const auto& a : args_without(argc, argv, drop, {"--overwrite"})) cmd += " " + shell_quote(a);
+  cmd += same_world(c);
   std::printf("stopped early (%s) after step %lld; checkpoint %s; continue with: %s --resume latest\n",
               r.stopped == "signal" ? "signal" : "max_time", static_cast<long long>(r.steps), r.checkpoint.c_str(),
               cmd.c_str());
@@ -389,7 +423,7 @@ int main(int argc, char** argv) {
   try {
     recipe.emplace(tk::Recipe::from_file(c.recipe_path));
     for (const auto& o : c.overrides) recipe->apply_override(o);
-    if (c.launch.nproc > 1) return launch(argc, argv, c, *recipe);
+    if (c.launch.nproc > 1 || c.launch.nnodes > 1) return launch(argc, argv, c, *recipe);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
     return kExitUsage;

@@ -19,18 +19,33 @@
 
 namespace c10d {
 class ProcessGroup;
-class Backend;
 }  // namespace c10d
 
 namespace tk::compat {
 
-/// The base class of c10d's process groups (ProcessGroupGloo, ProcessGroupNCCL): LibTorch 2.0
-/// split ProcessGroup into a dispatching front and per-device Backends.
+/// The c10d::ProcessGroup over one collective backend (a ProcessGroupGloo on CPU or a
+/// ProcessGroupNCCL on CUDA): what c10d's Reducer, broadcast_coalesced and collectives take.
+/// LibTorch 1.x's backends are ProcessGroups; 2.x puts a dispatching ProcessGroup in front of
+/// per-device Backends (2.6 dropped its Options). The caller includes ProcessGroup.hpp.
+template <class Backend, class Store, class Group = c10d::ProcessGroup>
+c10::intrusive_ptr<Group> process_group(c10::intrusive_ptr<Backend> backend, const c10::intrusive_ptr<Store>& store,
+                                        int rank, int size, bool nccl) {
 #if TK_TORCH_AT_LEAST(2, 0)
-using CollectiveGroup = c10d::Backend;
+  const auto type = nccl ? Group::BackendType::NCCL : Group::BackendType::GLOO;
+#if TK_TORCH_AT_LEAST(2, 6)
+  auto group = c10::make_intrusive<Group>(store, rank, size);
 #else
-using CollectiveGroup = c10d::ProcessGroup;
+  auto group = c10::make_intrusive<Group>(store, rank, size,
+                                          c10::make_intrusive<typename Group::Options>(nccl ? "nccl" : "gloo"));
 #endif
+  group->setBackend(nccl ? c10::DeviceType::CUDA : c10::DeviceType::CPU, type, backend);
+  group->setDefaultBackend(type);
+  return group;
+#else
+  (void)store, (void)rank, (void)size, (void)nccl;
+  return backend;
+#endif
+}
 
 /// Turns autocast on or off for `device` (CPU or CUDA) with the given lower-precision dtype.
 /// LibTorch 2.4 made the autocast API device-generic; 1.x has one function pair per device.

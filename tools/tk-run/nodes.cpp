@@ -1,0 +1,176 @@
+#include "nodes.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <tk/compat.h>
+
+#include <chrono>
+#include <ctime>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+namespace tk {
+
+int64_t realtime_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr double kBeatEvery_s = 0.5;  // a node's heartbeat
+constexpr double kGoneAfter_s = 3.0;  // a node whose heartbeat stopped this long ago is gone
+
+std::string key(const char* what, int node) { return std::string("tk-launch/") + what + "/" + std::to_string(node); }
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+std::string encode(const NodeFailure& f) {
+  return std::to_string(f.kind) + " " + std::to_string(f.time_ns) + " " + std::to_string(f.node) + "\n" + f.what;
+}
+
+NodeFailure decode(const std::string& s) {
+  NodeFailure f;
+  std::istringstream in(s.substr(0, s.find('\n')));
+  in >> f.kind >> f.time_ns >> f.node;
+  f.what = s.find('\n') == std::string::npos ? "" : s.substr(s.find('\n') + 1);
+  return f;
+}
+
+/// What a launcher knows of another node.
+struct Peer {
+  std::string beat;  // its last heartbeat seen
+  Clock::time_point beat_seen = Clock::now();
+  bool failure_seen = false, done = false, gone = false;
+};
+
+}  // namespace
+
+struct NodeLink::Impl {
+  std::string addr;
+  int port = 0, nnodes = 0, me = 0;
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  std::vector<Peer> peers;
+  int64_t beats = 0;
+  Clock::time_point last_beat{};
+  bool store_lost = false;
+
+  std::string where() const { return addr + ":" + std::to_string(port); }
+
+  void beat() {
+    if (Clock::now() - last_beat < std::chrono::duration<double>(kBeatEvery_s)) return;
+    last_beat = Clock::now();
+    store->set(key("beat", me), bytes(std::to_string(++beats)));
+  }
+
+  /// Another node, looked at once: its published failure, its end, its heartbeat.
+  void look_at(int n, std::vector<NodeFailure>& out) {
+    Peer& p = peers[static_cast<size_t>(n)];
+    if (p.gone || p.done) return;
+    if (!p.failure_seen && store->check({key("failed", n)})) {
+      p.failure_seen = true;
+      out.push_back(decode(text(store->get(key("failed", n)))));
+    }
+    if (store->check({key("done", n)})) {
+      p.done = true;
+      return;
+    }
+    const std::string b = store->check({key("beat", n)}) ? text(store->get(key("beat", n))) : "";
+    if (b != p.beat) {
+      p.beat = b;
+      p.beat_seen = Clock::now();
+    } else if (Clock::now() - p.beat_seen > std::chrono::duration<double>(kGoneAfter_s)) {
+      p.gone = true;
+      out.push_back({NodeFailure::NodeGone, realtime_ns(), n,
+                     "node " + std::to_string(n) + " stopped answering (no heartbeat for " +
+                         std::to_string(static_cast<int>(kGoneAfter_s)) + " s): its launcher ended or its machine "
+                         "is unreachable"});
+    }
+  }
+};
+
+NodeLink::NodeLink(const std::string& addr, int port, int nnodes, int node_rank, double timeout_s)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& i = *impl_;
+  i.addr = addr;
+  i.port = port;
+  i.nnodes = nnodes;
+  i.me = node_rank;
+  i.peers.resize(static_cast<size_t>(nnodes));
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<std::uint16_t>(port);
+  so.isServer = node_rank == 0;
+  so.numWorkers = static_cast<std::size_t>(nnodes);
+  so.waitWorkers = true;
+  so.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  compat::use_classic_tcpstore(so, 0);
+  try {
+    i.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    i.beat();
+  } catch (const std::exception& e) {
+    throw std::runtime_error("the launchers' rendezvous at " + i.where() + " failed for node " +
+                             std::to_string(node_rank) + " of " + std::to_string(nnodes) + ": " + e.what());
+  }
+  for (auto& p : i.peers) p.beat_seen = Clock::now();
+}
+
+NodeLink::~NodeLink() = default;
+
+void NodeLink::publish(const NodeFailure& f) {
+  try {
+    impl_->store->set(key("failed", impl_->me), bytes(encode(f)));
+  } catch (const std::exception&) {
+    impl_->store_lost = true;  // poll() reports node 0 gone
+  }
+}
+
+std::vector<NodeFailure> NodeLink::poll() {
+  Impl& i = *impl_;
+  std::vector<NodeFailure> out;
+  if (i.store_lost && i.peers[0].gone) return out;
+  try {
+    if (i.store_lost) throw std::runtime_error("it stopped answering");
+    i.beat();
+    for (int n = 0; n < i.nnodes; ++n)
+      if (n != i.me) i.look_at(n, out);
+  } catch (const std::exception& e) {
+    // Only node 0's store can stop answering: that node is gone.
+    i.store_lost = true;
+    if (!i.peers[0].gone && !i.peers[0].done) {
+      i.peers[0].gone = true;
+      out.push_back({NodeFailure::NodeGone, realtime_ns(), 0,
+                     "node 0 stopped answering (the launchers' store at " + i.where() + ": " + e.what() +
+                         "): its launcher ended or its machine is unreachable"});
+    }
+  }
+  return out;
+}
+
+void NodeLink::finish(bool ok) {
+  Impl& i = *impl_;
+  try {
+    i.store->set(key("done", i.me), bytes(ok ? "ok" : "failed"));
+    if (i.me != 0) return;
+    // The store lives in this process: it stays (beating, so that it is not taken for gone) until
+    // every other node has ended or is gone, for at most a minute.
+    const auto until = Clock::now() + std::chrono::seconds(60);
+    std::vector<NodeFailure> ignored;
+    for (;;) {
+      bool all = true;
+      for (int n = 1; n < i.nnodes; ++n) {
+        i.look_at(n, ignored);
+        all &= i.peers[static_cast<size_t>(n)].done || i.peers[static_cast<size_t>(n)].gone;
+      }
+      if (all || Clock::now() >= until) break;
+      i.beat();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace tk
