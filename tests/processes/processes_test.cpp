@@ -20,19 +20,45 @@ using tkt::Proc;
 const tkt::Tol kF64 = tkt::tol_for(torch::kDouble);
 
 
+/// `recipe` with `sets` run whole into ROOT/one, and into ROOT/two killed right after the record
+/// of step 9 (give a checkpoint at 8) and then resumed: the two end bit-identical, with the same
+/// losses. Returns the killed run.
+Proc kill_and_resume(const fs::path& root, const std::string& recipe, const std::string& sets) {
+  auto one = tk_run(root / "one", recipe, sets);
+  INFO(one.out);
+  REQUIRE(one.rc == 0);
+  auto killed = tk_run(root / "two", recipe, sets, "TK_FAULT=metrics-written:9");
+  auto resumed = tk_run(root / "two", recipe, sets + "--resume latest");
+  INFO(resumed.out);
+  REQUIRE(resumed.rc == 0);
+  CHECK(resumed.out.find("resuming from") != std::string::npos);
+  CHECK(torch::equal(weights(root / "two"), weights(root / "one")));
+  CHECK(tkt::metric(root / "two/out/metrics.jsonl", "loss") == tkt::metric(root / "one/out/metrics.jsonl", "loss"));
+  return killed;
+}
+
 TEST_SUITE("ddp") {
-  TEST_CASE("2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window") {
-    const fs::path root = tkt::temp_dir("ddp-equal");
+  /// `recipe` with grad_accum (k = 2) and ddp (with `ddp_options`) on 2 ranks at micro-batch m,
+  /// and without ddp in 1 process at 2m: the same weights, in float64. The 2-rank run is ROOT/two;
+  /// returns it.
+  Proc two_ranks_equal_one_process(const fs::path& root, const std::string& recipe, const std::string& ddp_options,
+                                   int m) {
     const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
-    const std::string ddp = "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\ntimeout_s = 60.0\n";
-    auto two = tk_run(root / "two", std::string(kBase) + ddp + accum, "--nproc 2");
+    auto two = tk_run(root / "two", recipe + "[[plugins]]\nname = \"ddp\"\n" + ddp_options + accum,
+                      "--nproc 2 --set data.micro_batch=" + std::to_string(m));
     INFO(two.out);
     REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", std::string(kBase) + accum, "--set data.micro_batch=8");
+    auto one = tk_run(root / "one", recipe + accum, "--set data.micro_batch=" + std::to_string(2 * m));
     REQUIRE(one.rc == 0);
+    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
+    return two;
+  }
+
+  TEST_CASE("2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window") {
+    const fs::path root = tkt::temp_dir("ddp-equal");
+    auto two = two_ranks_equal_one_process(root, kBase, "check_every = 1\ntimeout_s = 60.0\n", 4);
     auto big = tk_run(root / "big", kBase, "--set data.micro_batch=16");
     REQUIRE(big.rc == 0);
-    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
     CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
     // Not the equality of runs that did nothing: the last three steps moved the weights.
     auto half = tk_run(root / "half", kBase, "--set data.micro_batch=16 --set run.steps=3");
@@ -68,17 +94,10 @@ TEST_SUITE("ddp") {
     for (bool varied : {false, true}) {
       CAPTURE(varied);
       const fs::path root = tkt::temp_dir("ddp-unused");
-      const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
       const std::string base = experts_recipe(varied);
-      auto two = tk_run(root / "two", base + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n" + accum,
-                        "--nproc 2 --set data.micro_batch=2");
-      INFO(two.out);
-      REQUIRE(two.rc == 0);
-      auto one = tk_run(root / "one", base + accum, "--set data.micro_batch=4");
-      REQUIRE(one.rc == 0);
+      two_ranks_equal_one_process(root, base, "check_every = 1\n", 2);
       auto big = tk_run(root / "big", base, "--set data.micro_batch=8");
       REQUIRE(big.rc == 0);
-      CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
       CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
       // The case happened: in some window's last backward rank 0 left parameters without a gradient.
       const auto unused = tkt::metric(root / "two/out/metrics.jsonl", "ddp_unused");
@@ -94,18 +113,15 @@ TEST_SUITE("ddp") {
 
   TEST_CASE("find_unused_parameters = false: the same step without the search, and an unused parameter is named") {
     const fs::path root = tkt::temp_dir("ddp-no-search");
-    const std::string ddp = "[[plugins]]\nname = \"ddp\"\nfind_unused_parameters = false\ntimeout_s = 20.0\n";
-    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
-    auto two = tk_run(root / "two", std::string(kBase) + ddp + accum, "--nproc 2");
-    INFO(two.out);
-    REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", std::string(kBase) + accum, "--set data.micro_batch=8");
-    REQUIRE(one.rc == 0);
-    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
+    const std::string options = "find_unused_parameters = false\ntimeout_s = 20.0\n";
+    two_ranks_equal_one_process(root, kBase, options, 4);
     // Per window: the one bucket and the totals, no used-map.
     CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces") == std::vector<double>{2, 4, 6, 8, 10, 12});
     // A model that leaves parameters unused: an error naming one, in bounded time, not a hang.
-    auto bad = tk_run(root / "bad", experts_recipe(false) + ddp + accum, "--nproc 2 --set data.micro_batch=2");
+    auto bad = tk_run(root / "bad",
+                      experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n" + options +
+                          "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n",
+                      "--nproc 2 --set data.micro_batch=2");
     CHECK(bad.rc == 1);
     CHECK(bad.out.find("got no gradient in the last backward of step 1 on rank") != std::string::npos);
     CHECK(bad.out.find("parameters 'expert") != std::string::npos);
@@ -119,19 +135,10 @@ TEST_SUITE("ddp") {
     const std::string recipe =
         experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
     const std::string sets = "--nproc 2 --set data.micro_batch=2 --set run.steps=12 --set run.checkpoint_every=4 ";
-    auto one = tk_run(root / "one", recipe, sets);
-    INFO(one.out);
-    REQUIRE(one.rc == 0);
     // Rank 0 killed right after the record of step 9 (the checkpoint is at 8): the world stops.
-    auto killed = tk_run(root / "two", recipe, sets, "TK_FAULT=metrics-written:9");
+    auto killed = kill_and_resume(root, recipe, sets);
     CHECK(killed.rc == 1);
     CHECK(killed.out.find("tk-run: rank 0 failed (was killed by signal 9") != std::string::npos);
-    auto resumed = tk_run(root / "two", recipe, sets + "--resume latest");
-    INFO(resumed.out);
-    REQUIRE(resumed.rc == 0);
-    CHECK(resumed.out.find("resuming from") != std::string::npos);
-    CHECK(torch::equal(weights(root / "two"), weights(root / "one")));
-    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "loss") == tkt::metric(root / "one/out/metrics.jsonl", "loss"));
     CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs") ==
           tkt::metric(root / "one/out/metrics.jsonl", "ddp_syncs"));
     fs::remove_all(root);
@@ -343,17 +350,8 @@ TEST_SUITE("resume") {
     const fs::path root = tkt::temp_dir("resume-kill");
     const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
     const std::string sets = "--set run.steps=12 --set data.samples=80 --set run.checkpoint_every=4 ";
-    auto one = tk_run(root / "one", recipe, sets);
-    REQUIRE(one.rc == 0);
     // The same run, killed right after the record of step 9 (the checkpoint is at 8), then resumed.
-    auto killed = tk_run(root / "two", recipe, sets, "TK_FAULT=metrics-written:9");
-    CHECK(killed.rc == 128 + 9);
-    auto resumed = tk_run(root / "two", recipe, sets + "--resume latest");
-    INFO(resumed.out);
-    REQUIRE(resumed.rc == 0);
-    CHECK(resumed.out.find("resuming from") != std::string::npos);
-    CHECK(torch::equal(weights(root / "two"), weights(root / "one")));
-    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "loss") == tkt::metric(root / "one/out/metrics.jsonl", "loss"));
+    CHECK(kill_and_resume(root, recipe, sets).rc == 128 + 9);
     fs::remove_all(root);
   }
 
