@@ -38,17 +38,17 @@ Proc kill_and_resume(const fs::path& root, const std::string& recipe, const std:
 }
 
 TEST_SUITE("ddp") {
-  /// `recipe` with grad_accum (k = 2) and ddp (with `ddp_options`) on 2 ranks at micro-batch m,
-  /// and without ddp in 1 process at 2m: the same weights, in float64. The 2-rank run is ROOT/two;
-  /// returns it.
+  /// `recipe` with grad_accum (k = 2) and ddp (with `ddp_options`) on `ranks` ranks at micro-batch
+  /// m, and without ddp in 1 process at ranks x m: the same weights, in float64. The run of several
+  /// ranks is ROOT/two; returns it.
   Proc two_ranks_equal_one_process(const fs::path& root, const std::string& recipe, const std::string& ddp_options,
-                                   int m) {
+                                   int m, int ranks = 2) {
     const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
     auto two = tk_run(root / "two", recipe + "[[plugins]]\nname = \"ddp\"\n" + ddp_options + accum,
-                      "--nproc 2 --set data.micro_batch=" + std::to_string(m));
+                      "--nproc " + std::to_string(ranks) + " --set data.micro_batch=" + std::to_string(m));
     INFO(two.out);
     REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", recipe + accum, "--set data.micro_batch=" + std::to_string(2 * m));
+    auto one = tk_run(root / "one", recipe + accum, "--set data.micro_batch=" + std::to_string(ranks * m));
     REQUIRE(one.rc == 0);
     CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
     return two;
@@ -91,12 +91,14 @@ TEST_SUITE("ddp") {
   }
 
   TEST_CASE("ranks that use different parameters take the DDP step: unused gradients count as zero") {
-    for (bool varied : {false, true}) {
+    // Experts of the same shapes on 2 ranks, of different shapes on 2 and on 3.
+    for (auto [varied, ranks] : {std::pair{false, 2}, std::pair{true, 2}, std::pair{true, 3}}) {
       CAPTURE(varied);
+      CAPTURE(ranks);
       const fs::path root = tkt::temp_dir("ddp-unused");
       const std::string base = experts_recipe(varied);
-      two_ranks_equal_one_process(root, base, "check_every = 1\n", 2);
-      auto big = tk_run(root / "big", base, "--set data.micro_batch=8");
+      two_ranks_equal_one_process(root, base, "check_every = 1\n", 2, ranks);
+      auto big = tk_run(root / "big", base, "--set data.micro_batch=" + std::to_string(4 * ranks));
       REQUIRE(big.rc == 0);
       CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
       // The case happened: in some window's last backward rank 0 left parameters without a gradient.
