@@ -5,6 +5,7 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <thread>
 
@@ -92,6 +93,16 @@ void read_run_section(Run& r, const Recipe& recipe) {
   const bool cuda = torch::cuda::is_available();
   if (dev == "cuda" && !cuda) o.fail("device", "CUDA is not available (this LibTorch has no CUDA, or no GPU is visible)");
   r.device = (dev == "cuda" || (dev == "auto" && cuda)) ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  // One GPU per process of a launch (tk-run's, torchrun's or Slurm's local rank): its own.
+  const char* local = std::getenv("LOCAL_RANK") ? std::getenv("LOCAL_RANK") : std::getenv("SLURM_LOCALID");
+  if (r.device.is_cuda() && local) {
+    const long i = std::strtol(local, nullptr, 10);
+    const long n = static_cast<long>(torch::cuda::device_count());
+    if (i < 0 || i >= n)
+      o.fail("device", "this process's local rank is " + std::string(local) + " but " + std::to_string(n) +
+                           " GPUs are visible: start at most one process per GPU");
+    r.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i));
+  }
   r.seed = static_cast<uint64_t>(o.get_int("seed"));
 }
 

@@ -198,7 +198,7 @@ int64_t Loop::back_off(const WindowStart& w, const std::string& what) {
   if (!why_not.empty()) throw Error(where + "; it cannot back off " + why_not);
   // Nothing of the window stays: its gradients, counts and random draws.
   s_.loss = at::Tensor();
-  for (auto& p : r_.model->parameters()) p.mutable_grad() = at::Tensor();
+  zero_grads(r_);
   s_.counters = w.counters;
   restore_rng(w.rng);
   const int64_t first_example = w.batch * m;

@@ -25,6 +25,12 @@
 #include <tk/abi.h>
 #include <tk/compat.h>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -126,8 +132,9 @@ class SumHook final : public c10d::CommHookInterface {
   std::shared_ptr<Launches> launches_;
 };
 
-/// c10d's Reducer, told which parameters a window's earlier micro-batches used. PyTorch's reducer
-/// records use only in the backward it is armed for (a window's last), so a parameter used in an
+/// c10d's Reducer, told which parameters a window's earlier micro-batches used. LibTorch 1.x's
+/// reducer records use only in the backward it is armed for (a window's last; 2.x records it in
+/// the window's other backwards too, and marking again changes nothing), so a parameter used in an
 /// earlier micro-batch and not in the last would count as unused everywhere: its gradient left
 /// unsummed on the ranks that have one, absent on the others. Marking every parameter that holds
 /// a gradient as used gives it the sum over ranks, zeros for the ranks without one.
@@ -172,6 +179,48 @@ std::string shape_of(const int64_t* row) {
   if (row[2] > kDims) s << ", ...";
   s << "] " << c10::toString(static_cast<at::ScalarType>(row[1])) << (row[3 + kDims] ? "" : ", frozen");
   return s.str();
+}
+
+/// The address of this machine that routes to `host` (a UDP socket connected there sends
+/// nothing); "" when it cannot be found.
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) return "";
+  std::string out;
+  for (addrinfo* a = found; a && out.empty(); a = a->ai_next) {
+    const int s = socket(a->ai_family, SOCK_DGRAM, 0);
+    if (s < 0) continue;
+    sockaddr_storage mine{};
+    socklen_t len = sizeof mine;
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (connect(s, a->ai_addr, a->ai_addrlen) == 0 && getsockname(s, reinterpret_cast<sockaddr*>(&mine), &len) == 0) {
+      const void* ip = mine.ss_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&mine)->sin_addr)
+                                                 : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&mine)->sin6_addr);
+      if (inet_ntop(mine.ss_family, ip, text, sizeof text)) out = text;
+    }
+    close(s);
+  }
+  freeaddrinfo(found);
+  return out;
+}
+
+/// The network device Gloo uses on this rank: GLOO_SOCKET_IFNAME's interface when it is set (as
+/// in PyTorch), else the address that routes to the rendezvous host (127.0.0.1 for a world on
+/// loopback). The host name's address would often be 127.0.1.1 (Debian's /etc/hosts), which
+/// other machines cannot reach.
+std::shared_ptr<::gloo::transport::Device> gloo_device(const World& w) {
+  if (const char* ifname = env("GLOO_SOCKET_IFNAME")) {
+    const std::string first = std::string(ifname).substr(0, std::string(ifname).find(','));
+    return c10d::ProcessGroupGloo::createDeviceForInterface(first);
+  }
+  const std::string mine = local_address_towards(w.addr, w.port);
+  if (mine.empty())
+    throw std::runtime_error("no address of this machine routes to the rendezvous host " + w.addr +
+                             " (MASTER_ADDR); set GLOO_SOCKET_IFNAME to the network interface to use");
+  return c10d::ProcessGroupGloo::createDeviceForHostname(mine);
 }
 
 class Ddp final : public tk::Plugin {
@@ -223,6 +272,8 @@ class Ddp final : public tk::Plugin {
 
   void on_fit_start(tk::Context& ctx) override {
     if (world_.size == 1) return;
+    const auto model_params = ctx.model().parameters();
+    if (!model_params.empty()) device_ = model_params.front().device();
     join(ctx);
     agree_on_window(ctx.plan());
     check_same_model(ctx.model());
@@ -233,10 +284,9 @@ class Ddp final : public tk::Plugin {
   void on_loss(tk::Context& ctx) override {
     if (!reducer_) return decline(tk::Event::Loss);
     if (!ctx.window().is_last()) return;  // the window's other micro-batches accumulate locally
-    // Once, after the first window: buckets in the order gradients became ready (a broadcast from
-    // rank 0; PyTorch does it only without the unused-parameter search). It also fails if the
-    // previous reduction did not finish.
-    if (reducer_->rebuild_buckets()) buckets_ = static_cast<int64_t>(reducer_->get_grad_buckets(false).size());
+    // The buckets are never rebuilt in the order gradients became ready (PyTorch does so once,
+    // after the first iteration, without the unused-parameter search): a resumed run then sums in
+    // the same buckets, so the same order, as the run it continues.
     std::vector<int64_t> used;
     for (size_t i = 0; i < params_.size(); ++i)
       if (params_[i].grad().defined()) used.push_back(static_cast<int64_t>(i));
@@ -328,9 +378,7 @@ class Ddp final : public tk::Plugin {
     }
     if (backend_ == "gloo") {
       auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
-      const bool loopback = world_.addr == "127.0.0.1" || world_.addr == "localhost";
-      opts->devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                       : c10d::ProcessGroupGloo::createDefaultDevice());
+      opts->devices.push_back(gloo_device(world_));
       auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, world_.rank, world_.size, opts);
       group_ = tk::compat::process_group(gloo, store_, world_.rank, world_.size, false);
     }
@@ -372,12 +420,15 @@ class Ddp final : public tk::Plugin {
     auto counts = torch::tensor({n_params, static_cast<int64_t>(names.size()) - n_params}, torch::kLong);
     const auto mine = counts.clone();
     broadcast(counts);
+    // Where any rank's counts differ, no rank compares descriptors (they would not line up).
+    auto counts_differ = torch::tensor({counts.equal(mine) ? int64_t{0} : int64_t{1}}, torch::kLong);
+    allreduce(counts_differ, c10d::ReduceOp::MAX);
     std::string why;
     if (!counts.equal(mine)) {
       why = std::to_string(mine[0].item<int64_t>()) + " parameters and " + std::to_string(mine[1].item<int64_t>()) +
             " buffers here, " + std::to_string(counts[0].item<int64_t>()) + " and " +
             std::to_string(counts[1].item<int64_t>()) + " on rank 0";
-    } else {
+    } else if (counts_differ.item<int64_t>() == 0) {
       auto theirs = torch::tensor(rows, torch::kLong);
       broadcast(theirs);
       const int64_t* r0 = theirs.data_ptr<int64_t>();
@@ -389,13 +440,15 @@ class Ddp final : public tk::Plugin {
                            : names[i] + " is " + shape_of(a) + " here and " + shape_of(b) + " on rank 0";
       }
     }
-    // Every rank learns the lowest rank that differs, so that none goes on to wait for it.
-    auto first = torch::tensor({why.empty() ? int64_t{-1} : -static_cast<int64_t>(world_.rank)}, torch::kLong);
+    // Every rank learns the lowest rank that differs (-size: none), so that none goes on to wait
+    // for it.
+    const int64_t none = -static_cast<int64_t>(world_.size);
+    auto first = torch::tensor({why.empty() ? none : -static_cast<int64_t>(world_.rank)}, torch::kLong);
     allreduce(first, c10d::ReduceOp::MAX);
     if (!why.empty())
       throw std::runtime_error("the model on rank " + std::to_string(world_.rank) + " differs from rank 0's: " + why +
                                "; every rank must build the same model");
-    if (first.item<int64_t>() != -1)
+    if (first.item<int64_t>() != none)
       throw std::runtime_error("the model on rank " + std::to_string(-first.item<int64_t>()) +
                                " differs from rank 0's (that rank's error names the difference)");
   }
@@ -484,18 +537,22 @@ class Ddp final : public tk::Plugin {
     }
   }
 
+  /// The small collectives (counts, descriptors, checksums) run on the run's device, which NCCL
+  /// requires; `t` comes back with the result wherever it was.
   void allreduce(at::Tensor& t, c10d::ReduceOp op = c10d::ReduceOp::SUM) {
-    std::vector<at::Tensor> v{t};
+    std::vector<at::Tensor> v{t.to(device_)};
     c10d::AllreduceOptions o;
     o.reduceOp = op;
     group_->allreduce(v, o)->wait();
+    if (!v[0].is_same(t)) t.copy_(v[0]);
   }
 
   void broadcast(at::Tensor& t) {
-    std::vector<at::Tensor> v{t};
+    std::vector<at::Tensor> v{t.to(device_)};
     c10d::BroadcastOptions o;
     o.rootRank = 0;
     group_->broadcast(v, o)->wait();
+    if (!v[0].is_same(t)) t.copy_(v[0]);
   }
 
   // Options, with their defaults.
@@ -506,6 +563,7 @@ class Ddp final : public tk::Plugin {
   // Derived from them, and state.
   World world_;
   std::chrono::milliseconds timeout_{300000}, rdv_timeout_{300000};
+  at::Device device_ = at::kCPU;  // the run's (the model's)
   int64_t bucket_bytes_ = 25 << 20, first_bucket_bytes_ = 1 << 20;
   bool average_ = false;
   int64_t syncs_ = 0, allreduces_ = 0;

@@ -154,6 +154,17 @@ TEST_SUITE("ddp") {
     CHECK(p.out.find("the model on rank 1 differs from rank 0's: parameter 'trunk.weight' is [10, 8] Double here and "
                      "[8, 8] Double on rank 0; every rank must build the same model") != std::string::npos);
     CHECK(p.out.find("step 1/") == std::string::npos);  // refused before any step
+    // Rank 0 says which rank differs; a count that differs is named too.
+    CHECK(p.out.find("[rank 0] [") != std::string::npos);
+    CHECK(p.out.find("the model on rank 1 differs from rank 0's (that rank's error names the difference)") !=
+          std::string::npos);
+    auto count = tk_run(root / "count", experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 20.0\n",
+                        "--nproc 2 --set model.experts_on_rank1=3");
+    CHECK(count.rc == 1);
+    CHECK(count.out.find("the model on rank 1 differs from rank 0's: 14 parameters and 0 buffers here, 18 and 0 on "
+                         "rank 0") != std::string::npos);
+    CHECK(count.out.find("the model on rank 1 differs from rank 0's (that rank's error names the difference)") !=
+          std::string::npos);
     fs::remove_all(root);
   }
 
@@ -270,11 +281,11 @@ TEST_SUITE("ddp") {
 
   /// Two launchers on 127.0.0.1 as node 0 and node 1 of one world, 2 workers each: node 0's
   /// output in out, node 1's in DIR/node1.log (its exit status on the last line of out).
-  Proc two_nodes(const fs::path& dir, const std::string& recipe, const std::string& args) {
+  Proc two_nodes(const fs::path& dir, const std::string& recipe, const std::string& args, int nproc1 = 2) {
     const std::string nodes = " --nnodes 2 --master-addr 127.0.0.1 --master-port " + std::to_string(free_port_pair()) +
-                              " --nproc 2 " + args;
-    const std::string node1 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 1");
-    const std::string node0 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 0");
+                              " " + args;
+    const std::string node1 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 1 --nproc " + std::to_string(nproc1));
+    const std::string node0 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 0 --nproc 2");
     return tkt::shell("{ " + node1 + " > " + (dir / "node1.log").string() + " 2>&1; echo \"node 1 exited $?\" >> " +
                       (dir / "node1.log").string() + "; } & n1=$!; " + node0 + " 2>&1; rc=$?; wait $n1; exit $rc");
   }
@@ -333,6 +344,11 @@ TEST_SUITE("ddp") {
     p = tk_run(root, recipe, "--nnodes 2 --node-rank 2 --master-port 29500 --nproc 2");
     CHECK(p.rc == 2);
     CHECK(p.out.find("--node-rank 2 is outside --nnodes 2 (node ranks go from 0 to 1)") != std::string::npos);
+    // Nodes with different numbers of workers: both refuse, before any worker starts.
+    p = two_nodes(root / "uneven", recipe, "", 1);
+    CHECK(p.rc == 1);
+    CHECK(p.out.find("node 1 starts 1 workers and node 0 2: give every node the same --nproc") != std::string::npos);
+    CHECK(tkt::read_text(root / "uneven/node1.log").find("give every node the same --nproc") != std::string::npos);
     fs::remove_all(root);
   }
 

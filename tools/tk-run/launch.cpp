@@ -181,7 +181,13 @@ class Launch {
     for (auto& t : reapers_) t.join();
     std::fflush(stdout);
     const int rc = report();
-    if (link_) link_->finish(rc == 0);
+    if (!link_) return rc;
+    // Node 0 stays for the others; a failure they publish meanwhile is the world's.
+    for (const auto& f : link_->finish(rc == 0))
+      if (rc == 0) {
+        std::fprintf(stderr, "tk-run: this node's ranks ended, then the world failed: %s\n", f.headline().c_str());
+        return f.exit_code;
+      }
     return rc;
   }
 
@@ -198,7 +204,7 @@ class Launch {
       std::fprintf(stderr, "tk-run: node %d of %d: waiting for the other launchers at %s:%d\n", opts_.node_rank,
                    opts_.nnodes, opts_.master_addr.c_str(), port_ + 1);
       std::fflush(stderr);
-      link_ = std::make_unique<NodeLink>(opts_.master_addr, port_ + 1, opts_.nnodes, opts_.node_rank,
+      link_ = std::make_unique<NodeLink>(opts_.master_addr, port_ + 1, opts_.nnodes, opts_.node_rank, n_,
                                          opts_.node_timeout_s);
       std::fprintf(stderr, "tk-run: node %d of %d: starting ranks %d-%d of %d, rendezvous on %s:%d\n", opts_.node_rank,
                    opts_.nnodes, base_, base_ + n_ - 1, world_, opts_.master_addr.c_str(), port_);
@@ -317,6 +323,7 @@ class Launch {
     const int64_t mono = failure_time(failure_dir_, rank(failed_rank_), w);
     f.time_ns = mono >= 0 ? realtime_ns() - (now_ns() - mono) : failure_real_ns_;
     f.node = opts_.node_rank;
+    f.exit_code = !w.running && WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2 ? 2 : 1;
     f.what = "rank " + std::to_string(rank(failed_rank_)) + " failed" +
              (w.running ? std::string() : " (" + describe_status(w.status) + ")") + " on node " +
              std::to_string(opts_.node_rank);
@@ -326,14 +333,17 @@ class Launch {
 
   /// The first failure, once: the others are asked to stop (and, across nodes, told).
   void notice_failure() {
-    if (failed_rank_ >= 0 || (stopping_ && !link_)) return;
+    if (failed_rank_ >= 0 || forwarded_ || (stopping_ && !link_)) return;
     bool someone_failed = false;
     for (const auto& w : workers_) someone_failed |= !w.running && !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
     if (someone_failed) failed_rank_ = first_failure(failure_dir_, workers_, base_, stop_sent_);
     if (failed_rank_ < 0) return;
     failure_real_ns_ = realtime_ns();
+    if (stopping_) {  // another node's account stopped this one: what fails here follows from it
+      local_follows_ = true;
+      return;
+    }
     if (link_) link_->publish(local_account());
-    if (stopping_) return;  // another node's failure stopped this one already
     const Worker& w = worker(failed_rank_);  // it may have recorded its failure and still be ending
     std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", rank(failed_rank_),
                  w.running ? "failed" : describe_status(w.status).c_str());
@@ -353,10 +363,11 @@ class Launch {
   void listen_to_nodes() {
     if (!link_) return;
     for (auto& f : link_->poll()) {
-      if (!stopping_)
+      if (!stopping_) {
         std::fprintf(stderr, "tk-run: %s; stopping this node's ranks\n", f.headline().c_str());
+        stop(Clock::now());
+      }
       remote_.push_back(std::move(f));
-      if (!stopping_) stop(Clock::now());
     }
   }
 
@@ -373,6 +384,10 @@ class Launch {
     listen_to_nodes();
     if (g_signal && !forwarded_) {
       std::fprintf(stderr, "tk-run: got signal %d; stopping the workers\n", static_cast<int>(g_signal));
+      if (link_ && !stopping_)
+        link_->publish({NodeFailure::Signal, realtime_ns(), opts_.node_rank, 128 + static_cast<int>(g_signal),
+                        "node " + std::to_string(opts_.node_rank) + "'s launcher got signal " +
+                            std::to_string(static_cast<int>(g_signal)) + " and stopped its ranks"});
       stop_all(g_signal);
       forwarded_ = stopping_ = true;
       kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts_.stop_grace_s * 1000));
@@ -397,9 +412,10 @@ class Launch {
 
   /// A rank that timed out waited for a peer. Healthy peers time out too, by themselves; the ones
   /// that never failed and had to be killed are the ones that hung.
-  std::vector<int> hung_ranks() {
+  std::vector<int> hung_ranks(bool remote_timeout) {
     std::vector<int> hung;
-    if (failed_rank_ < 0 || failure_record(failure_dir_, rank(failed_rank_)).second != "timeout") return hung;
+    if (!remote_timeout && (failed_rank_ < 0 || failure_record(failure_dir_, rank(failed_rank_)).second != "timeout"))
+      return hung;
     for (int r = 0; r < n_; ++r) {
       const Worker& w = worker(r);
       if (started(r) && failure_record(failure_dir_, rank(r)).first < 0 && WIFSIGNALED(w.status) &&
@@ -415,7 +431,7 @@ class Launch {
     for (const auto& f : remote_)
       if (!best || f.before(*best)) best = f;
     if (!best) return best;
-    if (failed_rank_ >= 0) {
+    if (failed_rank_ >= 0 && !local_follows_) {
       const NodeFailure mine = local_account();
       if (!best->before(mine)) return std::nullopt;
     }
@@ -425,10 +441,17 @@ class Launch {
   int report() {
     // With every rank's record in, the first failure is known for sure.
     if (failed_rank_ >= 0) failed_rank_ = first_failure(failure_dir_, workers_, base_, stop_sent_);
-    const std::optional<NodeFailure> remote = remote_cause();
-    const std::vector<int> hung = remote ? std::vector<int>{} : hung_ranks();
+    const std::optional<NodeFailure> remote = forwarded_ ? std::nullopt : remote_cause();
+    const bool remote_timeout = remote && remote->kind == NodeFailure::Timeout;
+    const std::vector<int> hung = remote && !remote_timeout ? std::vector<int>{} : hung_ranks(remote_timeout);
     std::error_code ec;
     std::filesystem::remove_all(failure_dir_, ec);
+    for (int r : hung)
+      if (remote_timeout) {
+        std::fprintf(stderr, "tk-run: rank %d hung: a rank of another node timed out waiting in a collective, and "
+                     "it neither failed nor stopped when asked, so it was killed. Its last output:\n", rank(r));
+        for (const auto& line : worker(r).tail) std::fprintf(stderr, "  %s\n", line.c_str());
+      }
     if (remote) {
       std::fprintf(stderr, "tk-run: the world failed: %s. Its last output:\n", remote->headline().c_str());
       const std::string& what = remote->what;
@@ -437,7 +460,7 @@ class Launch {
         std::fprintf(stderr, "  %s\n", what.substr(at + 1, next - at - 1).c_str());
         at = next;
       }
-      return 1;
+      return remote->exit_code;
     }
     for (int r : hung) {
       std::fprintf(stderr, "tk-run: rank %d hung: rank %d timed out waiting for it in a collective, and it neither "
@@ -466,6 +489,7 @@ class Launch {
   Clock::time_point kill_at_{}, stop_sent_ = Clock::time_point::max();  // when the launcher first signalled
   Clock::time_point settle_until_ = Clock::time_point::max();
   bool stopping_ = false, forwarded_ = false;
+  bool local_follows_ = false;  // this node's first failure came after another node's account
   std::unique_ptr<NodeLink> link_;  // the other nodes' launchers, with --nnodes > 1
   std::vector<NodeFailure> remote_;
 };

@@ -30,13 +30,14 @@ std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; 
 std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
 std::string encode(const NodeFailure& f) {
-  return std::to_string(f.kind) + " " + std::to_string(f.time_ns) + " " + std::to_string(f.node) + "\n" + f.what;
+  return std::to_string(f.kind) + " " + std::to_string(f.time_ns) + " " + std::to_string(f.node) + " " +
+         std::to_string(f.exit_code) + "\n" + f.what;
 }
 
 NodeFailure decode(const std::string& s) {
   NodeFailure f;
   std::istringstream in(s.substr(0, s.find('\n')));
-  in >> f.kind >> f.time_ns >> f.node;
+  in >> f.kind >> f.time_ns >> f.node >> f.exit_code;
   f.what = s.find('\n') == std::string::npos ? "" : s.substr(s.find('\n') + 1);
   return f;
 }
@@ -85,7 +86,7 @@ struct NodeLink::Impl {
       p.beat_seen = Clock::now();
     } else if (Clock::now() - p.beat_seen > std::chrono::duration<double>(kGoneAfter_s)) {
       p.gone = true;
-      out.push_back({NodeFailure::NodeGone, realtime_ns(), n,
+      out.push_back({NodeFailure::NodeGone, realtime_ns(), n, 1,
                      "node " + std::to_string(n) + " stopped answering (no heartbeat for " +
                          std::to_string(static_cast<int>(kGoneAfter_s)) + " s): its launcher ended or its machine "
                          "is unreachable"});
@@ -93,7 +94,7 @@ struct NodeLink::Impl {
   }
 };
 
-NodeLink::NodeLink(const std::string& addr, int port, int nnodes, int node_rank, double timeout_s)
+NodeLink::NodeLink(const std::string& addr, int port, int nnodes, int node_rank, int nproc, double timeout_s)
     : impl_(std::make_unique<Impl>()) {
   Impl& i = *impl_;
   i.addr = addr;
@@ -110,6 +111,33 @@ NodeLink::NodeLink(const std::string& addr, int port, int nnodes, int node_rank,
   compat::use_classic_tcpstore(so, 0);
   try {
     i.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    // Every node in before any heartbeat counts (a client's constructor does not wait for the
+    // others), and every node with as many workers.
+    i.store->set(key("nproc", node_rank), bytes(std::to_string(nproc)));
+    const auto until = Clock::now() + std::chrono::milliseconds(so.timeout);
+    const auto barrier = [&](const char* name) {
+      i.store->add(name, 1);
+      while (i.store->add(name, 0) < nnodes) {
+        if (Clock::now() >= until) throw std::runtime_error("not every node joined within the rendezvous timeout");
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    };
+    barrier("tk-launch/joined");
+    std::string uneven;
+    for (int n = 0; n < nnodes && uneven.empty(); ++n) {
+      const std::string theirs = text(i.store->get(key("nproc", n)));
+      if (theirs != std::to_string(nproc))
+        uneven = "node " + std::to_string(n) + " starts " + theirs + " workers and node " + std::to_string(node_rank) +
+                 " " + std::to_string(nproc) + ": give every node the same --nproc";
+    }
+    try {
+      barrier("tk-launch/checked");  // node 0's store stays until every node has read it
+    } catch (const std::exception&) {
+      if (uneven.empty()) throw;  // else node 0 may have gone with the same finding
+    }
+    if (!uneven.empty()) throw std::runtime_error(uneven);
+    // From here on a store that does not answer within seconds is a node gone, not a slow one.
+    i.store->setTimeout(std::chrono::seconds(5));
     i.beat();
   } catch (const std::exception& e) {
     throw std::runtime_error("the launchers' rendezvous at " + i.where() + " failed for node " +
@@ -142,7 +170,7 @@ std::vector<NodeFailure> NodeLink::poll() {
     i.store_lost = true;
     if (!i.peers[0].gone && !i.peers[0].done) {
       i.peers[0].gone = true;
-      out.push_back({NodeFailure::NodeGone, realtime_ns(), 0,
+      out.push_back({NodeFailure::NodeGone, realtime_ns(), 0, 1,
                      "node 0 stopped answering (the launchers' store at " + i.where() + ": " + e.what() +
                          "): its launcher ended or its machine is unreachable"});
     }
@@ -150,19 +178,19 @@ std::vector<NodeFailure> NodeLink::poll() {
   return out;
 }
 
-void NodeLink::finish(bool ok) {
+std::vector<NodeFailure> NodeLink::finish(bool ok) {
   Impl& i = *impl_;
+  std::vector<NodeFailure> seen;
   try {
     i.store->set(key("done", i.me), bytes(ok ? "ok" : "failed"));
-    if (i.me != 0) return;
+    if (i.me != 0) return seen;
     // The store lives in this process: it stays (beating, so that it is not taken for gone) until
     // every other node has ended or is gone, for at most a minute.
     const auto until = Clock::now() + std::chrono::seconds(60);
-    std::vector<NodeFailure> ignored;
     for (;;) {
       bool all = true;
       for (int n = 1; n < i.nnodes; ++n) {
-        i.look_at(n, ignored);
+        i.look_at(n, seen);
         all &= i.peers[static_cast<size_t>(n)].done || i.peers[static_cast<size_t>(n)].gone;
       }
       if (all || Clock::now() >= until) break;
@@ -171,6 +199,7 @@ void NodeLink::finish(bool ok) {
     }
   } catch (const std::exception&) {
   }
+  return seen;
 }
 
 }  // namespace tk

@@ -38,7 +38,8 @@ c10::intrusive_ptr<Group> process_group(c10::intrusive_ptr<Backend> backend, con
   auto group = c10::make_intrusive<Group>(store, rank, size,
                                           c10::make_intrusive<typename Group::Options>(nccl ? "nccl" : "gloo"));
 #endif
-  group->setBackend(nccl ? c10::DeviceType::CUDA : c10::DeviceType::CPU, type, backend);
+  group->setBackend(c10::DeviceType::CUDA, type, backend);      // Gloo reduces CUDA tensors too
+  if (!nccl) group->setBackend(c10::DeviceType::CPU, type, backend);
   group->setDefaultBackend(type);
   return group;
 #else
