@@ -203,6 +203,27 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("a batch-size ramp changes k at boundaries on every rank alike: 2 ranks == 1 process") {
+    const fs::path root = tkt::temp_dir("ddp-ramp");
+    const std::string ramp =
+        "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 32\nramp_from = 8\nramp_steps = 3\n";
+    auto two = tk_run(root / "two", std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n" + ramp,
+                      "--nproc 2");
+    INFO(two.out);
+    REQUIRE(two.rc == 0);
+    auto one = tk_run(root / "one", std::string(kBase) + ramp, "--set data.micro_batch=8");
+    REQUIRE(one.rc == 0);
+    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
+    // The ramp happened: k grew from the first step to the last, on both.
+    const auto k1 = tkt::metric(root / "one/out/metrics.jsonl", "micro_batches");
+    const auto k2 = tkt::metric(root / "two/out/metrics.jsonl", "micro_batches");
+    REQUIRE(k1.size() == 6);
+    CHECK(k1.front() < k1.back());
+    CHECK(k2.front() == 2 * k1.front());  // both ranks' micro-batches
+    CHECK(k2.back() == 2 * k1.back());
+    fs::remove_all(root);
+  }
+
   TEST_CASE("with mixed precision and clipping, every rank takes the same step: overflow veto and norm agree") {
     const fs::path root = tkt::temp_dir("ddp-amp");
     // An overflow on rank 1 only, at step 2: after the sync both ranks see it and both skip.
