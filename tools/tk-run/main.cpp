@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 #include <tk/abi.h>
 #include <tk/capabilities.h>
+#include <tk/compat.h>
 #include <tk/trainer.h>
 
 #include "../cli_parse.h"
@@ -279,6 +280,9 @@ void set_up_log(const Cli& c) {
     logger->set_pattern("[%H:%M:%S] [%^%l%$] %v");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(c.level));
+  // LibTorch's own warnings in the run's log, one line each.
+  static tk::compat::WarningForwarder torch_warnings([](const std::string& msg) { spdlog::warn("LibTorch: {}", msg); });
+  torch_warnings.install();
 }
 
 int print_dry_run(const std::string& plan) {

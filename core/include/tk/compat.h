@@ -48,6 +48,24 @@ c10::intrusive_ptr<Group> process_group(c10::intrusive_ptr<Backend> backend, con
 #endif
 }
 
+/// Sends LibTorch's warnings (TORCH_WARN, e.g. the DDP reducer's) to `sink` rather than to glog's
+/// stderr lines. Install it once, at start-up, and keep it alive. LibTorch 2.0 moved the handler
+/// to c10::WarningUtils and passes it one c10::Warning.
+class WarningForwarder final : public c10::WarningHandler {
+ public:
+  explicit WarningForwarder(void (*sink)(const std::string&)) : sink_(sink) {}
+#if TK_TORCH_AT_LEAST(2, 0)
+  void process(const c10::Warning& w) override { sink_(w.msg()); }
+  void install() { c10::WarningUtils::set_warning_handler(this); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override { sink_(msg); }
+  void install() { c10::Warning::set_warning_handler(this); }
+#endif
+
+ private:
+  void (*sink_)(const std::string&);
+};
+
 /// Turns autocast on or off for `device` (CPU or CUDA) with the given lower-precision dtype.
 /// LibTorch 2.4 made the autocast API device-generic; 1.x has one function pair per device.
 inline void set_autocast(at::DeviceType device, bool enabled, at::ScalarType dtype) {
