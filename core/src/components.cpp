@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <thread>
 
 #include "run.h"
@@ -245,6 +246,30 @@ void refuse_window(const Run& r, const std::string& key, const std::string& what
   throw Error(what);
 }
 
+namespace {
+
+/// Refuses a wrapped optimizer whose groups do not list each trainable parameter exactly once.
+void check_optimizer_covers(const Run& r, const torch::optim::Optimizer& opt, const std::vector<at::Tensor>& trainable) {
+  std::map<const void*, int> seen;
+  for (const auto& g : opt.param_groups())
+    for (const auto& p : g.params()) ++seen[p.unsafeGetTensorImpl()];
+  const std::string who = "the optimizer made through the wrap_optimizer of plugin '" + r.optimizer_wraps.back().first + "'";
+  for (const auto& p : r.model->named_parameters()) {
+    if (!p.value().requires_grad()) continue;
+    auto it = seen.find(p.value().unsafeGetTensorImpl());
+    if (it == seen.end())
+      throw Error(who + " does not list trainable parameter '" + p.key() +
+                  "' in its param_groups: the core sets the learning rate and zeroes gradients through them");
+    if (it->second > 1) throw Error(who + " lists parameter '" + p.key() + "' " + std::to_string(it->second) + " times");
+    seen.erase(it);
+  }
+  if (!seen.empty())
+    throw Error(who + " lists " + std::to_string(seen.size()) + " tensor(s) that are not trainable parameters of the model (" +
+                std::to_string(trainable.size()) + " are)");
+}
+
+}  // namespace
+
 void make_optimizer(Run& r) {
   std::vector<at::Tensor> trainable;
   for (const auto& p : r.model->parameters())
@@ -252,7 +277,25 @@ void make_optimizer(Run& r) {
   if (trainable.empty())
     throw RecipeError(r.model_opts.section_loc(), "model '" + r.model_name + "' has no trainable parameter" +
                 (r.model->parameters().empty() ? std::string() : " (every parameter has requires_grad = false)"));
-  r.optimizer = r.optimizer_maker->make(r.opt_opts, trainable);
+  OptimizerFactory make = [&r](std::vector<at::Tensor> params) { return r.optimizer_maker->make(r.opt_opts, std::move(params)); };
+  for (const auto& [plugin, wrap] : r.optimizer_wraps)
+    make = [&plugin = plugin, &wrap = wrap, inner = std::move(make)](std::vector<at::Tensor> params) {
+      std::unique_ptr<torch::optim::Optimizer> made;
+      try {
+        made = wrap(std::move(params), inner);
+      } catch (const RecipeError&) {
+        throw;  // the recipe's optimizer section, located
+      } catch (const PluginRuntimeError&) {
+        throw;  // an earlier plugin's wrap, named
+      } catch (const std::exception& e) {
+        throw PluginRuntimeError("plugin '" + plugin + "' could not make the optimizer: " + message_of(e));
+      }
+      if (!made) throw PluginRuntimeError("plugin '" + plugin + "' made no optimizer (its wrap_optimizer returned null)");
+      return made;
+    };
+  auto made = make(trainable);
+  if (!r.optimizer_wraps.empty()) check_optimizer_covers(r, *made, trainable);
+  r.optimizer = std::move(made);
 }
 
 void zero_grads(Run& r) {

@@ -152,7 +152,7 @@ namespace {
 
 /// The keys of a step's record the core writes itself: a plugin's metric may not take one.
 const char* const kCoreKeys[] = {"step", "epoch", "loss", "lr", "micro_batches", "effective_batch", "samples", "tokens",
-                                 "wall_time", "peak_rss_mib", "host_reads", "skipped", "micro_batch", "step_peak_mib",
+                                 "wall_time", "peak_rss_mib", "host_reads", "optimizer_state_mib", "skipped", "micro_batch", "step_peak_mib",
                                  "memory_budget_mib", "backoff", "validation_loss", "validation_accuracy",
                                  "validation_perplexity"};
 
@@ -225,6 +225,11 @@ void SetupContext::set_model(ModelPtr m) {
 }
 const RunPlan& SetupContext::plan() const noexcept { return s_->plan->view; }
 const DataInfo& SetupContext::data() const noexcept { return *s_->data; }
+void SetupContext::wrap_optimizer(OptimizerWrap wrap) {
+  if (!wrap) throw std::invalid_argument("wrap_optimizer: the wrap is empty");
+  s_->d->require_hook("wrap_optimizer", "setup");
+  s_->wraps->emplace_back(s_->d->plugin, std::move(wrap));
+}
 
 // ---- OutputFiles ----------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 // The training loop: windows of micro-batches, the events around each phase, the optimizer step,
 // validation, checkpoints. Everything else about a run is assembled and planned before it starts.
+#include <torch/serialize/output-archive.h>
 #include <spdlog/spdlog.h>
 
 #include <array>
@@ -312,6 +313,8 @@ JsonLine Loop::step_record(int64_t epoch, bool skipped, double wall_time) {
       .add("wall_time", wall_time)
       .add("peak_rss_mib", peak_rss_mib())
       .add("host_reads", s_.host_reads);
+  if (const int64_t held = optimizer_state_bytes(*r_.optimizer); held >= 0)
+    line.add("optimizer_state_mib", static_cast<double>(held) / (1024.0 * 1024.0));
   if (skipped) line.add("skipped", s_.step.vetoed_by + ": " + s_.step.veto_reason);
   for (const auto& [k, v] : s_.step.metrics) line.add(k, v);
   if (meter_) {
@@ -345,8 +348,15 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   if (result_.status != FitStatus::Running) done_ = true;
   // The step's record first: a checkpoint never holds a step whose record could be lost.
   outputs_->record(line);
-  if (outputs_->active() && (done_ || (checkpoint_every_ > 0 && c.step % checkpoint_every_ == 0)))
-    result_.checkpoint = outputs_->checkpoint(r_, c, epoch, b);
+  if (outputs_->writes() && (done_ || (checkpoint_every_ > 0 && c.step % checkpoint_every_ == 0))) {
+    if (outputs_->active()) {
+      result_.checkpoint = outputs_->checkpoint(r_, c, epoch, b);
+    } else if (!r_.optimizer_wraps.empty()) {
+      // A wrapped optimizer's save() may gather its state from every rank: each one takes part.
+      torch::serialize::OutputArchive discarded;
+      r_.optimizer->save(discarded);
+    }
+  }
   progress_->update(c.step, epoch, s_.window_loss, s_.lr, static_cast<double>(c.samples_seen) / std::max(t, 1e-9), t);
 }
 

@@ -25,7 +25,8 @@ fs::path output_dir_of(const Run& run) {
 RunOutputs::RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts)
     : resuming_(opts.resume.has_value()), overwrite_(opts.overwrite), recipe_(recipe), resolved_(run.resolved) {
   dir_ = output_dir_of(run);
-  active_ = opts.write_outputs && run.plan.rank == 0;  // one rank writes for the world
+  writes_ = opts.write_outputs;
+  active_ = writes_ && run.plan.rank == 0;  // one rank writes for the world
   identity_ = run_identity(run);
 }
 

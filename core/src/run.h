@@ -62,6 +62,8 @@ struct Run {
   std::unique_ptr<LossFn> loss;
   const Component<OptimizerMaker>* optimizer_maker = nullptr;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  /// The plugins' optimizer wraps (SetupContext::wrap_optimizer), in dispatch order.
+  std::vector<std::pair<std::string, OptimizerWrap>> optimizer_wraps;
   std::unique_ptr<LrSchedule> schedule;
   double base_lr = 0.0;
 
@@ -225,7 +227,10 @@ std::string describe(Run& run, const Recipe& recipe);
 class RunOutputs {
  public:
   RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts);
+  /// Whether this process writes the run's files (rank 0, outputs on).
   bool active() const noexcept { return active_; }
+  /// Whether the run writes files at all (on some rank): checkpoints are then taken.
+  bool writes() const noexcept { return writes_; }
   const std::filesystem::path& dir() const noexcept { return dir_; }
   /// What determines this run, as its checkpoints record it.
   const RunIdentity& identity() const noexcept { return identity_; }
@@ -267,7 +272,7 @@ class RunOutputs {
   Manifest& manifest() const;
   void wrote(const std::string& file);
 
-  bool active_ = false, resuming_ = false, overwrite_ = false;
+  bool active_ = false, writes_ = false, resuming_ = false, overwrite_ = false;
   std::filesystem::path dir_;
   const Recipe& recipe_;
   const ResolvedRecipe& resolved_;

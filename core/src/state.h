@@ -119,6 +119,8 @@ struct SetupState {
   ModelPtr* model = nullptr;
   const PlanState* plan = nullptr;
   const DataInfo* data = nullptr;
+  /// The optimizer wraps of the plugins set up so far, each with its plugin's name.
+  std::vector<std::pair<std::string, OptimizerWrap>>* wraps = nullptr;
 };
 
 /// Everything behind an OutputFiles: where the files go and what was written.

@@ -25,6 +25,8 @@
 #include <tk/abi.h>
 #include <tk/compat.h>
 
+#include "sharded.h"
+
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -237,6 +239,9 @@ class Ddp final : public tk::Plugin {
           "rank; false skips the search for models that use every parameter, and a parameter that turns out unused "
           "is then an error");
     o.add("check_every", check_every_, "every N steps, verify that all ranks hold the same parameters (0: never)");
+    o.add("zero_stage", zero_stage_,
+          "1: shard the optimizer's state across the ranks (ZeRO stage 1): each rank keeps and updates the state of "
+          "its share of the parameters, then broadcasts them; 0: every rank keeps all of it");
   }
 
   void init() override {
@@ -245,6 +250,9 @@ class Ddp final : public tk::Plugin {
     if (!(bucket_mb_ > 0)) fail_option(bucket_mb_, "must be > 0");
     if (!(first_bucket_mb_ > 0)) fail_option(first_bucket_mb_, "must be > 0");
     if (check_every_ < 0) fail_option(check_every_, "must be >= 0");
+    if (zero_stage_ != 0 && zero_stage_ != 1)
+      fail_option(zero_stage_, "must be 0 or 1 (stage 1 shards the optimizer state; gradients and parameters stay "
+                               "whole), got " + std::to_string(zero_stage_));
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
     rdv_timeout_ = std::chrono::milliseconds(static_cast<int64_t>(rendezvous_timeout_s_ * 1000));
     bucket_bytes_ = static_cast<int64_t>(std::min(bucket_mb_ * 1024 * 1024, 1e15));
@@ -270,7 +278,18 @@ class Ddp final : public tk::Plugin {
 #endif
   }
 
+  /// With zero_stage = 1 the run's optimizer is the recipe's over this rank's share only.
+  void setup(tk::SetupContext& setup) override {
+    if (zero_stage_ == 0) return;
+    const int rank = world_.rank, size = world_.size;
+    setup.wrap_optimizer([rank, size, comm = comm_](std::vector<at::Tensor> trainable, const tk::OptimizerFactory& inner)
+                             -> std::unique_ptr<torch::optim::Optimizer> {
+      return tk::ddp::ShardedOptimizer::make(std::move(trainable), rank, size, inner, comm);
+    });
+  }
+
   void on_fit_start(tk::Context& ctx) override {
+    if (auto* sharded = dynamic_cast<tk::ddp::ShardedOptimizer*>(&ctx.optimizer())) describe_shards(ctx, *sharded);
     if (world_.size == 1) return;
     const auto model_params = ctx.model().parameters();
     if (!model_params.empty()) device_ = model_params.front().device();
@@ -279,6 +298,9 @@ class Ddp final : public tk::Plugin {
     check_same_model(ctx.model());
     broadcast_from_rank0(ctx.model());
     build_reducer(ctx);
+    comm_->group = group_;
+    comm_->device = device_;
+    comm_->bucket_bytes = static_cast<size_t>(std::min<int64_t>(bucket_bytes_, 256 << 20));
   }
 
   void on_loss(tk::Context& ctx) override {
@@ -347,8 +369,10 @@ class Ddp final : public tk::Plugin {
   }
 
   void on_step_end(tk::Context& ctx) override {
-    if (!group_ || check_every_ == 0) return decline(tk::Event::StepEnd);
-    if (ctx.counters().step % check_every_ == 0) check_same(ctx);
+    const auto* sharded = dynamic_cast<const tk::ddp::ShardedOptimizer*>(&ctx.optimizer());
+    if (!group_ || (check_every_ == 0 && !sharded)) return decline(tk::Event::StepEnd);
+    if (sharded && !ctx.step_vetoed()) ctx.metric("ddp_param_broadcast_ms", sharded->broadcast_ms());
+    if (check_every_ > 0 && ctx.counters().step % check_every_ == 0) check_same(ctx);
   }
   void on_fit_end(tk::Context&) override { leave(); }
   ~Ddp() override { leave(); }
@@ -392,6 +416,19 @@ class Ddp final : public tk::Plugin {
 #endif
     ctx.info("rank " + std::to_string(world_.rank) + " of " + std::to_string(world_.size) + " joined (" + backend_ +
              ", " + world_.source + ", rendezvous " + world_.addr + ":" + std::to_string(world_.port) + ")");
+  }
+
+  void describe_shards(tk::Context& ctx, const tk::ddp::ShardedOptimizer& sharded) const {
+    constexpr double kMiB = 1024.0 * 1024.0;
+    int64_t total = 0;
+    for (int r = 0; r < world_.size; ++r) total += sharded.owned_bytes(r);
+    const auto& owners = sharded.owners();
+    std::ostringstream m;
+    m.precision(3);
+    m << "zero_stage = 1: the optimizer state is sharded over " << world_.size << " rank" << (world_.size == 1 ? "" : "s")
+      << "; this rank updates " << std::count(owners.begin(), owners.end(), world_.rank) << " of " << owners.size()
+      << " tensors (" << sharded.owned_bytes(world_.rank) / kMiB << " of " << total / kMiB << " MiB of parameters)";
+    ctx.info(m.str());
   }
 
   /// Every rank must step with the same window; a micro-batch picked by memory was measured by
@@ -512,6 +549,7 @@ class Ddp final : public tk::Plugin {
   }
 
   void leave() {
+    comm_->group.reset();
     for (size_t i = 0; i < hooks_.size(); ++i) params_[i].remove_hook(hooks_[i]);
     hooks_.clear();
     reducer_.reset();
@@ -559,7 +597,7 @@ class Ddp final : public tk::Plugin {
   std::string backend_ = "auto";
   double timeout_s_ = 300.0, rendezvous_timeout_s_ = 300.0, bucket_mb_ = 25.0, first_bucket_mb_ = 1.0;
   bool find_unused_ = true;
-  int64_t check_every_ = 0;
+  int64_t check_every_ = 0, zero_stage_ = 0;
   // Derived from them, and state.
   World world_;
   std::chrono::milliseconds timeout_{300000}, rdv_timeout_{300000};
@@ -569,6 +607,8 @@ class Ddp final : public tk::Plugin {
   int64_t syncs_ = 0, allreduces_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  // What the sharded optimizer (zero_stage = 1) broadcasts and gathers over, once joined.
+  std::shared_ptr<tk::ddp::ShardComm> comm_ = std::make_shared<tk::ddp::ShardComm>();
   // The reducer, the parameters it sums (trainable ones, in model order) and their names.
   std::unique_ptr<WindowReducer> reducer_;
   std::vector<at::Tensor> params_;
@@ -586,4 +626,4 @@ class Ddp final : public tk::Plugin {
 
 }  // namespace
 
-TK_PLUGIN(Ddp, "ddp", "0.3.0", "data parallel on c10d's Reducer: gradients summed across ranks during each window's last backward")
+TK_PLUGIN(Ddp, "ddp", "0.4.0", "data parallel on c10d's Reducer: gradients summed across ranks during each window's last backward")

@@ -2,6 +2,8 @@
 // plugins that change the model in setup, hooks and their dispatch, how a run ended, capability
 // names, and relative paths.
 #include <tk/abi.h>
+#include <tk/compat.h>
+#include <tk/components.h>
 
 #include <unistd.h>
 
@@ -64,18 +66,28 @@ class Orders : public tk::Plugin {
   tk::Contract contract_;
 };
 
-/// Whether an optimizer state key belongs to `p` (LibTorch 1.x keys by the TensorImpl's address
-/// as text, 2.x by the address).
-template <class Key>
-bool state_key_of(const Key& key, const at::Tensor& p) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream address;
-    address << p.unsafeGetTensorImpl();
-    return key == address.str();
-  } else {
-    return key == static_cast<Key>(p.unsafeGetTensorImpl());
+/// Makes the run's optimizer through SetupContext::wrap_optimizer, passing the parameters on to
+/// the optimizer it wraps (less the last one when `drop_last`), or failing when `fail`; logs each
+/// call as "tag:count".
+class WrapsOptimizer : public tk::Plugin {
+ public:
+  WrapsOptimizer(std::vector<std::string>* log, std::string tag, bool drop_last = false, bool fail = false)
+      : log_(log), tag_(std::move(tag)), drop_last_(drop_last), fail_(fail) {}
+  void setup(tk::SetupContext& setup) override {
+    setup.wrap_optimizer([this](std::vector<at::Tensor> trainable,
+                                const tk::OptimizerFactory& inner) -> std::unique_ptr<torch::optim::Optimizer> {
+      log_->push_back(tag_ + ":" + std::to_string(trainable.size()));
+      if (fail_) throw std::runtime_error("no optimizer today");
+      if (drop_last_) trainable.pop_back();
+      return inner(std::move(trainable));
+    });
   }
-}
+
+ private:
+  std::vector<std::string>* log_;
+  std::string tag_;
+  bool drop_last_, fail_;
+};
 
 }  // namespace
 
@@ -136,16 +148,41 @@ TEST_SUITE("extension") {
         CHECK(p.requires_grad());
       }
     CHECK(held == 2);  // head.weight and head.bias
-    for (const auto& [key, state] : t.optimizer().state()) {
-      CHECK_FALSE(state_key_of(key, params["layers.0.weight"]));
-      CHECK_FALSE(state_key_of(key, params["layers.0.bias"]));
-    }
+    const auto& state = t.optimizer().state();
+    CHECK_FALSE(state.count(tk::compat::optimizer_state_key(state, params["layers.0.weight"])));
+    CHECK_FALSE(state.count(tk::compat::optimizer_state_key(state, params["layers.0.bias"])));
+    CHECK(state.count(tk::compat::optimizer_state_key(state, params["head.weight"])));
     CHECK(t.optimizer().state().size() == 2);  // momentum buffers of the trained ones only
     CHECK(t.describe().find("parameters, 68 trainable") != std::string::npos);
 
     auto bad = tkt::recipe({"plugins.freeze.prefix=\"nothing.\""}, text.c_str());
     CHECK_THROWS_WITH(tk::Trainer(bad, tkt::quiet()).describe(),
                       doctest::Contains("plugins.freeze.prefix: matches no parameter of the model"));
+  }
+
+  TEST_CASE("setup may wrap the optimizer: wraps compose in dispatch order, and must cover every parameter") {
+    tk::Trainer plain(tkt::recipe(), tkt::quiet());
+    plain.fit();
+    // 212 parameters of float64 (8-16-4), one momentum buffer each.
+    CHECK(tk::optimizer_state_bytes(plain.optimizer()) == 212 * 8);
+    std::vector<std::string> log;
+    tk::Trainer t(tkt::recipe(), tkt::quiet());
+    t.add_plugin(std::make_shared<WrapsOptimizer>(&log, "a"), "a");
+    t.add_plugin(std::make_shared<WrapsOptimizer>(&log, "b"), "b");
+    t.fit();
+    // b's wrap is the outer one: its factory goes through a's.
+    CHECK(log == std::vector<std::string>{"b:4", "a:4"});
+    for (const auto& p : plain.model().named_parameters())
+      CHECK(torch::equal(t.model().named_parameters()[p.key()], p.value()));
+
+    // An optimizer that leaves a trainable parameter out is refused, naming the plugin and it.
+    tk::Trainer dropped(tkt::recipe(), tkt::quiet());
+    dropped.add_plugin(std::make_shared<WrapsOptimizer>(&log, "c", /*drop_last=*/true), "c");
+    CHECK_THROWS_WITH(dropped.fit(), doctest::Contains("the optimizer made through the wrap_optimizer of plugin 'c' "
+                                                       "does not list trainable parameter '"));
+    tk::Trainer failed(tkt::recipe(), tkt::quiet());
+    failed.add_plugin(std::make_shared<WrapsOptimizer>(&log, "d", false, /*fail=*/true), "d");
+    CHECK_THROWS_WITH(failed.fit(), doctest::Contains("plugin 'd' could not make the optimizer: no optimizer today"));
   }
 
   TEST_CASE("setup may wrap the model: the wrapper's parameter trains, the start is unchanged") {

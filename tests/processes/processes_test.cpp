@@ -37,6 +37,16 @@ Proc kill_and_resume(const fs::path& root, const std::string& recipe, const std:
   return killed;
 }
 
+// Hard-routed experts (tests/fixtures/components_lib.cpp): with micro-batches of 2, each rank's
+// micro-batch uses at most 2 of the 4 experts, so ranks use different parameters in a window,
+// and a parameter used in a window's first micro-batch is often unused in its last.
+std::string experts_recipe(bool varied) {
+  std::string r = kBase;
+  r.replace(r.find("name = \"mlp\"\nhidden = [16]\nactivation = \"tanh\""), 46,
+            std::string("name = \"toy_experts\"\nhidden = 8\nexperts = 4\nvaried = ") + (varied ? "true" : "false"));
+  return r + "[[plugins]]\nname = \"toy_components\"\n";
+}
+
 TEST_SUITE("ddp") {
   /// `recipe` with grad_accum (k = 2) and ddp (with `ddp_options`) on `ranks` ranks at micro-batch
   /// m, and without ddp in 1 process at ranks x m: the same weights, in float64. The run of several
@@ -78,16 +88,6 @@ TEST_SUITE("ddp") {
     // Only rank 0 wrote; every line of the launcher's output carries its rank.
     CHECK(two.out.find("[rank 1] ") != std::string::npos);
     fs::remove_all(root);
-  }
-
-  // Hard-routed experts (tests/fixtures/components_lib.cpp): with micro-batches of 2, each rank's
-  // micro-batch uses at most 2 of the 4 experts, so ranks use different parameters in a window,
-  // and a parameter used in a window's first micro-batch is often unused in its last.
-  std::string experts_recipe(bool varied) {
-    std::string r = kBase;
-    r.replace(r.find("name = \"mlp\"\nhidden = [16]\nactivation = \"tanh\""), 46,
-              std::string("name = \"toy_experts\"\nhidden = 8\nexperts = 4\nvaried = ") + (varied ? "true" : "false"));
-    return r + "[[plugins]]\nname = \"toy_components\"\n";
   }
 
   TEST_CASE("ranks that use different parameters take the DDP step: unused gradients count as zero") {
@@ -380,6 +380,169 @@ TEST_SUITE("ddp") {
     CHECK(p.rc == 0);
     CHECK(p.out.find("effective     48 examples per optimizer step (4 x 3 x 4); 12 per rank") != std::string::npos);
     CHECK(p.out.find("world size    4 (set by ddp)") != std::string::npos);
+    fs::remove_all(root);
+  }
+}
+
+TEST_SUITE("zero") {
+  const char* kAdamW = "[optimizer]\nname = \"adamw\"\nlr = 0.02\nweight_decay = 0.1\n";
+
+  /// kBase with its [optimizer] replaced by `optimizer` (none: kBase's SGD with momentum).
+  std::string base_with(const char* optimizer) {
+    std::string r = kBase;
+    if (optimizer) r = r.substr(0, r.find("[optimizer]")) + optimizer;
+    return r;
+  }
+
+  /// `recipe` + `plugins` on `ranks` ranks with ddp at zero_stage 1 (ROOT/zero) and at 0
+  /// (ROOT/ddp), with `sets`: the same weights and the same record of every step, bit for bit.
+  /// Returns the sharded run.
+  Proc zero_equals_ddp(const fs::path& root, const std::string& recipe, const std::string& plugins, int ranks,
+                       const std::string& sets = "") {
+    const std::string args = "--nproc " + std::to_string(ranks) + " " + sets;
+    auto zero = tk_run(root / "zero", recipe + plugins + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\nzero_stage = 1\n", args);
+    INFO(zero.out);
+    REQUIRE(zero.rc == 0);
+    auto ddp = tk_run(root / "ddp", recipe + plugins + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n", args);
+    REQUIRE(ddp.rc == 0);
+    CHECK(torch::equal(weights(root / "zero"), weights(root / "ddp")));
+    for (const char* key : {"loss", "lr", "micro_batches", "effective_batch", "grad_norm", "loss_scale"}) {
+      CAPTURE(key);
+      const auto a = tkt::metric(root / "zero/out/metrics.jsonl", key), b = tkt::metric(root / "ddp/out/metrics.jsonl", key);
+      REQUIRE(a.size() == b.size());
+      for (size_t i = 0; i < a.size(); ++i) CHECK(((std::isnan(a[i]) && std::isnan(b[i])) || a[i] == b[i]));
+    }
+    CHECK(tkt::skipped(root / "zero/out/metrics.jsonl") == tkt::skipped(root / "ddp/out/metrics.jsonl"));
+    // Each rank updates its share and broadcasts it: the check of every step saw equal ranks.
+    CHECK(zero.out.find("zero_stage = 1: the optimizer state is sharded over " + std::to_string(ranks) + " ranks") !=
+          std::string::npos);
+    return zero;
+  }
+
+  TEST_CASE("AdamW with a schedule, clipping and accumulation: the sharded step is the ddp step, bit for bit") {
+    const fs::path root = tkt::temp_dir("zero-adamw");
+    const std::string plugins =
+        "[schedule]\nname = \"warmup_cosine\"\nwarmup_steps = 2\nmin_lr = 0.001\n"
+        "[[plugins]]\nname = \"clip\"\nmax_norm = 0.5\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+    zero_equals_ddp(root, base_with(kAdamW), plugins, 2);
+    // Clipping bit: the global norm over all parameters, the same on every rank.
+    CHECK(tkt::metric(root / "zero/out/metrics.jsonl", "grad_norm")[0] > 0.5);
+    // Each rank holds its share of the state: AdamW's two moments of 212 float64 parameters in
+    // all, within one largest tensor (8 x 16 weights) of half of them here on rank 0.
+    const auto sharded = tkt::metric(root / "zero/out/metrics.jsonl", "optimizer_state_mib");
+    const auto whole = tkt::metric(root / "ddp/out/metrics.jsonl", "optimizer_state_mib");
+    constexpr double kMiB = 1024.0 * 1024.0;
+    CHECK(whole.back() * kMiB == doctest::Approx(2 * 212 * 8).epsilon(1e-6));
+    CHECK(sharded.back() * kMiB < whole.back() * kMiB);
+    CHECK(sharded.back() * kMiB <= 212 * 8 + 2 * 128 * 8);
+    CHECK(sharded.back() > 0);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("SGD with momentum on 3 ranks: samples normalization, a short last window, and a ramp") {
+    const fs::path root = tkt::temp_dir("zero-sgd");
+    // 256 examples: 85 per rank, 22 micro-batches of 4 per epoch -> windows of 4 and a last one of 2.
+    const std::string samples =
+        "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\nnormalize = \"samples\"\n";
+    zero_equals_ddp(root, base_with(nullptr), samples, 3,
+                    "--set run.steps=0 --set run.epochs=1 --set loss.reduction=sum");
+    CHECK(tkt::metric(root / "zero/out/metrics.jsonl", "micro_batches").back() == 6);  // 3 ranks x 2
+    const std::string ramp = "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 48\nramp_from = 12\nramp_steps = 3\n";
+    zero_equals_ddp(root / "ramp", base_with(kAdamW), ramp, 3);
+    const auto k = tkt::metric(root / "ramp/zero/out/metrics.jsonl", "micro_batches");
+    CHECK(k.front() < k.back());
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("tokens normalization with uneven token counts, and bf16 with the dynamic loss scaler and an overflow") {
+    const fs::path root = tkt::temp_dir("zero-tokens");
+    std::string tokens = base_with(kAdamW);
+    tokens.replace(tokens.find("classes = 4"), 11, "classes = 4\nseq_len = 10\nmin_len = 1");
+    zero_equals_ddp(root, tokens, "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\nnormalize = \"tokens\"\n", 2,
+                    "--set data.name=synthetic-tokens --set data.samples=112 --set run.steps=0 --set run.epochs=2 "
+                    "--set loss.reduction=sum");
+    // An overflow on rank 1 only, at step 2: both ranks skip it, with one decision.
+    const std::string amp =
+        "[[plugins]]\nname = \"clip\"\nmax_norm = 0.5\n"
+        "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\nloss_scale = \"dynamic\"\ninit_scale = 256.0\n"
+        "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
+        "[[plugins]]\nname = \"probe\"\ninf_grad_at_step = 2\nonly_rank = 1\n";
+    zero_equals_ddp(root / "amp", base_with(kAdamW), amp, 2, "--set run.dtype=float32");
+    CHECK(tkt::skipped(root / "amp/zero/out/metrics.jsonl") == std::vector<bool>{false, false, true, false, false, false});
+    CHECK(tkt::metric(root / "amp/zero/out/metrics.jsonl", "loss_scale") ==
+          std::vector<double>{256, 256, 256, 128, 128, 128});
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("killed and resumed: bit-identical, with every rank's share in the checkpoint") {
+    const fs::path root = tkt::temp_dir("zero-resume");
+    const std::string recipe = base_with(kAdamW) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
+                               "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\n";
+    kill_and_resume(root, recipe, "--nproc 2 --set run.steps=12 --set run.checkpoint_every=4 ");
+    torch::serialize::InputArchive archive;
+    archive.load_from((root / "two/out/checkpoints/step-00000008/optimizer.pt").string());
+    at::Tensor world, share;
+    REQUIRE(archive.try_read("zero_world_size", world, /*is_buffer=*/true));
+    CHECK(world.item<int64_t>() == 2);
+    for (const char* key : {"zero_shard_0", "zero_shard_1"}) {
+      CAPTURE(key);
+      REQUIRE(archive.try_read(key, share, /*is_buffer=*/true));
+      CHECK(share.numel() > 0);
+    }
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a resume re-shards exactly: 2 sharded ranks -> 4, and an unsharded checkpoint -> sharded") {
+    // 256 examples, 16 per step on 2 ranks (4 x 2) and on 4 (4 x 1): step 16 ends epoch 1, where a
+    // resume on another world starts epoch 2 from its beginning.
+    const fs::path root = tkt::temp_dir("zero-reshard");
+    const std::string recipe = base_with(kAdamW) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
+                               "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n";
+    const std::string sets = "--set run.steps=20 --set run.checkpoint_every=16 ";
+    auto sharded = tk_run(root / "sharded", recipe, "--nproc 2 --set plugins.ddp.zero_stage=1 " + sets);
+    REQUIRE(sharded.rc == 0);
+    auto whole = tk_run(root / "whole", recipe, "--nproc 2 " + sets);
+    REQUIRE(whole.rc == 0);
+    CHECK(torch::equal(weights(root / "sharded"), weights(root / "whole")));
+    const std::string four = "--nproc 4 --set plugins.grad_accum.steps=1 --allow-change world_size "
+                             "--allow-change plugins.grad_accum.steps --allow-change plugins.ddp.zero_stage " + sets;
+    auto resume = [&](const char* from, const char* to, int stage) {
+      auto p = tk_run(root / to, recipe,
+                      four + "--set plugins.ddp.zero_stage=" + std::to_string(stage) + " --resume " +
+                          (root / from / "out/checkpoints/step-00000016").string());
+      INFO(p.out);
+      REQUIRE(p.rc == 0);
+      CHECK(p.out.find("resuming from") != std::string::npos);
+    };
+    resume("sharded", "sharded-4", 1);  // the two shards re-cut into four
+    resume("whole", "whole-4", 1);      // the whole optimizer cut into four
+    resume("whole", "plain-4", 0);      // the reference: LibTorch's own load, unsharded
+    CHECK(torch::equal(weights(root / "sharded-4"), weights(root / "plain-4")));
+    CHECK(torch::equal(weights(root / "whole-4"), weights(root / "plain-4")));
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("bad input: a stage other than 0 or 1, more ranks than tensors, ranks whose models differ") {
+    const fs::path root = tkt::temp_dir("zero-bad");
+    auto stage = tk_run(root / "stage", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\nzero_stage = 2\n", "");
+    CHECK(stage.rc != 0);
+    CHECK(stage.out.find("zero_stage: must be 0 or 1") != std::string::npos);
+    CHECK(stage.out.find("recipe.toml:") != std::string::npos);
+    // An MLP without hidden layers has 2 tensors: 3 ranks cannot each update whole ones.
+    std::string flat = base_with(kAdamW);
+    flat.replace(flat.find("hidden = [16]"), 13, "hidden = []");
+    auto many = tk_run(root / "many", flat + "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\ntimeout_s = 20.0\n", "--nproc 3");
+    CHECK(many.rc != 0);
+    CHECK(many.out.find("plugin 'ddp' could not make the optimizer: zero_stage = 1 shards whole tensors: the model "
+                        "has 2 trainable tensors for 3 ranks") != std::string::npos);
+    CHECK(many.out.find("step 1/") == std::string::npos);
+    auto differ = tk_run(root / "differ",
+                         experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\ntimeout_s = 20.0\n",
+                         "--nproc 2 --set model.experts_on_rank1=3");
+    CHECK(differ.rc == 1);
+    CHECK(differ.out.find("the model on rank 1 differs from rank 0's: 14 parameters and 0 buffers here, 18 and 0 on "
+                          "rank 0") != std::string::npos);
+    CHECK(differ.out.find("step 1/") == std::string::npos);
     fs::remove_all(root);
   }
 }

@@ -6,7 +6,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <sstream>
+#include <string>
 #include <torch/version.h>
+#include <type_traits>
 
 #include "tk/version.h"
 #if TK_WITH_CUDA
@@ -124,6 +127,20 @@ auto use_classic_tcpstore(StoreOptions& o, int) -> decltype(o.useLibUV = false, 
 }
 template <class StoreOptions>
 void use_classic_tcpstore(StoreOptions&, long) {}
+
+/// The key of parameter `p` in an optimizer's state map (`Map`, Optimizer::state()'s type): its
+/// TensorImpl's address, printed in LibTorch 1.x (std::string keys), the pointer itself in 2.x.
+template <class Map>
+typename Map::key_type optimizer_state_key(const Map&, const at::Tensor& p) {
+  using Key = typename Map::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream s;
+    s << p.unsafeGetTensorImpl();
+    return s.str();
+  } else {
+    return static_cast<Key>(p.unsafeGetTensorImpl());
+  }
+}
 
 /// A CPU allocator that forwards to `allocate_bytes`: LibTorch 2.3 made Allocator::allocate
 /// non-const and added the pure virtual copy_data.

@@ -59,4 +59,17 @@ using ScheduleMaker = std::function<std::unique_ptr<LrSchedule>(const Options&, 
 double get_lr(const torch::optim::Optimizer& opt);
 void set_lr(torch::optim::Optimizer& opt, double lr);
 
+/// An optimizer that knows the size of the state it holds (one that wraps another, say) derives
+/// from this too; optimizer_state_bytes asks it.
+class StateSize {
+ public:
+  virtual ~StateSize() = default;
+  /// Bytes of the tensors this optimizer keeps as state, on this rank.
+  virtual int64_t state_bytes() const = 0;
+};
+/// Bytes of the tensors `opt` keeps as state on this rank (metrics.jsonl: optimizer_state_mib):
+/// the per-parameter state of LibTorch's SGD, Adam, AdamW, Adagrad and RMSprop, what a StateSize
+/// reports, else -1 (not known).
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
+
 }  // namespace tk

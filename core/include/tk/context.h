@@ -6,6 +6,8 @@
 #include <torch/optim/optimizer.h>
 
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -132,6 +134,14 @@ class Context : public PluginLog {
   detail::LoopState* s_;
 };
 
+/// Makes an optimizer over `params`, a subset of the model's trainable parameters (in model order):
+/// the recipe's, or what the wraps of plugins set up before the caller's give.
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
+/// Makes the run's optimizer from the trainable parameters and `inner`, the factory of the
+/// optimizer it builds on (see SetupContext::wrap_optimizer).
+using OptimizerWrap = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> trainable,
+                                                                             const OptimizerFactory& inner)>;
+
 /// What a plugin sees in Plugin::setup: the model after it is built and moved to the run's device
 /// and dtype, before the optimizer exists. A plugin may change it: freeze parameters
 /// (requires_grad = false: the optimizer then never sees them), replace submodules, add
@@ -145,6 +155,16 @@ class SetupContext : public PluginLog {
   void set_model(ModelPtr m);
   const RunPlan& plan() const noexcept;
   const DataInfo& data() const noexcept;
+  /// Has the core make the run's optimizer through `wrap`: it gets the trainable parameters and a
+  /// factory of the recipe's optimizer, and may build that over the parameters it chooses (a
+  /// shard, groups of its own) and return it, or an optimizer that holds it. Wraps compose in
+  /// dispatch order: a later plugin's `inner` goes through the earlier plugins' wraps. The core
+  /// calls the wraps whenever it makes the optimizer (again after a memory trial), and refuses an
+  /// optimizer whose param_groups do not list every trainable parameter exactly once (it sets the
+  /// learning rate and zeroes gradients through them). The core calls a wrapped optimizer's save()
+  /// on every rank at each checkpoint (rank 0's archive is the one written), so one that holds a
+  /// part of the state may gather the rest there; and its load() on every rank on a resume.
+  void wrap_optimizer(OptimizerWrap wrap);
 
   SetupContext(const SetupContext&) = delete;
   SetupContext& operator=(const SetupContext&) = delete;

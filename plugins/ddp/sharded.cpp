@@ -1,0 +1,198 @@
+// ZeRO stage 1: the recipe's optimizer over this rank's share of the parameters, the updated
+// parameters broadcast by their owners, and checkpoints that hold every share.
+#include "sharded.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/optim/lbfgs.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+#include <tk/compat.h>
+#include <tk/error.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <sstream>
+
+namespace tk::ddp {
+namespace {
+
+int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()); }
+
+const char* const kWorldKey = "zero_world_size";
+const char* const kOwnersKey = "zero_owners";
+std::string shard_key(int r) { return "zero_shard_" + std::to_string(r); }
+
+at::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& key) {
+  at::Tensor t;
+  if (!a.try_read(key, t, /*is_buffer=*/true))
+    throw Error("the sharded optimizer state in the checkpoint has no '" + key + "': it is damaged");
+  return t;
+}
+
+}  // namespace
+
+std::vector<int> partition(const std::vector<at::Tensor>& params, int world) {
+  std::vector<size_t> order(params.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return bytes_of(params[a]) > bytes_of(params[b]); });
+  std::vector<int64_t> load(static_cast<size_t>(world), 0);
+  std::vector<int> owners(params.size(), 0);
+  for (size_t i : order) {
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    owners[i] = r;
+    load[static_cast<size_t>(r)] += bytes_of(params[i]);
+  }
+  return owners;
+}
+
+std::unique_ptr<ShardedOptimizer> ShardedOptimizer::make(std::vector<at::Tensor> params, int rank, int world,
+                                                         tk::OptimizerFactory inner, std::shared_ptr<const ShardComm> comm) {
+  if (static_cast<int64_t>(params.size()) < world)
+    throw Error("zero_stage = 1 shards whole tensors: the model has " + std::to_string(params.size()) +
+                " trainable tensors for " + std::to_string(world) + " ranks; use fewer ranks or zero_stage = 0");
+  std::vector<int> owners = partition(params, world);
+  std::vector<at::Tensor> mine;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (owners[i] == rank) mine.push_back(params[i]);
+  auto shard = inner(mine);
+  if (!shard) throw Error("zero_stage = 1: the recipe's optimizer factory made no optimizer");
+  if (dynamic_cast<const torch::optim::LBFGS*>(shard.get()))
+    throw Error("zero_stage = 1 cannot shard LBFGS: its step looks at every parameter at once");
+  return std::unique_ptr<ShardedOptimizer>(new ShardedOptimizer(std::move(params), std::move(owners), rank, world,
+                                                                std::move(shard), std::move(inner), std::move(comm)));
+}
+
+ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, std::vector<int> owners, int rank, int world,
+                                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make,
+                                   std::shared_ptr<const ShardComm> comm)
+    : Optimizer(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(params)},
+                shard->defaults().clone()),
+      params_(std::move(params)),
+      owners_(std::move(owners)),
+      by_rank_(static_cast<size_t>(world)),
+      rank_(rank),
+      world_(world),
+      shard_(std::move(shard)),
+      make_(std::move(make)),
+      comm_(std::move(comm)) {
+  for (size_t i = 0; i < params_.size(); ++i) by_rank_[static_cast<size_t>(owners_[i])].push_back(params_[i]);
+}
+
+int64_t ShardedOptimizer::owned_bytes(int r) const {
+  int64_t n = 0;
+  for (const auto& p : by_rank_.at(static_cast<size_t>(r))) n += bytes_of(p);
+  return n;
+}
+
+int64_t ShardedOptimizer::state_bytes() const { return tk::optimizer_state_bytes(*shard_); }
+
+at::Tensor ShardedOptimizer::step(LossClosure closure) {
+  if (closure) throw Error("the sharded optimizer (ddp zero_stage = 1) takes no closure");
+  // The core set the learning rate on this optimizer's group; the shard's groups follow it.
+  const double lr = param_groups().front().options().get_lr();
+  for (auto& g : shard_->param_groups()) g.options().set_lr(lr);
+  shard_->step();
+  const auto t0 = std::chrono::steady_clock::now();
+  if (comm_ && comm_->group) {
+    torch::NoGradGuard no_grad;
+    for (int r = 0; r < world_; ++r)
+      c10d::broadcast_coalesced(comm_->group, by_rank_[static_cast<size_t>(r)], comm_->bucket_bytes, r);
+  }
+  broadcast_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return {};
+}
+
+std::vector<at::Tensor> ShardedOptimizer::gather_shards() const {
+  torch::serialize::OutputArchive archive;
+  shard_->save(archive);
+  std::ostringstream os;
+  archive.save_to(os);
+  const std::string bytes = os.str();
+  at::Tensor mine = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  std::vector<at::Tensor> shards(static_cast<size_t>(world_));
+  shards[static_cast<size_t>(rank_)] = mine;
+  if (world_ == 1 || !comm_ || !comm_->group) return shards;
+  // Each rank's size, then each share sent to rank 0 in turn.
+  auto sizes = at::zeros({world_}, at::kLong);
+  sizes[rank_] = static_cast<int64_t>(bytes.size());
+  std::vector<at::Tensor> v{sizes.to(comm_->device)};
+  comm_->group->allreduce(v)->wait();
+  sizes = v[0].cpu();
+  for (int r = 1; r < world_; ++r) {
+    if (rank_ == r) {
+      std::vector<at::Tensor> out{mine.to(comm_->device)};
+      comm_->group->send(out, 0, r)->wait();
+    } else if (rank_ == 0) {
+      std::vector<at::Tensor> in{at::empty({sizes[r].item<int64_t>()}, at::TensorOptions(at::kByte).device(comm_->device))};
+      comm_->group->recv(in, r, r)->wait();
+      shards[static_cast<size_t>(r)] = in[0].cpu();
+    }
+  }
+  return shards;
+}
+
+void ShardedOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  const auto shards = gather_shards();
+  if (rank_ != 0) return;
+  archive.write(kWorldKey, at::tensor(std::vector<int64_t>{world_}), /*is_buffer=*/true);
+  archive.write(kOwnersKey, at::tensor(std::vector<int64_t>(owners_.begin(), owners_.end())), /*is_buffer=*/true);
+  for (int r = 0; r < world_; ++r) archive.write(shard_key(r), shards[static_cast<size_t>(r)], /*is_buffer=*/true);
+}
+
+void ShardedOptimizer::adopt(torch::optim::Optimizer& from) {
+  auto& src = from.state();
+  auto& dst = shard_->state();
+  for (const auto& p : by_rank_[static_cast<size_t>(rank_)]) {
+    auto it = src.find(compat::optimizer_state_key(src, p));
+    if (it != src.end()) dst[compat::optimizer_state_key(dst, p)] = std::move(it->second);
+  }
+}
+
+void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
+  at::Tensor saved_world;
+  if (!archive.try_read(kWorldKey, saved_world, /*is_buffer=*/true)) {
+    // An unsharded optimizer's state (a checkpoint of zero_stage = 0): the whole optimizer over
+    // every parameter, in model order.
+    auto whole = make_(params_);
+    whole->load(archive);
+    adopt(*whole);
+    return;
+  }
+  const int64_t world = saved_world.item<int64_t>();
+  const at::Tensor owners = read_tensor(archive, kOwnersKey);
+  if (owners.numel() != static_cast<int64_t>(params_.size()))
+    throw Error("the sharded optimizer state in the checkpoint covers " + std::to_string(owners.numel()) +
+                " parameters; this model has " + std::to_string(params_.size()) + " trainable ones");
+  auto load_share = [&](int64_t r, torch::optim::Optimizer& into) {
+    const at::Tensor bytes = read_tensor(archive, shard_key(static_cast<int>(r))).contiguous();
+    torch::serialize::InputArchive share;
+    share.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+    into.load(share);
+  };
+  const std::vector<int64_t> saved(owners.data_ptr<int64_t>(), owners.data_ptr<int64_t>() + owners.numel());
+  if (world == world_ && std::equal(saved.begin(), saved.end(), owners_.begin())) {
+    load_share(rank_, *shard_);
+    return;
+  }
+  // Another world (or partition): each saved share that holds one of this rank's parameters is
+  // loaded into an optimizer over that share's parameters, and their states move here.
+  for (int64_t r = 0; r < world; ++r) {
+    std::vector<at::Tensor> theirs;
+    bool needed = false;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (saved[i] == r) {
+        theirs.push_back(params_[i]);
+        needed = needed || owners_[i] == rank_;
+      }
+    if (!needed) continue;
+    auto share = make_(theirs);
+    load_share(r, *share);
+    adopt(*share);
+  }
+}
+
+}  // namespace tk::ddp

@@ -1,0 +1,77 @@
+#pragma once
+// ZeRO stage 1 for the ddp plugin: the optimizer's state split across the ranks. Each rank builds
+// the recipe's optimizer over its own share of the parameters (whole tensors), steps it on the
+// gradients the reducer has summed, and broadcasts the parameters it updated to the other ranks.
+#include <c10/util/intrusive_ptr.h>
+#include <torch/optim/optimizer.h>
+#include <tk/components.h>
+#include <tk/context.h>
+
+#include <memory>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
+namespace tk::ddp {
+
+/// What the sharded optimizer talks over: the world's process group, set once the ddp plugin has
+/// joined (on_fit_start), and the device its messages go on. Before that (a memory trial) each rank
+/// steps its share alone.
+struct ShardComm {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  at::Device device = at::kCPU;
+  size_t bucket_bytes = 25u << 20;
+};
+
+/// The rank that owns each of `params`: whole tensors, the largest first, each to the rank that
+/// holds the fewest bytes so far (ties: the lowest rank). Every rank computes the same partition
+/// from the same model.
+std::vector<int> partition(const std::vector<at::Tensor>& params, int world);
+
+/// The run's optimizer under ZeRO stage 1. Its one parameter group lists every trainable
+/// parameter (the core sets the learning rate and zeroes gradients through it); the optimizer it
+/// holds is the recipe's, over this rank's share only. Checkpoints hold every rank's share (rank
+/// 0 gathers them in save(), which the core calls on every rank), and load() re-shards exactly: a
+/// resume with another world size, or from an unsharded checkpoint, gives each parameter the state
+/// it was saved with.
+class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateSize {
+ public:
+  /// Refuses a world with more ranks than trainable tensors and an optimizer whose step is not
+  /// one per parameter (LBFGS).
+  static std::unique_ptr<ShardedOptimizer> make(std::vector<at::Tensor> params, int rank, int world,
+                                                tk::OptimizerFactory inner, std::shared_ptr<const ShardComm> comm);
+
+  at::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+  int64_t state_bytes() const override;
+
+  const std::vector<int>& owners() const noexcept { return owners_; }
+  /// Bytes of the parameters rank `r` updates.
+  int64_t owned_bytes(int r) const;
+  /// How long the last step's broadcast of the updated parameters took.
+  double broadcast_ms() const noexcept { return broadcast_ms_; }
+
+ private:
+  ShardedOptimizer(std::vector<at::Tensor> params, std::vector<int> owners, int rank, int world,
+                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make,
+                   std::shared_ptr<const ShardComm> comm);
+  /// Every rank's share, serialized: all of them on rank 0, none elsewhere.
+  std::vector<at::Tensor> gather_shards() const;
+  /// Moves the state of this rank's parameters out of `from` (an optimizer over `from_params`,
+  /// loaded from a checkpoint) into the shard.
+  void adopt(torch::optim::Optimizer& from);
+
+  std::vector<at::Tensor> params_;               // every trainable parameter, in model order
+  std::vector<int> owners_;                      // the rank that updates each
+  std::vector<std::vector<at::Tensor>> by_rank_; // each rank's parameters, in model order
+  int rank_, world_;
+  std::unique_ptr<torch::optim::Optimizer> shard_;
+  tk::OptimizerFactory make_;
+  std::shared_ptr<const ShardComm> comm_;
+  double broadcast_ms_ = 0.0;
+};
+
+}  // namespace tk::ddp
