@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The optimizer state under data parallel, whole on every rank (ddp) and sharded (ddp zero_stage =
+# 1): the GPT of bench/gpt-memory.sh (4 layers x 256) with AdamW on 1, 2 and 4 ranks (Gloo,
+# loopback). Per configuration: the optimizer state rank 0 holds (optimizer_state_mib), the
+# largest share any rank updates (from each rank's log), peak resident memory of rank 0, time per
+# step, and whether the sharded run's losses equal the unsharded one's (they must, bit for bit).
+#   bash bench/zero.sh [STEPS]      (after tools/build.sh; STEPS default 6, at least 3)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+[ $# -le 1 ] || bench_usage "zero.sh takes at most one argument, the number of steps"
+steps=${1:-6}
+bench_int STEPS "$steps" 3
+model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data.seq_len=128
+       --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0
+       --set data.micro_batch=4 --set plugins.grad_accum.steps=1 --set run.checkpoint_every=0)
+sed '/^\[\[plugins\]\]/,$d' "$bench_root/recipes/gpt-tiny.toml" >"$bench_work/gpt.toml"
+printf '[[plugins]]\nname = "grad_accum"\nsteps = 1\nnormalize = "tokens"\n[[plugins]]\nname = "ddp"\n' >>"$bench_work/gpt.toml"
+
+summary() {  # metrics.jsonl, the run's stdout+stderr, ranks, zero stage -> a table row's figures
+  /usr/bin/python3 - "$@" <<'PY'
+import json, re, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+log = open(sys.argv[2]).read()
+ranks, stage = int(sys.argv[3]), int(sys.argv[4])
+ms = 1000 * (rows[-1]["wall_time"] - rows[1]["wall_time"]) / (len(rows) - 2)
+state = rows[-1].get("optimizer_state_mib")
+if state is None:
+    sys.exit("no optimizer_state_mib in the records")
+shares = [float(m) for m in re.findall(r"this rank updates \d+ of \d+ tensors \(([0-9.e+-]+) of", log)]
+if stage == 1 and len(shares) != ranks:
+    sys.exit(f"expected {ranks} sharding lines in the log, found {len(shares)}")
+largest = f"{2 * max(shares):.2f}" if shares else f"{state:.2f}"
+losses = ",".join(f"{r['loss']:.10f}" for r in rows)
+print(f"{state:.2f} {largest} {rows[-1]['peak_rss_mib']:.0f} {ms:.0f} {losses}")
+PY
+}
+
+echo "GPT 4 layers x 256, 8 heads, 128-token sequences (fortunes, bytes), AdamW (float32 state), micro-batch 4 per rank, $steps steps"
+bench_cpu
+echo "| ranks | zero_stage | optimizer state, rank 0 (MiB) | largest rank's state (MiB) | total / ranks (MiB) | peak RSS, rank 0 (MiB) | ms / step | losses equal |"
+echo "|---|---|---|---|---|---|---|---|"
+declare -A whole
+for ranks in 1 2 4; do
+  for stage in 0 1; do
+    args=("$bench_work/gpt.toml" --progress none --log-level info "${model[@]}" --set plugins.ddp.zero_stage="$stage")
+    if [ "$ranks" -gt 1 ]; then args+=(--nproc "$ranks"); fi
+    bench_tk "r$ranks-z$stage" "$steps" "${args[@]}"
+    cat "$tk_out" "$tk_err" >"$bench_work/log-$ranks-$stage"
+    read -r state largest rss ms losses <<<"$(summary "$tk_dir/metrics.jsonl" "$bench_work/log-$ranks-$stage" "$ranks" "$stage")"
+    if [ "$stage" = 0 ]; then
+      whole[$ranks]=$state
+      whole_losses=$losses
+      equal="-"
+    elif [ "$losses" = "$whole_losses" ]; then
+      equal="yes"
+    else
+      bench_die "ranks $ranks: the sharded run's losses differ from the unsharded run's: $losses vs $whole_losses"
+    fi
+    per=$(/usr/bin/python3 -c "print(f'{${whole[$ranks]} / $ranks:.2f}')")
+    echo "| $ranks | $stage | $state | $largest | $per | $rss | $ms | $equal |"
+  done
+done
