@@ -26,7 +26,7 @@ ms = 1000 * (rows[-1]["wall_time"] - rows[1]["wall_time"]) / (len(rows) - 2)
 state = rows[-1].get("optimizer_state_mib")
 if state is None:
     sys.exit("no optimizer_state_mib in the records")
-shares = [float(m) for m in re.findall(r"this rank updates \d+ of \d+ tensors \(([0-9.e+-]+) of", log)]
+shares = [int(m) / 2**20 for m in re.findall(r"this rank updates \d+ of \d+ tensors \((\d+) of", log)]
 if stage == 1 and len(shares) != ranks:
     sys.exit(f"expected {ranks} sharding lines in the log, found {len(shares)}")
 largest = f"{2 * max(shares):.2f}" if shares else f"{state:.2f}"

@@ -343,8 +343,15 @@ void Loop::end_window(int64_t epoch, int64_t b) {
     if (meter_) meter_->take_peak();  // validation's memory is not the next step's
   }
   // Stop early at this boundary when asked to (a signal) or out of time; with a checkpoint.
-  if (!done_ && opts_.stop_requested && opts_.stop_requested()) result_.status = FitStatus::StoppedBySignal;
-  else if (!done_ && elapsed() >= r_.max_time_s) result_.status = FitStatus::StoppedByTime;
+  // Every rank stops at the same boundary: the world agrees on the strongest reason (a signal
+  // over the time limit) any rank has.
+  enum : int64_t { kGoOn = 0, kOutOfTime = 1, kSignalled = 2 };
+  int64_t stop = kGoOn;
+  if (!done_ && opts_.stop_requested && opts_.stop_requested()) stop = kSignalled;
+  else if (!done_ && elapsed() >= r_.max_time_s) stop = kOutOfTime;
+  if (!done_ && r_.plan.world_size > 1 && r_.plan.max_over_ranks) stop = r_.plan.max_over_ranks(stop);
+  if (stop == kSignalled) result_.status = FitStatus::StoppedBySignal;
+  else if (stop == kOutOfTime) result_.status = FitStatus::StoppedByTime;
   if (result_.status != FitStatus::Running) done_ = true;
   // The step's record first: a checkpoint never holds a step whose record could be lost.
   outputs_->record(line);

@@ -66,4 +66,14 @@ void RunPlan::set_world(int world, int rank) {
   s_->world_owner = by;
 }
 
+void RunPlan::set_world_agreement(std::function<int64_t(int64_t)> max_over_ranks) {
+  const std::string& by = configuring(*s_, "set_world_agreement()");
+  if (s_->world_owner != by)
+    throw Error("plugin '" + by + "' gave the world's agreement, but " +
+                (s_->world_owner.empty() ? std::string("no plugin") : "plugin '" + s_->world_owner + "'") +
+                " set the world (set_world comes first, from the same plugin)");
+  if (!max_over_ranks) throw Error("plugin '" + by + "' gave an empty world agreement");
+  s_->max_over_ranks = std::move(max_over_ranks);
+}
+
 }  // namespace tk

@@ -48,6 +48,7 @@ struct PlanValues {
   c10::DeviceType device = c10::kCPU;
   std::set<std::string> capabilities;
   std::string window_owner, world_owner;
+  std::function<int64_t(int64_t)> max_over_ranks;  ///< the world's agreement (its owner's), if any
 
   int64_t effective_batch() const noexcept { return micro_batch * accumulation * world_size; }
   bool has(const std::string& cap) const { return capabilities.count(cap) != 0; }

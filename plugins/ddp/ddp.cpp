@@ -268,6 +268,14 @@ class Ddp final : public tk::Plugin {
   void configure(tk::RunPlan& plan) override {
     world_ = detect_world();  // here, not in init: a launcher reads the plugins before any world exists
     plan.set_world(world_.size, world_.rank);
+    // Whether to stop (out of time, a signal) is one decision for the world: a rank that stopped
+    // alone would leave the others waiting in their next collective.
+    plan.set_world_agreement([this](int64_t v) {
+      if (!group_) return v;
+      auto t = torch::tensor({v}, torch::kLong);
+      allreduce(t, c10d::ReduceOp::MAX);
+      return t.item<int64_t>();
+    });
     // Without a normalizer, a mean loss is averaged over ranks here, as single-process training
     // would average it over the global batch; a sum loss stays a sum.
     average_ = !plan.has(tk::cap::kGradsNormalized) && plan.reduction() == tk::Reduction::Mean;
@@ -419,15 +427,13 @@ class Ddp final : public tk::Plugin {
   }
 
   void describe_shards(tk::Context& ctx, const tk::ddp::ShardedOptimizer& sharded) const {
-    constexpr double kMiB = 1024.0 * 1024.0;
     int64_t total = 0;
     for (int r = 0; r < world_.size; ++r) total += sharded.owned_bytes(r);
     const auto& owners = sharded.owners();
     std::ostringstream m;
-    m.precision(3);
     m << "zero_stage = 1: the optimizer state is sharded over " << world_.size << " rank" << (world_.size == 1 ? "" : "s")
       << "; this rank updates " << std::count(owners.begin(), owners.end(), world_.rank) << " of " << owners.size()
-      << " tensors (" << sharded.owned_bytes(world_.rank) / kMiB << " of " << total / kMiB << " MiB of parameters)";
+      << " tensors (" << sharded.owned_bytes(world_.rank) << " of " << total << " bytes of parameters)";
     ctx.info(m.str());
   }
 

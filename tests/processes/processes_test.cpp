@@ -492,6 +492,36 @@ TEST_SUITE("zero") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("out of time, every rank stops at the same boundary; the resumed run ends bit-identical") {
+    const fs::path root = tkt::temp_dir("zero-max-time");
+    const std::string recipe = base_with(kAdamW) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
+                               "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\ntimeout_s = 20.0\n";
+    const std::string sets = "--nproc 2 --set run.steps=400 ";
+    auto whole = tk_run(root / "whole", recipe, sets);
+    REQUIRE(whole.rc == 0);
+    // The ranks' clocks started apart: alone, one would stop a step before the other and leave it
+    // waiting in a collective. They agree on each boundary.
+    auto stopped = tk_run(root / "stopped", recipe, sets + "--set run.max_time=\\\"0.5s\\\"");
+    INFO(stopped.out);
+    REQUIRE(stopped.rc == 0);
+    const auto at = [&](const std::string& rank) {
+      const std::string said = "[rank " + rank + "] stopped early (max_time) after step ";
+      const auto pos = stopped.out.find(said);
+      REQUIRE(pos != std::string::npos);
+      return std::stoll(stopped.out.substr(pos + said.size()));
+    };
+    const long long step = at("0");
+    CHECK(step == at("1"));
+    CHECK(step < 400);
+    CHECK(stopped.out.find("[rank 1] stopped early (max_time) after step " + std::to_string(step) + "; continue") !=
+          std::string::npos);
+    auto resumed = tk_run(root / "stopped", recipe, sets + "--resume latest");
+    INFO(resumed.out);
+    REQUIRE(resumed.rc == 0);
+    CHECK(torch::equal(weights(root / "stopped"), weights(root / "whole")));
+    fs::remove_all(root);
+  }
+
   TEST_CASE("a resume re-shards exactly: 2 sharded ranks -> 4, and an unsharded checkpoint -> sharded") {
     // 256 examples, 16 per step on 2 ranks (4 x 2) and on 4 (4 x 1): step 16 ends epoch 1, where a
     // resume on another world starts epoch 2 from its beginning.

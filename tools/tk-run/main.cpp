@@ -370,8 +370,10 @@ int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, 
   drop.push_back("--resume");
   for (const auto& a : args_without(argc, argv, drop, {"--overwrite"})) cmd += " " + shell_quote(a);
   cmd += same_world(c);
-  std::printf("stopped early (%s) after step %lld; checkpoint %s; continue with: %s --resume latest\n",
-              r.stopped == "signal" ? "signal" : "max_time", static_cast<long long>(r.steps), r.checkpoint.c_str(),
+  // Rank 0 wrote the checkpoint; the other ranks have none to name.
+  const std::string where = r.checkpoint.empty() ? std::string() : "; checkpoint " + r.checkpoint.string();
+  std::printf("stopped early (%s) after step %lld%s; continue with: %s --resume latest\n",
+              r.stopped == "signal" ? "signal" : "max_time", static_cast<long long>(r.steps), where.c_str(),
               cmd.c_str());
   return r.stopped == "signal" ? 128 + static_cast<int>(g_stop_signal) : 0;
 }

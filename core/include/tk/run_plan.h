@@ -4,6 +4,7 @@
 #include <c10/core/DeviceType.h>
 
 #include <cstdint>
+#include <functional>
 #include <set>
 #include <string>
 #include <utility>
@@ -138,6 +139,11 @@ class RunPlan {
   /// Sets world size and rank (configure only); a second plugin trying to set them is refused,
   /// naming both.
   void set_world(int world_size, int rank);
+  /// How the ranks agree (configure only, by the plugin that set the world): `max_over_ranks(v)`
+  /// returns the largest `v` any rank passed, a collective every rank calls at the same point.
+  /// The core calls it once per optimizer step, from the first step on, so that every rank stops
+  /// at the same boundary when one of them is out of time or was asked to stop.
+  void set_world_agreement(std::function<int64_t(int64_t)> max_over_ranks);
 
   RunPlan(const RunPlan&) = delete;
   RunPlan& operator=(const RunPlan&) = delete;
