@@ -1,7 +1,9 @@
 """Checks a finished run's output folder from Python: the weights load with torch.load, the
-metrics have one record per optimizer step, and the loss fell."""
+same weights read from weights.safetensors with struct, json and torch.frombuffer (no safetensors
+package), the metrics have one record per optimizer step, and the loss fell."""
 import json
 import pathlib
+import struct
 import sys
 
 import torch
@@ -17,6 +19,29 @@ for name, t in weights.items():
     assert isinstance(t, torch.Tensor), f"{name} is not a tensor"
     assert torch.isfinite(t).all(), f"{name} has non-finite values"
 assert "head.weight" in weights, sorted(weights)
+
+# weights.safetensors, read by the format's definition: u64 little-endian header length, a JSON
+# header of name -> {dtype, shape, data_offsets}, then the raw little-endian data.
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+raw = (run / "weights.safetensors").read_bytes()
+(n,) = struct.unpack("<Q", raw[:8])
+assert n % 8 == 0, f"header length {n} is not a multiple of 8"
+header = json.loads(raw[8:8 + n])
+data = bytearray(raw[8 + n:])
+names = [k for k in header if k != "__metadata__"]
+assert sorted(names) == sorted(weights), (sorted(names), sorted(weights))
+end = 0
+for name in names:
+    e = header[name]
+    begin, stop = e["data_offsets"]
+    assert begin == end, f"{name}: data not packed in order ({begin} after {end})"
+    end = stop
+    t = torch.frombuffer(data, dtype=DTYPES[e["dtype"]], count=(stop - begin) // DTYPES[e["dtype"]].itemsize,
+                         offset=begin).reshape(e["shape"]) if stop > begin else torch.empty(e["shape"], dtype=DTYPES[e["dtype"]])
+    assert torch.equal(t, weights[name]), f"{name} differs between weights.safetensors and weights.pt"
+assert end == len(data), f"{len(data) - end} bytes after the last tensor"
 
 steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 train = [s for s in steps if "loss" in s]

@@ -129,11 +129,14 @@ void RunOutputs::wrote(const std::string& file) {
 
 void RunOutputs::write_weights(const Run& run) {
   own("weights.pt");
+  own("weights.safetensors");
   NamedTensors tensors;
   for (const auto& p : run.model->named_parameters()) tensors.emplace_back(p.key(), p.value());
   for (const auto& b : run.model->named_buffers()) tensors.emplace_back(b.key(), b.value());
   save_tensor_dict(dir_ / "weights.pt", tensors);
   wrote("weights.pt");
+  save_safetensors(dir_ / "weights.safetensors", tensors);
+  wrote("weights.safetensors");
 }
 
 void RunOutputs::record_plugin_file(const std::string& plugin, const std::string& file) {
@@ -181,7 +184,7 @@ void RunOutputs::write_plugin_files(Run& run, bool only_missing) {
 void RunOutputs::complete_again(Run& run) {
   if (!active_) return;
   manifest();
-  if (!fs::exists(dir_ / "weights.pt")) write_weights(run);
+  if (!fs::exists(dir_ / "weights.pt") || !fs::exists(dir_ / "weights.safetensors")) write_weights(run);
   write_plugin_files(run, /*only_missing=*/true);
 }
 

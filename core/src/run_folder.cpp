@@ -17,9 +17,9 @@ namespace {
 
 /// The files the core writes into an output folder besides checkpoints/ (a plugin's file may not
 /// take one's name).
-const char* const kCoreNames[] = {"recipe.toml", "metrics.jsonl", "weights.pt", "trace.jsonl", "status.json",
-                                  "report.html"};
-const std::set<std::string> kReserved = {"recipe.toml", "metrics.jsonl", "weights.pt", "trace.jsonl", "status.json",
+const char* const kCoreNames[] = {"recipe.toml", "metrics.jsonl", "weights.pt", "weights.safetensors", "trace.jsonl",
+                                  "status.json", "report.html"};
+const std::set<std::string> kReserved = {"recipe.toml", "metrics.jsonl", "weights.pt", "weights.safetensors", "trace.jsonl", "status.json",
                                          "report.html", "checkpoints", kManifestFile, ".tk-lock"};
 
 bool is_core_name(const std::string& name) {

@@ -5,9 +5,12 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <map>
 
 #include "tk/error.h"
 #include "tk/output.h"
@@ -67,6 +70,110 @@ NamedTensors load_tensor_dict(const std::filesystem::path& file) {
       throw Error(file.string() + ": expected a dict of name -> tensor, found an entry of " + item.key().tagKind() +
                   " -> " + item.value().tagKind());
     out.emplace_back(item.key().toStringRef(), item.value().toTensor());
+  }
+  return out;
+}
+
+namespace {
+
+/// safetensors' dtype names.
+const std::map<at::ScalarType, std::string>& dtype_names() {
+  static const std::map<at::ScalarType, std::string> m = {
+      {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"},
+      {at::kLong, "I64"},   {at::kInt, "I32"},   {at::kShort, "I16"}, {at::kChar, "I8"},
+      {at::kByte, "U8"},    {at::kBool, "BOOL"}};
+  return m;
+}
+
+bool little_endian() {
+  const uint16_t one = 1;
+  return *reinterpret_cast<const unsigned char*>(&one) == 1;
+}
+
+}  // namespace
+
+std::string save_safetensors(const NamedTensors& tensors) {
+  if (!little_endian()) throw Error("safetensors are little-endian; this machine is not");
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  header["__metadata__"] = {{"format", "pt"}};
+  std::vector<at::Tensor> data;
+  int64_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    const auto it = dtype_names().find(t.scalar_type());
+    if (it == dtype_names().end())
+      throw Error("safetensors: tensor '" + name + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
+                  ", which the format has no name for");
+    at::Tensor c = t.detach().cpu().contiguous();
+    const int64_t n = static_cast<int64_t>(c.numel()) * static_cast<int64_t>(c.element_size());
+    header[name] = {{"dtype", it->second}, {"shape", c.sizes().vec()}, {"data_offsets", {offset, offset + n}}};
+    offset += n;
+    data.push_back(std::move(c));
+  }
+  std::string json = header.dump();
+  json.append((8 - json.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  uint64_t len = json.size();
+  std::memcpy(out.data(), &len, 8);
+  out += json;
+  out.reserve(out.size() + static_cast<size_t>(offset));
+  for (const auto& c : data)
+    out.append(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()) * c.element_size());
+  return out;
+}
+
+void save_safetensors(const std::filesystem::path& file, const NamedTensors& tensors) {
+  write_atomic(file, save_safetensors(tensors));
+}
+
+NamedTensors load_safetensors(const std::filesystem::path& file) {
+  const std::string where = file.string() + ": ";
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error("cannot read '" + file.string() + "'");
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!little_endian()) throw Error(where + "safetensors are little-endian; this machine is not");
+  if (bytes.size() < 8) throw Error(where + "not a safetensors file (shorter than its 8-byte header length)");
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data(), 8);
+  if (len > bytes.size() - 8)
+    throw Error(where + "not a safetensors file (its header would be " + std::to_string(len) + " bytes, the file has " +
+                std::to_string(bytes.size()) + ")");
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(len));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(where + "not a safetensors file (its header is not JSON: " + e.what() + ")");
+  }
+  if (!header.is_object()) throw Error(where + "not a safetensors file (its header is not a JSON object)");
+  const size_t base = 8 + static_cast<size_t>(len);
+  const size_t data_bytes = bytes.size() - base;
+  NamedTensors out;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") continue;
+    const std::string at_entry = where + "tensor '" + name + "': ";
+    try {
+      const std::string dtype = entry.at("dtype").get<std::string>();
+      at::ScalarType type = at::kFloat;
+      bool known = false;
+      for (const auto& [t, n] : dtype_names())
+        if (n == dtype) type = t, known = true;
+      if (!known) throw Error(at_entry + "dtype " + dtype + " is not one trainkit reads");
+      const auto shape = entry.at("shape").get<std::vector<int64_t>>();
+      const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      int64_t numel = 1;
+      for (int64_t d : shape) {
+        if (d < 0) throw Error(at_entry + "a negative dimension");
+        numel *= d;
+      }
+      const uint64_t need = static_cast<uint64_t>(numel) * static_cast<uint64_t>(c10::elementSize(type));
+      if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] > data_bytes || offsets[1] - offsets[0] != need)
+        throw Error(at_entry + "data_offsets do not hold its " + std::to_string(need) + " bytes within the file's " +
+                    std::to_string(data_bytes) + " bytes of data");
+      at::Tensor t = at::empty(shape, at::TensorOptions(type));
+      std::memcpy(t.data_ptr(), bytes.data() + base + offsets[0], need);
+      out.emplace_back(name, std::move(t));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(at_entry + "its entry is malformed (" + e.what() + ")");
+    }
   }
   return out;
 }

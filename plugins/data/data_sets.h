@@ -9,5 +9,7 @@ OptionSpecs fashion_mnist_specs();
 DataSplits make_fashion_mnist(const Options& o, uint64_t seed);
 OptionSpecs text_specs();
 DataSplits make_text(const Options& o, uint64_t seed);
+OptionSpecs tokens_specs();
+DataSplits make_tokens(const Options& o, uint64_t seed);
 
 }  // namespace tk::data

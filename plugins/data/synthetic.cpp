@@ -234,6 +234,9 @@ void register_data(Registry& r) {
          fashion_mnist_specs(), make_fashion_mnist},
         {"text", "byte- or character-level language modelling on a text file: predict each next token",
          text_specs(), make_text},
+        {"tokens", "pre-tokenized shards in llm.c's format (256 int32 of header, magic 20240520; uint16 tokens, or "
+                   "uint32 with version 2), memory-mapped: predict each next token",
+         tokens_specs(), make_tokens},
 })
     r.add_data(std::move(e.name), std::move(e.doc), std::move(e.specs),
                [make = std::move(e.make)](const Options& o, uint64_t seed) {

@@ -280,7 +280,7 @@ TEST_SUITE("plugin API") {
     tk::Trainer t(tkt::recipe({"run.output=\"" + dir.string() + "\""}), opts);
     t.add_plugin(std::make_shared<Writes>(), "writes");
     const auto r = t.fit();
-    CHECK(r.files == std::vector<std::string>{"recipe.toml", "metrics.jsonl", "weights.pt", "mine.txt"});
+    CHECK(r.files == std::vector<std::string>{"recipe.toml", "metrics.jsonl", "weights.pt", "weights.safetensors", "mine.txt"});
     CHECK(fs::exists(dir / "mine.txt"));
     fs::remove_all(dir);
   }
@@ -401,7 +401,7 @@ TEST_SUITE("plugin API") {
     REQUIRE(fs::exists(dir / "mine.txt"));
     // A hand-edited (or damaged) list: names that are no plugin's file must never be deleted.
     std::ofstream(dir / "files.json") << R"({"core": ["recipe.toml", "metrics.jsonl", "status.json", "weights.pt",
-                                                     "checkpoints", "../x"],
+                                                     "weights.safetensors", "checkpoints", "../x"],
                                             "plugins": {"writes": ["mine.txt", "..", "", ".", "keep", "recipe.toml",
                                           "../)" << outside.filename().string() << R"("], "other": "not a list"}})";
     fs::create_directories(dir / "keep");

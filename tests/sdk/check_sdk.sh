@@ -48,7 +48,7 @@ for dir in "$prefix"/share/trainkit/examples/*/; do
      --set "plugins.$name.path=$work/build-$name/tk_$name.so" --set "run.output=$work/run-$name") | tee "$work/tk-run-$name.log"
   grep -q '<script id="tk-data"' "$work/run-$name/report.html"
   if [ "$name" = ema ]; then  # its file, listed in the closing line and in files.json
-    grep -q "^wrote $work/run-ema/{recipe.toml,metrics.jsonl,weights.pt,ema_weights.pt}" "$work/tk-run-ema.log"
+    grep -q "^wrote $work/run-ema/{recipe.toml,metrics.jsonl,weights.pt,weights.safetensors,ema_weights.pt}" "$work/tk-run-ema.log"
     grep -q '"ema_weights.pt"' "$work/run-ema/files.json"
   fi
 done

@@ -19,4 +19,14 @@ void save_tensor_dict(const std::filesystem::path& file, const NamedTensors& ten
 /// Reads a file written by save_tensor_dict() or by Python's torch.save of a dict of tensors.
 NamedTensors load_tensor_dict(const std::filesystem::path& file);
 
+/// Bytes of `tensors` in the safetensors format of the Hugging Face ecosystem: an 8-byte
+/// little-endian header length, a JSON header (each name's dtype, shape and data_offsets, and
+/// "__metadata__"), padded with spaces to 8 bytes, then each tensor's raw little-endian data.
+std::string save_safetensors(const NamedTensors& tensors);
+/// Writes save_safetensors() to `file` atomically.
+void save_safetensors(const std::filesystem::path& file, const NamedTensors& tensors);
+/// Reads a safetensors file, refusing (naming the file and the entry) a header that is not JSON,
+/// an unknown dtype, and data offsets that do not match the shape or lie outside the file.
+NamedTensors load_safetensors(const std::filesystem::path& file);
+
 }  // namespace tk

@@ -1,0 +1,276 @@
+// Pre-tokenized corpora in llm.c's shard format, memory-mapped: a header of 256 little-endian
+// int32 (magic 20240520, version, token count), then that many tokens (version 1: uint16, as
+// llm.c, modded-nanogpt and the speedrun contests write them; version 2: uint32, for vocabularies
+// beyond 65536). A shard is cut into sequences of seq_len inputs and the next tokens as targets;
+// the sequences of every shard of a set make one indexable data set, so the core's seeded shuffle,
+// its striding by rank and its resume position apply as to any other.
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/from_blob.h>
+#include <glob.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+
+#include "data_sets.h"
+
+namespace fs = std::filesystem;
+
+namespace tk::data {
+namespace {
+
+constexpr int32_t kMagic = 20240520;
+constexpr int64_t kHeaderInts = 256, kHeaderBytes = kHeaderInts * 4;
+
+/// One shard, mapped read-only. Pages a batch read are handed back afterwards (MADV_DONTNEED):
+/// the page cache keeps them, this process's resident memory does not grow with the corpus.
+class Shard {
+ public:
+  Shard(const fs::path& file, const Options& o, const std::string& key) : file_(file) {
+    fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) o.fail(key, file.string() + ": cannot open: " + std::strerror(errno));
+    struct stat st {};
+    ::fstat(fd_, &st);
+    bytes_ = static_cast<int64_t>(st.st_size);
+    if (bytes_ < kHeaderBytes)
+      o.fail(key, file.string() + ": " + std::to_string(bytes_) + " bytes, shorter than the 1024-byte header of a token shard");
+    int32_t head[kHeaderInts];
+    if (::pread(fd_, head, sizeof head, 0) != static_cast<ssize_t>(sizeof head))
+      o.fail(key, file.string() + ": cannot read its header");
+    if (head[0] != kMagic)
+      o.fail(key, file.string() + ": not a token shard (magic " + std::to_string(head[0]) + ", expected " +
+                      std::to_string(kMagic) + ")");
+    if (head[1] != 1 && head[1] != 2)
+      o.fail(key, file.string() + ": token shard version " + std::to_string(head[1]) +
+                      " (expected 1, uint16 tokens, or 2, uint32 tokens)");
+    width_ = head[1] == 1 ? 2 : 4;
+    count_ = head[2];
+    const int64_t expected = kHeaderBytes + count_ * width_;
+    if (count_ < 0 || expected != bytes_)
+      o.fail(key, file.string() + ": the header says " + std::to_string(count_) + " tokens of " + std::to_string(width_) +
+                      " bytes (" + std::to_string(expected) + " bytes with the header), the file has " +
+                      std::to_string(bytes_) + " bytes");
+    void* m = ::mmap(nullptr, static_cast<size_t>(bytes_), PROT_READ, MAP_SHARED, fd_, 0);
+    if (m == MAP_FAILED) o.fail(key, file.string() + ": cannot map it: " + std::strerror(errno));
+    map_ = static_cast<const unsigned char*>(m);
+    ::madvise(m, static_cast<size_t>(bytes_), MADV_RANDOM);
+  }
+  ~Shard() {
+    if (map_) ::munmap(const_cast<unsigned char*>(map_), static_cast<size_t>(bytes_));
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
+
+  const fs::path& file() const noexcept { return file_; }
+  int64_t count() const noexcept { return count_; }
+  int width() const noexcept { return width_; }
+  /// Tokens [first, first + n) as int64, into `out`.
+  void read(int64_t first, int64_t n, int64_t* out) const {
+    const unsigned char* p = map_ + kHeaderBytes + first * width_;
+    if (width_ == 2) {
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int64_t>(p[2 * i]) | (static_cast<int64_t>(p[2 * i + 1]) << 8);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t v = 0;
+        std::memcpy(&v, p + 4 * i, 4);  // little-endian (make_tokens refuses other machines)
+        out[i] = v;
+      }
+    }
+  }
+  /// Lets go of the pages that hold tokens [first, first + n).
+  void release(int64_t first, int64_t n) const {
+    const long page = ::sysconf(_SC_PAGESIZE);
+    const int64_t begin = (kHeaderBytes + first * width_) / page * page;
+    const int64_t end = kHeaderBytes + (first + n) * width_;
+    ::madvise(const_cast<unsigned char*>(map_) + begin, static_cast<size_t>(end - begin), MADV_DONTNEED);
+  }
+  /// Every token, as a tensor over the mapping (no copy), then the pages handed back by the caller.
+  at::Tensor view() const {
+    return at::from_blob(const_cast<unsigned char*>(map_) + kHeaderBytes, {count_ * width_}, at::kByte);
+  }
+
+ private:
+  fs::path file_;
+  int fd_ = -1;
+  int64_t bytes_ = 0, count_ = 0;
+  int width_ = 2;
+  const unsigned char* map_ = nullptr;
+};
+
+/// The shards of one split and their sequences: sequence i of shard s is its tokens
+/// [i * T, i * T + T] (inputs the first T, targets the last T).
+class TokenShards final : public Dataset {
+ public:
+  TokenShards(std::vector<std::unique_ptr<Shard>> shards, int64_t seq_len) : shards_(std::move(shards)), t_(seq_len) {
+    int64_t total = 0;
+    for (const auto& s : shards_) {
+      starts_.push_back(total);
+      total += std::max<int64_t>(0, (s->count() - 1) / t_);
+    }
+    size_ = total;
+  }
+  int64_t size() const override { return size_; }
+  Batch get(const at::Tensor& indices) const override {
+    const auto idx = indices.to(at::kLong).contiguous();
+    const int64_t n = idx.numel();
+    at::Tensor seq = at::empty({n, t_ + 1}, at::kLong);
+    int64_t* out = seq.data_ptr<int64_t>();
+    const int64_t* ix = idx.data_ptr<int64_t>();
+    for (int64_t k = 0; k < n; ++k) {
+      const auto it = std::upper_bound(starts_.begin(), starts_.end(), ix[k]) - 1;
+      const Shard& s = *shards_[static_cast<size_t>(it - starts_.begin())];
+      const int64_t first = (ix[k] - *it) * t_;
+      s.read(first, t_ + 1, out + k * (t_ + 1));
+      s.release(first, t_ + 1);
+    }
+    Batch b;
+    b.input = seq.slice(1, 0, t_);
+    b.target = seq.slice(1, 1, t_ + 1);
+    b.samples = n;
+    b.tokens = n * t_;
+    return b;
+  }
+  const std::vector<std::unique_ptr<Shard>>& shards() const noexcept { return shards_; }
+
+ private:
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<int64_t> starts_;
+  int64_t t_, size_ = 0;
+};
+
+/// The files a pattern names, sorted: a glob, or a list separated by commas.
+std::vector<fs::path> files_of(const Options& o, const std::string& key) {
+  const std::string spec = o.get_path(key);
+  std::vector<fs::path> out;
+  size_t from = 0;
+  while (from <= spec.size()) {
+    const size_t comma = spec.find(',', from);
+    const std::string one = spec.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+    from = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    if (one.empty()) continue;
+    glob_t g{};
+    const int rc = ::glob(one.c_str(), GLOB_NOCHECK, nullptr, &g);
+    std::vector<fs::path> found;
+    for (size_t i = 0; rc == 0 && i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
+    ::globfree(&g);
+    std::sort(found.begin(), found.end());
+    for (const auto& f : found) {
+      if (!fs::exists(f))
+        o.fail(key, one.find_first_of("*?[") == std::string::npos ? f.string() + ": no such file"
+                                                                  : "'" + one + "' matches no file");
+      out.push_back(f);
+    }
+  }
+  if (out.empty()) o.fail(key, "names no shard");
+  return out;
+}
+
+/// Calls `fn` with the shard's token ids as int64, in chunks of at most 4M tokens (32 MiB),
+/// handing each chunk's pages back after it: a pass over a corpus larger than memory.
+template <class Fn>
+void scan(const Shard& s, Fn&& fn) {
+  constexpr int64_t kChunk = 4 << 20;
+  const at::Tensor all = s.view();
+  for (int64_t first = 0; first < s.count(); first += kChunk) {
+    const int64_t n = std::min(kChunk, s.count() - first);
+    const at::Tensor raw = all.slice(0, first * s.width(), (first + n) * s.width());
+    fn(s.width() == 2 ? raw.view(at::kShort).to(at::kLong).bitwise_and(0xFFFF)
+                      : raw.view(at::kInt).to(at::kLong).bitwise_and(static_cast<int64_t>(0xFFFFFFFF)));
+    s.release(first, n);
+  }
+}
+
+/// The shards of `key`, each checked, with the largest token id of each and, added into
+/// `counts`, how often each id occurs (for the unigram baseline).
+struct Split {
+  std::unique_ptr<TokenShards> set;
+  std::vector<int64_t> largest;
+};
+
+Split open_split(const Options& o, const std::string& key, int64_t t, at::Tensor& counts) {
+  std::vector<std::unique_ptr<Shard>> shards;
+  std::vector<int64_t> largest;
+  for (const auto& f : files_of(o, key)) {
+    auto s = std::make_unique<Shard>(f, o, key);
+    if (s->count() < t + 1)
+      o.fail(key, f.string() + ": " + std::to_string(s->count()) + " tokens, fewer than one sequence of seq_len " +
+                      std::to_string(t) + " needs (" + std::to_string(t + 1) + ")");
+    int64_t top = 0;
+    scan(*s, [&](const at::Tensor& ids) {
+      top = std::max(top, ids.max().item<int64_t>());
+      const at::Tensor h = at::bincount(ids);
+      if (h.numel() > counts.numel()) counts = at::cat({counts, at::zeros({h.numel() - counts.numel()}, at::kLong)});
+      counts.slice(0, 0, h.numel()).add_(h);
+    });
+    largest.push_back(top);
+    shards.push_back(std::move(s));
+  }
+  return {std::make_unique<TokenShards>(std::move(shards), t), std::move(largest)};
+}
+
+/// Refuses the first shard of `split` with a token at or beyond `vocab`, naming it.
+void refuse_beyond(const Options& o, const std::string& key, const Split& split, int64_t vocab) {
+  for (size_t i = 0; i < split.largest.size(); ++i)
+    if (split.largest[i] >= vocab)
+      o.fail(key, split.set->shards()[i]->file().string() + ": token " + std::to_string(split.largest[i]) +
+                      " is beyond the vocabulary of " + std::to_string(vocab));
+}
+
+}  // namespace
+
+OptionSpecs tokens_specs() {
+  return {opt_path("train", "", "training shards: a file, a glob (\"data/train_*.bin\") or a comma-separated list"),
+          opt_path("validation", "", "validation shards, the same way (\"\": none)"),
+          opt_int("seq_len", 1024, "positions per example"),
+          opt_int("vocab", 0, "the vocabulary (0: the largest token id + 1 over all shards); a token at or beyond it is refused")};
+}
+
+DataSplits make_tokens(const Options& o, uint64_t) {
+  const int64_t t = o.get_int("seq_len");
+  if (t < 1) o.fail("seq_len", "must be >= 1, got " + std::to_string(t));
+  const uint16_t one = 1;
+  if (*reinterpret_cast<const unsigned char*>(&one) != 1)
+    o.fail("train", "token shards are little-endian; this machine is not");
+  if (o.get_int("vocab") < 0) o.fail("vocab", "must be >= 0");
+  if (o.get_path("train").empty()) o.fail("train", "give the training shards (a file, a glob or a list)");
+  at::Tensor train_counts = at::zeros({0}, at::kLong), val_counts = at::zeros({0}, at::kLong);
+  Split train = open_split(o, "train", t, train_counts);
+  std::optional<Split> val;
+  if (!o.get_path("validation").empty()) val = open_split(o, "validation", t, val_counts);
+  int64_t vocab = o.get_int("vocab");
+  if (vocab == 0) {
+    vocab = 1 + *std::max_element(train.largest.begin(), train.largest.end());
+    if (val) vocab = std::max(vocab, 1 + *std::max_element(val->largest.begin(), val->largest.end()));
+  }
+  refuse_beyond(o, "train", train, vocab);
+  if (val) refuse_beyond(o, "validation", *val, vocab);
+  DataSplits d;
+  d.info.input_dim = vocab;
+  d.info.output_dim = vocab;
+  d.info.vocab = vocab;
+  d.info.input_shape = {t};
+  d.info.next_token = true;
+  if (val) {
+    // The unigram baseline: the training tokens' frequencies (add-one smoothed), scored on the
+    // validation tokens.
+    at::Tensor freq = at::ones({vocab}, at::kDouble);
+    freq.slice(0, 0, train_counts.numel()).add_(train_counts.to(at::kDouble));
+    at::Tensor logp = (freq / freq.sum()).log();
+    at::Tensor vc = at::zeros({vocab}, at::kDouble);
+    vc.slice(0, 0, val_counts.numel()).add_(val_counts.to(at::kDouble));
+    d.info.baseline_name = "unigram";
+    d.info.baseline_loss = -(vc * logp).sum().item<double>() / vc.sum().item<double>();
+  }
+  d.train = std::move(train.set);
+  if (val) d.validation = std::move(val->set);
+  return d;
+}
+
+}  // namespace tk::data
