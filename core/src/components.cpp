@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "run.h"
+#include "tk/tensor_io.h"
 
 namespace tk::detail {
 namespace {
@@ -42,6 +43,58 @@ OptionSpecs loader_specs() {
   return {micro_batch,
           opt_bool("shuffle", true, "shuffle every epoch (a pure function of seed and epoch)"),
           opt_bool("drop_last", false, "drop an epoch's last, smaller micro-batch")};
+}
+
+OptionSpecs model_specs() {
+  return {opt_path("init", "", "start from these weights, by parameter and buffer name: a .safetensors file, or a "
+                               "dict of tensors saved by torch.save (\"\": the model's own initialization)"),
+          opt_bool("init_partial", false,
+                   "let init lack some of the model's tensors, hold others, or hold them in other shapes: those keep "
+                   "the model's initialization, and the log lists them")};
+}
+
+/// `[model] init`: the model's parameters and buffers from a file, by name (before any plugin's
+/// setup, so that an adapter wraps the pretrained model).
+void load_init(Run& r) {
+  const std::string& file = r.model_opts.get_path("init");
+  if (file.empty()) return;
+  const bool partial = r.model_opts.get_bool("init_partial");
+  NamedTensors saved;
+  try {
+    saved = std::filesystem::path(file).extension() == ".safetensors" ? load_safetensors(file) : load_tensor_dict(file);
+  } catch (const std::exception& e) {
+    r.model_opts.fail("init", message_of(e));
+  }
+  std::map<std::string, at::Tensor> by_name(saved.begin(), saved.end());
+  std::vector<std::string> missing, misshapen;
+  torch::NoGradGuard no_grad;
+  auto take = [&](const std::string& name, at::Tensor& dst) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) return missing.push_back("'" + name + "'");
+    if (it->second.sizes() != dst.sizes())
+      misshapen.push_back("'" + name + "' (" + c10::str(it->second.sizes()) + " there, " + c10::str(dst.sizes()) + " here)");
+    else
+      dst.copy_(it->second);
+    by_name.erase(it);
+  };
+  for (auto& p : r.model->named_parameters()) take(p.key(), p.value());
+  for (auto& b : r.model->named_buffers()) take(b.key(), b.value());
+  std::vector<std::string> extra;
+  for (const auto& [name, t] : by_name) extra.push_back("'" + name + "'");
+  auto some = [](const std::vector<std::string>& v) {
+    const size_t n = std::min<size_t>(v.size(), 5);
+    return join(v.data(), v.data() + n) + (v.size() > n ? " and " + std::to_string(v.size() - n) + " more" : "");
+  };
+  std::string why;
+  if (!missing.empty()) why += "; it lacks " + some(missing);
+  if (!misshapen.empty()) why += "; other shapes: " + some(misshapen);
+  if (!extra.empty()) why += "; the model has no " + some(extra);
+  const size_t loaded = saved.size() - extra.size() - misshapen.size();
+  if (!why.empty() && !partial)
+    r.model_opts.fail("init", file + " does not fit model '" + r.model_name + "'" + why +
+                                  " (init_partial = true loads what fits)");
+  if (!why.empty()) r.warn("init: loaded " + std::to_string(loaded) + " tensors of " + file + why);
+  else spdlog::info("init: loaded all {} tensors of {}", loaded, file);
 }
 
 /// "90s", "10m", "1.5h", "250ms" -> seconds; "" -> infinity.
@@ -150,11 +203,12 @@ void build_components(Run& r, const Recipe& recipe) {
 
   // `[model] torchscript = "file.pt"` needs no name.
   const auto& mc = section(r, recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "",
-                           r.registry.models(), r.model_name, r.model_opts);
+                           r.registry.models(), r.model_name, r.model_opts, model_specs());
   torch::manual_seed(r.seed);
   r.model = made_in(r.model_opts, "model '" + mc.name + "'", [&] { return mc.make(r.model_opts, r.data.info); });
   if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
   r.model->to(r.device, r.dtype);
+  load_init(r);
   r.model->train();
 
   const auto& lc = section(r, recipe, "loss", r.data.info.default_loss.c_str(), r.registry.losses(), r.loss_name,
@@ -186,7 +240,8 @@ void check_component_sections(Run& r, const Recipe& recipe) {
   std::string name;
   Options opts;
   section(r, recipe, "data", "", r.registry.data(), name, opts, loader_specs());
-  section(r, recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "", r.registry.models(), name, opts);
+  section(r, recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "", r.registry.models(), name, opts,
+          model_specs());
   if (recipe.sets("loss", "name")) section(r, recipe, "loss", "", r.registry.losses(), name, opts);
   section(r, recipe, "optimizer", "", r.registry.optimizers(), name, opts);
   section(r, recipe, "schedule", "constant", r.registry.schedules(), name, opts);

@@ -137,9 +137,9 @@ NamedTensors load_safetensors(const std::filesystem::path& file) {
   if (len > bytes.size() - 8)
     throw Error(where + "not a safetensors file (its header would be " + std::to_string(len) + " bytes, the file has " +
                 std::to_string(bytes.size()) + ")");
-  nlohmann::json header;
+  nlohmann::ordered_json header;  // the file's order: the model's, for a file trainkit wrote
   try {
-    header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(len));
+    header = nlohmann::ordered_json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(len));
   } catch (const nlohmann::json::exception& e) {
     throw Error(where + "not a safetensors file (its header is not JSON: " + e.what() + ")");
   }
@@ -171,7 +171,7 @@ NamedTensors load_safetensors(const std::filesystem::path& file) {
       at::Tensor t = at::empty(shape, at::TensorOptions(type));
       std::memcpy(t.data_ptr(), bytes.data() + base + offsets[0], need);
       out.emplace_back(name, std::move(t));
-    } catch (const nlohmann::json::exception& e) {
+    } catch (const nlohmann::ordered_json::exception& e) {
       throw Error(at_entry + "its entry is malformed (" + e.what() + ")");
     }
   }

@@ -172,17 +172,18 @@ std::vector<fs::path> files_of(const Options& o, const std::string& key) {
   return out;
 }
 
-/// Calls `fn` with the shard's token ids as int64, in chunks of at most 4M tokens (32 MiB),
-/// handing each chunk's pages back after it: a pass over a corpus larger than memory.
+/// Calls `fn` with the shard's token ids (int32 for uint16 shards, int64 for uint32 ones) in
+/// chunks of at most 1M tokens, handing each chunk's pages back after it: a pass over a corpus
+/// larger than memory, at the memory of one chunk.
 template <class Fn>
 void scan(const Shard& s, Fn&& fn) {
-  constexpr int64_t kChunk = 4 << 20;
+  constexpr int64_t kChunk = 1 << 20;
   const at::Tensor all = s.view();
   for (int64_t first = 0; first < s.count(); first += kChunk) {
     const int64_t n = std::min(kChunk, s.count() - first);
     const at::Tensor raw = all.slice(0, first * s.width(), (first + n) * s.width());
-    fn(s.width() == 2 ? raw.view(at::kShort).to(at::kLong).bitwise_and(0xFFFF)
-                      : raw.view(at::kInt).to(at::kLong).bitwise_and(static_cast<int64_t>(0xFFFFFFFF)));
+    fn(s.width() == 2 ? raw.view(at::kShort).to(at::kInt).bitwise_and_(0xFFFF)
+                      : raw.view(at::kInt).to(at::kLong).bitwise_and_(static_cast<int64_t>(0xFFFFFFFF)));
     s.release(first, n);
   }
 }

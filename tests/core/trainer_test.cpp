@@ -177,6 +177,47 @@ name = "fake_sync"
     fs::remove_all(out);
   }
 
+  TEST_CASE("[model] init starts from weights.safetensors or weights.pt by name; what does not fit is refused or listed") {
+    const fs::path out = tkt::temp_dir("init-source");
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer trained(tkt::recipe({"run.output=\"" + out.string() + "\""}), opts);
+    trained.fit();
+    // The two files hold the same tensors (tk::load_safetensors reads what tk::save_safetensors wrote).
+    const auto st = tk::load_safetensors(out / "weights.safetensors"), pt = tk::load_tensor_dict(out / "weights.pt");
+    REQUIRE(st.size() == pt.size());
+    for (size_t i = 0; i < st.size(); ++i) {
+      CHECK(st[i].first == pt[i].first);
+      CHECK(torch::equal(st[i].second, pt[i].second));
+    }
+    for (const char* file : {"weights.safetensors", "weights.pt"}) {
+      CAPTURE(file);
+      tk::Trainer t(tkt::recipe({"model.init=\"" + (out / file).string() + "\""}), tkt::quiet());
+      t.describe();
+      for (const auto& p : trained.model().named_parameters())
+        CHECK(torch::equal(t.model().named_parameters()[p.key()], p.value()));
+    }
+    // Another model: a hidden layer of 8, not 16.
+    const std::string init = "model.init=\"" + (out / "weights.safetensors").string() + "\"";
+    const std::string misfit = (out / "weights.safetensors").string() +
+                               " does not fit model 'mlp'; other shapes: 'head.weight' ([4, 16] there, [4, 8] here)";
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({init, "model.hidden=[8]"}), tkt::quiet()).describe(),
+                      doctest::Contains(misfit.c_str()));
+    tk::Trainer partial(tkt::recipe({init, "model.hidden=[16, 16]", "model.init_partial=true"}), tkt::quiet());
+    partial.describe();
+    CHECK(torch::equal(partial.model().named_parameters()["layers.0.weight"],
+                       trained.model().named_parameters()["layers.0.weight"]));
+    bool listed = false;
+    for (const auto& w : partial.warnings())
+      listed = listed || (w.find("init: loaded 4 tensors of") == 0 && w.find("; it lacks 'layers.1.weight'") != std::string::npos);
+    CHECK(listed);
+    std::ofstream(out / "junk.safetensors") << "not a safetensors file";
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.init=\"" + (out / "junk.safetensors").string() + "\""}), tkt::quiet())
+                          .describe(),
+                      doctest::Contains("junk.safetensors: not a safetensors file"));
+    fs::remove_all(out);
+  }
+
   TEST_CASE("a run resumed from a checkpoint is bit-identical to an uninterrupted one") {
     // 80 examples in micro-batches of 8, windows of 3: 3, 3, 3, 1 per epoch; 10 steps span 3 epochs,
     // and the checkpoint at step 5 sits inside epoch 2, after a short last window.
