@@ -4,7 +4,6 @@
 // beyond 65536). A shard is cut into sequences of seq_len inputs and the next tokens as targets;
 // the sequences of every shard of a set make one indexable data set, so the core's seeded shuffle,
 // its striding by rank and its resume position apply as to any other.
-#include <ATen/ops/bincount.h>
 #include <ATen/ops/from_blob.h>
 #include <glob.h>
 #include <sys/mman.h>
@@ -72,8 +71,9 @@ class Shard {
   int64_t count() const noexcept { return count_; }
   int width() const noexcept { return width_; }
   /// Tokens [first, first + n) as int64, into `out`.
-  void read(int64_t first, int64_t n, int64_t* out) const {
-    const unsigned char* p = map_ + kHeaderBytes + first * width_;
+  void read(int64_t first, int64_t n, int64_t* out) const { decode(map_ + kHeaderBytes + first * width_, n, out); }
+  /// `n` tokens of this shard's width at `p`, as int64, into `out`.
+  void decode(const unsigned char* p, int64_t n, int64_t* out) const {
     if (width_ == 2) {
       for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int64_t>(p[2 * i]) | (static_cast<int64_t>(p[2 * i + 1]) << 8);
     } else {
@@ -91,9 +91,16 @@ class Shard {
     const int64_t end = kHeaderBytes + (first + n) * width_;
     ::madvise(const_cast<unsigned char*>(map_) + begin, static_cast<size_t>(end - begin), MADV_DONTNEED);
   }
-  /// Every token, as a tensor over the mapping (no copy), then the pages handed back by the caller.
-  at::Tensor view() const {
-    return at::from_blob(const_cast<unsigned char*>(map_) + kHeaderBytes, {count_ * width_}, at::kByte);
+  /// The raw bytes of tokens [first, first + n) into `out`, read from the file (not the mapping).
+  void read_raw(int64_t first, int64_t n, void* out) const {
+    const auto want = static_cast<size_t>(n * width_);
+    size_t got = 0;
+    while (got < want) {
+      const ssize_t r = ::pread(fd_, static_cast<char*>(out) + got, want - got,
+                                static_cast<off_t>(kHeaderBytes + first * width_ + static_cast<int64_t>(got)));
+      if (r <= 0) throw Error(file_.string() + ": read error: " + (r < 0 ? std::strerror(errno) : "unexpected end"));
+      got += static_cast<size_t>(r);
+    }
   }
 
  private:
@@ -172,20 +179,26 @@ std::vector<fs::path> files_of(const Options& o, const std::string& key) {
   return out;
 }
 
-/// Calls `fn` with the shard's token ids (int32 for uint16 shards, int64 for uint32 ones) in
-/// chunks of at most 1M tokens, handing each chunk's pages back after it: a pass over a corpus
-/// larger than memory, at the memory of one chunk.
-template <class Fn>
-void scan(const Shard& s, Fn&& fn) {
+/// The largest token id of a shard, and how often each id occurs added into `counts` (grown as
+/// needed): one pass in chunks of 1M tokens through one buffer, read with pread, so that a corpus
+/// larger than memory is checked at the memory of one chunk.
+int64_t scan(const Shard& s, std::vector<int64_t>& counts) {
   constexpr int64_t kChunk = 1 << 20;
-  const at::Tensor all = s.view();
+  std::vector<unsigned char> raw(static_cast<size_t>(std::min(kChunk, s.count()) * s.width()));
+  std::vector<int64_t> ids(static_cast<size_t>(std::min(kChunk, s.count())));
+  int64_t top = 0;
   for (int64_t first = 0; first < s.count(); first += kChunk) {
     const int64_t n = std::min(kChunk, s.count() - first);
-    const at::Tensor raw = all.slice(0, first * s.width(), (first + n) * s.width());
-    fn(s.width() == 2 ? raw.view(at::kShort).to(at::kInt).bitwise_and_(0xFFFF)
-                      : raw.view(at::kInt).to(at::kLong).bitwise_and_(static_cast<int64_t>(0xFFFFFFFF)));
-    s.release(first, n);
+    s.read_raw(first, n, raw.data());
+    s.decode(raw.data(), n, ids.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t id = ids[static_cast<size_t>(i)];
+      if (id >= static_cast<int64_t>(counts.size())) counts.resize(static_cast<size_t>(id) + 1, 0);
+      ++counts[static_cast<size_t>(id)];
+      top = std::max(top, id);
+    }
   }
+  return top;
 }
 
 /// The shards of `key`, each checked, with the largest token id of each and, added into
@@ -195,7 +208,7 @@ struct Split {
   std::vector<int64_t> largest;
 };
 
-Split open_split(const Options& o, const std::string& key, int64_t t, at::Tensor& counts) {
+Split open_split(const Options& o, const std::string& key, int64_t t, std::vector<int64_t>& counts) {
   std::vector<std::unique_ptr<Shard>> shards;
   std::vector<int64_t> largest;
   for (const auto& f : files_of(o, key)) {
@@ -203,14 +216,7 @@ Split open_split(const Options& o, const std::string& key, int64_t t, at::Tensor
     if (s->count() < t + 1)
       o.fail(key, f.string() + ": " + std::to_string(s->count()) + " tokens, fewer than one sequence of seq_len " +
                       std::to_string(t) + " needs (" + std::to_string(t + 1) + ")");
-    int64_t top = 0;
-    scan(*s, [&](const at::Tensor& ids) {
-      top = std::max(top, ids.max().item<int64_t>());
-      const at::Tensor h = at::bincount(ids);
-      if (h.numel() > counts.numel()) counts = at::cat({counts, at::zeros({h.numel() - counts.numel()}, at::kLong)});
-      counts.slice(0, 0, h.numel()).add_(h);
-    });
-    largest.push_back(top);
+    largest.push_back(scan(*s, counts));
     shards.push_back(std::move(s));
   }
   return {std::make_unique<TokenShards>(std::move(shards), t), std::move(largest)};
@@ -241,7 +247,7 @@ DataSplits make_tokens(const Options& o, uint64_t) {
     o.fail("train", "token shards are little-endian; this machine is not");
   if (o.get_int("vocab") < 0) o.fail("vocab", "must be >= 0");
   if (o.get_path("train").empty()) o.fail("train", "give the training shards (a file, a glob or a list)");
-  at::Tensor train_counts = at::zeros({0}, at::kLong), val_counts = at::zeros({0}, at::kLong);
+  std::vector<int64_t> train_counts, val_counts;
   Split train = open_split(o, "train", t, train_counts);
   std::optional<Split> val;
   if (!o.get_path("validation").empty()) val = open_split(o, "validation", t, val_counts);
@@ -261,13 +267,16 @@ DataSplits make_tokens(const Options& o, uint64_t) {
   if (val) {
     // The unigram baseline: the training tokens' frequencies (add-one smoothed), scored on the
     // validation tokens.
-    at::Tensor freq = at::ones({vocab}, at::kDouble);
-    freq.slice(0, 0, train_counts.numel()).add_(train_counts.to(at::kDouble));
-    at::Tensor logp = (freq / freq.sum()).log();
-    at::Tensor vc = at::zeros({vocab}, at::kDouble);
-    vc.slice(0, 0, val_counts.numel()).add_(val_counts.to(at::kDouble));
+    train_counts.resize(static_cast<size_t>(vocab), 0);
+    val_counts.resize(static_cast<size_t>(vocab), 0);
+    double total = 0.0, loss = 0.0, scored = 0.0;
+    for (int64_t c : train_counts) total += static_cast<double>(c) + 1.0;
+    for (size_t i = 0; i < val_counts.size(); ++i) {
+      loss -= static_cast<double>(val_counts[i]) * std::log((static_cast<double>(train_counts[i]) + 1.0) / total);
+      scored += static_cast<double>(val_counts[i]);
+    }
     d.info.baseline_name = "unigram";
-    d.info.baseline_loss = -(vc * logp).sum().item<double>() / vc.sum().item<double>();
+    d.info.baseline_loss = loss / scored;
   }
   d.train = std::move(train.set);
   if (val) d.validation = std::move(val->set);
