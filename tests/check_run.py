@@ -38,8 +38,10 @@ for name in names:
     begin, stop = e["data_offsets"]
     assert begin == end, f"{name}: data not packed in order ({begin} after {end})"
     end = stop
-    t = torch.frombuffer(data, dtype=DTYPES[e["dtype"]], count=(stop - begin) // DTYPES[e["dtype"]].itemsize,
-                         offset=begin).reshape(e["shape"]) if stop > begin else torch.empty(e["shape"], dtype=DTYPES[e["dtype"]])
+    dtype = DTYPES[e["dtype"]]
+    size = torch.empty(0, dtype=dtype).element_size()  # torch 1.13's dtypes have no itemsize
+    t = (torch.frombuffer(data, dtype=dtype, count=(stop - begin) // size, offset=begin).reshape(e["shape"])
+         if stop > begin else torch.empty(e["shape"], dtype=dtype))
     assert torch.equal(t, weights[name]), f"{name} differs between weights.safetensors and weights.pt"
 assert end == len(data), f"{len(data) - end} bytes after the last tensor"
 

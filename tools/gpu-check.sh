@@ -69,7 +69,7 @@ configure() {
   local prefix="$1"; shift
   mkdir -p "$build"
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTK_HEADER_ONLY_DEPS="$deps" \
-    -DTK_BUILD_BENCH=OFF ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} "$@" > "$build/gpu-check.configure.log" 2>&1 ||
+    -DTK_BUILD_BENCH=OFF -DTK_WITH_TOKENIZER=OFF ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} "$@" > "$build/gpu-check.configure.log" 2>&1 ||
     { tail -40 "$build/gpu-check.configure.log"; say "configure failed (log: $build/gpu-check.configure.log)"; exit 1; }
   if grep -q -- '^#define TK_WITH_CUDA 1$' "$build/core/include/tk/version.h"; then say "configured $build (CUDA)"
   else say "configured $build (CPU only: this LibTorch has no c10_cuda)"; fi

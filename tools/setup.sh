@@ -7,7 +7,8 @@ packages=(
   libtorch-dev libopenblas0-pthread
   libboost-dev libboost-filesystem-dev zlib1g-dev
   libtomlplusplus-dev libspdlog-dev libfmt-dev doctest-dev libgloo-dev libcli11-dev nlohmann-json3-dev
-  python3 python3-torch
+  libsentencepiece-dev
+  python3 python3-torch python3-sentencepiece
   chromium
   dataset-fashion-mnist fortunes
 )

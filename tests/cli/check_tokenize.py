@@ -1,0 +1,124 @@
+"""tk-tokenize against Debian's python3-sentencepiece and the shard format read by hand.
+
+    check_tokenize.py TK_TOKENIZE TK_RUN TK_SAMPLE WORK
+
+Trains a BPE model on the fortunes `cookie` file (documents split at "\\n%\\n"), then checks that
+the shards hold, document by document, what Python's SentencePiece encodes with that same model
+(each document followed by the model's end-of-sequence id), that the last tenth of the documents
+are the validation shards, that the same text trains the same model again, that --bytes writes
+the bytes, that bad input is refused, that tk-run trains the GPT on the shards, and that tk-sample
+writes the same text for the same seed from that run, decoded with the run's tokenizer.
+"""
+import pathlib
+import shutil
+import struct
+import subprocess
+import sys
+
+import sentencepiece as spm
+
+tokenize, tk_run, tk_sample, work = sys.argv[1], sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
+shutil.rmtree(work, ignore_errors=True)
+work.mkdir(parents=True)
+corpus = pathlib.Path("/usr/share/games/fortunes/cookie")
+text = corpus.read_bytes().decode("utf-8")
+docs = [d for d in text.split("\n%\n") if d]
+
+
+def run(*args, ok=True):
+    p = subprocess.run([tokenize, *map(str, args)], capture_output=True, text=True)
+    assert (p.returncode == 0) == ok, (args, p.returncode, p.stdout, p.stderr)
+    return p
+
+
+def shard(path):
+    raw = pathlib.Path(path).read_bytes()
+    magic, version, count = struct.unpack("<3i", raw[:12])
+    assert magic == 20240520, magic
+    width = {1: 2, 2: 4}[version]
+    assert len(raw) == 1024 + width * count, (len(raw), count)
+    return list(struct.unpack(f"<{count}{'H' if width == 2 else 'I'}", raw[1024:]))
+
+
+out = run(corpus, "--vocab", 500, "--separator", "\\n%\\n", "--out", work / "bpe").stdout
+assert "tokens per byte" in out, out
+sp = spm.SentencePieceProcessor(model_file=str(work / "bpe/tokenizer.model"))
+assert sp.get_piece_size() == 500
+n_val = int(0.1 * len(docs))
+expected = [sp.encode(d) + [sp.eos_id()] for d in docs]
+train = [t for ids in expected[: len(docs) - n_val] for t in ids]
+val = [t for ids in expected[len(docs) - n_val:] for t in ids]
+assert shard(work / "bpe/train_000.bin") == train, "the training shard differs from Python's SentencePiece"
+assert shard(work / "bpe/val_000.bin") == val, "the validation shard differs from Python's SentencePiece"
+assert f"{len(docs)} documents" in out, out
+
+# The same text trains the same model; an existing model tokenizes the same.
+run(corpus, "--vocab", 500, "--separator", "\\n%\\n", "--out", work / "again")
+again = spm.SentencePieceProcessor(model_file=str(work / "again/tokenizer.model"))  # its file names its folder
+assert [(again.id_to_piece(i), again.get_score(i)) for i in range(500)] == \
+    [(sp.id_to_piece(i), sp.get_score(i)) for i in range(500)], "the same text trained another model"
+run(corpus, "--model", work / "bpe/tokenizer.model", "--separator", "\\n%\\n", "--out", work / "given",
+    "--shard-tokens", 10000)
+given = sorted((work / "given").glob("train_*.bin"))
+assert len(given) > 1, given
+assert [t for f in given for t in shard(f)] == train
+
+# Bytes need no model.
+run(corpus, "--bytes", "--validation", 0, "--out", work / "bytes")
+assert shard(work / "bytes/train_000.bin") == list(corpus.read_bytes()), "--bytes is not the file's bytes"
+
+# Refused, with a reason and exit code 1 (2 for the command line).
+p = run(corpus, "--out", work / "none", ok=False)
+assert "give one of --bytes, --model FILE or --vocab N" in p.stderr, p.stderr
+p = run(corpus, "--bytes", "--vocab", 300, "--out", work / "both", ok=False)
+assert "give one of" in p.stderr, p.stderr
+p = run(work / "absent.txt", "--bytes", "--out", work / "x", ok=False)
+assert p.returncode == 2 and "absent.txt" in p.stderr, p.stderr
+
+# The GPT trains on the shards, its vocabulary read from them.
+recipe = work / "gpt.toml"
+recipe.write_text(f"""[run]
+seed = 1
+steps = 30
+validate_every = 30
+[model]
+name = "gpt"
+layers = 1
+heads = 2
+width = 32
+[data]
+name = "tokens"
+train = "{work}/bpe/train_*.bin"
+validation = "{work}/bpe/val_*.bin"
+seq_len = 32
+micro_batch = 8
+[optimizer]
+name = "adamw"
+lr = 0.01
+""")
+p = subprocess.run([tk_run, str(recipe), "--progress", "plain", "--set", f'run.output="{work}/run"'],
+                   capture_output=True, text=True)
+assert p.returncode == 0, p.stdout + p.stderr
+assert "unigram baseline" in p.stdout + p.stderr, p.stdout + p.stderr
+
+def sample(*args, ok=True):
+    p = subprocess.run([tk_sample, str(work / "run"), *map(str, args)], capture_output=True, text=True)
+    assert (p.returncode == 0) == ok, (args, p.returncode, p.stdout, p.stderr)
+    return p
+
+
+a = sample("--prompt", "You will", "--tokens", 40, "--seed", 3, "--top-k", 20).stdout
+b = sample("--prompt", "You will", "--tokens", 40, "--seed", 3, "--top-k", 20).stdout
+c = sample("--prompt", "You will", "--tokens", 40, "--seed", 4, "--top-k", 20).stdout
+assert a == b, (a, b)
+assert a != c, "another seed wrote the same text"
+assert a.startswith("You will") and len(a) > len("You will\n"), a
+greedy = sample("--prompt", "You will", "--tokens", 20, "--temperature", 0).stdout
+assert greedy == sample("--prompt", "You will", "--tokens", 20, "--temperature", 0, "--seed", 9).stdout
+# The run's tokenizer was found beside its shards: the continuation is the text of its pieces,
+# which Python's SentencePiece encodes back into ids of that model.
+assert all(0 <= i < 500 for i in sp.encode(a)), a
+p = sample("--tokenizer", work / "absent.model", ok=False)
+assert "absent.model" in p.stderr, p.stderr
+print(f"tk-sample: {a.strip()!r}")
+print(f"tk-tokenize: {len(docs)} documents, {len(train)} + {len(val)} tokens equal to python3-sentencepiece's")

@@ -1,0 +1,204 @@
+// tk-sample: text from a trained language model. Rebuilds a run's model from the recipe.toml its
+// output folder holds, loads its weights.safetensors, and continues a prompt token by token
+// (temperature, top-k, a seed), decoding with the run's tokenizer: its SentencePiece model or
+// bytes.
+#include <ATen/core/Generator.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <spdlog/spdlog.h>
+#include <toml++/toml.h>
+#include <torch/torch.h>
+#include <tk/recipe.h>
+#include <tk/tensor_io.h>
+#include <tk/trainer.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <glob.h>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "../cli_parse.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Options {
+  std::string run, prompt, tokenizer, weights, device = "cpu";
+  int64_t tokens = 200, top_k = 0;
+  double temperature = 1.0;
+  uint64_t seed = 0;
+};
+
+/// Runs `cmd` and returns its standard output; fails with its exit status otherwise.
+std::string output_of(const std::string& cmd, const std::string& input = "") {
+  const fs::path in = fs::temp_directory_path() / ("tk-sample-" + std::to_string(::getpid()) + ".ids");
+  if (!input.empty()) std::ofstream(in) << input;
+  FILE* p = ::popen((cmd + (input.empty() ? "" : " < '" + in.string() + "'")).c_str(), "r");
+  if (!p) throw std::runtime_error("cannot run " + cmd);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  const int status = ::pclose(p);
+  std::error_code ec;
+  fs::remove(in, ec);
+  if (status != 0) throw std::runtime_error("tk-tokenize failed (" + cmd + ")");
+  return out;
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+/// Encodes and decodes the run's tokens: bytes, or a SentencePiece model through tk-tokenize
+/// (beside this program). SentencePiece carries its own protobuf, which clashes with LibTorch's
+/// in one process.
+class Tokenizer {
+ public:
+  explicit Tokenizer(std::string model) : model_(std::move(model)) {
+    if (model_.empty()) return;
+    tool_ = (fs::read_symlink("/proc/self/exe").parent_path() / "tk-tokenize").string();
+    if (!fs::exists(tool_)) throw std::runtime_error("tk-tokenize is not beside tk-sample (" + tool_ + ")");
+    if (!fs::exists(model_)) throw std::runtime_error(model_ + ": no such file");
+    start_ = ids(output_of(shell_quote(tool_) + " --model " + shell_quote(model_) + " --encode ''"));  // loads the model
+  }
+  std::vector<int64_t> encode(const std::string& text) const {
+    if (model_.empty()) return std::vector<int64_t>(text.begin(), text.end());
+    return ids(output_of(shell_quote(tool_) + " --model " + shell_quote(model_) + " --encode " + shell_quote(text)));
+  }
+  std::string decode(const std::vector<int64_t>& ids) const {
+    if (model_.empty()) return std::string(ids.begin(), ids.end());
+    std::string list;
+    for (int64_t id : ids) list += std::to_string(id) + " ";
+    return output_of(shell_quote(tool_) + " --model " + shell_quote(model_) + " --decode", list + "\n");
+  }
+  bool bytes() const noexcept { return model_.empty(); }
+  /// What a new document follows: a newline, or the model's end-of-document id.
+  std::vector<int64_t> start() const { return model_.empty() ? std::vector<int64_t>{'\n'} : start_; }
+
+ private:
+  static std::vector<int64_t> ids(const std::string& line) {
+    std::vector<int64_t> out;
+    std::istringstream in(line);
+    for (int64_t id; in >> id;) out.push_back(id);
+    return out;
+  }
+  std::string model_, tool_;
+  std::vector<int64_t> start_;
+};
+
+/// The tokenizer of the run: the one given, else the data set's (text at byte level: bytes; token
+/// shards: the tokenizer.model tk-tokenize wrote beside them, or bytes for a vocabulary of 256).
+std::string find_tokenizer(const Options& o, const fs::path& dir, const tk::Recipe& recipe, int64_t vocab) {
+  if (!o.tokenizer.empty()) return o.tokenizer == "bytes" ? "" : o.tokenizer;
+  const auto table = toml::parse_file((dir / "recipe.toml").string());
+  auto v = [&](const char* key) { return std::string(table["data"][key].value_or("")); };
+  const std::string data = v("name");
+  if (data == "text" && v("level") == "char")
+    throw std::runtime_error("the run reads characters (data.level = \"char\"), whose numbering tk-sample does not "
+                             "rebuild; give --tokenizer");
+  if (data == "tokens") {
+    glob_t g{};
+    const std::string pattern = recipe.resolve_path(v("train")).string();
+    const std::string first = ::glob(pattern.substr(0, pattern.find(',')).c_str(), 0, nullptr, &g) == 0 && g.gl_pathc > 0
+                                  ? g.gl_pathv[0] : "";
+    ::globfree(&g);
+    const fs::path model = fs::path(first).parent_path() / "tokenizer.model";
+    if (!first.empty() && fs::exists(model)) return model.string();
+    if (vocab > 256) throw std::runtime_error("no tokenizer.model beside the run's shards: give --tokenizer FILE.model");
+  }
+  return "";
+}
+
+/// The next token after `logits` (the last position's): argmax at temperature 0, else sampled
+/// from the softmax of logits / temperature over the top_k largest (all when 0).
+int64_t next_token(at::Tensor logits, const Options& o, at::Generator& gen) {
+  logits = logits.to(at::kDouble).cpu();
+  if (o.temperature == 0.0) return logits.argmax().item<int64_t>();
+  logits = logits / o.temperature;
+  if (o.top_k > 0 && o.top_k < logits.numel()) {
+    const double kth = std::get<0>(logits.topk(o.top_k)).min().item<double>();
+    logits = logits.masked_fill(logits < kth, -std::numeric_limits<double>::infinity());
+  }
+  return at::multinomial(logits.softmax(0), 1, false, gen).item<int64_t>();
+}
+
+int sample(const Options& o) {
+  const fs::path dir(o.run);
+  auto recipe = tk::Recipe::from_file(dir / "recipe.toml");
+  recipe.apply_override("run.device=\"" + o.device + "\"");
+  tk::TrainerOptions topts;
+  topts.write_outputs = false;
+  topts.progress = tk::ProgressMode::None;
+  spdlog::set_level(spdlog::level::warn);
+  tk::Trainer trainer(recipe, topts);
+  trainer.describe();  // builds and plans the run: the model as trained, after every plugin's setup
+  tk::Model& model = trainer.model();
+  const fs::path weights = o.weights.empty() ? dir / "weights.safetensors" : fs::path(o.weights);
+  auto params = model.named_parameters();
+  auto buffers = model.named_buffers();
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, t] : tk::load_safetensors(weights)) {
+    at::Tensor* dst = params.find(name) ? params.find(name) : buffers.find(name);
+    if (!dst) throw std::runtime_error(weights.string() + " holds '" + name + "', which the run's model does not have");
+    dst->copy_(t);
+  }
+  model.eval();
+  const int64_t vocab = trainer.data().info.vocab;
+  const Tokenizer tok(find_tokenizer(o, dir, recipe, vocab));
+  if (tok.bytes() && vocab < 256)
+    throw std::runtime_error("the model's vocabulary is " + std::to_string(vocab) + " tokens, fewer than the 256 bytes");
+  const auto& shape = trainer.data().info.input_shape;
+  const int64_t context = shape.empty() ? 1024 : shape.front();
+  // Without a prompt, a new document.
+  std::vector<int64_t> ids = o.prompt.empty() ? tok.start() : tok.encode(o.prompt);
+  for (int64_t id : ids)
+    if (id < 0 || id >= vocab)
+      throw std::runtime_error("the prompt's token " + std::to_string(id) + " is outside the model's vocabulary of " +
+                               std::to_string(vocab));
+  const size_t given = ids.size();
+  at::Generator gen = at::detail::createCPUGenerator(o.seed);
+  const at::Device device = model.parameters().front().device();
+  for (int64_t i = 0; i < o.tokens; ++i) {
+    const size_t from = ids.size() > static_cast<size_t>(context) ? ids.size() - static_cast<size_t>(context) : 0;
+    const auto x = torch::tensor(std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(from), ids.end()),
+                                 torch::kLong).unsqueeze(0).to(device);
+    ids.push_back(next_token(model.forward(x).select(0, 0).select(0, -1), o, gen));
+  }
+  const std::string text = tok.decode(std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(given), ids.end()));
+  std::printf("%s%s\n", o.prompt.c_str(), text.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"tk-sample: text from a language model trained by tk-run (its output folder)"};
+  Options o;
+  app.add_option("run", o.run, "the run's output folder (recipe.toml, weights.safetensors)")->required()
+      ->check(CLI::ExistingDirectory);
+  app.add_option("-p,--prompt", o.prompt, "text to continue (\"\": start a new document)");
+  app.add_option("-n,--tokens", o.tokens, "tokens to write")->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  app.add_option("-t,--temperature", o.temperature, "softmax temperature; 0 takes the likeliest token")
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("-k,--top-k", o.top_k, "sample among the k likeliest tokens (0: all)")->check(CLI::NonNegativeNumber);
+  app.add_option("-s,--seed", o.seed, "seed of the sampling: the same seed writes the same text");
+  app.add_option("--tokenizer", o.tokenizer, "a SentencePiece .model, or \"bytes\" (default: the run's)");
+  app.add_option("--weights", o.weights, "weights to load (default: RUN/weights.safetensors)");
+  app.add_option("--device", o.device, "where the model runs: cpu, cuda, cuda:N");
+  if (auto rc = tk::parse_command_line(app, argc, argv, "tk-sample")) return *rc;
+  try {
+    return sample(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tk-sample: %s\n", tk::message_of(e).c_str());
+    return 1;
+  }
+}

@@ -1,0 +1,242 @@
+// tk-tokenize: text files -> token shards in llm.c's format (the `tokens` data set's), tokenized
+// by SentencePiece (a model trained here, BPE or unigram, or an existing .model) or byte by byte.
+#include <sentencepiece_processor.h>
+#include <sentencepiece_trainer.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../cli_parse.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Options {
+  std::vector<std::string> inputs;
+  std::string out, model, type = "bpe", separator, prefix, encode;
+  bool encoding = false, decode = false;
+  int vocab = 0;
+  bool bytes = false;
+  double validation = 0.1;
+  int64_t shard_tokens = 100'000'000;
+};
+
+/// What went wrong, for the one-line error tk-tokenize exits with.
+struct Failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Failure(path + ": cannot read it");
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+/// Every input's documents, in order: each file split at `separator` (whole when it is empty);
+/// empty documents are left out.
+std::vector<std::string> documents(const Options& o, int64_t& bytes) {
+  std::vector<std::string> docs;
+  bytes = 0;
+  for (const auto& f : o.inputs) {
+    const std::string text = read_file(f);
+    bytes += static_cast<int64_t>(text.size());
+    size_t from = 0;
+    while (from <= text.size()) {
+      size_t at = o.separator.empty() ? std::string::npos : text.find(o.separator, from);
+      std::string doc = text.substr(from, at == std::string::npos ? std::string::npos : at - from);
+      if (!doc.empty()) docs.push_back(std::move(doc));
+      if (at == std::string::npos) break;
+      from = at + o.separator.size();
+    }
+  }
+  if (docs.empty()) throw Failure("the inputs hold no text");
+  return docs;
+}
+
+/// Trains a SentencePiece model on the inputs into OUT/tokenizer.model; returns its path.
+std::string train_model(const Options& o) {
+  const std::string prefix = (fs::path(o.out) / "tokenizer").string();
+  std::string inputs;
+  for (const auto& f : o.inputs) inputs += (inputs.empty() ? "" : ",") + f;
+  // One thread and no sampling of the input: the same text trains the same model.
+  const std::string args = "--input=" + inputs + " --model_prefix=" + prefix + " --vocab_size=" + std::to_string(o.vocab) +
+                           " --model_type=" + o.type + " --character_coverage=1.0 --num_threads=1" +
+                           " --input_sentence_size=0 --shuffle_input_sentence=false --minloglevel=2";
+  const auto status = sentencepiece::SentencePieceTrainer::Train(args);
+  if (!status.ok()) throw Failure("training the SentencePiece model failed: " + status.ToString());
+  return prefix + ".model";
+}
+
+/// Shards of one split: OUT/PREFIX<split>_NNN.bin, at most `limit` tokens each.
+class ShardWriter {
+ public:
+  ShardWriter(fs::path dir, std::string name, int64_t limit, int width)
+      : dir_(std::move(dir)), name_(std::move(name)), limit_(limit), width_(width) {}
+  void add(const std::vector<int>& ids) {
+    for (int id : ids) {
+      if (static_cast<int64_t>(pending_.size()) == limit_) flush();
+      pending_.push_back(static_cast<uint32_t>(id));
+    }
+    total_ += static_cast<int64_t>(ids.size());
+  }
+  void flush() {
+    if (pending_.empty()) return;
+    char name[32];
+    std::snprintf(name, sizeof name, "_%03d.bin", static_cast<int>(files_.size()));
+    const fs::path file = dir_ / (name_ + name);
+    std::vector<int32_t> head(256, 0);
+    head[0] = 20240520;
+    head[1] = width_ == 2 ? 1 : 2;
+    head[2] = static_cast<int32_t>(pending_.size());
+    std::ofstream out(file, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(head.data()), 1024);
+    for (uint32_t v : pending_) {
+      const unsigned char b[4] = {static_cast<unsigned char>(v), static_cast<unsigned char>(v >> 8),
+                                  static_cast<unsigned char>(v >> 16), static_cast<unsigned char>(v >> 24)};
+      out.write(reinterpret_cast<const char*>(b), width_);
+    }
+    if (!out) throw Failure(file.string() + ": cannot write it");
+    files_.push_back(file.string());
+    pending_.clear();
+  }
+  int64_t total() const noexcept { return total_; }
+  const std::vector<std::string>& files() const noexcept { return files_; }
+
+ private:
+  fs::path dir_;
+  std::string name_;
+  int64_t limit_;
+  int width_;
+  std::vector<uint32_t> pending_;
+  std::vector<std::string> files_;
+  int64_t total_ = 0;
+};
+
+/// A progress bar on stderr when it is a terminal.
+void progress(size_t done, size_t total) {
+  static const bool tty = isatty(2) != 0;
+  static int shown = -1;
+  const int pct = static_cast<int>(100 * done / std::max<size_t>(total, 1));
+  if (!tty || pct == shown) return;
+  shown = pct;
+  std::fprintf(stderr, "\r[%-40s] %3d%%  %zu / %zu documents", std::string(static_cast<size_t>(pct * 40 / 100), '#').c_str(),
+               pct, done, total);
+  if (done == total) std::fputc('\n', stderr);
+}
+
+/// --encode TEXT: its ids on one line; --decode: the text of the ids read from stdin. For tools
+/// that must not load SentencePiece themselves (tk-sample: its embedded protobuf clashes with
+/// LibTorch's in one process).
+int translate(const Options& o) {
+  if (o.model.empty()) throw Failure("--encode and --decode need --model FILE");
+  sentencepiece::SentencePieceProcessor sp;
+  if (const auto status = sp.Load(o.model); !status.ok())
+    throw Failure(o.model + ": not a SentencePiece model: " + status.ToString());
+  if (o.decode) {
+    std::vector<int> ids;
+    for (long long id; std::scanf("%lld", &id) == 1;) {
+      if (id < 0 || id >= sp.GetPieceSize())
+        throw Failure("id " + std::to_string(id) + " is outside the model's " + std::to_string(sp.GetPieceSize()) + " pieces");
+      ids.push_back(static_cast<int>(id));
+    }
+    std::fputs(sp.DecodeIds(ids).c_str(), stdout);
+    return 0;
+  }
+  // The empty text: the end-of-document id, which a new document follows.
+  const std::vector<int> ids = o.encode.empty() ? std::vector<int>{std::max(sp.eos_id(), 0)} : sp.EncodeAsIds(o.encode);
+  std::string line;
+  for (int id : ids) line += (line.empty() ? "" : " ") + std::to_string(id);
+  std::printf("%s\n", line.c_str());
+  return 0;
+}
+
+int run(Options& o) {
+  if (o.encoding || o.decode) return translate(o);
+  if (o.inputs.empty() || o.out.empty()) throw Failure("give the text files and --out FOLDER");
+  if (o.bytes == (!o.model.empty() || o.vocab > 0))
+    throw Failure("give one of --bytes, --model FILE or --vocab N (train a model)");
+  if (!(o.validation >= 0.0 && o.validation < 1.0)) throw Failure("--validation must be in [0, 1)");
+  if (o.shard_tokens < 1 || o.shard_tokens > INT32_MAX) throw Failure("--shard-tokens must be in [1, 2^31)");
+  fs::create_directories(o.out);
+  int64_t bytes = 0;
+  const auto docs = documents(o, bytes);
+  sentencepiece::SentencePieceProcessor sp;
+  int vocab = 256, eos = -1;
+  if (!o.bytes) {
+    if (o.model.empty()) o.model = train_model(o);
+    const auto status = sp.Load(o.model);
+    if (!status.ok()) throw Failure(o.model + ": not a SentencePiece model: " + status.ToString());
+    vocab = sp.GetPieceSize();
+    eos = sp.eos_id();
+  }
+  const int width = vocab <= 65536 ? 2 : 4;
+  const size_t n_val = static_cast<size_t>(std::floor(o.validation * static_cast<double>(docs.size())));
+  if (o.validation > 0.0 && n_val == 0) throw Failure("--validation holds out no document of " + std::to_string(docs.size()));
+  ShardWriter train(o.out, o.prefix + "train", o.shard_tokens, width), val(o.out, o.prefix + "val", o.shard_tokens, width);
+  for (size_t i = 0; i < docs.size(); ++i) {
+    std::vector<int> ids;
+    if (o.bytes) {
+      for (unsigned char c : docs[i]) ids.push_back(c);
+    } else {
+      ids = sp.EncodeAsIds(docs[i]);
+      if (eos >= 0) ids.push_back(eos);  // each document ends with the model's end-of-sequence
+    }
+    (i + n_val < docs.size() ? train : val).add(ids);
+    progress(i + 1, docs.size());
+  }
+  train.flush();
+  val.flush();
+  const int64_t tokens = train.total() + val.total();
+  std::printf("tokenized %zu documents (%lld bytes) into %lld tokens, %.3f tokens per byte; vocabulary %d (%s)\n",
+              docs.size(), static_cast<long long>(bytes), static_cast<long long>(tokens),
+              static_cast<double>(tokens) / static_cast<double>(std::max<int64_t>(bytes, 1)), vocab,
+              o.bytes ? "bytes" : o.model.c_str());
+  std::printf("train: %lld tokens in %zu shard(s); validation: %lld tokens in %zu shard(s) (%zu documents)\n",
+              static_cast<long long>(train.total()), train.files().size(), static_cast<long long>(val.total()),
+              val.files().size(), n_val);
+  for (const auto& f : train.files()) std::printf("wrote %s\n", f.c_str());
+  for (const auto& f : val.files()) std::printf("wrote %s\n", f.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"tk-tokenize: text files -> token shards for the `tokens` data set (llm.c's format: a 256-int32 "
+               "header, then uint16 tokens, or uint32 beyond 65536)"};
+  Options o;
+  app.add_option("inputs", o.inputs, "text files")->check(CLI::ExistingFile);
+  app.add_option("-o,--out", o.out, "folder of the shards (and of tokenizer.model when one is trained)");
+  app.add_option("--encode", o.encode, "print the ids of this text (with --model) and exit; of \"\": the end-of-document id");
+  app.add_flag("--decode", o.decode, "print the text of the ids read from stdin (with --model) and exit");
+  app.add_option("--model", o.model, "tokenize with this SentencePiece model")->check(CLI::ExistingFile);
+  app.add_option("--vocab", o.vocab, "train a SentencePiece model of this vocabulary size on the inputs")
+      ->check(CLI::Range(8, 1 << 24));
+  app.add_option("--type", o.type, "the model to train: bpe or unigram")->check(CLI::IsMember({"bpe", "unigram"}));
+  app.add_flag("--bytes", o.bytes, "byte-level tokens (vocabulary 256), no model");
+  app.add_option("--separator", o.separator, "split each file into documents at this string (e.g. '\\n%\\n')");
+  app.add_option("--validation", o.validation, "fraction of the documents, from the end, held out as validation shards");
+  app.add_option("--shard-tokens", o.shard_tokens, "tokens per shard at most");
+  app.add_option("--prefix", o.prefix, "prefix of the shard files' names");
+  if (auto rc = tk::parse_command_line(app, argc, argv, "tk-tokenize")) return *rc;
+  o.encoding = app.count("--encode") > 0;
+  // CLI11 keeps "\n" as two characters; the separator means what it says.
+  for (size_t at; (at = o.separator.find("\\n")) != std::string::npos;) o.separator.replace(at, 2, "\n");
+  try {
+    return run(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tk-tokenize: %s\n", e.what());
+    return 1;
+  }
+}
