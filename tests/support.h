@@ -165,4 +165,25 @@ class EnvGuard {
   std::optional<std::string> old_;
 };
 
+/// A token shard in llm.c's format: 256 int32 of header (magic, version, count), then the tokens
+/// as uint16 (version 1) or uint32 (version 2), little-endian; `count` and `magic` may lie.
+inline void write_shard(const std::filesystem::path& file, const std::vector<int64_t>& tokens, int32_t version = 1, int64_t count = -1,
+                 int32_t magic = 20240520) {
+  std::vector<int32_t> head(256, 0);
+  head[0] = magic;
+  head[1] = version;
+  head[2] = static_cast<int32_t>(count < 0 ? static_cast<int64_t>(tokens.size()) : count);
+  std::ofstream out(file, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(head.data()), 1024);
+  for (int64_t t : tokens) {
+    if (version == 1) {
+      const uint16_t v = static_cast<uint16_t>(t);
+      out.write(reinterpret_cast<const char*>(&v), 2);
+    } else {
+      const uint32_t v = static_cast<uint32_t>(t);
+      out.write(reinterpret_cast<const char*>(&v), 4);
+    }
+  }
+}
+
 }  // namespace tkt

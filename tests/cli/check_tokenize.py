@@ -4,11 +4,12 @@
 
 Trains a BPE model on the fortunes `cookie` file (documents split at "\\n%\\n"), then checks that
 the shards hold, document by document, what Python's SentencePiece encodes with that same model
-(each document followed by the model's end-of-sequence id), that the last tenth of the documents
-are the validation shards, that the same text trains the same model again, that --bytes writes
+(each document followed by the model's end-of-sequence id), that a tenth of the documents, spread
+evenly, are the validation shards, that the same text trains the same model again, that --bytes writes
 the bytes, that bad input is refused, that tk-run trains the GPT on the shards, and that tk-sample
 writes the same text for the same seed from that run, decoded with the run's tokenizer.
 """
+import math
 import pathlib
 import shutil
 import struct
@@ -44,10 +45,12 @@ out = run(corpus, "--vocab", 500, "--separator", "\\n%\\n", "--out", work / "bpe
 assert "tokens per byte" in out, out
 sp = spm.SentencePieceProcessor(model_file=str(work / "bpe/tokenizer.model"))
 assert sp.get_piece_size() == 500
-n_val = int(0.1 * len(docs))
 expected = [sp.encode(d) + [sp.eos_id()] for d in docs]
-train = [t for ids in expected[: len(docs) - n_val] for t in ids]
-val = [t for ids in expected[len(docs) - n_val:] for t in ids]
+# A tenth held out, spread evenly: document i when floor((i + 1) / 10) > floor(i / 10).
+held = [math.floor((i + 1) * 0.1) > math.floor(i * 0.1) for i in range(len(docs))]
+train = [t for ids, h in zip(expected, held) if not h for t in ids]
+val = [t for ids, h in zip(expected, held) if h for t in ids]
+assert sum(held) == int(0.1 * len(docs))
 assert shard(work / "bpe/train_000.bin") == train, "the training shard differs from Python's SentencePiece"
 assert shard(work / "bpe/val_000.bin") == val, "the validation shard differs from Python's SentencePiece"
 assert f"{len(docs)} documents" in out, out

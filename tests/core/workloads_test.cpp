@@ -30,26 +30,6 @@ tk::ModelPtr make_model(const std::string& name, const std::string& options, con
 
 std::string toml_string(const fs::path& p) { return "\"" + p.string() + "\""; }
 
-/// A token shard in llm.c's format: 256 int32 of header (magic, version, count), then the tokens
-/// as uint16 (version 1) or uint32 (version 2), little-endian; `count` and `magic` may lie.
-void write_shard(const fs::path& file, const std::vector<int64_t>& tokens, int32_t version = 1, int64_t count = -1,
-                 int32_t magic = 20240520) {
-  std::vector<int32_t> head(256, 0);
-  head[0] = magic;
-  head[1] = version;
-  head[2] = static_cast<int32_t>(count < 0 ? static_cast<int64_t>(tokens.size()) : count);
-  std::ofstream out(file, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(head.data()), 1024);
-  for (int64_t t : tokens) {
-    if (version == 1) {
-      const uint16_t v = static_cast<uint16_t>(t);
-      out.write(reinterpret_cast<const char*>(&v), 2);
-    } else {
-      const uint32_t v = static_cast<uint32_t>(t);
-      out.write(reinterpret_cast<const char*>(&v), 4);
-    }
-  }
-}
 
 void write_file(const fs::path& file, const std::string& bytes, bool gzip) {
   if (gzip) {
@@ -224,9 +204,9 @@ TEST_SUITE("workloads") {
     for (int64_t i = 0; i < 25; ++i) a.push_back((i * 7) % 50);     // 25 tokens: 3 sequences of 8
     for (int64_t i = 0; i < 10; ++i) b.push_back(60000 + i);         // 10 tokens: 1 sequence, ids above 2^15
     for (int64_t i = 0; i < 9; ++i) v.push_back(i);
-    write_shard(dir / "train_000.bin", a);
-    write_shard(dir / "train_001.bin", b);
-    write_shard(dir / "val_000.bin", v);
+    tkt::write_shard(dir / "train_000.bin", a);
+    tkt::write_shard(dir / "train_001.bin", b);
+    tkt::write_shard(dir / "val_000.bin", v);
     const std::string files = "train = " + toml_string(dir / "train_*.bin") + "\nvalidation = " +
                               toml_string(dir / "val_000.bin") + "\nseq_len = 8\n";
     auto d = make_data("tokens", files);
@@ -244,7 +224,7 @@ TEST_SUITE("workloads") {
     CHECK(batch.samples == 3);
     CHECK(batch.tokens == 24);
     // Version 2 holds uint32 ids.
-    write_shard(dir / "wide.bin", {70000, 1, 2, 99999, 5}, 2);
+    tkt::write_shard(dir / "wide.bin", {70000, 1, 2, 99999, 5}, 2);
     auto wide = make_data("tokens", "train = " + toml_string(dir / "wide.bin") + "\nseq_len = 4\n");
     CHECK(wide.info.vocab == 100000);
     CHECK(torch::equal(wide.train->get(torch::tensor({0}, torch::kLong)).target,
@@ -255,17 +235,17 @@ TEST_SUITE("workloads") {
       CAPTURE(options);
       CHECK_THROWS_WITH(make_data("tokens", options), doctest::Contains(what.c_str()));
     };
-    write_shard(dir / "magic.bin", a, 1, -1, 12345);
+    tkt::write_shard(dir / "magic.bin", a, 1, -1, 12345);
     refused("train = " + toml_string(dir / "magic.bin"), "magic.bin: not a token shard (magic 12345, expected 20240520)");
-    write_shard(dir / "version.bin", a, 3);
+    tkt::write_shard(dir / "version.bin", a, 3);
     refused("train = " + toml_string(dir / "version.bin"), "version.bin: token shard version 3 (expected 1");
-    write_shard(dir / "count.bin", a, 1, 30);
+    tkt::write_shard(dir / "count.bin", a, 1, 30);
     refused("train = " + toml_string(dir / "count.bin"),
             "count.bin: the header says 30 tokens of 2 bytes (1084 bytes with the header), the file has 1074 bytes");
     refused(files + "vocab = 1000", "train_001.bin: token 60009 is beyond the vocabulary of 1000");
     refused("train = " + toml_string(dir / "nothing_*.bin"), "matches no file");
     refused("train = " + toml_string(dir / "absent.bin"), "absent.bin: no such file");
-    write_shard(dir / "short.bin", {1, 2, 3});
+    tkt::write_shard(dir / "short.bin", {1, 2, 3});
     refused("train = " + toml_string(dir / "short.bin") + "\nseq_len = 8",
             "short.bin: 3 tokens, fewer than one sequence of seq_len 8 needs (9)");
     refused("seq_len = 8", "train: give the training shards");

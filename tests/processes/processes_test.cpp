@@ -203,6 +203,25 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("token shards: 2 ranks read disjoint sequences, equal to 1 process; killed and resumed, bit-identical") {
+    const fs::path root = tkt::temp_dir("ddp-tokens-shards");
+    fs::create_directories(root / "data");
+    for (int s = 0; s < 2; ++s) {
+      std::vector<int64_t> tokens;
+      for (int64_t i = 0; i < 700; ++i) tokens.push_back((i * 13 + s * 7) % 97);
+      tkt::write_shard(root / "data" / ("train_00" + std::to_string(s) + ".bin"), tokens);
+    }
+    const std::string recipe = "[run]\nseed = 9\nsteps = 6\ndtype = \"float64\"\n[model]\nname = \"gpt\"\nlayers = 1\n"
+                               "heads = 2\nwidth = 16\n[data]\nname = \"tokens\"\ntrain = \"" +
+                               (root / "data/train_*.bin").string() +
+                               "\"\nseq_len = 8\nmicro_batch = 2\n[optimizer]\nname = \"adamw\"\nlr = 0.01\n";
+    two_ranks_equal_one_process(root / "equal", recipe, "check_every = 1\n", 2);
+    kill_and_resume(root / "resume",
+                    recipe + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n",
+                    "--nproc 2 --set run.steps=12 --set run.checkpoint_every=4 ");
+    fs::remove_all(root);
+  }
+
   TEST_CASE("a batch-size ramp changes k at boundaries on every rank alike: 2 ranks == 1 process") {
     const fs::path root = tkt::temp_dir("ddp-ramp");
     const std::string ramp =

@@ -192,7 +192,10 @@ int run(Options& o) {
       ids = sp.EncodeAsIds(docs[i]);
       if (eos >= 0) ids.push_back(eos);  // each document ends with the model's end-of-sequence
     }
-    (i + n_val < docs.size() ? train : val).add(ids);
+    // Held out evenly through the documents (every 1/fraction-th), not from the end, which for
+    // several files would be the last files only.
+    const bool held = std::floor(static_cast<double>(i + 1) * o.validation) > std::floor(static_cast<double>(i) * o.validation);
+    (held ? val : train).add(ids);
     progress(i + 1, docs.size());
   }
   train.flush();
@@ -226,7 +229,7 @@ int main(int argc, char** argv) {
   app.add_option("--type", o.type, "the model to train: bpe or unigram")->check(CLI::IsMember({"bpe", "unigram"}));
   app.add_flag("--bytes", o.bytes, "byte-level tokens (vocabulary 256), no model");
   app.add_option("--separator", o.separator, "split each file into documents at this string (e.g. '\\n%\\n')");
-  app.add_option("--validation", o.validation, "fraction of the documents, from the end, held out as validation shards");
+  app.add_option("--validation", o.validation, "fraction of the documents held out as validation shards, spread evenly");
   app.add_option("--shard-tokens", o.shard_tokens, "tokens per shard at most");
   app.add_option("--prefix", o.prefix, "prefix of the shard files' names");
   if (auto rc = tk::parse_command_line(app, argc, argv, "tk-tokenize")) return *rc;

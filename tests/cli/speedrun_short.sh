@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# recipes/speedrun.toml on the fortunes tokenized as tools/speedrun.sh tokenizes them: 3 steps,
+# validated, then a sample from the run.
+#   speedrun_short.sh TK_TOKENIZE TK_RUN TK_SAMPLE SOURCE_DIR WORK
+set -euo pipefail
+tokenize=$1 run=$2 sample=$3 src=$4 work=$5
+rm -rf "$work"
+mapfile -t texts < <(ls /usr/share/games/fortunes/* | grep -v '\.dat$\|\.u8$')
+"$tokenize" "${texts[@]}" --vocab 4096 --separator '\n%\n' --out "$work/data" > "$work.tokenize.log" 2>&1 ||
+  { cat "$work.tokenize.log"; exit 1; }
+grep -q "^tokenized [0-9]* documents" "$work.tokenize.log"
+"$run" "$src/recipes/speedrun.toml" --progress plain --set data.train="\"$work/data/train_*.bin\"" \
+  --set data.validation="\"$work/data/val_*.bin\"" --set run.steps=3 --set run.validate_every=3 \
+  --set run.output="\"$work/run\"" > "$work.run.log" 2>&1 || { cat "$work.run.log"; exit 1; }
+grep -q "unigram baseline" "$work.run.log" || { cat "$work.run.log"; echo "no validation against the unigram baseline"; exit 1; }
+text=$("$sample" "$work/run" --prompt "The" --tokens 10 --seed 1)
+[ "${text:0:3}" = "The" ] || { echo "tk-sample wrote: $text"; exit 1; }
+echo "speedrun recipe: 3 steps validated; sample: $text"
