@@ -33,9 +33,9 @@ class Block(torch.nn.Module):
 
 
 class Gpt(torch.nn.Module):
-    def __init__(self, layers: int, c: int, heads: int, t: int):
+    def __init__(self, layers: int, c: int, heads: int, t: int, vocab: int = 256):
         super().__init__()
-        self.wte, self.wpe = torch.nn.Embedding(256, c), torch.nn.Embedding(t, c)
+        self.wte, self.wpe = torch.nn.Embedding(vocab, c), torch.nn.Embedding(t, c)
         self.blocks = torch.nn.ModuleList(Block(c, heads) for _ in range(layers))
         self.ln_f = torch.nn.LayerNorm(c)
 
