@@ -4,7 +4,6 @@
 // beyond 65536). A shard is cut into sequences of seq_len inputs and the next tokens as targets;
 // the sequences of every shard of a set make one indexable data set, so the core's seeded shuffle,
 // its striding by rank and its resume position apply as to any other.
-#include <ATen/ops/from_blob.h>
 #include <glob.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
