@@ -231,6 +231,22 @@ void SetupContext::wrap_optimizer(OptimizerWrap wrap) {
   s_->wraps->emplace_back(s_->d->plugin, std::move(wrap));
 }
 
+void SetupContext::offer_memory_lever(MemoryLever lever) {
+  s_->d->require_hook("offer_memory_lever", "setup");
+  const std::string& me = s_->d->plugin;
+  if (!lever.set || lever.levels < 1)
+    throw std::invalid_argument("offer_memory_lever: a lever needs a set function and at least one level, got " +
+                                std::to_string(lever.levels));
+  if (!s_->lever->first.empty())
+    throw Error("plugins '" + s_->lever->first + "' and '" + me +
+                "' both leave a memory lever to the planner; it can weigh one: set one of them by hand");
+  if (!s_->plan->micro_batch_auto)
+    throw Error("plugin '" + me + "' leaves its " + (lever.what.empty() ? "setting" : lever.what) +
+                " to the memory planner, which runs only with [data] micro_batch = \"auto\" (and an effective_batch "
+                "and memory_budget in the grad_accum entry); set micro_batch = \"auto\", or choose the setting by hand");
+  *s_->lever = {me, std::move(lever)};
+}
+
 // ---- OutputFiles ----------------------------------------------------------------------------------
 
 OutputFiles::OutputFiles(detail::FilesState* state) noexcept : PluginLog(state->d), s_(state) {}

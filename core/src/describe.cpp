@@ -36,6 +36,9 @@ std::string describe(Run& d, const Recipe& recipe) {
         << "); peak of a training step measured at";
     for (const auto& [m, bytes] : p.measured_peaks) out << " " << m << ": " << format_bytes(bytes) << (m == p.micro_batch ? " (picked)" : "") << ";";
     out << "\n";
+    if (p.memory_level >= 0)
+      out << "              with " << p.memory_level << " " << p.memory_lever_what << ", picked with it by plugin '"
+          << p.memory_lever_owner << "'\n";
   }
   out << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
       << (p.window_owner.empty() ? "" : ", set by " + p.window_owner) << ")"

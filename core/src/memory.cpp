@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -179,6 +180,58 @@ TrialGuard::~TrialGuard() {
   }
 }
 
+namespace {
+
+/// The micro-batches a step's peak was measured at, with their peaks, and the search over them.
+struct BatchSearch {
+  Run& r;
+  int64_t per_rank;
+  std::vector<int64_t> candidates;
+  std::function<bool(double)> fits;
+
+  double measure(std::map<int64_t, double>& peaks, int64_t m) { return peaks[m] = measure_step(r, m, per_rank / m); }
+
+  /// The largest candidate whose step fits, with the lever (if any) where it is now; 0 when not
+  /// even the smallest does. Up in doublings while the prediction and then the measurement fit;
+  /// then the largest divisor in between whose measurement fits.
+  int64_t largest_fitting(std::map<int64_t, double>& peaks) {
+    // The peak grows about linearly with the micro-batch: from the last two measured, predict.
+    auto predict = [&](int64_t m) {
+      auto hi = peaks.rbegin();
+      if (peaks.size() < 2) return hi->second;  // one point: no slope yet; the measurement decides
+      auto lo = std::next(hi);
+      const double slope = (hi->second - lo->second) / static_cast<double>(hi->first - lo->first);
+      return hi->second + slope * static_cast<double>(m - hi->first);
+    };
+    int64_t chosen = candidates.front();
+    if (!fits(measure(peaks, chosen))) return 0;
+    int64_t over = 0;
+    for (int64_t d : candidates) {
+      if (d < 2 * chosen && d != candidates.back()) continue;
+      if (!fits(predict(d)) || !fits(measure(peaks, d))) {
+        over = d;
+        break;
+      }
+      chosen = d;
+    }
+    if (over > 0)
+      for (auto it = std::find(candidates.rbegin(), candidates.rend(), over); it != candidates.rend() && *it > chosen; ++it)
+        if (*it != over && fits(predict(*it)) && fits(measure(peaks, *it))) {
+          chosen = *it;
+          break;
+        }
+    return chosen;
+  }
+};
+
+std::string list_peaks(const std::map<int64_t, double>& peaks) {
+  std::string list;
+  for (const auto& [m, b] : peaks) list += (list.empty() ? "" : ", ") + std::to_string(m) + ": " + format_bytes(b);
+  return list;
+}
+
+}  // namespace
+
 void pick_micro_batch(Run& r) {
   PlanValues& p = r.plan;
   if (!p.micro_batch_auto || p.micro_batch > 0) return;
@@ -191,51 +244,64 @@ void pick_micro_batch(Run& r) {
     budget = p.memory_budget = compat::cuda_free_bytes(r.device);
     source = "free memory of " + r.device.str();
   }
-  const int64_t per_rank = p.effective_batch_goal / p.world_size;
-  std::vector<int64_t> candidates;
-  for (int64_t d : divisors_of(per_rank))
-    if (d == 1 || d <= r.shard_size()) candidates.push_back(d);
   constexpr double kMargin = 0.10;  // the picked step's measured peak is at most 90% of the budget
-  auto fits = [&](double peak) { return peak * (1 + kMargin) <= budget; };
-  std::map<int64_t, double> peaks;
-  auto measure = [&](int64_t m) { return peaks[m] = measure_step(r, m, per_rank / m); };
-  // The peak grows about linearly with the micro-batch: from the last two measured, predict.
-  auto predict = [&](int64_t m) {
-    auto hi = peaks.rbegin();
-    if (peaks.size() < 2) return hi->second;  // one point: no slope yet; the measurement decides
-    auto lo = std::next(hi);
-    const double slope = (hi->second - lo->second) / static_cast<double>(hi->first - lo->first);
-    return hi->second + slope * static_cast<double>(m - hi->first);
-  };
-  int64_t chosen = candidates.front();
-  if (!fits(measure(chosen)))
-    refuse_window(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(chosen) + " takes " +
-                                   format_bytes(peaks[chosen]) + "; with a " + std::to_string(int(kMargin * 100)) +
-                                   "% margin that is more than the budget of " + format_bytes(budget) + " (" + source + ")");
-  // Up in doublings while the prediction and then the measurement fit; then the largest divisor
-  // in between whose measurement fits.
-  int64_t over = 0;
-  for (int64_t d : candidates) {
-    if (d < 2 * chosen && d != candidates.back()) continue;
-    if (!fits(predict(d)) || !fits(measure(d))) {
-      over = d;
-      break;
-    }
-    chosen = d;
-  }
-  if (over > 0)
-    for (auto it = std::find(candidates.rbegin(), candidates.rend(), over); it != candidates.rend() && *it > chosen; ++it)
-      if (*it != over && fits(predict(*it)) && fits(measure(*it))) {
-        chosen = *it;
-        break;
+  BatchSearch search{r, p.effective_batch_goal / p.world_size, {}, [&](double peak) { return peak * (1 + kMargin) <= budget; }};
+  for (int64_t d : divisors_of(search.per_rank))
+    if (d == 1 || d <= r.shard_size()) search.candidates.push_back(d);
+
+  // With a lever (recomputation, say): the largest micro-batch that fits at its highest level,
+  // if that is more than fits without it, then the lowest level at which that one fits (found by
+  // bisection: a higher level never needs more memory).
+  const bool lever = !r.memory_lever.first.empty();
+  MemoryLever& l = r.memory_lever.second;
+  std::map<int64_t, std::map<int64_t, double>> peaks;  // level -> micro-batch -> peak
+  int64_t level = 0;
+  if (lever) l.set(0);
+  int64_t chosen = search.largest_fitting(peaks[0]);
+  if (lever && chosen != search.candidates.back()) {
+    l.set(l.levels);
+    const int64_t best = search.largest_fitting(peaks[l.levels]);
+    if (best > chosen) {
+      int64_t lo = 0, hi = l.levels;  // best does not fit at lo (or was not tried there), fits at hi
+      while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        l.set(mid);
+        (search.fits(search.measure(peaks[mid], best)) ? hi : lo) = mid;
       }
+      chosen = best;
+      level = hi;
+    }
+  }
+  if (chosen == 0) {
+    const int64_t m = search.candidates.front();
+    const int64_t at = lever ? l.levels : 0;
+    refuse_window(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(m) +
+                                          (lever ? " with " + std::to_string(at) + " " + l.what + " (the most plugin '" +
+                                                       r.memory_lever.first + "' offers)"
+                                                 : std::string()) +
+                                          " takes " + format_bytes(peaks[at][m]) + "; with a " +
+                                          std::to_string(int(kMargin * 100)) + "% margin that is more than the budget of " +
+                                          format_bytes(budget) + " (" + source + ")");
+  }
+  if (lever) {
+    l.set(level);
+    p.memory_level = level;
+    p.memory_lever_what = l.what;
+    p.memory_lever_owner = r.memory_lever.first;
+  }
   p.micro_batch = chosen;
-  p.accumulation = per_rank / chosen;
-  p.measured_peaks.assign(peaks.begin(), peaks.end());
-  std::string list;
-  for (const auto& [m, b] : peaks) list += (list.empty() ? "" : ", ") + std::to_string(m) + ": " + format_bytes(b);
-  spdlog::info("micro-batch {} picked by memory: a step's peak {} of a {} budget ({}; {}% margin); measured {}", chosen,
-               format_bytes(peaks[chosen]), format_bytes(budget), source, int(kMargin * 100), list);
+  p.accumulation = search.per_rank / chosen;
+  p.measured_peaks.assign(peaks[level].begin(), peaks[level].end());
+  std::string with, others;
+  if (lever) {
+    with = " with " + std::to_string(level) + " of " + std::to_string(l.levels) + " " + l.what + " (plugin '" +
+           r.memory_lever.first + "')";
+    for (const auto& [lv, at] : peaks)
+      if (lv != level) others += "; at " + std::to_string(lv) + " " + l.what + ": " + list_peaks(at);
+  }
+  spdlog::info("micro-batch {} picked by memory{}: a step's peak {} of a {} budget ({}; {}% margin); measured {}{}", chosen,
+               with, format_bytes(peaks[level][chosen]), format_bytes(budget), source, int(kMargin * 100),
+               list_peaks(peaks[level]), others);
 }
 
 }  // namespace tk::detail

@@ -117,6 +117,7 @@ const char* to_string(OptionType t) noexcept {
     case OptionType::IntList: return "array of integers";
     case OptionType::FloatList: return "array of floats";
     case OptionType::Path: return "path";
+    case OptionType::StringList: return "array of strings";
   }
   return "?";
 }
@@ -143,6 +144,9 @@ OptionSpec opt_ints(std::string name, std::vector<int64_t> def, std::string doc)
 OptionSpec opt_floats(std::string name, std::vector<double> def, std::string doc) {
   return {std::move(name), OptionType::FloatList, std::move(def), std::move(doc)};
 }
+OptionSpec opt_strings(std::string name, std::vector<std::string> def, std::string doc) {
+  return {std::move(name), OptionType::StringList, std::move(def), std::move(doc)};
+}
 
 void Options::set(const std::string& name, OptionValue v, SourceLoc where) {
   values_[name] = std::move(v);
@@ -155,7 +159,8 @@ const OptionValue& Options::at(const std::string& name, OptionType t) const {
     throw Error("option '" + name + "' is not declared in " + (context_.empty() ? "options" : context_));
   static constexpr OptionType kIndexType[] = {OptionType::Bool,   OptionType::Int,
                                               OptionType::Float,  OptionType::String,
-                                              OptionType::IntList, OptionType::FloatList};
+                                              OptionType::IntList, OptionType::FloatList,
+                                              OptionType::StringList};
   if (kIndexType[it->second.index()] != t)
     throw Error("option '" + name + "' of " + context_ + " is a " +
                 to_string(kIndexType[it->second.index()]) + ", read as a " + to_string(t));
@@ -187,6 +192,9 @@ const std::vector<int64_t>& Options::get_ints(const std::string& n) const {
 }
 const std::vector<double>& Options::get_floats(const std::string& n) const {
   return std::get<std::vector<double>>(at(n, OptionType::FloatList));
+}
+const std::vector<std::string>& Options::get_strings(const std::string& n) const {
+  return std::get<std::vector<std::string>>(at(n, OptionType::StringList));
 }
 
 bool Options::is_set(const std::string& name) const {
@@ -242,6 +250,11 @@ std::string to_toml(const OptionValue& v) {
     std::string operator()(const std::vector<double>& xs) const {
       std::string out = "[";
       for (size_t i = 0; i < xs.size(); ++i) out += (i ? ", " : "") + format_double(xs[i]);
+      return out + "]";
+    }
+    std::string operator()(const std::vector<std::string>& xs) const {
+      std::string out = "[";
+      for (size_t i = 0; i < xs.size(); ++i) out += (i ? ", " : "") + (*this)(xs[i]);
       return out + "]";
     }
   };

@@ -44,7 +44,8 @@ void check_effective_batch(const Run& r) {
 /// Each plugin's setup, in dispatch order: it may freeze, replace or add parameters.
 void set_up_plugins(Run& r) {
   r.optimizer_wraps.clear();
-  SetupState state{&r.dispatch, &r.model, &r.plan, &r.data.info, &r.optimizer_wraps};
+  r.memory_lever = {};
+  SetupState state{&r.dispatch, &r.model, &r.plan, &r.data.info, &r.optimizer_wraps, &r.memory_lever};
   SetupContext setup = ContextAccess::setup(state);
   for (size_t i : r.order) {
     const Slot& s = r.slots[i];

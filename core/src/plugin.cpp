@@ -109,6 +109,9 @@ OptionBinder& OptionBinder::add(const std::string& name, std::vector<int64_t>& m
 OptionBinder& OptionBinder::add(const std::string& name, std::vector<double>& m, const std::string& doc) {
   return declare(*this, opt_floats(name, m, doc), m);
 }
+OptionBinder& OptionBinder::add(const std::string& name, std::vector<std::string>& m, const std::string& doc) {
+  return declare(*this, opt_strings(name, m, doc), m);
+}
 OptionBinder& OptionBinder::add(const std::string& name, std::string& m, const std::string& doc,
                                 std::vector<std::string> choices) {
   if (std::find(choices.begin(), choices.end(), m) == choices.end())

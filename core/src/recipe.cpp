@@ -98,6 +98,19 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
       }
       return out;
     }
+    case OptionType::StringList: {
+      if (auto v = n.as_string()) return std::vector<std::string>{v->get()};
+      auto arr = n.as_array();
+      if (!arr) throw wrong();
+      if (arr->size() > kMaxListLength) throw too_long(arr->size());
+      std::vector<std::string> out;
+      for (const auto& e : *arr) {
+        auto v = e.as_string();
+        if (!v) throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got an element of type " + type_name(e));
+        out.push_back(v->get());
+      }
+      return out;
+    }
     case OptionType::FloatList: {
       auto arr = n.as_array();
       if (!arr) throw wrong();

@@ -64,6 +64,7 @@ struct Run {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   /// The plugins' optimizer wraps (SetupContext::wrap_optimizer), in dispatch order.
   std::vector<std::pair<std::string, OptimizerWrap>> optimizer_wraps;
+  std::pair<std::string, MemoryLever> memory_lever;  ///< offered in setup (empty name: none)
   std::unique_ptr<LrSchedule> schedule;
   double base_lr = 0.0;
 

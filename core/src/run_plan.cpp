@@ -17,6 +17,7 @@ int64_t RunPlan::effective_batch_goal() const noexcept { return s_->effective_ba
 bool RunPlan::micro_batch_auto() const noexcept { return s_->micro_batch_auto; }
 double RunPlan::memory_budget() const noexcept { return s_->memory_budget; }
 const std::vector<std::pair<int64_t, double>>& RunPlan::measured_peaks() const noexcept { return s_->measured_peaks; }
+int64_t RunPlan::memory_level() const noexcept { return s_->memory_level; }
 const BatchRamp& RunPlan::ramp() const noexcept { return s_->ramp; }
 LastWindow RunPlan::last_window() const noexcept { return s_->last_window; }
 int RunPlan::world_size() const noexcept { return s_->world_size; }

@@ -40,6 +40,9 @@ struct PlanValues {
   bool micro_batch_auto = false;
   double memory_budget = 0;
   std::vector<std::pair<int64_t, double>> measured_peaks;
+  int64_t memory_level = -1;       ///< the lever's level the planner picked (-1: no lever)
+  std::string memory_lever_what;   ///< what its level counts
+  std::string memory_lever_owner;  ///< the plugin that offered it
   BatchRamp ramp;
   LastWindow last_window = LastWindow::Step;
   int world_size = 1;
@@ -122,6 +125,8 @@ struct SetupState {
   const DataInfo* data = nullptr;
   /// The optimizer wraps of the plugins set up so far, each with its plugin's name.
   std::vector<std::pair<std::string, OptimizerWrap>>* wraps = nullptr;
+  /// The memory lever offered so far, with its plugin's name (empty name: none).
+  std::pair<std::string, MemoryLever>* lever = nullptr;
 };
 
 /// Everything behind an OutputFiles: where the files go and what was written.

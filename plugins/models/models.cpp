@@ -15,6 +15,7 @@
 #include <filesystem>
 
 #include <tk/abi.h>
+#include <tk/blocks.h>
 #include <tk/compat.h>
 
 namespace tk::models {
@@ -48,10 +49,9 @@ void need_real_inputs(const Options& o, const DataInfo& d, const std::string& mo
 
 // ---------------------------------------------------------------- MLP
 
-class Mlp : public Model {
+class Mlp : public Model, public ModelWithBlocks {
  public:
-  Mlp(int64_t in, const std::vector<int64_t>& hidden, int64_t out, std::string activation, bool batchnorm)
-      : activation_(std::move(activation)) {
+  Mlp(int64_t in, const std::vector<int64_t>& hidden, int64_t out, std::string activation, bool batchnorm) {
     int64_t width = in;
     for (int64_t h : hidden) {
       linears_->push_back(torch::nn::Linear(width, h));
@@ -61,30 +61,39 @@ class Mlp : public Model {
     head_ = register_module("head", torch::nn::Linear(width, out));
     register_module("layers", linears_);
     if (batchnorm) register_module("norms", norms_);
+    // Each hidden layer is a block: linear -> [BatchNorm] -> activation.
+    for (size_t i = 0; i < linears_->size(); ++i) {
+      auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(linears_[i]);
+      auto norm = batchnorm ? std::dynamic_pointer_cast<torch::nn::BatchNorm1dImpl>(norms_[i]) : nullptr;
+      std::vector<std::shared_ptr<torch::nn::Module>> modules(1, linear);
+      if (norm) modules.push_back(norm);
+      blocks_.add("layers." + std::to_string(i), std::move(modules), [linear, norm, activation](const torch::Tensor& x) {
+        auto y = linear->forward(x);
+        if (norm) y = norm->forward(y);
+        return activate(activation, y);
+      });
+    }
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
     torch::Tensor x = input;
-    for (size_t i = 0; i < linears_->size(); ++i) {
-      x = linears_[i]->as<torch::nn::Linear>()->forward(x);
-      if (!norms_->is_empty()) x = norms_[i]->as<torch::nn::BatchNorm1d>()->forward(x);
-      x = activate(activation_, x);
-    }
+    for (size_t i = 0; i < blocks_.size(); ++i) x = blocks_.run(i, x);
     return head_->forward(x);
   }
+  Blocks& blocks() override { return blocks_; }
 
  private:
-  std::string activation_;
   torch::nn::ModuleList linears_;
   torch::nn::ModuleList norms_;
   torch::nn::Linear head_{nullptr};
+  Blocks blocks_;
 };
 
 // ---------------------------------------------------------------- CNN
 
 /// conv -> [BatchNorm] -> ReLU -> 2x2 max-pool per entry of `channels`, then a hidden layer and
 /// the classifier.
-class Cnn : public Model {
+class Cnn : public Model, public ModelWithBlocks {
  public:
   Cnn(const std::vector<int64_t>& shape, const std::vector<int64_t>& channels, int64_t kernel, int64_t hidden,
       int64_t out, bool batchnorm, double dropout)
@@ -101,25 +110,35 @@ class Cnn : public Model {
     if (batchnorm) register_module("norms", norms_);
     fc_ = register_module("fc", torch::nn::Linear(c * h * w, hidden));
     head_ = register_module("head", torch::nn::Linear(hidden, out));
+    // Each stage is a block: conv -> [BatchNorm] -> ReLU -> max-pool.
+    for (size_t i = 0; i < convs_->size(); ++i) {
+      auto conv = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(convs_[i]);
+      auto norm = batchnorm ? std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(norms_[i]) : nullptr;
+      std::vector<std::shared_ptr<torch::nn::Module>> modules(1, conv);
+      if (norm) modules.push_back(norm);
+      blocks_.add("convs." + std::to_string(i), std::move(modules), [conv, norm](const torch::Tensor& x) {
+        auto y = conv->forward(x);
+        if (norm) y = norm->forward(y);
+        return at::max_pool2d(at::relu(y), {2, 2});
+      });
+    }
   }
 
   torch::Tensor forward(const torch::Tensor& input) override {
     torch::Tensor x = input;
-    for (size_t i = 0; i < convs_->size(); ++i) {
-      x = convs_[i]->as<torch::nn::Conv2d>()->forward(x);
-      if (!norms_->is_empty()) x = norms_[i]->as<torch::nn::BatchNorm2d>()->forward(x);
-      x = at::max_pool2d(at::relu(x), {2, 2});
-    }
+    for (size_t i = 0; i < blocks_.size(); ++i) x = blocks_.run(i, x);
     x = at::relu(fc_->forward(x.flatten(1)));
     if (dropout_ > 0.0) x = at::dropout(x, dropout_, is_training());
     return head_->forward(x);
   }
+  Blocks& blocks() override { return blocks_; }
 
  private:
   double dropout_;
   torch::nn::ModuleList convs_;
   torch::nn::ModuleList norms_;
   torch::nn::Linear fc_{nullptr}, head_{nullptr};
+  Blocks blocks_;
 };
 
 // ---------------------------------------------------------------- GPT
@@ -177,12 +196,16 @@ class GptBlock : public torch::nn::Module {
 
 /// Decoder-only Transformer with pre-LayerNorm blocks: token + learned position embeddings,
 /// causal self-attention, GELU MLP, final LayerNorm, and a head tied to the token embedding or not.
-class Gpt : public Model {
+class Gpt : public Model, public ModelWithBlocks {
  public:
   Gpt(const GptShape& s, bool tied) : shape_(s) {
     wte_ = register_module("wte", torch::nn::Embedding(s.vocab, s.width));
     wpe_ = register_module("wpe", torch::nn::Embedding(s.context, s.width));
-    for (int64_t i = 0; i < s.layers; ++i) blocks_->push_back(std::make_shared<GptBlock>(s));
+    for (int64_t i = 0; i < s.layers; ++i) {
+      auto block = std::make_shared<GptBlock>(s);
+      blocks_->push_back(block);
+      runs_.add("blocks." + std::to_string(i), std::vector<std::shared_ptr<torch::nn::Module>>(1, block), [block](const torch::Tensor& x) { return block->forward(x); });
+    }
     register_module("blocks", blocks_);
     ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width})));
     if (!tied) head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.vocab).bias(false)));
@@ -200,10 +223,11 @@ class Gpt : public Model {
     auto pos = at::arange(t, input.options().dtype(at::kLong));
     auto x = wte_->forward(input) + wpe_->forward(pos);
     if (shape_.dropout > 0.0) x = at::dropout(x, shape_.dropout, is_training());
-    for (const auto& block : *blocks_) x = block->as<GptBlock>()->forward(x);
+    for (size_t i = 0; i < runs_.size(); ++i) x = runs_.run(i, x);
     x = ln_f_->forward(x);
     return head_ ? head_->forward(x) : at::linear(x, wte_->weight);
   }
+  Blocks& blocks() override { return runs_; }
 
  private:
   /// GPT-2's initialisation: N(0, 0.02) weights, zero biases, residual projections scaled by
@@ -228,6 +252,7 @@ class Gpt : public Model {
   torch::nn::ModuleList blocks_;
   torch::nn::LayerNorm ln_f_{nullptr};
   torch::nn::Linear head_{nullptr};
+  Blocks runs_;  // the same blocks, as recomputation sees them
 };
 
 // ---------------------------------------------------------------- TorchScript

@@ -142,6 +142,15 @@ using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
 using OptimizerWrap = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> trainable,
                                                                              const OptimizerFactory& inner)>;
 
+/// A trade of time for memory that a plugin offers the memory planner
+/// (SetupContext::offer_memory_lever): levels 0 (off) to `levels`, each keeping less memory in a
+/// step than the one below it, at more time.
+struct MemoryLever {
+  std::string what;                         ///< what a level counts, for the log and the plan ("recomputed blocks")
+  int64_t levels = 0;                       ///< the highest level (>= 1)
+  std::function<void(int64_t level)> set;  ///< puts a level in place (the planner's trials call it too)
+};
+
 /// What a plugin sees in Plugin::setup: the model after it is built and moved to the run's device
 /// and dtype, before the optimizer exists. A plugin may change it: freeze parameters
 /// (requires_grad = false: the optimizer then never sees them), replace submodules, add
@@ -165,6 +174,11 @@ class SetupContext : public PluginLog {
   /// on every rank at each checkpoint (rank 0's archive is the one written), so one that holds a
   /// part of the state may gather the rest there; and its load() on every rank on a resume.
   void wrap_optimizer(OptimizerWrap wrap);
+  /// Leaves the level of `lever` to the memory planner ([data] micro_batch = "auto" only): it picks
+  /// the largest micro-batch that fits the memory budget at some level, then the lowest level at
+  /// which that micro-batch fits, and leaves that level set. RunPlan::memory_level() says which.
+  /// One plugin of a run may offer a lever.
+  void offer_memory_lever(MemoryLever lever);
 
   SetupContext(const SetupContext&) = delete;
   SetupContext& operator=(const SetupContext&) = delete;

@@ -17,13 +17,13 @@ namespace tk {
 
 /// Path is a string that names a file or folder: a relative one is resolved against the folder of
 /// the recipe that sets it (the working directory for a `--set`), when the recipe is read.
-enum class OptionType { Bool, Int, Float, String, IntList, FloatList, Path };
+enum class OptionType { Bool, Int, Float, String, IntList, FloatList, Path, StringList };
 
 /// Name of a type as shown in errors and docs ("integer", "float", ...).
 const char* to_string(OptionType t) noexcept;
 
 using OptionValue =
-    std::variant<bool, int64_t, double, std::string, std::vector<int64_t>, std::vector<double>>;
+    std::variant<bool, int64_t, double, std::string, std::vector<int64_t>, std::vector<double>, std::vector<std::string>>;
 
 /// One option: name, type, default, one-line doc; `choices` restricts a string option.
 struct OptionSpec {
@@ -48,6 +48,8 @@ OptionSpec opt_string(std::string name, std::string def, std::string doc,
 OptionSpec opt_path(std::string name, std::string def, std::string doc);
 OptionSpec opt_ints(std::string name, std::vector<int64_t> def, std::string doc);
 OptionSpec opt_floats(std::string name, std::vector<double> def, std::string doc);
+/// A list of strings; a recipe may also give one string, a list of one.
+OptionSpec opt_strings(std::string name, std::vector<std::string> def, std::string doc);
 
 class Options;
 
@@ -91,6 +93,7 @@ class Options {
   const std::string& get_path(const std::string& name) const;
   const std::vector<int64_t>& get_ints(const std::string& name) const;
   const std::vector<double>& get_floats(const std::string& name) const;
+  const std::vector<std::string>& get_strings(const std::string& name) const;
 
   /// Where `name` was set (the recipe position, or empty when it is a default).
   SourceLoc where(const std::string& name) const;
@@ -132,13 +135,15 @@ struct BinderState;
 /// `path`), an empty doc or a default outside its choices is refused when the library registers.
 class OptionBinder {
  public:
-  /// A boolean, integer, float, string, or list of integers or floats.
+  /// A boolean, integer, float, string, or list of integers, floats or strings (a recipe may give
+  /// one string for a list of one).
   OptionBinder& add(const std::string& name, bool& member, const std::string& doc);
   OptionBinder& add(const std::string& name, int64_t& member, const std::string& doc);
   OptionBinder& add(const std::string& name, double& member, const std::string& doc);
   OptionBinder& add(const std::string& name, std::string& member, const std::string& doc);
   OptionBinder& add(const std::string& name, std::vector<int64_t>& member, const std::string& doc);
   OptionBinder& add(const std::string& name, std::vector<double>& member, const std::string& doc);
+  OptionBinder& add(const std::string& name, std::vector<std::string>& member, const std::string& doc);
   /// A string option that takes one of `choices`.
   OptionBinder& add(const std::string& name, std::string& member, const std::string& doc,
                     std::vector<std::string> choices);

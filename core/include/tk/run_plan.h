@@ -116,6 +116,9 @@ class RunPlan {
   double memory_budget() const noexcept;
   /// Peak bytes of one training step measured at each candidate micro-batch, when picked by memory.
   const std::vector<std::pair<int64_t, double>>& measured_peaks() const noexcept;
+  /// The level the memory planner picked for the run's memory lever (SetupContext::
+  /// offer_memory_lever); -1 when no plugin offered one (from on_fit_start on).
+  int64_t memory_level() const noexcept;
   const BatchRamp& ramp() const noexcept;
   LastWindow last_window() const noexcept;
   /// Processes that train together, and this one's rank.
