@@ -47,8 +47,31 @@ struct Replay final : torch::CustomClassHolder {
   at::ScalarType cpu_dtype = at::kBFloat16, cuda_dtype = at::kHalf;
 };
 
-/// Puts back the state of a Replay's first forward for the time of the recomputation, and then
-/// what was there before it.
+/// Puts the block's buffers back as they were before its first forward, and their values now back
+/// when it ends: after the backward through the recomputation, whose graph may hold them
+/// (BatchNorm's running statistics), so that their versions do not change under it.
+class BufferSwap {
+ public:
+  explicit BufferSwap(const Replay& r) {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < r.buffers.size(); ++i) {
+      buffers_.emplace_back(r.buffers[i], r.buffers[i].clone());
+      r.buffers[i].copy_(r.buffers_before[i]);
+    }
+  }
+  ~BufferSwap() {
+    torch::NoGradGuard no_grad;
+    for (auto& [buffer, now] : buffers_) buffer.copy_(now);
+  }
+  BufferSwap(const BufferSwap&) = delete;
+  BufferSwap& operator=(const BufferSwap&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
+};
+
+/// Puts back the random generators and autocast of a Replay's first forward for the time of the
+/// recomputation, and then what was there before it.
 class ReplayState {
  public:
   explicit ReplayState(const Replay& r) {
@@ -63,17 +86,8 @@ class ReplayState {
     tk::compat::set_autocast(at::kCUDA, r.autocast_cuda, r.cuda_dtype);
     nested_ = r.autocast_cpu || r.autocast_cuda;
     if (nested_) at::autocast::increment_nesting();
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < r.buffers.size(); ++i) {
-      buffers_.emplace_back(r.buffers[i], r.buffers[i].clone());
-      r.buffers[i].copy_(r.buffers_before[i]);
-    }
   }
   ~ReplayState() {
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& [buffer, now] : buffers_) buffer.copy_(now);
-    }
     // Casts of the weights made in the recomputation hold its graph: not for anyone after it.
     if (nested_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
     tk::compat::set_autocast(at::kCPU, cpu_.first, cpu_.second);
@@ -88,7 +102,6 @@ class ReplayState {
 
  private:
   std::vector<std::pair<at::Generator, at::Tensor>> rng_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers_;
   std::pair<bool, at::ScalarType> cpu_, cuda_;
   bool nested_ = false;
 };
@@ -145,7 +158,9 @@ class Recompute final : public torch::autograd::Function<Recompute> {
     at::Tensor x = input.detach();
     x.requires_grad_(input.requires_grad());
     at::Tensor y;
+    BufferSwap buffers(r);
     {
+      // Backward then runs as the outer one does: autocast off, the generators where they are.
       ReplayState state(r);
       at::AutoGradMode grad(true);
       y = r.fn(x);

@@ -9,7 +9,7 @@
 ///       Net() {
 ///         for (int i = 0; i < 4; ++i) {
 ///           const std::string name = "layer" + std::to_string(i);
-///           auto layer = register_module(name, torch::nn::Linear(64, 64)).ptr();
+///           std::shared_ptr<torch::nn::LinearImpl> layer = register_module(name, torch::nn::Linear(64, 64));
 ///           blocks_.add(name, {layer}, [layer](const at::Tensor& x) { return at::tanh(layer->forward(x)); });
 ///         }
 ///         head_ = register_module("head", torch::nn::Linear(64, 10));
