@@ -192,19 +192,21 @@ struct BatchSearch {
   double measure(std::map<int64_t, double>& peaks, int64_t m) { return peaks[m] = measure_step(r, m, per_rank / m); }
 
   /// The largest candidate whose step fits, with the lever (if any) where it is now; 0 when not
-  /// even the smallest does. Up in doublings while the prediction and then the measurement fit;
-  /// then the largest divisor in between whose measurement fits.
-  int64_t largest_fitting(std::map<int64_t, double>& peaks) {
+  /// even the smallest does. From `known` (a candidate known to fit, not measured again; 0: the
+  /// smallest, measured) up in doublings while the prediction and then the measurement fit; then
+  /// the largest divisor in between whose measurement fits.
+  int64_t largest_fitting(std::map<int64_t, double>& peaks, int64_t known = 0) {
     // The peak grows about linearly with the micro-batch: from the last two measured, predict.
     auto predict = [&](int64_t m) {
+      if (peaks.empty()) return 0.0;  // nothing measured yet: the measurement decides
       auto hi = peaks.rbegin();
       if (peaks.size() < 2) return hi->second;  // one point: no slope yet; the measurement decides
       auto lo = std::next(hi);
       const double slope = (hi->second - lo->second) / static_cast<double>(hi->first - lo->first);
       return hi->second + slope * static_cast<double>(m - hi->first);
     };
-    int64_t chosen = candidates.front();
-    if (!fits(measure(peaks, chosen))) return 0;
+    int64_t chosen = known > 0 ? known : candidates.front();
+    if (known == 0 && !fits(measure(peaks, chosen))) return 0;
     int64_t over = 0;
     for (int64_t d : candidates) {
       if (d < 2 * chosen && d != candidates.back()) continue;
@@ -251,7 +253,8 @@ void pick_micro_batch(Run& r) {
 
   // With a lever (recomputation, say): the largest micro-batch that fits at its highest level,
   // if that is more than fits without it, then the lowest level at which that one fits (found by
-  // bisection: a higher level never needs more memory).
+  // bisection). A higher level is taken never to need more memory: what fits without the lever
+  // fits with it, and is not measured again.
   const bool lever = !r.memory_lever.first.empty();
   MemoryLever& l = r.memory_lever.second;
   std::map<int64_t, std::map<int64_t, double>> peaks;  // level -> micro-batch -> peak
@@ -260,7 +263,7 @@ void pick_micro_batch(Run& r) {
   int64_t chosen = search.largest_fitting(peaks[0]);
   if (lever && chosen != search.candidates.back()) {
     l.set(l.levels);
-    const int64_t best = search.largest_fitting(peaks[l.levels]);
+    const int64_t best = search.largest_fitting(peaks[l.levels], chosen);
     if (best > chosen) {
       int64_t lo = 0, hi = l.levels;  // best does not fit at lo (or was not tried there), fits at hi
       while (hi - lo > 1) {

@@ -296,7 +296,8 @@ class ContractChecks {
         if (m.find(s.name) == std::string::npos) return "the error does not list option '" + s.name + "': " + m;
     }
     for (const auto& s : specs) {
-      const bool stringy = s.type == OptionType::String || s.type == OptionType::Path;
+      // A list of strings also takes one string (a list of one): a number is mistyped for it.
+      const bool stringy = s.type == OptionType::String || s.type == OptionType::Path || s.type == OptionType::StringList;
       const std::string wrong = stringy ? "1" : "\"not a " + std::string(to_string(s.type)) + "\"";
       try {
         instance(s.name + " = " + wrong);
