@@ -17,7 +17,8 @@
 # The checks on CUDA: accumulation exact in float64 (the verifier), fp16 with the dynamic loss
 # scaler and a forced overflow, bf16 autocast with clipping, resume bit-identical, prefetch on and
 # off bit-identical, the plugin contract suite, DDP over NCCL on two GPUs (skipped with one), the
-# sharded optimizer on the GPT (a world of one; over NCCL with two GPUs), and the GPT
+# sharded optimizer on the GPT (a world of one; over NCCL with two GPUs), recomputation on the GPT
+# (bit-identical, its memory and time), and the GPT
 # recipe's throughput and peak memory next to the same training written by hand in PyTorch.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -221,6 +222,26 @@ elif run zero1n "$r" "${gpt_quick[@]}" --set plugins.ddp.zero_stage=1 --set plug
      run zero0n "$r" "${gpt_quick[@]}" --set plugins.ddp.backend=nccl --nproc 2 && same zero1n zero0n
 then pass "GPT with the sharded optimizer over NCCL, two ranks, equals ddp alone"
 else fail "GPT with the sharded optimizer over NCCL (see $work/zero1n.log)"; fi
+
+# 7c. Recomputation on CUDA: the GPT of bench/recompute.sh (4 x 256, 256-token sequences, dropout)
+# with every block recomputed equals the run without it, bit for bit (the CUDA generator replayed);
+# its GPU peak and time per step next to those without it.
+rc_model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set model.dropout=0.1 --set data.seq_len=256
+          --set data.micro_batch=16 --set plugins.grad_accum.steps=1)
+r=$(recipe_with gpt_rc "$root/recipes/gpt-tiny.toml" '\n[[plugins]]\nname = "recompute"\n')
+if run rc_on "$r" "${gpt_quick[@]}" "${rc_model[@]}" && run rc_off "$root/recipes/gpt-tiny.toml" "${gpt_quick[@]}" "${rc_model[@]}" &&
+   same rc_on rc_off; then
+  line=$("$py" - "$work/rc_off/metrics.jsonl" "$work/rc_on/metrics.jsonl" <<'PY'
+import json, sys
+def stats(f):
+    r = [json.loads(l) for l in open(f) if '"loss"' in l]
+    return max(x["step_peak_mib"] for x in r), 1000 * (r[-1]["wall_time"] - r[4]["wall_time"]) / (len(r) - 5)
+(p0, t0), (p1, t1) = stats(sys.argv[1]), stats(sys.argv[2])
+print(f"GPT 4x256, 16 x 256 tokens: every block recomputed {p1:.0f} MiB peak vs {p0:.0f} MiB ({p1 / p0:.2f}x), {t1:.1f} vs {t0:.1f} ms/step ({t1 / t0:.2f}x)")
+PY
+) || line="GPT with recomputation on CUDA (figures unreadable)"
+  pass "recomputation on CUDA is bit-identical: $line"
+else fail "recomputation on CUDA (see $work/rc_on.log, $work/rc_off.log)"; fi
 
 # 8. The GPT recipe on CUDA against the same training in PyTorch by hand.
 steps=300 warmup=50

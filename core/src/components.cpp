@@ -28,6 +28,9 @@ OptionSpecs run_specs() {
           opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
           opt_int("threads", 0, "intra-op CPU threads (0: LibTorch's default)"),
           opt_bool("trace", false, "record every plugin dispatch in trace.jsonl"),
+          opt_bool("measure_memory", false,
+                   "each step's peak memory in metrics.jsonl (step_peak_mib); on the CPU every allocation is then "
+                   "counted, under a lock (always on with micro_batch = \"auto\" and on CUDA)"),
           opt_string("prefetch", "auto",
                      "prepare the next micro-batch while the current one trains (auto: on CUDA, and on the CPU "
                      "when preparing data takes a noticeable share of a micro-batch); the results are the same",

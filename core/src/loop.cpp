@@ -429,9 +429,9 @@ void Loop::train_epochs(Start start) {
   emit(Event::FitStart);
   zero_grads(r_);
   done_ = s_.counters.step >= r_.total_steps;
-  // A micro-batch picked by memory, or any run on CUDA (where reading the caching allocator's
-  // peak costs nothing): each step's record says how much it took.
-  if (r_.plan.micro_batch_auto || r_.device.is_cuda()) meter_.emplace(r_);
+  // A micro-batch picked by memory, any run on CUDA (where reading the caching allocator's peak
+  // costs nothing), or when asked: each step's record says how much it took.
+  if (r_.plan.micro_batch_auto || r_.device.is_cuda() || r_.run.get_bool("measure_memory")) meter_.emplace(r_);
   prefetch_.emplace(r_, *r_.data.train);
   if (prefetch_->active()) spdlog::debug("prefetch: on ({})", prefetch_->reason());
   for (int64_t epoch = start.epoch; !done_ && (r_.bound.by_steps() || epoch < r_.bound.count); ++epoch)

@@ -12,7 +12,7 @@ namespace tk::detail {
 RunIdentity run_identity(const Run& r) {
   // What may change between a run and its resume without changing what it trains.
   static const std::set<std::string> kMayChange = {"run.name",           "run.output",         "run.max_time",
-                                                   "run.log_every",      "run.validate_every", "run.trace",
+                                                   "run.log_every",      "run.validate_every", "run.trace", "run.measure_memory",
                                                    "run.checkpoint_every", "run.checkpoint_keep",
                                                    "run.prefetch"};
   RunIdentity id;

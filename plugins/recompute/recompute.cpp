@@ -328,8 +328,9 @@ class RecomputePlugin final : public tk::Plugin {
   }
 
   static std::string no_blocks_reason(tk::Model& model) {
-    for (const auto& m : model.modules(/*include_self=*/false))
-      if (m->name().rfind("TorchScript", 0) == 0)
+    bool scripted = model.name().find("ScriptedModel") != std::string::npos;  // the built-in torchscript model
+    for (const auto& m : model.modules(/*include_self=*/false)) scripted = scripted || m->name().rfind("TorchScript", 0) == 0;
+    if (scripted)
         return "a TorchScript model runs as one compiled graph, whose submodules trainkit cannot run one at a time "
                "(recompute it whole and nothing is saved); write the model in C++ with tk::Blocks (tk/blocks.h)";
     return "it does not implement tk::ModelWithBlocks (tk/blocks.h), as the built-in gpt, mlp and cnn do";
