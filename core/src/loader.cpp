@@ -8,6 +8,7 @@
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -161,6 +162,14 @@ const tk_plugin_info* open(const fs::path& file, boost::dll::shared_library& lib
                    std::to_string(TK_PLUGIN_ABI_VERSION) + "\" in docs/plugins.md"
              : std::string("; it was built for a newer trainkit than this one")));
   const std::string tk_version = info->trainkit_version ? info->trainkit_version : "(none)";
+  // Within an ABI version a later trainkit only adds functions: a library built against a later
+  // one than this may call what this one lacks.
+  int major = 0, minor = 0;
+  if (std::sscanf(tk_version.c_str(), "%d.%d", &major, &minor) == 2 &&
+      (major > TK_VERSION_MAJOR || (major == TK_VERSION_MAJOR && minor > TK_VERSION_MINOR)))
+    throw PluginLoadError(where + ": plugin was built against trainkit " + tk_version + ", newer than this one (" TK_VERSION
+                          "): it may use functions this one does not have; rebuild it against this trainkit, or "
+                          "run it with trainkit " + tk_version + " or later");
   if (info->layout != abi::kLayoutSignature)
     throw PluginLoadError(where + ": plugin was built with headers whose types have another layout: expected layout " +
                           hex(abi::kLayoutSignature) + " (trainkit " TK_VERSION "), got " + hex(info->layout) +

@@ -198,9 +198,8 @@ struct BatchSearch {
   int64_t largest_fitting(std::map<int64_t, double>& peaks, int64_t known = 0) {
     // The peak grows about linearly with the micro-batch: from the last two measured, predict.
     auto predict = [&](int64_t m) {
-      if (peaks.empty()) return 0.0;  // nothing measured yet: the measurement decides
+      if (peaks.size() < 2) return 0.0;  // no slope yet: the measurement decides
       auto hi = peaks.rbegin();
-      if (peaks.size() < 2) return hi->second;  // one point: no slope yet; the measurement decides
       auto lo = std::next(hi);
       const double slope = (hi->second - lo->second) / static_cast<double>(hi->first - lo->first);
       return hi->second + slope * static_cast<double>(m - hi->first);

@@ -1,6 +1,7 @@
 #include "tk/recipe.h"
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -42,16 +43,31 @@ std::string names_of(const OptionSpecs& specs, const std::vector<std::string>& s
 
 std::string list(const std::vector<std::string>& v) { return join(v.data(), v.data() + v.size()); }
 
+/// The elements of a TOML array as `T`s, each read by `element` (null where it is not one), or
+/// the error saying which element type was found.
+template <class T, class Element>
+std::vector<T> list_of(const toml::node& n, const OptionSpec& spec, const std::string& key, const SourceLoc& where,
+                       Element element) {
+  constexpr size_t kMaxListLength = 4096;  // no option of any component needs more
+  auto arr = n.as_array();
+  if (!arr) throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got " + type_name(n));
+  if (arr->size() > kMaxListLength)
+    throw RecipeError(where, key + ": a list of " + std::to_string(arr->size()) + " values; at most " +
+                                 std::to_string(kMaxListLength) + " are accepted");
+  std::vector<T> out;
+  for (const auto& e : *arr) {
+    std::optional<T> v = element(e);
+    if (!v) throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got an element of type " + type_name(e));
+    out.push_back(std::move(*v));
+  }
+  return out;
+}
+
 /// Converts one TOML value to the spec's type, or explains what was expected.
 OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::string& key,
                     const SourceLoc& where) {
   auto wrong = [&]() -> RecipeError {
     return RecipeError(where, key + ": expected " + to_string(spec.type) + ", got " + type_name(n));
-  };
-  constexpr size_t kMaxListLength = 4096;  // no option of any component needs more
-  auto too_long = [&](size_t n) {
-    return RecipeError(where, key + ": a list of " + std::to_string(n) + " values; at most " +
-                                  std::to_string(kMaxListLength) + " are accepted");
   };
   auto text = [&](const toml::value<std::string>* v) {
     if (!v) throw wrong();
@@ -86,46 +102,26 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
     }
     case OptionType::Path:
       return text(n.as_string());
-    case OptionType::IntList: {
-      auto arr = n.as_array();
-      if (!arr) throw wrong();
-      if (arr->size() > kMaxListLength) throw too_long(arr->size());
-      std::vector<int64_t> out;
-      for (const auto& e : *arr) {
-        auto v = e.as_integer();
-        if (!v) throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got an element of type " + type_name(e));
-        out.push_back(v->get());
-      }
-      return out;
-    }
-    case OptionType::StringList: {
-      if (auto v = n.as_string()) return std::vector<std::string>{v->get()};
-      auto arr = n.as_array();
-      if (!arr) throw wrong();
-      if (arr->size() > kMaxListLength) throw too_long(arr->size());
-      std::vector<std::string> out;
-      for (const auto& e : *arr) {
-        auto v = e.as_string();
-        if (!v) throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got an element of type " + type_name(e));
-        out.push_back(v->get());
-      }
-      return out;
-    }
-    case OptionType::FloatList: {
-      auto arr = n.as_array();
-      if (!arr) throw wrong();
-      if (arr->size() > kMaxListLength) throw too_long(arr->size());
-      std::vector<double> out;
-      for (const auto& e : *arr) {
+    case OptionType::IntList:
+      return list_of<int64_t>(n, spec, key, where, [](const toml::node& e) -> std::optional<int64_t> {
+        if (auto v = e.as_integer()) return v->get();
+        return std::nullopt;
+      });
+    case OptionType::StringList:
+      if (n.is_string()) return std::vector<std::string>{text(n.as_string())};  // one string: a list of one
+      return list_of<std::string>(n, spec, key, where, [&](const toml::node& e) -> std::optional<std::string> {
+        if (!e.is_string()) return std::nullopt;
+        return text(e.as_string());
+      });
+    case OptionType::FloatList:
+      return list_of<double>(n, spec, key, where, [&](const toml::node& e) -> std::optional<double> {
         if (auto v = e.as_floating_point()) {
           if (std::isnan(v->get())) throw RecipeError(where, key + ": has a nan element, which is not a number");
-          out.push_back(v->get());
+          return v->get();
         }
-        else if (auto i = e.as_integer()) out.push_back(static_cast<double>(i->get()));
-        else throw RecipeError(where, key + ": expected " + to_string(spec.type) + ", got an element of type " + type_name(e));
-      }
-      return out;
-    }
+        if (auto i = e.as_integer()) return static_cast<double>(i->get());
+        return std::nullopt;
+      });
   }
   throw wrong();
 }

@@ -438,17 +438,25 @@ class Ddp final : public tk::Plugin {
   }
 
   /// Every rank must step with the same window; a micro-batch picked by memory was measured by
-  /// each rank on its own.
+  /// each rank on its own, as was the level of a memory lever (recomputed blocks) picked with it.
   void agree_on_window(const tk::RunPlan& plan) {
-    auto shape = torch::tensor({plan.micro_batch(), plan.accumulation(), -plan.micro_batch(), -plan.accumulation()},
+    const int64_t level = plan.memory_level();
+    auto shape = torch::tensor({plan.micro_batch(), plan.accumulation(), level, -plan.micro_batch(), -plan.accumulation(), -level},
                                torch::kLong);
     allreduce(shape, c10d::ReduceOp::MAX);
-    if (shape[0].item<int64_t>() != -shape[2].item<int64_t>() || shape[1].item<int64_t>() != -shape[3].item<int64_t>())
+    auto at = [&](int64_t i) { return shape[i].item<int64_t>(); };
+    if (at(0) != -at(3) || at(1) != -at(4))
       throw std::runtime_error("the ranks planned different windows (rank " + std::to_string(world_.rank) + ": " +
                                std::to_string(plan.micro_batch()) + " x " + std::to_string(plan.accumulation()) +
-                               " micro-batches; over all ranks the micro-batch ranges from " +
-                               std::to_string(-shape[2].item<int64_t>()) + " to " + std::to_string(shape[0].item<int64_t>()) +
+                               " micro-batches; over all ranks the micro-batch ranges from " + std::to_string(-at(3)) +
+                               " to " + std::to_string(at(0)) +
                                "): give [data] micro_batch, or the same memory_budget on every rank");
+    if (at(2) != -at(5))
+      throw std::runtime_error("the ranks' memory planners picked different levels of the memory lever (rank " +
+                               std::to_string(world_.rank) + ": " + std::to_string(level) + "; over all ranks from " +
+                               std::to_string(-at(5)) + " to " + std::to_string(at(2)) +
+                               "): set it by hand (the recompute plugin's modules), or give the same memory_budget on "
+                               "every rank");
   }
 
   /// Refuses ranks whose models differ from rank 0's (the count of parameters and buffers, each

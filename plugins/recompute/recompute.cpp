@@ -138,20 +138,36 @@ class Recompute final : public torch::autograd::Function<Recompute> {
                             const c10::intrusive_ptr<Replay>& replay) {
     ctx->save_for_backward({input});
     ctx->saved_data["replay"] = c10::IValue::make_capsule(replay);
-    // Autocast would cache casts of the weights made here, without a graph, for later uses in
-    // the same region; the recomputation makes its own.
+    // Autocast would cache casts of the weights made here, whose graph is dropped below, for later
+    // uses in the same region; the recomputation makes its own.
     const bool cache = at::autocast::is_autocast_cache_enabled();
     at::autocast::set_autocast_cache_enabled(false);
     struct Restore {
       bool on;
       ~Restore() { at::autocast::set_autocast_cache_enabled(on); }
     } restore{cache};
-    return replay->fn(input);
+    // With gradients on, as without recomputation and as in the recomputation: some kernels
+    // (attention's, on LibTorch 2.x) are chosen by whether their inputs need gradients. The graph
+    // is dropped when the output is detached: only the input is kept.
+    at::AutoGradMode grad(true);
+    at::Tensor x = input.detach();
+    x.requires_grad_(input.requires_grad());
+    const int64_t version = input._version();
+    at::Tensor y = replay->fn(x);
+    if (input._version() != version)
+      throw std::runtime_error("recompute: block '" + replay->name +
+                               "' changes its input in place; the recomputation would start from the changed values: "
+                               "make the block compute out of place, or do not recompute it");
+    return y.detach();
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto holder = ctx->saved_data["replay"].toCapsule();
     const Replay& r = *static_cast<const Replay*>(holder.get());
+    if (at::GradMode::is_enabled())  // backward with create_graph: the gradients below would have no graph
+      throw std::runtime_error("recompute: block '" + r.name +
+                               "' is recomputed in a backward that builds a graph (create_graph, higher-order "
+                               "gradients), which recomputation does not support: do not recompute it");
     const at::Tensor input = ctx->get_saved_variables().at(0);
     variable_list out(r.params.size() + 2);  // the input's, each parameter's, none for the replay
     if (!grads.at(0).defined()) return out;
@@ -249,9 +265,8 @@ class RecomputePlugin final : public tk::Plugin {
     if (blocks->empty()) fail_option(modules_, "the model has no block (an MLP without hidden layers?)");
     blocks_ = blocks;
     check_block_names(s.model());
-    auto info = std::make_shared<BlockInfos>();
-    for (size_t i = 0; i < blocks->size(); ++i) info->push_back({blocks->name(i), blocks->parameters(i), blocks->buffers(i)});
-    info_ = info;
+    info_ = std::make_shared<BlockInfos>();
+    refresh();
     if (auto_) {
       if (!s.plan().micro_batch_auto())
         fail_option(modules_, "\"auto\" leaves the number of recomputed blocks to the memory planner, which runs with "
@@ -276,12 +291,23 @@ class RecomputePlugin final : public tk::Plugin {
   }
 
   void on_fit_start(tk::Context& ctx) override {
+    if (tk::blocks_of(ctx.model()) != blocks_)
+      throw std::runtime_error("the model was replaced after recompute's setup: list recompute after the plugin "
+                               "that replaces it (a wrapper's blocks are its own)");
+    refresh();  // what later plugins' setup changed in the blocks' modules
     if (auto_) ctx.info("recomputing " + describe() + " in backward (picked by the memory planner)");
   }
 
   void on_step_end(tk::Context& ctx) override { ctx.metric("recompute_blocks", static_cast<double>(count())); }
 
  private:
+  /// The blocks' parameters and buffers, as they are now.
+  void refresh() {
+    info_->clear();
+    for (size_t i = 0; i < blocks_->size(); ++i)
+      info_->push_back({blocks_->name(i), blocks_->parameters(i), blocks_->buffers(i)});
+  }
+
   /// Runs the blocks of `on` recomputed.
   void select(const std::vector<bool>& on) {
     selected_ = on;
@@ -365,8 +391,11 @@ class RecomputePlugin final : public tk::Plugin {
   std::vector<std::string> modules_{"*"};
   int64_t every_ = 1;
   bool auto_ = false;
+  // The model's, which outlives this plugin's calls (a plugin that replaces the model holds the
+  // old one: on_fit_start checks that the model's blocks are still these). Not a ModelPtr: the
+  // model's code lives in its library, which may be gone when this plugin is.
   tk::Blocks* blocks_ = nullptr;
-  std::shared_ptr<const BlockInfos> info_;
+  std::shared_ptr<BlockInfos> info_;
   std::vector<bool> selected_;
 };
 

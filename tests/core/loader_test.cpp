@@ -81,6 +81,10 @@ TEST_SUITE("loader") {
                                             "expected layout 0x") == 0);
     CHECK(layout.find("(trainkit " TK_VERSION "), got 0x") != std::string::npos);
     CHECK(layout.find("(trainkit 0.1.9); rebuild it against this trainkit") != std::string::npos);
+    const fs::path newer = kFixtures / "tk_newer.so";
+    CHECK(load_error(newer) == newer.string() + ": plugin was built against trainkit 99.1.0, newer than this one (" TK_VERSION
+                                                 "): it may use functions this one does not have; rebuild it against this "
+                                                 "trainkit, or run it with trainkit 99.1.0 or later");
     const fs::path throws = kFixtures / "tk_throws.so";
     CHECK(load_error(throws) == throws.string() + ": plugin 'throws' failed to register: no licence for this machine");
     CHECK(load_error(kFixtures / "tk_missing.so") == (kFixtures / "tk_missing.so").string() +
