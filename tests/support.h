@@ -167,6 +167,17 @@ class EnvGuard {
 
 /// A token shard in llm.c's format: 256 int32 of header (magic, version, count), then the tokens
 /// as uint16 (version 1) or uint32 (version 2), little-endian; `count` and `magic` may lie.
+/// Writes `documents` documents of very different lengths (1 to 40 letters), separated by "\n%\n",
+/// to `file`: text whose batches carry padding.
+inline void write_documents(const std::filesystem::path& file, int documents) {
+  std::string text;
+  for (int i = 0; i < documents; ++i) {
+    if (i) text += "\n%\n";
+    for (int j = 0; j <= (i * 7) % 40; ++j) text.push_back(static_cast<char>('a' + (i * j + j) % 26));
+  }
+  std::ofstream(file, std::ios::binary) << text;
+}
+
 inline void write_shard(const std::filesystem::path& file, const std::vector<int64_t>& tokens, int32_t version = 1, int64_t count = -1,
                  int32_t magic = 20240520) {
   std::vector<int32_t> head(256, 0);

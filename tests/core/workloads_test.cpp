@@ -98,12 +98,7 @@ lr = 0.01
 fs::path fake_corpus(const std::string& name) {
   const fs::path dir = tkt::temp_dir(name);
   fs::create_directories(dir);
-  std::string text;
-  for (int i = 0; i < 60; ++i) {
-    if (i) text += "\n%\n";
-    for (int j = 0; j <= (i * 7) % 40; ++j) text.push_back(static_cast<char>('a' + (i * j + j) % 26));
-  }
-  std::ofstream(dir / "corpus.txt", std::ios::binary) << text;
+  tkt::write_documents(dir / "corpus.txt", 60);
   return dir;
 }
 

@@ -600,12 +600,7 @@ TEST_SUITE("recompute") {
   /// The GPT with dropout on documents of 1 to 40 letters, in float32, written into ROOT.
   std::string gpt_recipe(const fs::path& root) {
     fs::create_directories(root);
-    std::string text;
-    for (int i = 0; i < 80; ++i) {
-      if (i) text += "\n%\n";
-      for (int j = 0; j <= (i * 7) % 40; ++j) text.push_back(static_cast<char>('a' + (i * j + j) % 26));
-    }
-    std::ofstream(root / "corpus.txt", std::ios::binary) << text;
+    tkt::write_documents(root / "corpus.txt", 80);
     return "[run]\nseed = 3\nsteps = 6\ndtype = \"float32\"\n"
            "[model]\nname = \"gpt\"\nlayers = 3\nwidth = 32\nheads = 2\ndropout = 0.1\n"
            "[data]\nname = \"text\"\npath = \"" + (root / "corpus.txt").string() +

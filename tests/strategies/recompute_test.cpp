@@ -49,12 +49,7 @@ const fs::path& corpus() {
   static const fs::path file = [] {
     const fs::path dir = tkt::temp_dir("recompute-corpus");
     fs::create_directories(dir);
-    std::string text;
-    for (int i = 0; i < 80; ++i) {
-      if (i) text += "\n%\n";
-      for (int j = 0; j <= (i * 7) % 40; ++j) text.push_back(static_cast<char>('a' + (i * j + j) % 26));
-    }
-    std::ofstream(dir / "corpus.txt", std::ios::binary) << text;
+    tkt::write_documents(dir / "corpus.txt", 80);
     return dir / "corpus.txt";
   }();
   return file;
