@@ -81,6 +81,7 @@ case_ "overhead.sh: tk-run killed mid-run"            "ended by signal SIGKILL" 
 case_ "precision.sh: tk-run ends short, exit 0"       "holds 20 step records" TK_BENCH_EXTRA="--set run.steps=20" -- precision.sh 1
 case_ "overhead.sh: the C++ loop fails"               "injected failure of tk-bench-loop" BUILD_DIR="$tmp/loop-fails" -- overhead.sh 1 1
 case_ "overhead.sh: the Python loop fails"            "RuntimeError: injected failure of bench_loop.py" TK_BENCH_PYTHON="$tmp/python" -- overhead.sh 1 1
+case_ "recompute.sh: the Python loop fails"           "RuntimeError: injected failure of recompute_loop.py" TK_BENCH_PYTHON="$tmp/python" -- recompute.sh 3 2
 case_ "vs-python.sh fashion: the Python loop fails"   "RuntimeError: injected failure of fashion_loop.py" TK_BENCH_PYTHON="$tmp/python" -- vs-python.sh fashion 1
 case_ "build-time.sh: git clone fails"                "fatal: injected failure of git clone" PATH="$tmp/git-fails:$PATH" -- build-time.sh
 case_ "overhead.sh: REPS 0 refused"                   "REPS must be an integer >= 1" -- overhead.sh 0

@@ -5,6 +5,9 @@
 # (one micro-batch per step). The activations are the step's peak less the parameters, their
 # gradients and AdamW's two moments (16 bytes a parameter). Recomputation changes no step, so the
 # losses of the three runs at one micro-batch must be equal; the script stops if they are not.
+# Next to each run, the same step written by hand in Python with PyTorch's own recomputation
+# (torch.utils.checkpoint, bench/recompute_loop.py), run right after it: its time per step, and
+# the share of its step that forward takes (what one more forward of every block costs).
 #   bash bench/recompute.sh [steps] [micro-batches...]   (after tools/build.sh; default 6 steps, 8 16 32)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -23,20 +26,24 @@ printf '\n[[plugins]]\nname = "recompute"\n' | cat "$recipes/none.toml" - >"$rec
 model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data.seq_len=256)
 
 echo "GPT 4 blocks x 256 wide, 8 heads, 256-token sequences (fortunes, padded documents), AdamW, $steps steps of one micro-batch"
-bench_cpu
-echo "| micro-batch | blocks recomputed | step peak (MiB) | activations (MiB) | activations vs none | ms / step | vs none |"
-echo "|---|---|---|---|---|---|---|"
+bench_cpu python
+echo "| micro-batch | blocks recomputed | step peak (MiB) | activations (MiB) | activations vs none | ms / step | vs none | Python checkpoint ms / step | vs none | Python forward share |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 for m in "${sizes[@]}"; do
-  rows=()
+  rows=() py=()
+  every=(0 2 1)
   for kind in none half all; do
     bench_tk "$kind-$m" "$steps" "$recipes/$kind.toml" --progress none --log-level warn "${model[@]}" \
       --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
       --set data.micro_batch="$m" --set plugins.grad_accum.steps=1 --set run.measure_memory=true
     rows+=("$tk_dir")
+    bench_cmd "python-$kind-$m" ms_per_step "$bench_python" "$bench_root/bench/recompute_loop.py" 4 256 8 256 "$m" \
+      "$steps" 1 "${every[${#py[@]}]}"
+    py+=("$cmd_value:$(awk '/forward_ms/ {print $2}' "$cmd_out"):$(awk '/backward_ms/ {print $2}' "$cmd_out")")
   done
-  "$bench_python" - "$m" "${rows[@]}" <<'PY' || bench_die "the runs at micro-batch $m disagree (see above)"
+  "$bench_python" - "$m" "${rows[@]}" "${py[@]}" <<'PY' || bench_die "the runs at micro-batch $m disagree (see above)"
 import json, sys, torch
-m, dirs = sys.argv[1], sys.argv[2:]
+m, dirs, py = sys.argv[1], sys.argv[2:5], [[float(v) for v in a.split(":")] for a in sys.argv[5:8]]
 labels = ["none", "every other (2 of 4)", "all 4"]
 params = sum(t.numel() for t in torch.load(f"{dirs[0]}/weights.pt").values())
 state_mib = 16 * params / 2**20
@@ -46,8 +53,9 @@ for d in dirs:
     peak = max(r["step_peak_mib"] for r in rows[1:])
     ms = 1000 * (rows[-1]["wall_time"] - rows[0]["wall_time"]) / (len(rows) - 1)
     runs.append((peak, peak - state_mib, ms, [r["loss"] for r in rows]))
-for label, (peak, act, ms, losses) in zip(labels, runs):
-    print(f"| {m} | {label} | {peak:.0f} | {act:.0f} | {act / runs[0][1]:.2f}x | {ms:.0f} | {ms / runs[0][2]:.2f}x |")
+for label, (peak, act, ms, losses), (pms, pf, pb) in zip(labels, runs, py):
+    print(f"| {m} | {label} | {peak:.0f} | {act:.0f} | {act / runs[0][1]:.2f}x | {ms:.0f} | {ms / runs[0][2]:.2f}x "
+          f"| {pms:.0f} | {pms / py[0][0]:.2f}x | {pf / pms:.0%} |")
 if any(r[3] != runs[0][3] for r in runs):
     print(f"bench: the losses differ with recomputation at micro-batch {m}: {[r[3] for r in runs]}", file=sys.stderr)
     sys.exit(1)

@@ -11,6 +11,9 @@
 #include <tk/compat.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
 #include <sstream>
 
 namespace {
@@ -26,6 +29,27 @@ bool half_matmul_works(at::DeviceType device) {
   } catch (const std::exception&) {
     return false;
   }
+}
+
+/// The CPU's native bf16 instructions as /proc/cpuinfo lists them ("AVX512-BF16", "AMX-BF16", both
+/// joined by " and ", Arm's "BF16"), "" when it lists none, nullopt when it cannot be read.
+/// TK_CPUINFO names another file (for the tests).
+std::optional<std::string> native_bf16() {
+  const char* file = std::getenv("TK_CPUINFO");
+  std::ifstream in(file && *file ? file : "/proc/cpuinfo");
+  if (!in) return std::nullopt;
+  for (std::string line; std::getline(in, line);) {
+    const bool x86 = line.rfind("flags", 0) == 0, arm = line.rfind("Features", 0) == 0;
+    if (!x86 && !arm) continue;
+    std::istringstream words(line.substr(line.find(':') == std::string::npos ? line.size() : line.find(':') + 1));
+    std::string found;
+    for (std::string w; words >> w;) {
+      const char* name = w == "avx512_bf16" ? "AVX512-BF16" : w == "amx_bf16" ? "AMX-BF16" : (arm && w == "bf16") ? "BF16" : nullptr;
+      if (name) found += (found.empty() ? "" : " and ") + std::string(name);
+    }
+    return found;
+  }
+  return std::nullopt;
 }
 
 class MixedPrecision final : public tk::Plugin {
@@ -129,10 +153,27 @@ class MixedPrecision final : public tk::Plugin {
   void start(tk::Context& ctx) {
     for (const auto& n : notes_) ctx.warn(n);
     notes_.clear();
+    if (device_ == at::kCPU && !fp16_) say_bf16(ctx);
     for (const auto& p : ctx.model().parameters())
       if (p.scalar_type() != at::kFloat)
         throw std::runtime_error("autocast needs float32 parameters, found " + std::string(c10::toString(p.scalar_type())) +
                                  " (set run.dtype = \"float32\")");
+  }
+
+  /// Whether bf16 pays on this CPU: with native bf16 instructions LibTorch's bf16 matrix products
+  /// are faster than float32; without them they are emulated, and can be many times slower.
+  static void say_bf16(tk::Context& ctx) {
+    const std::optional<std::string> native = native_bf16();
+    if (!native)
+      ctx.info("bf16 autocast on the CPU; its bf16 instructions could not be read (no /proc/cpuinfo): measure with "
+               "bench/precision.sh whether bf16 is faster than float32 here");
+    else if (native->empty())
+      ctx.warn("this CPU has no native bf16 instructions (no AVX512-BF16 or AMX-BF16 in /proc/cpuinfo): LibTorch "
+               "emulates bf16 matrix products, which can be many times slower than float32 (25x was measured on an "
+               "AVX2-only machine, docs/benchmarks.md); train in float32 (without mixed_precision), or measure with "
+               "bench/precision.sh");
+    else
+      ctx.info("bf16 autocast on a CPU with native bf16 instructions (" + *native + ")");
   }
 
   void enter() {

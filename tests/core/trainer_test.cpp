@@ -261,15 +261,20 @@ name = "fake_sync"
     fs::remove_all(one_dir);
   }
 
-  TEST_CASE("max_time stops at the next boundary with a checkpoint") {
+  TEST_CASE("max_time stops at the next boundary with a checkpoint and a validation of that step") {
     const fs::path dir = tkt::temp_dir("max-time");
-    auto r = tkt::recipe({"run.output=\"" + dir.string() + "\"", "run.max_time=\"1ms\"", "run.steps=100000"});
+    auto r = tkt::recipe({"run.output=\"" + dir.string() + "\"", "run.max_time=\"1ms\"", "run.steps=100000",
+                          "data.validation_samples=32"});
     auto opts = tkt::quiet();
     opts.write_outputs = true;
     tk::Trainer t(r, opts);
     auto res = t.fit();
     CHECK(res.stopped == "max_time");
     CHECK(res.steps < 100000);
+    REQUIRE(res.validation_losses.size() == 1);  // validate_every = 0: only at the end, which came early
+    const auto validated = tkt::metric(dir / "metrics.jsonl", "validation_loss");
+    REQUIRE(!validated.empty());
+    CHECK(validated.back() == doctest::Approx(res.validation_losses[0]));
     CHECK(res.checkpoint == dir / ("checkpoints/step-" + std::string(8 - std::to_string(res.steps).size(), '0') +
                                    std::to_string(res.steps)));
     CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"run.max_time=\"ten minutes\""}), tkt::quiet()),

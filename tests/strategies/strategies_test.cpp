@@ -234,12 +234,36 @@ TEST_SUITE("mixed precision") {
   }
 
   TEST_CASE("bf16 says so when a loss scaler is configured for it") {
+    const fs::path cpuinfo = tkt::temp_dir("cpuinfo-bf16");
+    std::ofstream(cpuinfo) << "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n";
+    tkt::EnvGuard env("TK_CPUINFO", cpuinfo.string());  // a CPU with native bf16: no note about it
     auto r = run("[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\ninit_scale = 128.0\n", {"run.steps=1"}, {},
                  "bf16-note");
     REQUIRE(r.warnings.size() == 1);
     CHECK(r.warnings[0].find("mixed_precision: dtype = \"bf16\" needs no loss scaler; ignoring init_scale (test.toml:") ==
           0);
     fs::remove_all(r.dir);
+    fs::remove(cpuinfo);
+  }
+
+  TEST_CASE("bf16 on a CPU without native bf16 instructions warns, naming what it looked for; with them it does not") {
+    const fs::path cpuinfo = tkt::temp_dir("cpuinfo");
+    const std::string bf16 = "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\n";
+    std::ofstream(cpuinfo) << "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\nprocessor\t: 1\nflags\t\t: fpu sse2 avx2 fma\n";
+    {
+      tkt::EnvGuard env("TK_CPUINFO", cpuinfo.string());
+      auto r = run(bf16, {"run.steps=1"}, {}, "bf16-avx2");
+      REQUIRE(r.warnings.size() == 1);
+      CHECK(r.warnings[0].find("mixed_precision: this CPU has no native bf16 instructions (no AVX512-BF16 or AMX-BF16 in "
+                               "/proc/cpuinfo)") == 0);
+      fs::remove_all(r.dir);
+    }
+    std::ofstream(cpuinfo) << "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n";
+    tkt::EnvGuard env("TK_CPUINFO", cpuinfo.string());
+    auto r = run(bf16, {"run.steps=1"}, {}, "bf16-amx");
+    CHECK(r.warnings.empty());  // it says "native bf16 instructions (AVX512-BF16 and AMX-BF16)" in the log
+    fs::remove_all(r.dir);
+    fs::remove(cpuinfo);
   }
 
   TEST_CASE("bf16 and fp16 runs of the quickstart recipe train and stay close to fp32") {
