@@ -165,8 +165,6 @@ class EnvGuard {
   std::optional<std::string> old_;
 };
 
-/// A token shard in llm.c's format: 256 int32 of header (magic, version, count), then the tokens
-/// as uint16 (version 1) or uint32 (version 2), little-endian; `count` and `magic` may lie.
 /// Writes `documents` documents of very different lengths (1 to 40 letters), separated by "\n%\n",
 /// to `file`: text whose batches carry padding.
 inline void write_documents(const std::filesystem::path& file, int documents) {
@@ -178,6 +176,8 @@ inline void write_documents(const std::filesystem::path& file, int documents) {
   std::ofstream(file, std::ios::binary) << text;
 }
 
+/// A token shard in llm.c's format: 256 int32 of header (magic, version, count), then the tokens
+/// as uint16 (version 1) or uint32 (version 2), little-endian; `count` and `magic` may lie.
 inline void write_shard(const std::filesystem::path& file, const std::vector<int64_t>& tokens, int32_t version = 1, int64_t count = -1,
                  int32_t magic = 20240520) {
   std::vector<int32_t> head(256, 0);

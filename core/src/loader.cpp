@@ -166,7 +166,7 @@ const tk_plugin_info* open(const fs::path& file, boost::dll::shared_library& lib
   // Within an ABI version a later trainkit only adds functions: a library built against a later
   // one than this may call what this one lacks.
   int major = 0, minor = 0, patch = 0;
-  if (std::sscanf(tk_version.c_str(), "%d.%d.%d", &major, &minor, &patch) == 3 &&
+  if (std::sscanf(tk_version.c_str(), "%d.%d.%d", &major, &minor, &patch) >= 2 &&
       std::make_tuple(major, minor, patch) > std::make_tuple(TK_VERSION_MAJOR, TK_VERSION_MINOR, TK_VERSION_PATCH))
     throw PluginLoadError(where + ": plugin was built against trainkit " + tk_version + ", newer than this one (" TK_VERSION
                           "): it may use functions this one does not have; rebuild it against this trainkit, or "

@@ -338,6 +338,11 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   JsonLine line = step_record(epoch, skipped, t);
   const Counters& c = s_.counters;
   done_ = c.step >= r_.total_steps;
+  auto validate = [&] {
+    record_validation(line);
+    if (meter_) meter_->take_peak();  // validation's memory is not the next step's
+  };
+  if (r_.data.validation && ((validate_every_ > 0 && c.step % validate_every_ == 0) || done_)) validate();
   // Stop early at this boundary when asked to (a signal) or out of time; with a checkpoint.
   // Every rank stops at the same boundary: the world agrees on the strongest reason (a signal
   // over the time limit) any rank has.
@@ -348,10 +353,7 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   if (!done_ && r_.plan.world_size > 1 && r_.plan.max_over_ranks) stop = r_.plan.max_over_ranks(stop);
   // A run out of time ends as a finished one does, with a validation of its last step (a signal
   // asks for a prompt stop: none then).
-  if (r_.data.validation && ((validate_every_ > 0 && c.step % validate_every_ == 0) || done_ || stop == kOutOfTime)) {
-    record_validation(line);
-    if (meter_) meter_->take_peak();  // validation's memory is not the next step's
-  }
+  if (r_.data.validation && stop == kOutOfTime && last_validation_step_ != c.step) validate();
   if (stop == kSignalled) result_.status = FitStatus::StoppedBySignal;
   else if (stop == kOutOfTime) result_.status = FitStatus::StoppedByTime;
   if (result_.status != FitStatus::Running) done_ = true;

@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
-#include <optional>
 #include <sstream>
 
 namespace {
@@ -31,25 +30,33 @@ bool half_matmul_works(at::DeviceType device) {
   }
 }
 
-/// The CPU's native bf16 instructions as /proc/cpuinfo lists them ("AVX512-BF16", "AMX-BF16", both
-/// joined by " and ", Arm's "BF16"), "" when it lists none, nullopt when it cannot be read.
-/// TK_CPUINFO names another file (for the tests).
-std::optional<std::string> native_bf16() {
-  const char* file = std::getenv("TK_CPUINFO");
-  std::ifstream in(file && *file ? file : "/proc/cpuinfo");
-  if (!in) return std::nullopt;
-  for (std::string line; std::getline(in, line);) {
+/// What /proc/cpuinfo (or the file TK_CPUINFO names, for the tests) says of the CPU's native bf16
+/// instructions: `listed` is false when the file cannot be read or has no line of flags.
+struct Bf16Support {
+  std::string file;
+  bool listed = false, arm = false;
+  std::string found;  // "AVX512-BF16", "AMX-BF16", both joined by " and ", Arm's "BF16"; "" when none
+};
+
+Bf16Support native_bf16() {
+  const char* override_file = std::getenv("TK_CPUINFO");
+  Bf16Support out;
+  out.file = override_file && *override_file ? override_file : "/proc/cpuinfo";
+  std::ifstream in(out.file);
+  for (std::string line; in && std::getline(in, line);) {
     const bool x86 = line.rfind("flags", 0) == 0, arm = line.rfind("Features", 0) == 0;
-    if (!x86 && !arm) continue;
-    std::istringstream words(line.substr(line.find(':') == std::string::npos ? line.size() : line.find(':') + 1));
-    std::string found;
+    const size_t colon = line.find(':');
+    if ((!x86 && !arm) || colon == std::string::npos) continue;
+    out.listed = true;
+    out.arm = arm;
+    std::istringstream words(line.substr(colon + 1));
     for (std::string w; words >> w;) {
       const char* name = w == "avx512_bf16" ? "AVX512-BF16" : w == "amx_bf16" ? "AMX-BF16" : (arm && w == "bf16") ? "BF16" : nullptr;
-      if (name) found += (found.empty() ? "" : " and ") + std::string(name);
+      if (name) out.found += (out.found.empty() ? "" : " and ") + std::string(name);
     }
-    return found;
+    return out;  // the first processor's line speaks for all
   }
-  return std::nullopt;
+  return out;
 }
 
 class MixedPrecision final : public tk::Plugin {
@@ -163,17 +170,17 @@ class MixedPrecision final : public tk::Plugin {
   /// Whether bf16 pays on this CPU: with native bf16 instructions LibTorch's bf16 matrix products
   /// are faster than float32; without them they are emulated, and can be many times slower.
   static void say_bf16(tk::Context& ctx) {
-    const std::optional<std::string> native = native_bf16();
-    if (!native)
-      ctx.info("bf16 autocast on the CPU; its bf16 instructions could not be read (no /proc/cpuinfo): measure with "
+    const Bf16Support cpu = native_bf16();
+    if (!cpu.listed)
+      ctx.info("bf16 autocast on the CPU; " + cpu.file + " does not say which bf16 instructions it has: measure with "
                "bench/precision.sh whether bf16 is faster than float32 here");
-    else if (native->empty())
-      ctx.warn("this CPU has no native bf16 instructions (no AVX512-BF16 or AMX-BF16 in /proc/cpuinfo): LibTorch "
-               "emulates bf16 matrix products, which can be many times slower than float32 (25x was measured on an "
-               "AVX2-only machine, docs/benchmarks.md); train in float32 (without mixed_precision), or measure with "
-               "bench/precision.sh");
+    else if (cpu.found.empty())
+      ctx.warn(std::string("this CPU has no native bf16 instructions (no ") + (cpu.arm ? "BF16" : "AVX512-BF16 or AMX-BF16") +
+               " in " + cpu.file + "): LibTorch emulates bf16 matrix products, which can be many times slower than "
+               "float32 (25x was measured on an AVX2-only machine, docs/benchmarks.md); train in float32 (without "
+               "mixed_precision), or measure with bench/precision.sh");
     else
-      ctx.info("bf16 autocast on a CPU with native bf16 instructions (" + *native + ")");
+      ctx.info("bf16 autocast on a CPU with native bf16 instructions (" + cpu.found + ")");
   }
 
   void enter() {

@@ -274,6 +274,7 @@ name = "fake_sync"
     REQUIRE(res.validation_losses.size() == 1);  // validate_every = 0: only at the end, which came early
     const auto validated = tkt::metric(dir / "metrics.jsonl", "validation_loss");
     REQUIRE(!validated.empty());
+    REQUIRE(!std::isnan(validated.back()));  // on the last step's record
     CHECK(validated.back() == doctest::Approx(res.validation_losses[0]));
     CHECK(res.checkpoint == dir / ("checkpoints/step-" + std::string(8 - std::to_string(res.steps).size(), '0') +
                                    std::to_string(res.steps)));
