@@ -15,17 +15,41 @@ import torch
 import torch.nn.functional as F
 
 
-class Block(torch.nn.Module):
-    def __init__(self, c: int, heads: int):
+class RmsNorm(torch.nn.Module):
+    """x / sqrt(mean(x^2) + 1e-6) * weight (Python's torch 1.13 has no RMSNorm)."""
+
+    def __init__(self, c: int):
         super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
+        self.weight = torch.nn.Parameter(torch.ones(c))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def rotate(x, base=10000.0):
+    """Rotary positions on [B, H, T, D], feature i paired with i + D/2 (GPT-NeoX's form)."""
+    t, half = x.shape[-2], x.shape[-1] // 2
+    inv = base ** (torch.arange(half, dtype=torch.float64) * (-2.0 / (2 * half)))
+    theta = torch.outer(torch.arange(t, dtype=torch.float64), inv)
+    cos, sin = theta.cos().to(x), theta.sin().to(x)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, c: int, heads: int, rotary: bool = False, rms: bool = False):
+        super().__init__()
+        self.heads, self.rotary = heads, rotary
+        norm = RmsNorm if rms else torch.nn.LayerNorm
+        self.ln1, self.ln2 = norm(c), norm(c)
         self.qkv, self.proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
         self.fc, self.out = torch.nn.Linear(c, 4 * c), torch.nn.Linear(4 * c, c)
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        if self.rotary:
+            q, k = rotate(q), rotate(k)
         s = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
         s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf")).softmax(-1)
         x = x + self.proj((s @ v).transpose(1, 2).reshape(b, t, c))
@@ -33,14 +57,20 @@ class Block(torch.nn.Module):
 
 
 class Gpt(torch.nn.Module):
-    def __init__(self, layers: int, c: int, heads: int, t: int, vocab: int = 256):
+    """Learned positions and LayerNorm, or (rotary, rms) rotary positions and RMSNorm."""
+
+    def __init__(self, layers: int, c: int, heads: int, t: int, vocab: int = 256, rotary: bool = False,
+                 rms: bool = False):
         super().__init__()
-        self.wte, self.wpe = torch.nn.Embedding(vocab, c), torch.nn.Embedding(t, c)
-        self.blocks = torch.nn.ModuleList(Block(c, heads) for _ in range(layers))
-        self.ln_f = torch.nn.LayerNorm(c)
+        self.wte = torch.nn.Embedding(vocab, c)
+        self.wpe = None if rotary else torch.nn.Embedding(t, c)
+        self.blocks = torch.nn.ModuleList(Block(c, heads, rotary, rms) for _ in range(layers))
+        self.ln_f = RmsNorm(c) if rms else torch.nn.LayerNorm(c)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks:
             x = b(x)
         return self.ln_f(x) @ self.wte.weight.t()

@@ -17,14 +17,16 @@ if [ ! -f "$data/train_000.bin" ]; then
   bench_checked tokenize "$bench_work/tokenize.log" "$bench_bin/tk-tokenize" "${texts[@]}" --vocab 4096 \
     --separator '\n%\n' --out "$data"
 fi
-echo "recipes/speedrun.toml (GPT 4 x 128, BPE 4096, 128-token sequences, 4 x 16 per step), $seconds s each"
+steps=$(sed -n 's/^steps = \([0-9]*\).*/\1/p' "$bench_root/recipes/speedrun.toml" | head -1)
+bench_int "the recipe's run.steps" "$steps" 1
+echo "recipes/speedrun.toml (GPT 4 x 128, rotary, RMSNorm, BPE 4096, 128-token sequences, 4 x 16 per step, $steps steps), $seconds s each"
 bench_cpu python
 out=$(bench_fresh tk)
 bench_checked tk-run "$bench_work/tk.log" "$bench_bin/tk-run" "$bench_root/recipes/speedrun.toml" --progress plain \
   --set run.output="\"$out\"" --set run.max_time="\"${seconds}s\"" --set data.train="\"$data/train_*.bin\"" \
   --set data.validation="\"$data/val_*.bin\"" "${bench_extra[@]}"
 bench_cmd python val_loss "$bench_python" "$bench_root/bench/speedrun_loop.py" "$data/train_000.bin" \
-  "$data/val_000.bin" "$seconds" 700
+  "$data/val_000.bin" "$seconds" "$steps"
 /usr/bin/python3 - "$out/metrics.jsonl" "$bench_work/tk.log" "$cmd_out" <<'PY'
 import json, re, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -45,4 +47,6 @@ print(f"| Python by hand | {py['steps']} | {float(py['tokens_per_s']):.0f} | "
       f"{py_last[-1].split()[3] if py_last else '-'} | {float(py['val_loss']):.4f} | {baseline:.4f} |")
 print("\ntk-run's validation curve: " + ", ".join(f"step {s}: {v:.4f}" for s, v in vals))
 print(f"tokens per second, tk-run / Python: {tk_tps / float(py['tokens_per_s']):.3f}")
+cut = re.search(r"run.max_time stopped the run at step \d+ of run.steps = \d+.*", log)
+print("tk-run: " + (cut.group(0) if cut else "its schedule ended within the time"))
 PY

@@ -1,6 +1,6 @@
 """recipes/speedrun.toml's training written by hand in Python (Debian's python3-torch), for a
-side-by-side race: the same GPT as bench/gpt_loop.py (4 layers x 128, 4 heads, tied head, GPT-2's
-initialization) over the vocabulary of the shards, the same llm.c-format shards read by hand, sequences of 128, 4
+side-by-side race: the same GPT as bench/gpt_loop.py (4 layers x 128, 4 heads, tied head, rotary
+positions, RMSNorm, GPT-2's initialization) over the vocabulary of the shards, the same llm.c-format shards read by hand, sequences of 128, 4
 micro-batches of 16 (mean loss, each scaled by 1/4) per AdamW step (lr 3e-3, betas 0.9/0.95,
 weight decay 0.1) on the recipe's warmup-cosine schedule, a seeded shuffle per epoch; it stops at
 STEPS steps or once SECONDS have passed at a step's end, then validates on every validation
@@ -65,7 +65,7 @@ def main() -> None:
     vocab = int(max(train.max(), val.max())) + 1
     xs, vs = sequences(train), sequences(val)
     torch.manual_seed(1)
-    model = Gpt(4, 128, 4, T, vocab)
+    model = Gpt(4, 128, 4, T, vocab, rotary=True, rms=True)
     init_gpt2(model, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=BASE, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)

@@ -72,6 +72,9 @@ class Loop {
   int64_t back_off(const WindowStart& w, const std::string& what);
 
   double elapsed() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+  /// A run that time stopped before its schedule's end never took its last learning rates: says
+  /// so, with the run.steps that this run's pace fits into run.max_time.
+  void note_unfinished_schedule();
 
   Run& r_;
   const TrainerOptions& opts_;
@@ -90,6 +93,7 @@ class Loop {
   std::optional<Prefetcher> prefetch_;
   std::chrono::steady_clock::time_point t0_;
   int64_t checkpoint_every_ = 0, validate_every_ = 0, last_validation_step_ = -1;
+  int64_t first_step_ = 0;  // the step this process started from (0, or a resume's)
   bool done_ = false, in_window_ = false;  // checkpoints and resumes are at boundaries
   WindowStart opened_;
   std::vector<at::Tensor> window_indices_;  // the examples of the window's micro-batches, for a diagnosis
@@ -184,6 +188,20 @@ bool Loop::optimizer_step() {
   if (!skipped || s_.step.veto_advances_schedule) ++s_.counters.schedule_step;
   emit(Event::StepEnd);
   return skipped;
+}
+
+void Loop::note_unfinished_schedule() {
+  if (r_.sched_name == "constant" || r_.plan.rank != 0) return;
+  const int64_t done = s_.counters.step - first_step_;
+  const double seconds = elapsed();
+  if (done < 1 || seconds <= 0.0) return;
+  const auto fit = static_cast<int64_t>(std::floor(static_cast<double>(done) * r_.max_time_s / seconds));
+  r_.warn(fmt::format("run.max_time stopped the run at step {} of run.steps = {}: schedule '{}' had not ended (lr "
+                      "{:.3g} at this step, {:.3g} at its last). At this run's pace ({:.3g} s a step) about {} steps "
+                      "fit in run.max_time; set run.steps to that for a schedule that ends with the time",
+                      s_.counters.step, r_.total_steps, r_.sched_name, s_.lr,
+                      r_.schedule->lr(r_.total_steps - 1, r_.total_steps), seconds / static_cast<double>(done),
+                      first_step_ + fit));
 }
 
 int64_t Loop::back_off(const WindowStart& w, const std::string& what) {
@@ -353,6 +371,7 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   if (!done_ && r_.plan.world_size > 1 && r_.plan.max_over_ranks) stop = r_.plan.max_over_ranks(stop);
   // A run out of time ends as a finished one does, with a validation of its last step (a signal
   // asks for a prompt stop: none then).
+  if (stop == kOutOfTime) note_unfinished_schedule();  // the pace of training, before the last validation
   if (r_.data.validation && stop == kOutOfTime && last_validation_step_ != c.step) validate();
   if (stop == kSignalled) result_.status = FitStatus::StoppedBySignal;
   else if (stop == kOutOfTime) result_.status = FitStatus::StoppedByTime;
@@ -581,6 +600,7 @@ FitResult Loop::fit(const Recipe& recipe) {
   checkpoint_every_ = r_.run.get_int("checkpoint_every");
   validate_every_ = r_.run.get_int("validate_every");
   t0_ = std::chrono::steady_clock::now();
+  first_step_ = s_.counters.step;
   outputs.status("running", s_.counters.step);
   try {
     train_epochs(start);

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
+#include <utility>
 
 #include <tk/abi.h>
 #include <tk/blocks.h>
@@ -146,18 +148,100 @@ class Cnn : public Model, public ModelWithBlocks {
 struct GptShape {
   int64_t vocab, context, width, heads, layers;
   double dropout;
+  bool rotary = false;  // rotary position embedding on queries and keys instead of learned positions
+  double rotary_base = 10000.0;
+  bool rms_norm = false;  // RMSNorm (a scale, no bias, no centering) instead of LayerNorm
+};
+
+/// Rotary position embedding (RoPE, Su et al. 2021) in the half-split form GPT-NeoX and LLaMA
+/// use: feature i of a head pairs with feature i + D/2, and the pair at position p turns by
+/// p * base^(-2i/D). Queries and keys carry their positions, so attention scores depend only on
+/// the offset between two positions. The angles are computed in float64 once per sequence length,
+/// device and dtype, and shared by every block.
+class Rotary {
+ public:
+  Rotary(int64_t head_dim, double base) : half_(head_dim / 2), base_(base) {}
+
+  /// Turns q or k ([B, H, T, D]).
+  torch::Tensor apply(const torch::Tensor& x) {
+    auto [cos, sin] = angles(x.size(-2), x.options());
+    auto x1 = x.narrow(-1, 0, half_), x2 = x.narrow(-1, half_, half_);
+    return at::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1);
+  }
+
+ private:
+  std::pair<torch::Tensor, torch::Tensor> angles(int64_t t, const at::TensorOptions& like) {
+    std::lock_guard<std::mutex> lock(mutex_);  // a recomputation may run on the backward's thread
+    if (!cos_.defined() || cos_.size(0) != t || cos_.device() != like.device() ||
+        cos_.scalar_type() != like.dtype().toScalarType()) {
+      auto f64 = at::TensorOptions().dtype(at::kDouble);
+      auto inv = at::pow(base_, at::arange(0, half_, f64) * (-2.0 / static_cast<double>(2 * half_)));
+      auto theta = at::outer(at::arange(t, f64), inv);  // [T, D/2]
+      const auto to = like.dtype(like.dtype().toScalarType()).requires_grad(false);
+      cos_ = at::cos(theta).to(to);
+      sin_ = at::sin(theta).to(to);
+    }
+    return {cos_, sin_};
+  }
+
+  int64_t half_;
+  double base_;
+  std::mutex mutex_;
+  torch::Tensor cos_, sin_;
+};
+
+/// RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight over the last dimension,
+/// computed in float32 at least (under autocast too), returned in the input's dtype.
+class RmsNormImpl : public torch::nn::Module {
+ public:
+  explicit RmsNormImpl(int64_t width, double eps = 1e-6) : eps_(eps) {
+    weight = register_parameter("weight", at::ones({width}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+    auto xf = reduced ? x.to(at::kFloat) : x;
+    auto y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+    return (reduced ? y.to(x.scalar_type()) : y) * weight;
+  }
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RmsNorm);
+
+/// LayerNorm or RMSNorm, by the shape's choice, registered in `owner` under `name`: a LayerNorm's
+/// parameters stay `name.weight` and `name.bias`, an RMSNorm has `name.weight` only.
+struct Norm {
+  Norm() = default;
+  Norm(torch::nn::Module& owner, const std::string& name, const GptShape& s) {
+    if (s.rms_norm)
+      rms = owner.register_module(name, RmsNorm(s.width));
+    else
+      ln = owner.register_module(name, torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width})));
+  }
+  torch::Tensor operator()(const torch::Tensor& x) { return rms ? rms->forward(x) : ln->forward(x); }
+
+  torch::nn::LayerNorm ln{nullptr};
+  RmsNorm rms{nullptr};
 };
 
 class CausalSelfAttention : public torch::nn::Module {
  public:
-  explicit CausalSelfAttention(const GptShape& s) : heads_(s.heads), dropout_(s.dropout) {
+  CausalSelfAttention(const GptShape& s, std::shared_ptr<Rotary> rotary)
+      : heads_(s.heads), dropout_(s.dropout), rotary_(std::move(rotary)) {
     qkv_ = register_module("qkv", torch::nn::Linear(s.width, 3 * s.width));
     proj_ = register_module("proj", torch::nn::Linear(s.width, s.width));
   }
   torch::Tensor forward(const torch::Tensor& x) {  // [B, T, C]
     const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
     auto qkv = qkv_->forward(x).view({b, t, 3, heads_, c / heads_}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, D]
-    auto y = compat::causal_attention(qkv[0], qkv[1], qkv[2], is_training() ? dropout_ : 0.0);
+    auto q = qkv[0], k = qkv[1];
+    if (rotary_) {
+      q = rotary_->apply(q);
+      k = rotary_->apply(k);
+    }
+    auto y = compat::causal_attention(q, k, qkv[2], is_training() ? dropout_ : 0.0);
     return proj_->forward(y.transpose(1, 2).reshape({b, t, c}));
   }
   torch::nn::Linear& proj() { return proj_; }
@@ -165,21 +249,22 @@ class CausalSelfAttention : public torch::nn::Module {
  private:
   int64_t heads_;
   double dropout_;
+  std::shared_ptr<Rotary> rotary_;
   torch::nn::Linear qkv_{nullptr}, proj_{nullptr};
 };
 
 class GptBlock : public torch::nn::Module {
  public:
-  explicit GptBlock(const GptShape& s) : dropout_(s.dropout) {
-    ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width})));
-    attn_ = register_module("attn", std::make_shared<CausalSelfAttention>(s));
-    ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width})));
+  GptBlock(const GptShape& s, std::shared_ptr<Rotary> rotary) : dropout_(s.dropout) {
+    ln1_ = Norm(*this, "ln1", s);
+    attn_ = register_module("attn", std::make_shared<CausalSelfAttention>(s, std::move(rotary)));
+    ln2_ = Norm(*this, "ln2", s);
     fc_ = register_module("fc", torch::nn::Linear(s.width, 4 * s.width));
     proj_ = register_module("proj", torch::nn::Linear(4 * s.width, s.width));
   }
   torch::Tensor forward(torch::Tensor x) {
-    x = x + drop(attn_->forward(ln1_->forward(x)));
-    return x + drop(proj_->forward(at::gelu(fc_->forward(ln2_->forward(x)))));
+    x = x + drop(attn_->forward(ln1_(x)));
+    return x + drop(proj_->forward(at::gelu(fc_->forward(ln2_(x)))));
   }
   /// The two projections that write into the residual stream.
   std::vector<torch::Tensor> residual_weights() { return {attn_->proj()->weight, proj_->weight}; }
@@ -189,25 +274,27 @@ class GptBlock : public torch::nn::Module {
     return dropout_ > 0.0 ? at::dropout(x, dropout_, is_training()) : x;
   }
   double dropout_;
-  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  Norm ln1_, ln2_;
   std::shared_ptr<CausalSelfAttention> attn_;
   torch::nn::Linear fc_{nullptr}, proj_{nullptr};
 };
 
-/// Decoder-only Transformer with pre-LayerNorm blocks: token + learned position embeddings,
-/// causal self-attention, GELU MLP, final LayerNorm, and a head tied to the token embedding or not.
+/// Decoder-only Transformer with pre-norm blocks: token embeddings with learned or rotary
+/// positions, causal self-attention, GELU MLP, LayerNorm or RMSNorm, and a head tied to the token
+/// embedding or not.
 class Gpt : public Model, public ModelWithBlocks {
  public:
   Gpt(const GptShape& s, bool tied) : shape_(s) {
     wte_ = register_module("wte", torch::nn::Embedding(s.vocab, s.width));
-    wpe_ = register_module("wpe", torch::nn::Embedding(s.context, s.width));
+    if (!s.rotary) wpe_ = register_module("wpe", torch::nn::Embedding(s.context, s.width));
+    auto rotary = s.rotary ? std::make_shared<Rotary>(s.width / s.heads, s.rotary_base) : nullptr;
     for (int64_t i = 0; i < s.layers; ++i) {
-      auto block = std::make_shared<GptBlock>(s);
+      auto block = std::make_shared<GptBlock>(s, rotary);
       blocks_->push_back(block);
       runs_.add("blocks." + std::to_string(i), std::vector<std::shared_ptr<torch::nn::Module>>(1, block), [block](const torch::Tensor& x) { return block->forward(x); });
     }
     register_module("blocks", blocks_);
-    ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width})));
+    ln_f_ = Norm(*this, "ln_f", s);
     if (!tied) head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.vocab).bias(false)));
     initialize();
   }
@@ -220,11 +307,11 @@ class Gpt : public Model, public ModelWithBlocks {
     if (t > shape_.context)
       throw Error("model 'gpt': sequences of " + std::to_string(t) + " positions exceed its context of " +
                   std::to_string(shape_.context) + " (model.context)");
-    auto pos = at::arange(t, input.options().dtype(at::kLong));
-    auto x = wte_->forward(input) + wpe_->forward(pos);
+    auto x = wte_->forward(input);
+    if (wpe_) x = x + wpe_->forward(at::arange(t, input.options().dtype(at::kLong)));
     if (shape_.dropout > 0.0) x = at::dropout(x, shape_.dropout, is_training());
     for (size_t i = 0; i < runs_.size(); ++i) x = runs_.run(i, x);
-    x = ln_f_->forward(x);
+    x = ln_f_(x);
     return head_ ? head_->forward(x) : at::linear(x, wte_->weight);
   }
   Blocks& blocks() override { return runs_; }
@@ -250,7 +337,7 @@ class Gpt : public Model, public ModelWithBlocks {
   GptShape shape_;
   torch::nn::Embedding wte_{nullptr}, wpe_{nullptr};
   torch::nn::ModuleList blocks_;
-  torch::nn::LayerNorm ln_f_{nullptr};
+  Norm ln_f_;
   torch::nn::Linear head_{nullptr};
   Blocks runs_;  // the same blocks, as recomputation sees them
 };
@@ -363,7 +450,12 @@ OptionSpecs gpt_specs() {
           opt_int("width", 128, "embedding width (d_model)"),
           opt_int("context", 0, "longest sequence, for the position embedding (0: the data's sequence length)"),
           opt_float("dropout", 0.0, "dropout on embeddings, attention weights and residual branches"),
-          opt_bool("tied_head", true, "the output head reuses the token embedding matrix")};
+          opt_bool("tied_head", true, "the output head reuses the token embedding matrix"),
+          opt_string("position", "learned", "positions: a learned embedding added to the tokens, or rotary (RoPE) on queries and keys",
+                     {"learned", "rotary"}),
+          opt_float("rotary_base", 10000.0, "base of the rotary angles (position \"rotary\")"),
+          opt_string("norm", "layernorm", "normalization before each attention and MLP and at the end",
+                     {"layernorm", "rmsnorm"})};
 }
 
 ModelPtr make_gpt(const Options& o, const DataInfo& d) {
@@ -379,13 +471,22 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
     o.fail("context", "is " + std::to_string(s.context) + ", shorter than the data's sequences of " +
                           std::to_string(d.input_shape[0]));
   if (s.dropout < 0.0 || s.dropout >= 1.0) o.fail("dropout", "must be in [0, 1)");
+  s.rotary = o.get_string("position") == "rotary";
+  s.rotary_base = o.get_float("rotary_base");
+  s.rms_norm = o.get_string("norm") == "rmsnorm";
+  if (s.rotary && (s.width / s.heads) % 2 != 0)
+    o.fail("position", "rotary positions turn pairs of features, but each head has " + std::to_string(s.width / s.heads) +
+                           " (width / heads must be even)");
+  if (!(s.rotary_base > 1.0)) o.fail("rotary_base", "must be > 1, got " + std::to_string(s.rotary_base));
   if (d.output_dim != d.vocab)
     o.fail("name", "model 'gpt' predicts the next token, but the data's targets have " + std::to_string(d.output_dim) +
                        " classes for a vocabulary of " + std::to_string(d.vocab));
   const double w = static_cast<double>(s.width);
+  const double norms = s.rms_norm ? w : 2 * w;  // per norm
   require_parameters_fit(o, o.get_int("context") > 0 ? "context" : "width",
                          static_cast<double>(s.vocab) * w * (o.get_bool("tied_head") ? 1 : 2) +
-                             static_cast<double>(s.context) * w + static_cast<double>(s.layers) * (12 * w * w + 13 * w));
+                             (s.rotary ? 0.0 : static_cast<double>(s.context) * w) + norms +
+                             static_cast<double>(s.layers) * (12 * w * w + 9 * w + 2 * norms));
   return std::make_shared<Gpt>(s, o.get_bool("tied_head"));
 }
 
@@ -415,8 +516,8 @@ void register_models(Registry& r) {
   r.add_model("cnn", "convolutional classifier for images [C, H, W]: conv -> ReLU -> max-pool stages, one hidden layer",
               cnn_specs(), make_cnn);
   r.add_model("gpt",
-              "decoder-only Transformer language model (token + position embeddings, causal self-attention, "
-              "LayerNorm, GELU MLP, tied or untied head)",
+              "decoder-only Transformer language model (token embeddings with learned or rotary positions, causal "
+              "self-attention, LayerNorm or RMSNorm, GELU MLP, tied or untied head)",
               gpt_specs(), make_gpt);
   r.add_model("torchscript",
               "a module exported from Python with torch.jit.script/trace and torch.jit.save; its parameters are "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # recipes/speedrun.toml on the fortunes tokenized as tools/speedrun.sh tokenizes them: 3 steps,
-# validated, then a sample from the run.
+# validated, its validation loss recomputed from its weights by the same GPT written in Python,
+# then a sample from the run.
 #   speedrun_short.sh TK_TOKENIZE TK_RUN TK_SAMPLE SOURCE_DIR WORK
 set -euo pipefail
 tokenize=$1 run=$2 sample=$3 src=$4 work=$5
@@ -13,6 +14,7 @@ grep -q "^tokenized [0-9]* documents" "$work.tokenize.log"
   --set data.validation="\"$work/data/val_*.bin\"" --set run.steps=3 --set run.validate_every=3 \
   --set run.output="\"$work/run\"" > "$work.run.log" 2>&1 || { cat "$work.run.log"; exit 1; }
 grep -q "unigram baseline" "$work.run.log" || { cat "$work.run.log"; echo "no validation against the unigram baseline"; exit 1; }
+/usr/bin/python3 "$src/tests/cli/check_gpt_python.py" "$work/run" "$work/data/val_000.bin" "$src"
 text=$("$sample" "$work/run" --prompt "The" --tokens 10 --seed 1)
 [ "${text:0:3}" = "The" ] || { echo "tk-sample wrote: $text"; exit 1; }
 echo "speedrun recipe: 3 steps validated; sample: $text"

@@ -278,6 +278,16 @@ name = "fake_sync"
     CHECK(validated.back() == doctest::Approx(res.validation_losses[0]));
     CHECK(res.checkpoint == dir / ("checkpoints/step-" + std::string(8 - std::to_string(res.steps).size(), '0') +
                                    std::to_string(res.steps)));
+    CHECK(t.warnings().empty());  // a constant learning rate: nothing was cut short
+    // A schedule that time cut short is named, with the steps that fit the time at this pace.
+    auto cosine = tkt::recipe({"run.max_time=\"1ms\"", "run.steps=100000", "schedule.name=\"warmup_cosine\"",
+                               "schedule.warmup_steps=10"});
+    tk::Trainer cut(cosine, tkt::quiet());
+    const auto cut_res = cut.fit();
+    REQUIRE(cut.warnings().size() == 1);
+    CHECK(cut.warnings()[0].find("run.max_time stopped the run at step " + std::to_string(cut_res.steps) +
+                                 " of run.steps = 100000: schedule 'warmup_cosine' had not ended") == 0);
+    CHECK(cut.warnings()[0].find("steps fit in run.max_time; set run.steps to that") != std::string::npos);
     CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"run.max_time=\"ten minutes\""}), tkt::quiet()),
                       doctest::Contains("run.max_time: expected a duration like"));
     fs::remove_all(dir);

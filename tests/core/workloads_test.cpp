@@ -323,6 +323,89 @@ TEST_SUITE("workloads") {
                       doctest::Contains("model 'cnn' needs image inputs [channels, height, width]"));
   }
 
+  /// The GPT's forward written out by hand in float64, with rotary positions as one rotation
+  /// matrix per position (not the model's split halves) and RMSNorm as its formula.
+  torch::Tensor reference_gpt(tk::Model& m, const torch::Tensor& idx, int64_t layers, int64_t heads, double base) {
+    auto p = [&](const std::string& n) { return m.named_parameters()[n]; };
+    auto rms = [](const torch::Tensor& x, const torch::Tensor& w) {
+      return x / torch::sqrt((x * x).mean(-1, true) + 1e-6) * w;
+    };
+    const int64_t b = idx.size(0), t = idx.size(1), c = p("wte.weight").size(1), d = c / heads;
+    auto rot = torch::zeros({t, d, d}, torch::kDouble);  // rot[pos] @ feature vector
+    for (int64_t pos = 0; pos < t; ++pos)
+      for (int64_t i = 0; i < d / 2; ++i) {
+        const double a = static_cast<double>(pos) * std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+        rot[pos][i][i] = std::cos(a);
+        rot[pos][i][i + d / 2] = -std::sin(a);
+        rot[pos][i + d / 2][i] = std::sin(a);
+        rot[pos][i + d / 2][i + d / 2] = std::cos(a);
+      }
+    auto mask = torch::ones({t, t}, torch::kBool).triu(1);
+    auto x = p("wte.weight").index_select(0, idx.flatten()).view({b, t, c});
+    for (int64_t l = 0; l < layers; ++l) {
+      const std::string k = "blocks." + std::to_string(l) + ".";
+      auto h = rms(x, p(k + "ln1.weight"));
+      auto qkv = at::linear(h, p(k + "attn.qkv.weight"), p(k + "attn.qkv.bias"))
+                     .view({b, t, 3, heads, d}).permute({2, 0, 3, 1, 4});
+      auto q = torch::einsum("tij,bhtj->bhti", {rot, qkv[0]}), kk = torch::einsum("tij,bhtj->bhti", {rot, qkv[1]});
+      auto s = torch::matmul(q, kk.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+      auto y = torch::matmul(torch::softmax(s.masked_fill(mask, -INFINITY), -1), qkv[2]).transpose(1, 2).reshape({b, t, c});
+      x = x + at::linear(y, p(k + "attn.proj.weight"), p(k + "attn.proj.bias"));
+      auto f = torch::gelu(at::linear(rms(x, p(k + "ln2.weight")), p(k + "fc.weight"), p(k + "fc.bias")));
+      x = x + at::linear(f, p(k + "proj.weight"), p(k + "proj.bias"));
+    }
+    return torch::matmul(rms(x, p("ln_f.weight")), p("wte.weight").t());
+  }
+
+  TEST_CASE("the GPT's rotary positions and RMSNorm equal the formulas written out by hand") {
+    tk::DataInfo info;
+    info.vocab = info.input_dim = info.output_dim = 11;
+    info.input_shape = {8};
+    info.next_token = true;
+    torch::manual_seed(0);
+    auto m = make_model("gpt", "layers = 2\nwidth = 16\nheads = 2\nposition = \"rotary\"\nrotary_base = 100.0\nnorm = \"rmsnorm\"", info);
+    // No position embedding, and RMSNorm has no bias: 11*16 + 2 * (2*16 + 12*16*16 + 9*16) + 16.
+    int64_t n = 0;
+    for (const auto& p : m->parameters()) n += p.numel();
+    CHECK(n == 11 * 16 + 2 * (2 * 16 + 12 * 16 * 16 + 9 * 16) + 16);
+    CHECK(m->named_parameters().find("wpe.weight") == nullptr);
+    CHECK(m->named_parameters().find("blocks.0.ln1.bias") == nullptr);
+    CHECK(m->named_parameters().find("blocks.0.ln1.weight") != nullptr);
+    m->to(torch::kDouble);
+    {
+      torch::NoGradGuard no_grad;  // norms that are not all ones, so their scale is seen
+      for (auto& p : m->named_parameters())
+        if (p.key().find("ln") != std::string::npos) p.value().uniform_(0.5, 1.5);
+    }
+    m->eval();
+    auto idx = torch::randint(0, 11, {3, 8}, torch::kLong);
+    auto want = reference_gpt(*m, idx, 2, 2, 100.0);
+    auto got = m->forward(idx);
+    CHECK(torch::allclose(got, want, 1e-10, 1e-10));
+    // Shorter sequences take their own angles; a float32 copy agrees to float32's precision.
+    CHECK(torch::allclose(m->forward(idx.slice(1, 0, 5)), want.slice(1, 0, 5), 1e-10, 1e-10));
+    m->to(torch::kFloat);
+    CHECK(torch::allclose(m->forward(idx).to(torch::kDouble), want, 1e-4, 1e-4));
+
+    // Each option alone is a different model from the default one, and trains (gradients reach
+    // every parameter).
+    for (const char* opts : {"position = \"rotary\"", "norm = \"rmsnorm\""}) {
+      CAPTURE(opts);
+      auto one = make_model("gpt", std::string("layers = 1\nwidth = 16\nheads = 4\n") + opts, info);
+      auto loss = one->forward(idx).square().mean();
+      loss.backward();
+      for (const auto& p : one->named_parameters()) {
+        CAPTURE(p.key());
+        CHECK(p.value().grad().defined());
+      }
+    }
+    CHECK_THROWS_WITH(make_model("gpt", "width = 12\nheads = 4\nposition = \"rotary\"", info),
+                      doctest::Contains("each head has 3 (width / heads must be even)"));
+    CHECK_THROWS_WITH(make_model("gpt", "position = \"alibi\"", info), doctest::Contains("learned"));
+    CHECK_THROWS_WITH(make_model("gpt", "position = \"rotary\"\nrotary_base = 1.0", info),
+                      doctest::Contains("rotary_base"));
+  }
+
   TEST_CASE("the CNN maps images to class scores") {
     tk::DataInfo info;
     info.input_dim = 28 * 28;
