@@ -18,7 +18,8 @@
 # scaler and a forced overflow, bf16 autocast with clipping, resume bit-identical, prefetch on and
 # off bit-identical, the plugin contract suite, DDP over NCCL on two GPUs (skipped with one), the
 # sharded optimizer on the GPT (a world of one; over NCCL with two GPUs), recomputation on the GPT
-# (bit-identical, its memory and time), and the GPT
+# (bit-identical, its memory and time), the optimizers' foreach and fused forms against the
+# per-tensor one (their time and drift, with phase times), and the GPT
 # recipe's throughput and peak memory next to the same training written by hand in PyTorch.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -242,6 +243,25 @@ PY
 ) || line="GPT with recomputation on CUDA (figures unreadable)"
   pass "recomputation on CUDA is bit-identical: $line"
 else fail "recomputation on CUDA (see $work/rc_on.log, $work/rc_off.log)"; fi
+
+# 7d. The optimizers' step forms on CUDA: foreach (and fused AdamW) against per_tensor on the GPT,
+# with each step's phase times: the optimizer's milliseconds and how far the weights drift apart
+# (foreach is bit-identical on the CPU; CUDA's foreach kernels round a few products differently).
+forms_ok=1 forms_line=""
+for form in per_tensor foreach fused; do
+  run "opt_$form" "$root/recipes/gpt-tiny.toml" "${gpt_quick[@]}" --set run.phase_times=true \
+    --set optimizer.implementation="\"$form\"" || { forms_ok=0; break; }
+  forms_line+="$form $("$py" - "$work/opt_$form/metrics.jsonl" "$work/opt_per_tensor/weights.pt" "$work/opt_$form/weights.pt" <<'PY'
+import json, statistics, sys, torch
+r = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l][5:]
+a, b = (torch.load(f, weights_only=True) for f in sys.argv[2:4])
+drift = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+print(f"optimizer {statistics.median(x['optimizer_ms'] for x in r):.2f} ms, step {statistics.median(x['forward_ms'] + x['backward_ms'] + x['boundary_ms'] + x['optimizer_ms'] for x in r):.2f} ms, largest weight difference {drift:.1e};")
+PY
+) "
+done
+[ $forms_ok = 1 ] && pass "optimizer step forms on CUDA (GPT 2x128, medians): $forms_line" ||
+  fail "optimizer step forms on CUDA (see $work/opt_*.log)"
 
 # 8. The GPT recipe on CUDA against the same training in PyTorch by hand.
 steps=300 warmup=50

@@ -154,7 +154,9 @@ namespace {
 const char* const kCoreKeys[] = {"step", "epoch", "loss", "lr", "micro_batches", "effective_batch", "samples", "tokens",
                                  "wall_time", "peak_rss_mib", "host_reads", "optimizer_state_mib", "skipped", "micro_batch", "step_peak_mib",
                                  "memory_budget_mib", "backoff", "validation_loss", "validation_accuracy",
-                                 "validation_perplexity"};
+                                 "validation_perplexity", "data_ms", "forward_ms", "backward_ms", "boundary_ms",
+                                 "optimizer_ms", "validation_ms", "examples_per_s", "tokens_per_s", "model_gflop",
+                                 "gflops", "mfu"};
 
 void check_metric_name(const detail::Dispatch& d, const std::string& name) {
   if (name.empty()) throw Error("plugin '" + d.plugin + "' called ctx.metric() with an empty name");

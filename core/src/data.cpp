@@ -60,6 +60,13 @@ at::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch, bool shuffle) {
   return at::randperm(n, gen, at::kLong);
 }
 
+ModelWithFlops::~ModelWithFlops() = default;
+
+double train_flops_of(const Model& model, c10::IntArrayRef input_sizes) {
+  const auto* with = dynamic_cast<const ModelWithFlops*>(&model);
+  return with ? with->train_flops(input_sizes) : -1.0;
+}
+
 bool has_batchnorm(torch::nn::Module& m) {
   for (const auto& sub : m.modules(/*include_self=*/true))
     if (sub->name().find("BatchNorm") != std::string::npos) return true;

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "prefetch.h"
+#include "tk/compat.h"
 #include "run.h"
 
 namespace fs = std::filesystem;
@@ -51,6 +52,9 @@ class Loop {
   bool optimizer_step();
   /// After the window's last micro-batch: the step, its record, validation, a stop, a checkpoint.
   void end_window(int64_t epoch, int64_t b);
+  /// The step's throughput (examples_per_s, tokens_per_s) and, for a model that counts its FLOPs,
+  /// model_gflop, gflops and, with run.peak_gflops, mfu.
+  void add_rates(JsonLine& line) const;
   JsonLine step_record(int64_t epoch, bool skipped, double wall_time);
   void record_validation(JsonLine& line);
   std::pair<double, double> validate();
@@ -94,6 +98,33 @@ class Loop {
   std::chrono::steady_clock::time_point t0_;
   int64_t checkpoint_every_ = 0, validate_every_ = 0, last_validation_step_ = -1;
   int64_t first_step_ = 0;  // the step this process started from (0, or a resume's)
+  /// With run.phase_times: where each window's time went, in ms, for its record.
+  enum Phase { kData, kForward, kBackward, kBoundary, kOptimizer, kValidation, kPhases };
+  struct PhaseTimes {
+    bool on = false, cuda = false;  // on CUDA each mark waits for the device: the phases' own time
+    std::array<double, kPhases> ms{};
+    std::chrono::steady_clock::time_point t;
+    void mark() {
+      if (!on) return;
+      if (cuda) compat::cuda_synchronize();
+      t = std::chrono::steady_clock::now();
+    }
+    void add(Phase p) {
+      if (!on) return;
+      const auto before = t;
+      mark();
+      ms[static_cast<size_t>(p)] += std::chrono::duration<double, std::milli>(t - before).count();
+    }
+  } phases_;
+  // Each window's arithmetic and its time, for its record's rates.
+  double window_flops_ = 0;   // negative: the model does not count its FLOPs
+  double peak_gflops_ = 0;    // run.peak_gflops
+  std::chrono::steady_clock::time_point window_t0_;
+  /// The order of `epoch`'s examples on this rank, kept for the one asked for last (the epoch in
+  /// training, or the next one when its first micro-batch is made ahead).
+  const at::Tensor& order_of(int64_t epoch);
+  int64_t order_epoch_ = -1;
+  at::Tensor order_;
   bool done_ = false, in_window_ = false;  // checkpoints and resumes are at boundaries
   WindowStart opened_;
   std::vector<at::Tensor> window_indices_;  // the examples of the window's micro-batches, for a diagnosis
@@ -143,6 +174,11 @@ void Loop::emit(Event e) {
 
 void Loop::micro_batch(Batch& batch) {
   if (fault_due("oom")) TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (injected by TK_FAULT=oom)");
+  phases_.mark();
+  if (window_flops_ >= 0) {
+    const double f = train_flops_of(*r_.model, batch.input.sizes());
+    window_flops_ = f < 0 ? -1.0 : window_flops_ + f;
+  }
   emit(Event::MicroBatch);
   at::Tensor out = r_.model->forward(batch.input);
   s_.loss = (*r_.loss)(out, batch);
@@ -153,6 +189,7 @@ void Loop::micro_batch(Batch& batch) {
   s_.loss_item = s_.loss.detach();
   s_.loss_read = false;
   emit(Event::Loss);
+  phases_.add(kForward);
   s_.loss.backward();
   s_.loss = at::Tensor();
   Counters& c = s_.counters;
@@ -167,16 +204,19 @@ void Loop::micro_batch(Batch& batch) {
   if (r_.plan.reduction == Reduction::Mean) weighted = weighted * static_cast<double>(batch.tokens);
   t.loss = t.loss.defined() ? t.loss + weighted : weighted;
   emit(Event::Backward);
+  phases_.add(kBackward);
 }
 
 bool Loop::optimizer_step() {
   s_.lr = r_.schedule->lr(s_.counters.schedule_step, r_.total_steps);
   set_lr(*r_.optimizer, s_.lr);
   s_.step.clear();
+  phases_.mark();
   emit(Event::Boundary);
   // After the boundary (a sync plugin may have replaced the totals with sums over all ranks):
   // the step's one read from the device.
   s_.read_step_values();
+  phases_.add(kBoundary);
   const WindowTotals& t = s_.totals;
   s_.window_loss = t.tokens > 0 ? t.loss_sum / static_cast<double>(t.tokens) : 0.0;
   const bool skipped = !s_.step.veto_reason.empty();
@@ -187,6 +227,7 @@ bool Loop::optimizer_step() {
   ++s_.counters.step;
   if (!skipped || s_.step.veto_advances_schedule) ++s_.counters.schedule_step;
   emit(Event::StepEnd);
+  phases_.add(kOptimizer);
   return skipped;
 }
 
@@ -318,6 +359,18 @@ void Loop::record_validation(JsonLine& line) {
   last_validation_step_ = s_.counters.step;
 }
 
+void Loop::add_rates(JsonLine& line) const {
+  // From the window's first micro-batch to its step's end: what the step itself took (not the
+  // validation, checkpoint or record around it). A window redone after a back-off counts anew.
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - window_t0_).count();
+  if (s <= 0.0) return;
+  line.add("examples_per_s", static_cast<double>(s_.totals.samples) / s);
+  if (s_.totals.tokens != s_.totals.samples) line.add("tokens_per_s", static_cast<double>(s_.totals.tokens) / s);
+  if (window_flops_ <= 0) return;
+  line.add("model_gflop", window_flops_ / 1e9).add("gflops", window_flops_ / 1e9 / s);
+  if (peak_gflops_ > 0) line.add("mfu", window_flops_ / 1e9 / s / peak_gflops_);
+}
+
 JsonLine Loop::step_record(int64_t epoch, bool skipped, double wall_time) {
   JsonLine line;
   line.add("step", s_.counters.step)
@@ -333,14 +386,13 @@ JsonLine Loop::step_record(int64_t epoch, bool skipped, double wall_time) {
       .add("host_reads", s_.host_reads);
   if (const int64_t held = optimizer_state_bytes(*r_.optimizer); held >= 0)
     line.add("optimizer_state_mib", static_cast<double>(held) / (1024.0 * 1024.0));
+  add_rates(line);
   if (skipped) line.add("skipped", s_.step.vetoed_by + ": " + s_.step.veto_reason);
   for (const auto& [k, v] : s_.step.metrics) line.add(k, v);
-  if (meter_) {
-    constexpr double kMiB = 1024.0 * 1024.0;
-    if (r_.plan.micro_batch_auto) line.add("micro_batch", r_.plan.micro_batch);
-    line.add("step_peak_mib", meter_->take_peak() / kMiB);
-    if (r_.plan.memory_budget > 0) line.add("memory_budget_mib", r_.plan.memory_budget / kMiB);
-  }
+  constexpr double kMiB = 1024.0 * 1024.0;
+  if (r_.plan.micro_batch_auto) line.add("micro_batch", r_.plan.micro_batch);
+  if (meter_) line.add("step_peak_mib", meter_->take_peak() / kMiB);
+  if (r_.plan.micro_batch_auto && r_.plan.memory_budget > 0) line.add("memory_budget_mib", r_.plan.memory_budget / kMiB);
   if (!backoff_note_.empty()) {
     line.add("backoff", backoff_note_);
     backoff_note_.clear();
@@ -357,7 +409,9 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   const Counters& c = s_.counters;
   done_ = c.step >= r_.total_steps;
   auto validate = [&] {
+    phases_.mark();
     record_validation(line);
+    phases_.add(kValidation);
     if (meter_) meter_->take_peak();  // validation's memory is not the next step's
   };
   if (r_.data.validation && ((validate_every_ > 0 && c.step % validate_every_ == 0) || done_)) validate();
@@ -376,6 +430,12 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   if (stop == kSignalled) result_.status = FitStatus::StoppedBySignal;
   else if (stop == kOutOfTime) result_.status = FitStatus::StoppedByTime;
   if (result_.status != FitStatus::Running) done_ = true;
+  if (phases_.on) {
+    static const char* const kNames[kPhases] = {"data_ms",      "forward_ms",  "backward_ms",
+                                                "boundary_ms",  "optimizer_ms", "validation_ms"};
+    for (size_t p = 0; p < kPhases; ++p)
+      if (p != kValidation || phases_.ms[p] > 0.0) line.add(kNames[p], phases_.ms[p]);
+  }
   // The step's record first: a checkpoint never holds a step whose record could be lost.
   outputs_->record(line);
   if (outputs_->writes() && (done_ || (checkpoint_every_ > 0 && c.step % checkpoint_every_ == 0))) {
@@ -392,6 +452,9 @@ void Loop::end_window(int64_t epoch, int64_t b) {
 
 void Loop::open_window(int64_t epoch, int64_t b) {
   s_.totals = WindowTotals{};
+  phases_.ms.fill(0.0);
+  window_flops_ = 0;
+  window_t0_ = std::chrono::steady_clock::now();
   window_indices_.clear();
   s_.host_reads = 0;
   in_window_ = true;
@@ -404,9 +467,18 @@ bool Loop::train_micro_batch(int64_t epoch, int64_t& b, const at::Tensor& order)
   Batch batch;
   try {
     // A batch made ahead may be the one that ran out of memory: it backs off like the step.
+    phases_.mark();
     batch = prefetch_->take({epoch, b, m}, indices(b));
-    // The next micro-batch of this epoch is made while this one trains.
-    if (b + 1 < r_.batches_per_epoch) prefetch_->ahead({epoch, b + 1, m}, indices(b + 1));
+    phases_.add(kData);
+    // The next micro-batch is made while this one trains: of this epoch, or the next one's first;
+    // none after the run's last step.
+    const bool last_step = s_.window.is_last() && s_.counters.step + 1 >= r_.total_steps;
+    if (prefetch_->active() && !last_step) {
+      if (b + 1 < r_.batches_per_epoch)
+        prefetch_->ahead({epoch, b + 1, m}, indices(b + 1));
+      else if (r_.bound.by_steps() || epoch + 1 < r_.bound.count)
+        prefetch_->ahead({epoch + 1, 0, m}, order_of(epoch + 1).slice(0, 0, std::min(n_, m)));
+    }
     s_.batch = &batch;
     s_.counters.batch_in_epoch = b;
     window_indices_.push_back(indices(b));
@@ -423,8 +495,16 @@ bool Loop::train_micro_batch(int64_t epoch, int64_t& b, const at::Tensor& order)
   return true;
 }
 
+const at::Tensor& Loop::order_of(int64_t epoch) {
+  if (order_epoch_ != epoch) {
+    order_ = r_.shard_order(epoch);
+    order_epoch_ = epoch;
+  }
+  return order_;
+}
+
 void Loop::train_epoch(int64_t epoch, int64_t first) {
-  const at::Tensor order = r_.shard_order(epoch);
+  const at::Tensor order = order_of(epoch);
   s_.counters.epoch = epoch;
   if (first == 0) emit(Event::EpochStart);
   for (int64_t b = first; b < r_.batches_per_epoch && !done_;) {
@@ -452,9 +532,13 @@ void Loop::train_epochs(Start start) {
   emit(Event::FitStart);
   zero_grads(r_);
   done_ = s_.counters.step >= r_.total_steps;
-  // A micro-batch picked by memory, any run on CUDA (where reading the caching allocator's peak
-  // costs nothing), or when asked: each step's record says how much it took.
-  if (r_.plan.micro_batch_auto || r_.device.is_cuda() || r_.run.get_bool("measure_memory")) meter_.emplace(r_);
+  // On CUDA (where reading the caching allocator's peak costs nothing), or when asked: each step's
+  // record says how much it took. On the CPU that counts every allocation under a lock, so a
+  // micro-batch picked by memory counts only during its trials unless run.measure_memory asks.
+  if (r_.device.is_cuda() || r_.run.get_bool("measure_memory")) meter_.emplace(r_);
+  phases_.on = r_.run.get_bool("phase_times");
+  peak_gflops_ = r_.run.get_float("peak_gflops");
+  phases_.cuda = r_.device.is_cuda();
   prefetch_.emplace(r_, *r_.data.train);
   if (prefetch_->active()) spdlog::debug("prefetch: on ({})", prefetch_->reason());
   for (int64_t epoch = start.epoch; !done_ && (r_.bound.by_steps() || epoch < r_.bound.count); ++epoch)

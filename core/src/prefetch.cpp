@@ -54,7 +54,58 @@ Prefetcher::Prefetcher(const Run& run, const Dataset& ds) : run_(run), ds_(ds) {
   }
 }
 
-Prefetcher::~Prefetcher() { drain(); }
+Prefetcher::~Prefetcher() {
+  drain();
+  if (!worker_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+void Prefetcher::work() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stop_ || (pending_ && !busy_ && !result_ && !error_); });
+    if (stop_) return;
+    busy_ = true;
+    const at::Tensor indices = pending_indices_;
+    lock.unlock();
+    std::shared_ptr<Prepared> made;
+    std::exception_ptr error;
+    try {
+      made = std::make_shared<Prepared>(prepare(indices));
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    busy_ = false;
+    result_ = std::move(made);
+    error_ = error;
+    cv_.notify_all();
+  }
+}
+
+std::shared_ptr<Prefetcher::Prepared> Prefetcher::wait_result() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [this] { return result_ || error_; });
+  pending_ = false;
+  pending_indices_ = at::Tensor();
+  std::shared_ptr<Prepared> made = std::move(result_);
+  result_.reset();
+  std::exception_ptr error = error_;
+  error_ = nullptr;
+  lock.unlock();
+  if (error) std::rethrow_exception(error);  // the data set's error, at the micro-batch that wants it
+  return made;
+}
+
+bool Prefetcher::holds(const Key& key) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pending_ && pending_key_ == key;
+}
 
 Prefetcher::Prepared Prefetcher::prepare(const at::Tensor& indices) const {
   Prepared p;
@@ -92,13 +143,8 @@ Batch Prefetcher::finish(Prepared p) const {
 }
 
 Batch Prefetcher::take(const Key& key, const at::Tensor& indices) {
-  if (pending_.valid()) {
-    if (pending_key_ == key) {
-      std::shared_ptr<Prepared> p = pending_.get();  // rethrows the data set's error, at this micro-batch
-      return finish(std::move(*p));
-    }
-    drain();  // another micro-batch is wanted (a back-off changed the size): made anew
-  }
+  if (holds(key)) return finish(std::move(*wait_result()));
+  drain();  // another micro-batch is wanted (a back-off changed the size, a window policy skipped): made anew
   const auto t0 = std::chrono::steady_clock::now();
   Batch b = finish(prepare(indices));
   if (automatic_) measure(t0, std::chrono::steady_clock::now());
@@ -127,16 +173,23 @@ void Prefetcher::measure(std::chrono::steady_clock::time_point start, std::chron
 void Prefetcher::ahead(const Key& key, at::Tensor indices) {
   if (!active_) return;
   drain();
-  pending_key_ = key;
-  pending_ = std::async(std::launch::async, [this, idx = std::move(indices)] {
-    return std::make_shared<Prepared>(prepare(idx));
-  });
+  if (!worker_.joinable()) worker_ = std::thread([this] { work(); });
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_ = true;
+    pending_key_ = key;
+    pending_indices_ = std::move(indices);
+  }
+  cv_.notify_all();
 }
 
 void Prefetcher::drain() {
-  if (!pending_.valid()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!pending_) return;
+  }
   try {
-    pending_.get();
+    wait_result();
   } catch (...) {  // dropped with its batch; a take() of that batch would make it again
   }
 }

@@ -4,11 +4,14 @@
 #include <c10/core/Stream.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
-#include <future>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "tk/data.h"
 
@@ -16,7 +19,8 @@ namespace tk::detail {
 
 struct Run;
 
-/// Prepares micro-batches ahead of the loop, on a background thread: the data set's get() and
+/// Prepares micro-batches ahead of the loop, on one background thread that lives as long as the
+/// prefetcher (started with the first batch made ahead): the data set's get() and
 /// the move to the run's device. On CUDA the batch is put in pinned memory and copied with
 /// non_blocking on a side stream, which the training stream waits for (an event, no host sync).
 /// The batch is the same, bit for bit, as Run::fetch would give: only when it is made changes.
@@ -44,6 +48,8 @@ class Prefetcher {
   void ahead(const Key& key, at::Tensor indices);
   /// Waits for the batch in flight and drops it (before anything else reads the data).
   void drain();
+  /// Whether a batch for `key` is in flight or ready.
+  bool holds(const Key& key) const;
   /// Whether batches are prepared ahead now, and why (for the log).
   bool active() const noexcept { return active_; }
   const std::string& reason() const noexcept { return reason_; }
@@ -60,8 +66,17 @@ class Prefetcher {
   c10::Device device_{c10::kCPU};   // CUDA: the run's device, with its index
   std::optional<c10::Stream> side_;  // CUDA: the stream the copies run on
   std::string reason_;
+  // The worker and its one job: a batch asked for (pending_), made (result_ or error_).
+  void work();
+  std::shared_ptr<Prepared> wait_result();
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::thread worker_;
+  bool stop_ = false, pending_ = false, busy_ = false;
   Key pending_key_;
-  std::future<std::shared_ptr<Prepared>> pending_;
+  at::Tensor pending_indices_;
+  std::shared_ptr<Prepared> result_;
+  std::exception_ptr error_;
   // "auto" on the CPU: the first synchronous micro-batches, timed.
   int measured_ = 0;
   double fetch_s_ = 0.0;

@@ -11,14 +11,22 @@ namespace tk::detail {
 
 RunIdentity run_identity(const Run& r) {
   // What may change between a run and its resume without changing what it trains.
-  static const std::set<std::string> kMayChange = {"run.name",           "run.output",         "run.max_time",
-                                                   "run.log_every",      "run.validate_every", "run.trace", "run.measure_memory",
-                                                   "run.checkpoint_every", "run.checkpoint_keep",
-                                                   "run.prefetch"};
+  static const std::set<std::string> kMayChange = {
+      "run.name",         "run.output",      "run.max_time",    "run.log_every",        "run.validate_every",
+      "run.trace",        "run.measure_memory", "run.phase_times", "run.peak_gflops",    "run.checkpoint_every",
+      "run.checkpoint_keep", "run.prefetch"};
   RunIdentity id;
   id.world_size = r.plan.world_size;
-  for (auto& [k, v] : r.resolved.values())
-    if (!kMayChange.count(k)) id.recipe.emplace_back(k, v);
+  for (auto& [k, v] : r.resolved.values()) {
+    if (kMayChange.count(k)) continue;
+    // On the CPU an optimizer's per_tensor and foreach steps are the same arithmetic to the bit
+    // (auto is one of them): only the fused one, which rounds differently, is part of what a run
+    // is. On CUDA the foreach kernels round differently too.
+    static const std::set<std::string> kBuiltIn = {"sgd", "adam", "adamw"};
+    if (k == "optimizer.implementation" && kBuiltIn.count(r.opt_name) && v != "\"fused\"" && !r.device.is_cuda())
+      continue;
+    id.recipe.emplace_back(k, v);
+  }
   return id;
 }
 

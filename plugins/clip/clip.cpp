@@ -6,6 +6,7 @@
 // value is read to the host: the norm and the factor stay on the device.
 // The arithmetic follows torch.nn.utils.clip_grad_norm_ / clip_grad_value_.
 #include <tk/abi.h>
+#include <tk/compat.h>
 
 #include <cmath>
 #include <limits>
@@ -56,7 +57,7 @@ class Clip final : public tk::Plugin {
     const torch::Tensor coef = (max_norm_ / (norm + 1e-6)).clamp_max(1.0);
     if (clipped_steps_.device() != coef.device()) clipped_steps_ = clipped_steps_.to(coef.device());
     clipped_steps_ += (coef < 1.0).to(at::kLong);
-    for (auto& g : grads) g.mul_(coef);
+    tk::compat::foreach_mul_(grads, coef);
   }
 
   tk::StateDict state() const override { return {{"clipped_steps", clipped_steps_.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)}}; }
@@ -65,10 +66,8 @@ class Clip final : public tk::Plugin {
  private:
   /// The total norm of the gradients, a float64 scalar on their device.
   torch::Tensor total_norm(const std::vector<torch::Tensor>& grads) const {
-    std::vector<torch::Tensor> norms;
-    norms.reserve(grads.size());
-    for (const auto& g : grads) norms.push_back(at::linalg_vector_norm(g, norm_type_).to(at::kDouble));
-    auto all = at::stack(norms);
+    // Each gradient's norm in its own dtype (as clip_grad_norm_ takes them), then in float64.
+    auto all = at::stack(at::_foreach_norm(grads, norm_type_)).to(at::kDouble);
     return std::isinf(norm_type_) ? all.max() : at::linalg_vector_norm(all, norm_type_);
   }
 

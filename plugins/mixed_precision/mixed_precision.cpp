@@ -220,9 +220,14 @@ class MixedPrecision final : public tk::Plugin {
       return found;
     }
     if (inv_scale != 1.0) at::_foreach_mul_(grads, inv_scale);
-    std::vector<at::Tensor> bad;
-    for (const auto& g : grads) bad.push_back(at::logical_not(at::isfinite(g)).any());
-    return at::stack(bad).any().reshape({1});
+    // A gradient's largest magnitude is inf or NaN exactly when one of its elements is: one
+    // reduction per gradient and none of isfinite's gradient-sized masks (an empty gradient, which
+    // has no largest magnitude, holds nothing to check).
+    std::vector<at::Tensor> nonempty;
+    for (const auto& g : grads)
+      if (g.numel() > 0) nonempty.push_back(g);
+    if (nonempty.empty()) return at::zeros({1}, opts);
+    return at::logical_not(at::isfinite(at::stack(at::_foreach_norm(nonempty, INFINITY)))).any().reshape({1});
   }
 
   /// With check_every_micro_batch: a host read per micro-batch, as that option asks.

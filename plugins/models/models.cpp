@@ -51,9 +51,12 @@ void need_real_inputs(const Options& o, const DataInfo& d, const std::string& mo
 
 // ---------------------------------------------------------------- MLP
 
-class Mlp : public Model, public ModelWithBlocks {
+class Mlp : public Model, public ModelWithBlocks, public ModelWithFlops {
  public:
   Mlp(int64_t in, const std::vector<int64_t>& hidden, int64_t out, std::string activation, bool batchnorm) {
+    dims_.push_back(in);
+    dims_.insert(dims_.end(), hidden.begin(), hidden.end());
+    dims_.push_back(out);
     int64_t width = in;
     for (int64_t h : hidden) {
       linears_->push_back(torch::nn::Linear(width, h));
@@ -83,8 +86,16 @@ class Mlp : public Model, public ModelWithBlocks {
     return head_->forward(x);
   }
   Blocks& blocks() override { return blocks_; }
+  /// Per row of the last dimension: 2 * in * out for each linear layer, times 3 for backward.
+  double train_flops(c10::IntArrayRef sizes) const override {
+    double rows = 1, macs = 0;
+    for (size_t i = 0; i + 1 < sizes.size(); ++i) rows *= static_cast<double>(sizes[i]);
+    for (size_t i = 0; i + 1 < dims_.size(); ++i) macs += static_cast<double>(dims_[i]) * static_cast<double>(dims_[i + 1]);
+    return 3.0 * 2.0 * rows * macs;
+  }
 
  private:
+  std::vector<int64_t> dims_;  // input, hidden..., output
   torch::nn::ModuleList linears_;
   torch::nn::ModuleList norms_;
   torch::nn::Linear head_{nullptr};
@@ -95,13 +106,15 @@ class Mlp : public Model, public ModelWithBlocks {
 
 /// conv -> [BatchNorm] -> ReLU -> 2x2 max-pool per entry of `channels`, then a hidden layer and
 /// the classifier.
-class Cnn : public Model, public ModelWithBlocks {
+class Cnn : public Model, public ModelWithBlocks, public ModelWithFlops {
  public:
   Cnn(const std::vector<int64_t>& shape, const std::vector<int64_t>& channels, int64_t kernel, int64_t hidden,
       int64_t out, bool batchnorm, double dropout)
       : dropout_(dropout) {
     int64_t c = shape[0], h = shape[1], w = shape[2];
     for (int64_t ch : channels) {
+      // A same-padded convolution: every output pixel of the stage's input size, k*k*c_in MACs each.
+      per_example_macs_ += static_cast<double>(kernel * kernel * c * ch) * static_cast<double>(h * w);
       convs_->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(c, ch, kernel).padding(kernel / 2)));
       if (batchnorm) norms_->push_back(torch::nn::BatchNorm2d(ch));
       c = ch;
@@ -112,6 +125,7 @@ class Cnn : public Model, public ModelWithBlocks {
     if (batchnorm) register_module("norms", norms_);
     fc_ = register_module("fc", torch::nn::Linear(c * h * w, hidden));
     head_ = register_module("head", torch::nn::Linear(hidden, out));
+    per_example_macs_ += static_cast<double>(c * h * w * hidden + hidden * out);
     // Each stage is a block: conv -> [BatchNorm] -> ReLU -> max-pool.
     for (size_t i = 0; i < convs_->size(); ++i) {
       auto conv = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(convs_[i]);
@@ -134,9 +148,14 @@ class Cnn : public Model, public ModelWithBlocks {
     return head_->forward(x);
   }
   Blocks& blocks() override { return blocks_; }
+  /// Per image: the convolutions' and linear layers' MACs, times 2, times 3 for backward.
+  double train_flops(c10::IntArrayRef sizes) const override {
+    return 3.0 * 2.0 * static_cast<double>(sizes.empty() ? 0 : sizes[0]) * per_example_macs_;
+  }
 
  private:
   double dropout_;
+  double per_example_macs_ = 0;
   torch::nn::ModuleList convs_;
   torch::nn::ModuleList norms_;
   torch::nn::Linear fc_{nullptr}, head_{nullptr};
@@ -282,7 +301,7 @@ class GptBlock : public torch::nn::Module {
 /// Decoder-only Transformer with pre-norm blocks: token embeddings with learned or rotary
 /// positions, causal self-attention, GELU MLP, LayerNorm or RMSNorm, and a head tied to the token
 /// embedding or not.
-class Gpt : public Model, public ModelWithBlocks {
+class Gpt : public Model, public ModelWithBlocks, public ModelWithFlops {
  public:
   Gpt(const GptShape& s, bool tied) : shape_(s) {
     wte_ = register_module("wte", torch::nn::Embedding(s.vocab, s.width));
@@ -315,6 +334,16 @@ class Gpt : public Model, public ModelWithBlocks {
     return head_ ? head_->forward(x) : at::linear(x, wte_->weight);
   }
   Blocks& blocks() override { return runs_; }
+  /// Per token of a [B, T] batch, forward: each block's four matrix products (qkv 3C^2, attention
+  /// projection C^2, MLP 4C^2 + 4C^2: 24 C^2 FLOPs) and its attention (scores and weighted values
+  /// against all T positions, as computed: 4 T C), then the head (2 C V); backward is twice that.
+  double train_flops(c10::IntArrayRef sizes) const override {
+    if (sizes.size() != 2) return 0.0;
+    const double b = static_cast<double>(sizes[0]), t = static_cast<double>(sizes[1]);
+    const double c = static_cast<double>(shape_.width), v = static_cast<double>(shape_.vocab);
+    const double forward = static_cast<double>(shape_.layers) * (24.0 * c * c + 4.0 * t * c) + 2.0 * c * v;
+    return 3.0 * b * t * forward;
+  }
 
  private:
   /// GPT-2's initialisation: N(0, 0.02) weights, zero biases, residual projections scaled by

@@ -1,10 +1,10 @@
 // trainkit's losses, optimizers and LR schedules, registered by name like any user's.
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/mse_loss.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 #include <tk/abi.h>
+#include <tk/compat.h>
+
+#include "multi_tensor.h"
 
 #include <cmath>
 
@@ -81,12 +81,37 @@ std::tuple<double, double> betas_of(const Options& o) {
   return {b[0], b[1]};
 }
 
-OptionSpecs adam_specs(double weight_decay) {
+OptionSpec implementation_spec(bool fused) {
+  std::vector<std::string> forms = {"auto", "per_tensor", "foreach"};
+  if (fused) forms.push_back("fused");
+  return opt_string("implementation", "auto",
+                    fused ? "per_tensor (LibTorch's step), foreach (the same arithmetic over all parameters at once, "
+                            "bit-identical), fused (one kernel, LibTorch 2.4+, equal to rounding), or auto (foreach on "
+                            "a GPU, per_tensor on a CPU)"
+                          : "per_tensor (LibTorch's step), foreach (the same arithmetic over all parameters at once, "
+                            "bit-identical), or auto (foreach on a GPU, per_tensor on a CPU)",
+                    forms);
+}
+
+OptionSpecs adam_specs(double weight_decay, bool fused) {
   return {opt_float("lr", 1e-3, "learning rate (the schedule's base)"),
           opt_floats("betas", {0.9, 0.999}, "coefficients of the running averages"),
           opt_float("eps", 1e-8, "added to the denominator"),
           opt_float("weight_decay", weight_decay, "weight decay"),
-          opt_bool("amsgrad", false, "use the AMSGrad variant")};
+          opt_bool("amsgrad", false, "use the AMSGrad variant"), implementation_spec(fused)};
+}
+
+/// The step form the recipe asks for, refused where this build or device cannot run it.
+StepForm form_of(const Options& o, const std::vector<torch::Tensor>& params) {
+  const StepForm form = step_form(o.get_string("implementation"), params);
+  if (form == StepForm::Fused) {
+    if (!compat::kHasFusedAdamW)
+      o.fail("implementation", "\"fused\" needs LibTorch 2.4 or later (its at::_fused_adamw_); this build has " +
+                                   std::string(TORCH_VERSION) + ": use \"foreach\"");
+    if (!params.empty() && !has_fused_adamw(params.front().device()))
+      o.fail("implementation", "\"fused\" runs on CPU and CUDA, not on " + params.front().device().str());
+  }
+  return form;
 }
 
 template <class Maker>
@@ -123,37 +148,41 @@ void register_optim(Registry& r) {
        {opt_float("lr", 0.01, "learning rate (the schedule's base)"),
         opt_float("momentum", 0.0, "momentum factor"), opt_float("dampening", 0.0, "dampening for momentum"),
         opt_float("weight_decay", 0.0, "L2 penalty added to the gradient"),
-        opt_bool("nesterov", false, "Nesterov momentum (needs momentum > 0 and dampening = 0)")},
+        opt_bool("nesterov", false, "Nesterov momentum (needs momentum > 0 and dampening = 0)"),
+        implementation_spec(false)},
        [](const Options& o, std::vector<torch::Tensor> params) -> std::unique_ptr<Optimizer> {
          check_lr(o);
          if (o.get_bool("nesterov") && (o.get_float("momentum") <= 0.0 || o.get_float("dampening") != 0.0))
            o.fail("nesterov", "needs momentum > 0 and dampening = 0");
-         return std::make_unique<torch::optim::SGD>(
-             std::move(params), torch::optim::SGDOptions(o.get_float("lr"))
-                                    .momentum(o.get_float("momentum"))
-                                    .dampening(o.get_float("dampening"))
-                                    .weight_decay(o.get_float("weight_decay"))
-                                    .nesterov(o.get_bool("nesterov")));
+         const StepForm form = form_of(o, params);
+         return make_sgd(std::move(params), torch::optim::SGDOptions(o.get_float("lr"))
+                                                .momentum(o.get_float("momentum"))
+                                                .dampening(o.get_float("dampening"))
+                                                .weight_decay(o.get_float("weight_decay"))
+                                                .nesterov(o.get_bool("nesterov")),
+                         form);
        }},
-      {"adam", "Adam", adam_specs(0.0),
+      {"adam", "Adam", adam_specs(0.0, false),
        [](const Options& o, std::vector<torch::Tensor> params) -> std::unique_ptr<Optimizer> {
          check_lr(o);
-         return std::make_unique<torch::optim::Adam>(
-             std::move(params), torch::optim::AdamOptions(o.get_float("lr"))
-                                    .betas(betas_of(o))
-                                    .eps(o.get_float("eps"))
-                                    .weight_decay(o.get_float("weight_decay"))
-                                    .amsgrad(o.get_bool("amsgrad")));
+         const StepForm form = form_of(o, params);
+         return make_adam(std::move(params), torch::optim::AdamOptions(o.get_float("lr"))
+                                                 .betas(betas_of(o))
+                                                 .eps(o.get_float("eps"))
+                                                 .weight_decay(o.get_float("weight_decay"))
+                                                 .amsgrad(o.get_bool("amsgrad")),
+                          form);
        }},
-      {"adamw", "Adam with decoupled weight decay", adam_specs(0.01),
+      {"adamw", "Adam with decoupled weight decay", adam_specs(0.01, true),
        [](const Options& o, std::vector<torch::Tensor> params) -> std::unique_ptr<Optimizer> {
          check_lr(o);
-         return std::make_unique<torch::optim::AdamW>(
-             std::move(params), torch::optim::AdamWOptions(o.get_float("lr"))
-                                    .betas(betas_of(o))
-                                    .eps(o.get_float("eps"))
-                                    .weight_decay(o.get_float("weight_decay"))
-                                    .amsgrad(o.get_bool("amsgrad")));
+         const StepForm form = form_of(o, params);
+         return make_adamw(std::move(params), torch::optim::AdamWOptions(o.get_float("lr"))
+                                                  .betas(betas_of(o))
+                                                  .eps(o.get_float("eps"))
+                                                  .weight_decay(o.get_float("weight_decay"))
+                                                  .amsgrad(o.get_bool("amsgrad")),
+                           form);
        }},
   });
   add_all<ScheduleMaker>(r, &Registry::add_schedule, {

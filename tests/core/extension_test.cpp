@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "support.h"
@@ -313,7 +314,51 @@ TEST_SUITE("extension") {
     CHECK(t->describe().find("recipe        test.toml") == 0);
     CHECK(t->fit().steps == 6);
   }
-  TEST_CASE("prefetch: the next micro-batch is made on another thread; the run is bit-identical; errors come at their micro-batch") {
+  TEST_CASE("run.phase_times: each record says where its step's time went") {
+    const fs::path dir = tkt::temp_dir("phases");
+    std::string text = with_library(kToyRecipe, kFixtures / "tk_toy_components.so") +
+                       "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    // Each get() of the training data sleeps 5 ms: made in place (no prefetch), a window of 3
+    // micro-batches spends at least 15 ms on data.
+    tk::Trainer t(tkt::recipe({"run.phase_times=true", "run.prefetch=\"off\"", "run.steps=5", "data.prepare_ms=5",
+                               "run.validate_every=5", "run.output=\"" + dir.string() + "\""},
+                              text.c_str()),
+                  opts);
+    t.fit();
+    const fs::path m = dir / "metrics.jsonl";
+    const auto data = tkt::metric(m, "data_ms"), walls = tkt::metric(m, "wall_time");
+    REQUIRE(data.size() == 5);
+    const auto micro = tkt::metric(m, "micro_batches");
+    for (size_t i = 0; i < data.size(); ++i) CHECK(data[i] >= 5.0 * micro[i]);
+    for (const char* k : {"forward_ms", "backward_ms", "boundary_ms", "optimizer_ms"}) {
+      CAPTURE(k);
+      const auto v = tkt::metric(m, k);
+      REQUIRE(v.size() == 5);
+      for (double x : v) CHECK(x >= 0.0);
+    }
+    // The phases are parts of the step: together no longer than the time between two records.
+    const auto fwd = tkt::metric(m, "forward_ms"), bwd = tkt::metric(m, "backward_ms"),
+               bnd = tkt::metric(m, "boundary_ms"), opt = tkt::metric(m, "optimizer_ms");
+    for (size_t i = 1; i < data.size(); ++i)
+      CHECK(data[i] + fwd[i] + bwd[i] + bnd[i] + opt[i] <= 1000.0 * (walls[i] - walls[i - 1]) + 1.0);
+    const auto val = tkt::metric(m, "validation_ms");  // NaN where a record has no such key
+    CHECK(std::count_if(val.begin(), val.end(), [](double v) { return !std::isnan(v); }) == 1);  // step 5's
+    // Every record has its throughput; the toy model does not count its FLOPs, so no rate of them.
+    for (double v : tkt::metric(m, "examples_per_s")) CHECK(v > 0.0);
+    for (double v : tkt::metric(m, "gflops")) CHECK(std::isnan(v));
+    // Off by default: no phase in the records.
+    tk::Trainer plain(tkt::recipe({"run.steps=2", "run.output=\"" + (dir / "plain").string() + "\""}, text.c_str()),
+                      opts);
+    plain.fit();
+    const auto none = tkt::metric(dir / "plain" / "metrics.jsonl", "data_ms");
+    REQUIRE(none.size() == 2);
+    CHECK(std::all_of(none.begin(), none.end(), [](double v) { return std::isnan(v); }));
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("prefetch: the next micro-batch is made on one other thread, across epochs; the run is bit-identical; errors come at their micro-batch") {
     const fs::path dir = tkt::temp_dir("prefetch");
     fs::create_directories(dir);
     struct Ran {
@@ -337,14 +382,21 @@ TEST_SUITE("extension") {
       for (std::string line; std::getline(in, line);) out.threads.push_back(line);
       return out;
     };
-    auto count = [](const std::vector<std::string>& v, const char* what) { return std::count(v.begin(), v.end(), what); };
+    auto count = [](const std::vector<std::string>& v, const std::string& what) {
+      return std::count_if(v.begin(), v.end(), [&](const std::string& s) { return s.rfind(what, 0) == 0; });
+    };
     const Ran off = run("off"), on = run("on");
     // Before training, the data check reads the split and one micro-batch (2 calls). 150 examples
     // in micro-batches of 16: 10 per epoch, in steps of 3, 3, 3 and 1: 40 steps in 10 epochs.
     REQUIRE(off.threads.size() == 2 + 100);
     CHECK(count(off.threads, "main") == 2 + 100);
-    CHECK(on.threads.size() == 2 + 100);
-    CHECK(count(on.threads, "main") == 2 + 10);  // the first micro-batch of each epoch
+    CHECK(on.threads.size() == 2 + 100);  // nothing made ahead after the last step
+    // Only the very first micro-batch is made in place: each epoch's first is made during the
+    // previous epoch's last, by the same long-lived thread as every other.
+    CHECK(count(on.threads, "main") == 2 + 1);
+    const std::set<std::string> workers(on.threads.begin() + 3, on.threads.end());
+    CHECK(workers.size() == 1);
+    CHECK(workers.begin()->rfind("background ", 0) == 0);
     CHECK(torch::equal(on.params, off.params));
     CHECK(on.losses == off.losses);
 
@@ -353,7 +405,10 @@ TEST_SUITE("extension") {
     CHECK(torch::equal(slow.params, off.params));
     CHECK(count(slow.threads, "background") > 80);
     // It decided after timing 9 micro-batches made in place.
-    CHECK(std::find(slow.threads.begin(), slow.threads.end(), "background") - slow.threads.begin() == 2 + 9);
+    CHECK(std::find_if(slow.threads.begin(), slow.threads.end(),
+                       [](const std::string& s) { return s.rfind("background", 0) == 0; }) -
+              slow.threads.begin() ==
+          2 + 9);
 
     // The data set's error ends the run at the micro-batch that needs it, with the same steps
     // taken as without prefetch.

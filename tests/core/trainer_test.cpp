@@ -218,6 +218,30 @@ name = "fake_sync"
     fs::remove_all(out);
   }
 
+  TEST_CASE("a run resumes with the other exact optimizer step form, bit-identical") {
+    // The tiny recipe's SGD with momentum: its buffers are in the checkpoint.
+    const std::vector<std::string> sets = {"data.samples=80", "run.steps=6", "optimizer.implementation=\"per_tensor\""};
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    const fs::path one_dir = tkt::temp_dir("form-one"), dir = tkt::temp_dir("form-two");
+    tk::Trainer one(tkt::recipe(sets + std::vector<std::string>{"run.output=\"" + one_dir.string() + "\""}), opts);
+    one.fit();
+    const std::vector<std::string> out = {"run.output=\"" + dir.string() + "\"", "run.checkpoint_every=3"};
+    tk::Trainer first(tkt::recipe(sets + out, with_plugins("[[plugins]]\nname = \"probe\"\nthrow_at_step = 4\n").c_str()),
+                      opts);
+    CHECK_THROWS_AS(first.fit(), tk::PluginRuntimeError);
+    auto resume = opts;
+    resume.resume = "latest";
+    resume.allow_changes = {"plugins"};  // only the probe: the step form may change freely
+    auto foreach = sets;
+    foreach.back() = "optimizer.implementation=\"foreach\"";
+    tk::Trainer second(tkt::recipe(foreach + out), resume);
+    CHECK(second.fit().steps == 6);
+    CHECK(torch::equal(tkt::flat_params(second.model()), tkt::flat_params(one.model())));
+    fs::remove_all(dir);
+    fs::remove_all(one_dir);
+  }
+
   TEST_CASE("a run resumed from a checkpoint is bit-identical to an uninterrupted one") {
     // 80 examples in micro-batches of 8, windows of 3: 3, 3, 3, 1 per epoch; 10 steps span 3 epochs,
     // and the checkpoint at step 5 sits inside epoch 2, after a short last window.
@@ -259,6 +283,33 @@ name = "fake_sync"
     CHECK(second.warnings().size() == 1);  // the probe's state in the checkpoint is not loaded
     fs::remove_all(dir);
     fs::remove_all(one_dir);
+  }
+
+  TEST_CASE("each step's record has its throughput, its model FLOPs and, against a given peak, its MFU") {
+    const fs::path dir = tkt::temp_dir("mfu");
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer t(tkt::recipe({"run.output=\"" + dir.string() + "\"", "run.peak_gflops=50"}), opts);
+    const auto res = t.fit();
+    const fs::path m = dir / "metrics.jsonl";
+    const auto gflop = tkt::metric(m, "model_gflop"), rate = tkt::metric(m, "gflops"), mfu = tkt::metric(m, "mfu"),
+               examples = tkt::metric(m, "effective_batch"), eps = tkt::metric(m, "examples_per_s");
+    REQUIRE(gflop.size() == static_cast<size_t>(res.steps));
+    // The tiny recipe's MLP on 4 features: its count for each step's examples.
+    auto x = torch::zeros({1, t.model().parameters().front().size(1)});
+    const double per_example = tk::train_flops_of(t.model(), x.sizes());
+    REQUIRE(per_example > 0);
+    for (size_t i = 0; i < gflop.size(); ++i) {
+      CAPTURE(i);
+      CHECK(gflop[i] == doctest::Approx(examples[i] * per_example / 1e9));
+      CHECK(rate[i] > 0.0);
+      CHECK(mfu[i] == doctest::Approx(rate[i] / 50.0));
+      // Both rates over the same step time.
+      CHECK(eps[i] / examples[i] == doctest::Approx(rate[i] / gflop[i]).epsilon(1e-6));
+    }
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"run.peak_gflops=-1"}), tkt::quiet()),
+                      doctest::Contains("run.peak_gflops: must be >= 0"));
+    fs::remove_all(dir);
   }
 
   TEST_CASE("max_time stops at the next boundary with a checkpoint and a validation of that step") {

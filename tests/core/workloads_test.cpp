@@ -1,5 +1,6 @@
 // Real workloads: Fashion-MNIST's IDX files, text for language modelling, the CNN, the GPT and
 // TorchScript models.
+#include <tk/compat.h>
 #include <tk/tensor_io.h>
 #include <zlib.h>
 
@@ -26,6 +27,12 @@ tk::DataSplits make_data(const std::string& name, const std::string& options) {
 tk::ModelPtr make_model(const std::string& name, const std::string& options, const tk::DataInfo& info) {
   const auto& c = component(tkt::standard_registry().models(), name);
   return c.make(tk::parse_options(options, c.specs, "model"), info);
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, const std::string& options,
+                                                        std::vector<torch::Tensor> params) {
+  const auto& c = component(tkt::standard_registry().optimizers(), name);
+  return c.make(tk::parse_options(options, c.specs, "optimizer"), std::move(params));
 }
 
 std::string toml_string(const fs::path& p) { return "\"" + p.string() + "\""; }
@@ -357,6 +364,39 @@ TEST_SUITE("workloads") {
     return torch::matmul(rms(x, p("ln_f.weight")), p("wte.weight").t());
   }
 
+  TEST_CASE("the built-in models count their training FLOPs as a hand count of their products does") {
+    tk::DataInfo info;
+    info.vocab = info.input_dim = info.output_dim = 11;
+    info.input_shape = {8};
+    info.next_token = true;
+    auto gpt = make_model("gpt", "layers = 2\nwidth = 16\nheads = 4", info);
+    // Per token, forward, per block: qkv 2*16*48, attention projection 2*16*16, MLP 2*16*64 +
+    // 2*64*16; scores 2*8*16 and weighted values 2*8*16 over the 8 positions. Head 2*16*11.
+    // Training is forward and a backward of twice its products.
+    const double block = 2 * 16 * 48 + 2 * 16 * 16 + 2 * 16 * 64 + 2 * 64 * 16 + 2 * 8 * 16 + 2 * 8 * 16;
+    const double per_token = 2 * block + 2 * 16 * 11;
+    CHECK(tk::train_flops_of(*gpt, {3, 8}) == doctest::Approx(3 * 3 * 8 * per_token).epsilon(1e-12));
+    // Rotary positions and RMSNorm add only elementwise work, which is not counted.
+    auto modern = make_model("gpt", "layers = 2\nwidth = 16\nheads = 4\nposition = \"rotary\"\nnorm = \"rmsnorm\"", info);
+    CHECK(tk::train_flops_of(*modern, {3, 8}) == tk::train_flops_of(*gpt, {3, 8}));
+
+    tk::DataInfo features;
+    features.input_dim = 5;
+    features.output_dim = 3;
+    features.input_shape = {5};
+    auto mlp = make_model("mlp", "hidden = [7, 4]", features);
+    CHECK(tk::train_flops_of(*mlp, {10, 5}) == 3 * 2 * 10 * (5 * 7 + 7 * 4 + 4 * 3));
+
+    tk::DataInfo images;
+    images.input_dim = 1 * 8 * 8;
+    images.output_dim = 10;
+    images.input_shape = {1, 8, 8};
+    auto cnn = make_model("cnn", "channels = [4, 6]\nkernel = 3\nhidden = 16", images);
+    // conv 1: 3*3*1*4 MACs at 8x8; conv 2: 3*3*4*6 at 4x4; fc 6*2*2 -> 16; head 16 -> 10.
+    const double macs = 9 * 1 * 4 * 64 + 9 * 4 * 6 * 16 + 6 * 2 * 2 * 16 + 16 * 10;
+    CHECK(tk::train_flops_of(*cnn, {2, 1, 8, 8}) == 3 * 2 * 2 * macs);
+  }
+
   TEST_CASE("the GPT's rotary positions and RMSNorm equal the formulas written out by hand") {
     tk::DataInfo info;
     info.vocab = info.input_dim = info.output_dim = 11;
@@ -404,6 +444,103 @@ TEST_SUITE("workloads") {
     CHECK_THROWS_WITH(make_model("gpt", "position = \"alibi\"", info), doctest::Contains("learned"));
     CHECK_THROWS_WITH(make_model("gpt", "position = \"rotary\"\nrotary_base = 1.0", info),
                       doctest::Contains("rotary_base"));
+  }
+
+  /// Three parameters of `dtype` (the same values for every call with the same seed).
+  std::vector<torch::Tensor> optimizer_params(torch::ScalarType dtype) {
+    torch::manual_seed(3);
+    std::vector<torch::Tensor> ps;
+    for (auto shape : {std::vector<int64_t>{5, 3}, {7}, {2, 2, 2}})
+      ps.push_back(torch::randn(shape, torch::TensorOptions().dtype(dtype)).requires_grad_());
+    return ps;
+  }
+
+  /// Gives each set of parameters the same seeded gradients of step `step`; parameter 1 has none at
+  /// steps 1 and 4 (an unused parameter: its state and step count fall behind the others').
+  void give_grads(const std::vector<std::vector<torch::Tensor>*>& sets, int step) {
+    auto gen = at::detail::createCPUGenerator(100 + step);
+    const auto& first = *sets.front();
+    for (size_t i = 0; i < first.size(); ++i) {
+      const bool none = i == 1 && (step == 1 || step == 4);
+      auto g = at::normal(0.0, 1.0, first[i].sizes(), gen, first[i].options().requires_grad(false));
+      for (auto* set : sets) (*set)[i].mutable_grad() = none ? torch::Tensor() : g.clone();
+    }
+  }
+
+  void check_same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double tol) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      CAPTURE(i);
+      if (tol == 0.0) CHECK(torch::equal(a[i], b[i]));
+      else CHECK(torch::allclose(a[i], b[i], tol, tol));
+    }
+  }
+
+  TEST_CASE("foreach optimizers take LibTorch's per-tensor steps bit for bit and resume from its state") {
+    const std::vector<std::pair<std::string, std::string>> cases = {
+        {"adamw", "lr = 0.01\nweight_decay = 0.1"}, {"adamw", "amsgrad = true"},
+        {"adam", "lr = 0.01\nweight_decay = 0.01"}, {"adam", "amsgrad = true"},
+        {"sgd", "momentum = 0.9\nweight_decay = 0.01"}, {"sgd", "momentum = 0.9\nnesterov = true"},
+        {"sgd", "momentum = 0.9\ndampening = 0.5"}, {"sgd", "lr = 0.1"}};
+    for (const auto& [name, opts] : cases)
+      for (auto dtype : {torch::kFloat, torch::kDouble}) {
+        CAPTURE(name);
+        CAPTURE(opts);
+        CAPTURE(dtype);
+        auto a = optimizer_params(dtype), b = optimizer_params(dtype);
+        auto per_tensor = make_optimizer(name, opts + "\nimplementation = \"per_tensor\"", a);
+        auto foreach = make_optimizer(name, opts + "\nimplementation = \"foreach\"", b);
+        CHECK(typeid(*per_tensor) != typeid(*foreach));  // the foreach form is its own step
+        // "auto" on CPU parameters is LibTorch's own step.
+        CHECK(typeid(*make_optimizer(name, opts, optimizer_params(dtype))) == typeid(*per_tensor));
+        std::vector<torch::Tensor> c;
+        std::unique_ptr<torch::optim::Optimizer> resumed;
+        for (int step = 0; step < 6; ++step) {
+          if (step == 3) {
+            // LibTorch's state, saved and loaded into the foreach form over a copy of the parameters.
+            torch::serialize::OutputArchive out;
+            per_tensor->save(out);
+            std::ostringstream bytes;
+            out.save_to(bytes);
+            for (const auto& p : a) c.push_back(p.detach().clone().requires_grad_());
+            resumed = make_optimizer(name, opts + "\nimplementation = \"foreach\"", c);
+            torch::serialize::InputArchive in;
+            std::istringstream from(bytes.str());
+            in.load_from(from);
+            resumed->load(in);
+          }
+          std::vector<std::vector<torch::Tensor>*> sets = {&a, &b};
+          if (resumed) sets.push_back(&c);
+          give_grads(sets, step);
+          per_tensor->step();
+          foreach->step();
+          if (resumed) resumed->step();
+          check_same(a, b, 0.0);
+          if (resumed) check_same(a, c, 0.0);
+        }
+        // The parameters moved: the comparison is not of untouched tensors.
+        CHECK_FALSE(torch::equal(a[0], optimizer_params(dtype)[0]));
+      }
+  }
+
+  TEST_CASE("the fused AdamW agrees with the per-tensor step to rounding, where LibTorch has it") {
+    const std::string opts = "lr = 0.01\nweight_decay = 0.1";
+    if (!tk::compat::kHasFusedAdamW) {
+      CHECK_THROWS_WITH(make_optimizer("adamw", opts + "\nimplementation = \"fused\"", optimizer_params(torch::kFloat)),
+                        doctest::Contains("\"fused\" needs LibTorch 2.4 or later"));
+      return;
+    }
+    for (auto [dtype, tol] : {std::pair{torch::kFloat, 1e-6}, std::pair{torch::kDouble, 1e-14}}) {
+      CAPTURE(dtype);
+      auto a = optimizer_params(dtype), b = optimizer_params(dtype);
+      auto per_tensor = make_optimizer("adamw", opts + "\nimplementation = \"per_tensor\"", a);
+      auto fused = make_optimizer("adamw", opts + "\nimplementation = \"fused\"", b);
+      for (int step = 0; step < 6; ++step) {
+        give_grads({&a, &b}, step);
+        per_tensor->step();
+        fused->step();
+        check_same(a, b, tol);
+      }
+    }
   }
 
   TEST_CASE("the CNN maps images to class scores") {

@@ -86,8 +86,9 @@ inline std::vector<nlohmann::json> records(const std::filesystem::path& file) {
   std::vector<nlohmann::json> out;
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line);
-    j.erase("wall_time");
-    j.erase("peak_rss_mib");
+    for (const char* timed : {"wall_time", "peak_rss_mib", "examples_per_s", "tokens_per_s", "gflops", "mfu", "data_ms",
+                              "forward_ms", "backward_ms", "boundary_ms", "optimizer_ms", "validation_ms"})
+      j.erase(timed);
     out.push_back(j);
   }
   return out;

@@ -92,7 +92,7 @@ class Runs:
 def check_pages(a):
     r = Runs(a)
     probe = '\n[[plugins]]\nname = "probe"\n'
-    accum, _ = r.run("accum-4x32", probe + "veto_at_step = 3\n")
+    accum, _ = r.run("accum-4x32", probe + "veto_at_step = 3\n", sets=["run.phase_times=true"])
     big, _ = r.run("batch-128", sets=["plugins.grad_accum.steps=1", "data.micro_batch=128"])
     failed, p = r.run("failed", probe + "throw_at_step = 5\n", expect_rc=1)
     expect("report: " in p.stdout, "failed run: tk-run --report did not say it wrote the report\n" + p.stdout + p.stderr)
@@ -254,6 +254,8 @@ def check_browser(a, pages, dirs):
                 key = s["key"]
                 if key == "loss_smoothed":
                     key = "loss"
+                if chart["id"] == "phases":
+                    key = re.search(r"\((.*)\)$", s["label"]).group(1) + "_ms"
                 if chart["id"] == "memory":
                     key = {"process": "peak_rss_mib", "step tensors": "step_peak_mib", "budget": "memory_budget_mib"}[
                         re.search(r"\((.*)\)$", s["label"]).group(1)]
@@ -275,6 +277,8 @@ def check_browser(a, pages, dirs):
             expect(len(ids["loss"]["series"]) == 4, "overlay: the loss chart has %d series" % len(ids["loss"]["series"]))
         if which == "accum":
             expect("skipped" in ids, "the run with a vetoed step has no skipped-steps chart")
+            expect("phases" in ids and len(ids["phases"]["series"]) == 5,
+                   "the run with run.phase_times has no chart of its 5 phases: %s" % ids.get("phases"))
         print("browser: %s: %d charts, %d series, no errors" % (
             which, len(check["charts"]), sum(len(c["series"]) for c in check["charts"])))
 

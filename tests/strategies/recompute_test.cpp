@@ -249,7 +249,8 @@ TEST_SUITE("recompute") {
     const fs::path dir = tkt::temp_dir("recompute-auto");
     tk::TrainerOptions opts = tkt::quiet();
     opts.write_outputs = true;
-    tk::Trainer t(tkt::recipe(auto_sets(16, budget) + std::vector<std::string>{"run.output=\"" + dir.string() + "\""},
+    tk::Trainer t(tkt::recipe(auto_sets(16, budget) + std::vector<std::string>{"run.output=\"" + dir.string() + "\"",
+                                                                       "run.measure_memory=true"},
                               text.c_str()),
                   opts);
     const tk::FitResult fit = t.fit();

@@ -3,13 +3,16 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <torch/version.h>
 #include <type_traits>
+#include <vector>
 
 #include "tk/version.h"
 #if TK_WITH_CUDA
@@ -119,6 +122,42 @@ inline at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, con
 #endif
 }
 
+/// Multiplies every tensor of `list` by the one-element tensor `factor` (which stays on its device:
+/// nothing is read to the host), as t.mul_(factor) does: the factor cast to each tensor's dtype.
+/// LibTorch 2.1+ does it as one foreach operation per dtype.
+inline void foreach_mul_(at::TensorList list, const at::Tensor& factor) {
+#if TK_TORCH_AT_LEAST(2, 1)
+  std::vector<std::vector<at::Tensor>> by_dtype;
+  for (const auto& t : list) {
+    auto it = std::find_if(by_dtype.begin(), by_dtype.end(),
+                           [&](const std::vector<at::Tensor>& g) { return g.front().scalar_type() == t.scalar_type(); });
+    if (it == by_dtype.end()) by_dtype.push_back({t});
+    else it->push_back(t);
+  }
+  for (const auto& group : by_dtype) at::_foreach_mul_(group, factor.to(group.front().scalar_type()));
+#else
+  for (const auto& t : list) t.mul_(factor);
+#endif
+}
+
+/// Whether this LibTorch has the fused AdamW kernel (at::_fused_adamw_, CPU and CUDA since 2.4).
+constexpr bool kHasFusedAdamW = TK_TORCH_AT_LEAST(2, 4);
+
+/// One fused AdamW step over the lists (LibTorch 2.4+; `steps` are float tensors holding each
+/// parameter's step count, already advanced). Throws where the kernel does not exist.
+inline void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                         at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
+                         double weight_decay, double eps, bool amsgrad) {
+#if TK_TORCH_AT_LEAST(2, 4)
+  at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
+                    amsgrad, /*maximize=*/false);
+#else
+  (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)max_exp_avg_sqs, (void)steps;
+  (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad;
+  throw std::runtime_error("LibTorch " TORCH_VERSION " has no fused AdamW (it came with 2.4)");
+#endif
+}
+
 /// Asks c10d's TCPStore for its classic socket backend: LibTorch 2.4+ defaults to libuv, which
 /// Debian's LibTorch is built without. (Older versions have no such option.)
 template <class StoreOptions>
@@ -157,6 +196,7 @@ struct AllocatorBase : c10::Allocator {
 /// CUDA memory figures of the caching allocator (a build against a CUDA LibTorch sets
 /// TK_WITH_CUDA in tk/version.h); 0 elsewhere.
 #if TK_WITH_CUDA
+inline void cuda_synchronize() { cudaDeviceSynchronize(); }
 inline void cuda_reset_peak(at::Device d) { c10::cuda::CUDACachingAllocator::resetPeakStats(d.index() < 0 ? 0 : d.index()); }
 inline double cuda_peak_bytes(at::Device d) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index() < 0 ? 0 : d.index());
@@ -167,6 +207,7 @@ inline double cuda_free_bytes(at::Device) {
   return cudaMemGetInfo(&free, &total) == cudaSuccess ? static_cast<double>(free) : 0.0;
 }
 #else
+inline void cuda_synchronize() {}
 inline void cuda_reset_peak(at::Device) {}
 inline double cuda_peak_bytes(at::Device) { return 0.0; }
 inline double cuda_free_bytes(at::Device) { return 0.0; }

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -62,10 +63,17 @@ class Ema final : public tk::Plugin {
     if (!ctx.step_vetoed()) {
       torch::NoGradGuard no_grad;
       const bool averaging = ctx.counters().step - 1 >= start_step_;  // step counts this one already
+      std::vector<torch::Tensor> avgs, weights;
       for (const auto& p : ctx.model().named_parameters()) {
-        torch::Tensor& a = avg_.at(p.key());
-        if (averaging) a.mul_(decay_).add_(p.value().detach(), 1.0 - decay_);
-        else a.copy_(p.value().detach());
+        avgs.push_back(avg_.at(p.key()));
+        weights.push_back(p.value().detach());
+      }
+      if (averaging) {
+        // avg = decay * avg + (1 - decay) * w, as two multi-tensor operations over every parameter.
+        at::_foreach_mul_(avgs, decay_);
+        at::_foreach_add_(avgs, weights, 1.0 - decay_);
+      } else {
+        for (size_t i = 0; i < avgs.size(); ++i) avgs[i].copy_(weights[i]);
       }
       if (averaging) ++updates_;
     }

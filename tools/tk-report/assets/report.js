@@ -156,7 +156,12 @@
 
   const known = new Set(['step', 'epoch', 'loss', 'lr', 'micro_batches', 'effective_batch', 'samples', 'tokens',
     'wall_time', 'peak_rss_mib', 'grad_norm', 'loss_scale', 'amp_skipped_steps', 'micro_batch', 'step_peak_mib',
-    'memory_budget_mib']);
+    'memory_budget_mib', 'data_ms', 'forward_ms', 'backward_ms', 'boundary_ms', 'optimizer_ms', 'validation_ms',
+    'examples_per_s', 'tokens_per_s', 'model_gflop', 'gflops', 'mfu']);
+  const phases = ['data', 'forward', 'backward', 'boundary', 'optimizer'];
+  // Each phase its colour; with several runs, each run its line style (its index in the report).
+  const phaseColor = { data: '#8c564b', forward: '#1f77b4', backward: '#d62728', boundary: '#9467bd', optimizer: '#2ca02c' };
+  const runDash = [undefined, [6, 3], [2, 3], [8, 2, 2, 2]];
 
   // Each chart: what it shows and, per visible run, its series.
   function chartSpecs(visible) {
@@ -208,6 +213,16 @@
           return differ && r.tokenRate ? [stepSeries(r, r.tokenRate, r.name)] : [];
         },
       },
+      simple('gflops', 'Model FLOP rate (GFLOP/s)',
+        'the model\'s counted training FLOPs of each step over the step\'s time, this rank'),
+      simple('mfu', 'Model FLOPs utilization', 'the FLOP rate over run.peak_gflops, this rank', { percent: true }),
+      {
+        id: 'phases', title: 'Time per step by phase (ms)',
+        hint: 'where each step\'s time went (run.phase_times): reading data, forward with the loss, backward, the ' +
+          'plugins\' boundary work (unscaling, clipping, a data-parallel wait), the optimizer',
+        series: (r) => phases.filter((p) => has(r, p + '_ms')).map((p) => stepSeries(r, col(r, p + '_ms'),
+          r.name + ' (' + p + ')', { color: phaseColor[p], dash: runDash[visible.indexOf(r) % runDash.length] })),
+      },
       {
         id: 'memory', title: 'Peak memory (MiB)',
         hint: 'the process\'s peak resident memory; with a memory-chosen micro-batch, also the step\'s tensor peak and the budget',
@@ -255,7 +270,7 @@
       cursor: { drag: { x: true, y: false } },
       series: [{ label: xLabel }].concat(series.map((s) => ({
         label: s.label,
-        stroke: s.faint ? s.run.color + '4d' : s.run.color,
+        stroke: s.color || (s.faint ? s.run.color + '4d' : s.run.color),
         width: s.faint ? 1 : 2,
         dash: s.dash,
         spanGaps: true,
