@@ -24,21 +24,13 @@ clip=$(printf '\n[[plugins]]\nname = "clip"\nmax_norm = 1.0\n')
 { sed 's/^name = "adamw"/name = "sgd"\nmomentum = 0.9/; s/^lr = 0.001/lr = 0.01/' "$bench_root/bench/overhead.toml"
   echo "$clip"; } >"$bench_work/sgd.toml"
 
-ms() {  # the last bench_tk's metrics -> "ms_per_step loss_at_the_last_step"
-  /usr/bin/python3 - "$tk_dir/metrics.jsonl" "$warmup" "$steps" <<'PY'
-import json, sys
-t = {r["step"]: r for r in (json.loads(l) for l in open(sys.argv[1]))}
-w, n = int(sys.argv[2]), int(sys.argv[3])
-print(f"{1000 * (t[n]['wall_time'] - t[w]['wall_time']) / (n - w):.4f} {t[n]['loss']!r}")
-PY
-}
 for i in $(seq "$reps"); do
   for opt in adamw sgd; do
     for f in "${forms[@]}"; do
       [ "$opt" = sgd ] && [ "$f" = fused ] && continue
       bench_tk "$opt-$f-$i" "$steps" "$bench_work/$opt.toml" --progress none --log-level warn \
         --set optimizer.implementation="\"$f\""
-      echo "$opt $f $(ms)" >>"$times"
+      echo "$opt $f $(bench_step_ms "$tk_dir/metrics.jsonl" "$warmup" "$steps")" >>"$times"
     done
   done
 done

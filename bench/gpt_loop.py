@@ -3,9 +3,10 @@ same GPT (pre-LayerNorm blocks, causal attention written out as LibTorch 1.13 ru
 micro-batches of B sequences of T bytes accumulated K to a step with token normalization, AdamW.
 Prints ms per optimizer step between steps WARMUP and STEPS.
 
-usage: python3 gpt_loop.py LAYERS WIDTH HEADS T B K STEPS WARMUP [DEVICE]
+usage: python3 gpt_loop.py LAYERS WIDTH HEADS T B K STEPS WARMUP [DEVICE] [modern]
 
-On a CUDA DEVICE it also prints the peak of allocated GPU memory (peak_mib).
+On a CUDA DEVICE it also prints the peak of allocated GPU memory (peak_mib). With "modern" the GPT
+has rotary positions and RMSNorm (model.position = "rotary", model.norm = "rmsnorm").
 """
 import math
 import sys
@@ -79,10 +80,11 @@ class Gpt(torch.nn.Module):
 def main() -> None:
     layers, width, heads, t, b, k, steps, warmup = (int(a) for a in sys.argv[1:9])
     device = torch.device(sys.argv[9] if len(sys.argv) > 9 else "cpu")
+    modern = len(sys.argv) > 10 and sys.argv[10] == "modern"
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(1)
-    model = Gpt(layers, width, heads, t).to(device)
+    model = Gpt(layers, width, heads, t, rotary=modern, rms=modern).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     data = torch.randint(0, 256, (64, b, t + 1)).to(device)
     start = time.perf_counter()

@@ -167,6 +167,15 @@ bench_tk() {  # NAME STEPS ARG...
   fi
 }
 
+bench_step_ms() {  # METRICS WARMUP STEPS -> "ms_per_step loss_at_step_STEPS" (the loss exactly, as repr)
+  /usr/bin/python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+t = {r["step"]: r for r in (json.loads(l) for l in open(sys.argv[1]))}
+w, n = int(sys.argv[2]), int(sys.argv[3])
+print(f"{1000 * (t[n]['wall_time'] - t[w]['wall_time']) / (n - w):.4f} {t[n]['loss']!r}")
+PY
+}
+
 bench_cmd() {  # NAME KEY CMD...
   local name=$1 key=$2 rc=0
   shift 2

@@ -12,18 +12,10 @@ cp "$bench_root/bench/overhead.toml" "$bench_work/fp32.toml"
 times="$bench_work/times"
 cpu=$(bench_cpu)
 
-ms() {  # the last bench_tk's metrics -> "ms_per_step loss_at_the_last_step"
-  /usr/bin/python3 - "$tk_dir/metrics.jsonl" "$warmup" "$steps" <<'PY'
-import json, sys
-t = {r["step"]: r for r in (json.loads(l) for l in open(sys.argv[1]))}
-w, n = int(sys.argv[2]), int(sys.argv[3])
-print(f"{1000 * (t[n]['wall_time'] - t[w]['wall_time']) / (n - w):.4f} {t[n]['loss']:.4f}")
-PY
-}
 for i in $(seq "$reps"); do
   for p in fp32 bf16; do
     bench_tk "$p-$i" "$steps" "$bench_work/$p.toml" --progress none --log-level warn
-    r=$(ms)
+    r=$(bench_step_ms "$tk_dir/metrics.jsonl" "$warmup" "$steps")
     echo "$p $r" >>"$times"
   done
 done

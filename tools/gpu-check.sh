@@ -19,7 +19,8 @@
 # off bit-identical, the plugin contract suite, DDP over NCCL on two GPUs (skipped with one), the
 # sharded optimizer on the GPT (a world of one; over NCCL with two GPUs), recomputation on the GPT
 # (bit-identical, its memory and time), the optimizers' foreach and fused forms against the
-# per-tensor one (their time and drift, with phase times), and the GPT
+# per-tensor one (their time and drift, with phase times), the speedrun recipe's model (rotary,
+# RMSNorm) with its phase times, and the GPT
 # recipe's throughput and peak memory next to the same training written by hand in PyTorch.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -276,6 +277,30 @@ if run gpt "$root/recipes/gpt-tiny.toml" --set run.epochs=0 --set run.steps=$ste
   line=$("$py" -c "t=float('$tk_ms'); p=float('${py_ms:-nan}'); n=$tokens; print(f'GPT 2x128, 8x4 sequences of 128 per step: trainkit {t:.2f} ms/step ({n/t*1000:.0f} tokens/s), PyTorch by hand {p:.2f} ms/step ({n/p*1000:.0f} tokens/s), trainkit/PyTorch time {t/p:.2f}; peak GPU memory trainkit $tk_peak MiB, PyTorch ${py_peak:-?} MiB')" || echo "GPT timing: trainkit $tk_ms ms/step, PyTorch ${py_ms:-?} ms/step")
   pass "$line"
 else fail "GPT recipe on CUDA (see $work/gpt.log)"; fi
+
+# 8b. The speedrun recipe's model (4 x 128, 4 heads, rotary positions, RMSNorm, 4 x 16 sequences of
+# 128 a step) on CUDA against the same model in PyTorch by hand, on bytes (vocabulary 256, not the
+# recipe's 4096 BPE pieces: no tokenizer is built here), with trainkit's phase times and MFU's FLOPs.
+speed_model=(--set model.layers=4 --set model.width=128 --set model.heads=4 --set model.position='"rotary"'
+             --set model.norm='"rmsnorm"' --set data.seq_len=128 --set data.micro_batch=16 --set plugins.grad_accum.steps=4)
+if run speed "$root/recipes/gpt-tiny.toml" --set run.epochs=0 --set run.steps=$steps --set run.validate_every=0 \
+     --set data.validation_fraction=0.0 --set data.path="$deps/usr/share/games/fortunes/cookie" --set run.phase_times=true \
+     "${speed_model[@]}"; then
+  tk_ms=$("$py" "$root/bench/step_ms.py" "$work/speed/metrics.jsonl" $warmup $steps || echo nan)
+  phases=$("$py" - "$work/speed/metrics.jsonl" <<'PY' || echo "phases unreadable"
+import json, statistics, sys
+r = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l][50:]
+print(", ".join(f"{k[:-3]} {statistics.median(x[k] for x in r):.2f} ms" for k in
+                ("data_ms", "forward_ms", "backward_ms", "boundary_ms", "optimizer_ms"))
+      + f"; {statistics.median(x['gflops'] for x in r):.0f} GFLOP/s of the model's counted FLOPs")
+PY
+)
+  "$py" "$root/bench/gpt_loop.py" 4 128 4 128 16 4 $steps $warmup cuda modern > "$work/speed_py.log" 2>&1 || true
+  py_ms=$(awk '/ms_per_step/ {print $2}' "$work/speed_py.log")
+  line=$("$py" -c "t=float('$tk_ms'); p=float('${py_ms:-nan}'); n=16*4*128; print(f'speedrun model 4x128 (rotary, RMSNorm), 16x4 sequences of 128: trainkit {t:.2f} ms/step ({n/t*1000:.0f} tokens/s), PyTorch by hand {p:.2f} ms/step ({n/p*1000:.0f} tokens/s), ratio {t/p:.2f}')" ||
+         echo "speedrun model: trainkit $tk_ms ms/step, PyTorch ${py_ms:-?} ms/step")
+  pass "$line; trainkit's phases: $phases"
+else fail "speedrun model on CUDA (see $work/speed.log)"; fi
 
 echo
 echo "== trainkit GPU check: $versions, $(( $(date +%s) - t_start )) s =="

@@ -557,4 +557,4 @@ void register_models(Registry& r) {
 }  // namespace
 }  // namespace tk::models
 
-TK_LIBRARY("models", "0.2.0", tk::models::register_models)
+TK_LIBRARY("models", "0.3.0", tk::models::register_models)

@@ -201,4 +201,4 @@ void register_optim(Registry& r) {
 }  // namespace
 }  // namespace tk::optim
 
-TK_LIBRARY("optim", "0.2.0", tk::optim::register_optim)
+TK_LIBRARY("optim", "0.3.0", tk::optim::register_optim)

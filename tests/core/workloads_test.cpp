@@ -35,6 +35,15 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
   return c.make(tk::parse_options(options, c.specs, "optimizer"), std::move(params));
 }
 
+/// Next-token data of a vocabulary of 11 in sequences of 8: what the GPT tests build models for.
+tk::DataInfo tokens_11x8() {
+  tk::DataInfo info;
+  info.vocab = info.input_dim = info.output_dim = 11;
+  info.input_shape = {8};
+  info.next_token = true;
+  return info;
+}
+
 std::string toml_string(const fs::path& p) { return "\"" + p.string() + "\""; }
 
 
@@ -281,10 +290,7 @@ TEST_SUITE("workloads") {
   }
 
   TEST_CASE("the GPT is causal, sized by its options, and ties its head on request") {
-    tk::DataInfo info;
-    info.vocab = info.input_dim = info.output_dim = 11;
-    info.input_shape = {8};
-    info.next_token = true;
+    const tk::DataInfo info = tokens_11x8();
     torch::manual_seed(0);
     auto tied = make_model("gpt", "layers = 2\nwidth = 16\nheads = 4", info);
     auto untied = make_model("gpt", "layers = 2\nwidth = 16\nheads = 4\ntied_head = false", info);
@@ -365,10 +371,7 @@ TEST_SUITE("workloads") {
   }
 
   TEST_CASE("the built-in models count their training FLOPs as a hand count of their products does") {
-    tk::DataInfo info;
-    info.vocab = info.input_dim = info.output_dim = 11;
-    info.input_shape = {8};
-    info.next_token = true;
+    const tk::DataInfo info = tokens_11x8();
     auto gpt = make_model("gpt", "layers = 2\nwidth = 16\nheads = 4", info);
     // Per token, forward, per block: qkv 2*16*48, attention projection 2*16*16, MLP 2*16*64 +
     // 2*64*16; scores 2*8*16 and weighted values 2*8*16 over the 8 positions. Head 2*16*11.
@@ -398,10 +401,7 @@ TEST_SUITE("workloads") {
   }
 
   TEST_CASE("the GPT's rotary positions and RMSNorm equal the formulas written out by hand") {
-    tk::DataInfo info;
-    info.vocab = info.input_dim = info.output_dim = 11;
-    info.input_shape = {8};
-    info.next_token = true;
+    const tk::DataInfo info = tokens_11x8();
     torch::manual_seed(0);
     auto m = make_model("gpt", "layers = 2\nwidth = 16\nheads = 2\nposition = \"rotary\"\nrotary_base = 100.0\nnorm = \"rmsnorm\"", info);
     // No position embedding, and RMSNorm has no bias: 11*16 + 2 * (2*16 + 12*16*16 + 9*16) + 16.
