@@ -14,6 +14,8 @@
 #include <fstream>
 #include <map>
 
+#include <nlohmann/json.hpp>
+
 #include "support.h"
 
 namespace fs = std::filesystem;
@@ -125,6 +127,77 @@ bool fp16_available() {
 }
 
 }  // namespace
+
+TEST_SUITE("profiler") {
+  TEST_CASE("profiler: a Trace Event Format trace of the chosen steps, its ranges nested, operators under them") {
+    const Result plain = run(kAccum4, {}, {}, "plain");
+    const Result traced = run("[[plugins]]\nname = \"profiler\"\nsteps = [2, 3]\n" + kAccum4, {}, {}, "traced");
+    CHECK(torch::equal(traced.params, plain.params));  // tracing changes nothing of the run
+    std::ifstream in(traced.dir / "trace.json");
+    REQUIRE(in.good());
+    const auto trace = nlohmann::json::parse(in);
+    REQUIRE(trace.contains("traceEvents"));
+    struct Range {
+      std::string name, cat;
+      double from, to;
+      int tid;
+    };
+    std::vector<Range> ranges;
+    for (const auto& e : trace["traceEvents"]) {
+      REQUIRE(e.contains("ph"));
+      if (e["ph"] == "M") continue;  // metadata: the thread's name
+      REQUIRE(e["ph"] == "X");
+      for (const char* k : {"name", "cat", "ts", "dur", "pid", "tid"}) REQUIRE(e.contains(k));
+      CHECK(e["dur"].get<double>() >= 0.0);
+      ranges.push_back({e["name"], e["cat"], e["ts"].get<double>(), e["ts"].get<double>() + e["dur"].get<double>(),
+                        e["tid"].get<int>()});
+    }
+    auto named = [&](const std::string& n) {
+      return std::count_if(ranges.begin(), ranges.end(), [&](const Range& r) { return r.name == n; });
+    };
+    CHECK(named("step 2") == 1);
+    CHECK(named("step 3") == 1);
+    CHECK(named("step 1") == 0);  // not chosen
+    CHECK(named("forward") == 8);  // 4 micro-batches in each of the 2 steps
+    CHECK(named("backward") == 8);
+    CHECK(named("data") == 8);
+    CHECK(named("boundary and optimizer step") == 2);
+    // On one thread, ranges nest: two are disjoint or one holds the other (to the microsecond
+    // rounding of the stamps).
+    constexpr double eps = 1.0;
+    for (const auto& a : ranges)
+      for (const auto& b : ranges) {
+        if (&a == &b || a.tid != b.tid) continue;
+        const bool disjoint = a.to <= b.from + eps || b.to <= a.from + eps;
+        const bool nested = (a.from >= b.from - eps && a.to <= b.to + eps) || (b.from >= a.from - eps && b.to <= a.to + eps);
+        if (!(disjoint || nested)) FAIL_CHECK(a.name << " [" << a.from << ", " << a.to << "] overlaps " << b.name << " [" << b.from << ", " << b.to << "]");
+      }
+    // Every phase sits inside its step, and LibTorch's operators inside the traced steps, some
+    // of them (the linear layers' products) inside a forward.
+    auto inside = [&](const Range& r, const std::string& outer_prefix) {
+      return std::any_of(ranges.begin(), ranges.end(), [&](const Range& o) {
+        return o.name.rfind(outer_prefix, 0) == 0 && r.from >= o.from - eps && r.to <= o.to + eps;
+      });
+    };
+    int ops = 0, ops_in_forward = 0;
+    for (const auto& r : ranges) {
+      if (r.cat == "phase" || r.cat == "micro-batch") CHECK(inside(r, "step "));
+      if (r.cat != "operator") continue;
+      ++ops;
+      CHECK(inside(r, "step "));
+      if (r.name.find("mm") != std::string::npos && inside(r, "forward")) ++ops_in_forward;
+    }
+    CHECK(ops > 0);
+    CHECK(ops_in_forward > 0);
+    // Without operators: the phases only.
+    const Result phases = run("[[plugins]]\nname = \"profiler\"\nsteps = [1]\noperators = false\n", {}, {}, "phases");
+    std::ifstream in2(phases.dir / "trace.json");
+    const auto t2 = nlohmann::json::parse(in2);
+    for (const auto& e : t2["traceEvents"]) CHECK(e.value("cat", "") != "operator");
+    CHECK_THROWS_WITH(run("[[plugins]]\nname = \"profiler\"\nsteps = [0]\n"), doctest::Contains("steps count from 1"));
+    for (const auto& d : {plain.dir, traced.dir, phases.dir}) fs::remove_all(d);
+  }
+}
 
 TEST_SUITE("clip") {
   TEST_CASE("clip by norm and by value match PyTorch's clip_grad_norm_ / clip_grad_value_") {
