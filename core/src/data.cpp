@@ -62,8 +62,10 @@ at::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch, bool shuffle) {
 
 ModelWithFlops::~ModelWithFlops() = default;
 
+const ModelWithFlops* flops_of(const Model& model) { return dynamic_cast<const ModelWithFlops*>(&model); }
+
 double train_flops_of(const Model& model, c10::IntArrayRef input_sizes) {
-  const auto* with = dynamic_cast<const ModelWithFlops*>(&model);
+  const ModelWithFlops* with = flops_of(model);
   return with ? with->train_flops(input_sizes) : -1.0;
 }
 

@@ -115,9 +115,18 @@ class Loop {
       mark();
       ms[static_cast<size_t>(p)] += std::chrono::duration<double, std::milli>(t - before).count();
     }
+    /// The window's phases into its record (validation_ms only on a step that validated).
+    void record(JsonLine& line) const {
+      static const char* const kNames[kPhases] = {"data_ms",     "forward_ms",   "backward_ms",
+                                                  "boundary_ms", "optimizer_ms", "validation_ms"};
+      if (!on) return;
+      for (size_t p = 0; p < kPhases; ++p)
+        if (p != kValidation || ms[p] > 0.0) line.add(kNames[p], ms[p]);
+    }
   } phases_;
   // Each window's arithmetic and its time, for its record's rates.
-  double window_flops_ = 0;   // negative: the model does not count its FLOPs
+  const ModelWithFlops* flops_ = nullptr;  // the model, when it counts its FLOPs
+  double window_flops_ = 0;
   double peak_gflops_ = 0;    // run.peak_gflops
   std::chrono::steady_clock::time_point window_t0_;
   /// The order of `epoch`'s examples on this rank, kept for the one asked for last (the epoch in
@@ -175,10 +184,7 @@ void Loop::emit(Event e) {
 void Loop::micro_batch(Batch& batch) {
   if (fault_due("oom")) TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (injected by TK_FAULT=oom)");
   phases_.mark();
-  if (window_flops_ >= 0) {
-    const double f = train_flops_of(*r_.model, batch.input.sizes());
-    window_flops_ = f < 0 ? -1.0 : window_flops_ + f;
-  }
+  if (flops_) window_flops_ += flops_->train_flops(batch.input.sizes());
   emit(Event::MicroBatch);
   at::Tensor out = r_.model->forward(batch.input);
   s_.loss = (*r_.loss)(out, batch);
@@ -366,7 +372,7 @@ void Loop::add_rates(JsonLine& line) const {
   if (s <= 0.0) return;
   line.add("examples_per_s", static_cast<double>(s_.totals.samples) / s);
   if (s_.totals.tokens != s_.totals.samples) line.add("tokens_per_s", static_cast<double>(s_.totals.tokens) / s);
-  if (window_flops_ <= 0) return;
+  if (!flops_ || window_flops_ <= 0) return;
   line.add("model_gflop", window_flops_ / 1e9).add("gflops", window_flops_ / 1e9 / s);
   if (peak_gflops_ > 0) line.add("mfu", window_flops_ / 1e9 / s / peak_gflops_);
 }
@@ -430,12 +436,7 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   if (stop == kSignalled) result_.status = FitStatus::StoppedBySignal;
   else if (stop == kOutOfTime) result_.status = FitStatus::StoppedByTime;
   if (result_.status != FitStatus::Running) done_ = true;
-  if (phases_.on) {
-    static const char* const kNames[kPhases] = {"data_ms",      "forward_ms",  "backward_ms",
-                                                "boundary_ms",  "optimizer_ms", "validation_ms"};
-    for (size_t p = 0; p < kPhases; ++p)
-      if (p != kValidation || phases_.ms[p] > 0.0) line.add(kNames[p], phases_.ms[p]);
-  }
+  phases_.record(line);
   // The step's record first: a checkpoint never holds a step whose record could be lost.
   outputs_->record(line);
   if (outputs_->writes() && (done_ || (checkpoint_every_ > 0 && c.step % checkpoint_every_ == 0))) {
@@ -538,6 +539,7 @@ void Loop::train_epochs(Start start) {
   if (r_.device.is_cuda() || r_.run.get_bool("measure_memory")) meter_.emplace(r_);
   phases_.on = r_.run.get_bool("phase_times");
   peak_gflops_ = r_.run.get_float("peak_gflops");
+  flops_ = flops_of(*r_.model);
   phases_.cuda = r_.device.is_cuda();
   prefetch_.emplace(r_, *r_.data.train);
   if (prefetch_->active()) spdlog::debug("prefetch: on ({})", prefetch_->reason());

@@ -196,9 +196,8 @@ class Rotary {
       auto f64 = at::TensorOptions().dtype(at::kDouble);
       auto inv = at::pow(base_, at::arange(0, half_, f64) * (-2.0 / static_cast<double>(2 * half_)));
       auto theta = at::outer(at::arange(t, f64), inv);  // [T, D/2]
-      const auto to = like.dtype(like.dtype().toScalarType()).requires_grad(false);
-      cos_ = at::cos(theta).to(to);
-      sin_ = at::sin(theta).to(to);
+      cos_ = at::cos(theta).to(like);
+      sin_ = at::sin(theta).to(like);
     }
     return {cos_, sin_};
   }

@@ -85,11 +85,10 @@ OptionSpec implementation_spec(bool fused) {
   std::vector<std::string> forms = {"auto", "per_tensor", "foreach"};
   if (fused) forms.push_back("fused");
   return opt_string("implementation", "auto",
-                    fused ? "per_tensor (LibTorch's step), foreach (the same arithmetic over all parameters at once, "
-                            "bit-identical), fused (one kernel, LibTorch 2.4+, equal to rounding), or auto (foreach on "
-                            "a GPU, per_tensor on a CPU)"
-                          : "per_tensor (LibTorch's step), foreach (the same arithmetic over all parameters at once, "
-                            "bit-identical), or auto (foreach on a GPU, per_tensor on a CPU)",
+                    std::string("per_tensor (LibTorch's step), foreach (the same arithmetic over all parameters at "
+                                "once: bit-identical on the CPU, equal to rounding on CUDA), ") +
+                        (fused ? "fused (one kernel, LibTorch 2.4+, equal to rounding), " : "") +
+                        "or auto (foreach on a GPU, per_tensor on a CPU)",
                     forms);
 }
 
@@ -112,6 +111,17 @@ StepForm form_of(const Options& o, const std::vector<torch::Tensor>& params) {
       o.fail("implementation", "\"fused\" runs on CPU and CUDA, not on " + params.front().device().str());
   }
   return form;
+}
+
+/// Adam or AdamW (`Opts`, whose options are the same) from the recipe's options, in its step form.
+template <class Opts, class Make>
+std::unique_ptr<torch::optim::Optimizer> make_adam_like(const Options& o, std::vector<torch::Tensor> params, Make make) {
+  check_lr(o);
+  const StepForm form = form_of(o, params);
+  return make(std::move(params),
+              Opts(o.get_float("lr")).betas(betas_of(o)).eps(o.get_float("eps")).weight_decay(o.get_float("weight_decay"))
+                  .amsgrad(o.get_bool("amsgrad")),
+              form);
 }
 
 template <class Maker>
@@ -164,25 +174,11 @@ void register_optim(Registry& r) {
        }},
       {"adam", "Adam", adam_specs(0.0, false),
        [](const Options& o, std::vector<torch::Tensor> params) -> std::unique_ptr<Optimizer> {
-         check_lr(o);
-         const StepForm form = form_of(o, params);
-         return make_adam(std::move(params), torch::optim::AdamOptions(o.get_float("lr"))
-                                                 .betas(betas_of(o))
-                                                 .eps(o.get_float("eps"))
-                                                 .weight_decay(o.get_float("weight_decay"))
-                                                 .amsgrad(o.get_bool("amsgrad")),
-                          form);
+         return make_adam_like<torch::optim::AdamOptions>(o, std::move(params), make_adam);
        }},
       {"adamw", "Adam with decoupled weight decay", adam_specs(0.01, true),
        [](const Options& o, std::vector<torch::Tensor> params) -> std::unique_ptr<Optimizer> {
-         check_lr(o);
-         const StepForm form = form_of(o, params);
-         return make_adamw(std::move(params), torch::optim::AdamWOptions(o.get_float("lr"))
-                                                  .betas(betas_of(o))
-                                                  .eps(o.get_float("eps"))
-                                                  .weight_decay(o.get_float("weight_decay"))
-                                                  .amsgrad(o.get_bool("amsgrad")),
-                           form);
+         return make_adam_like<torch::optim::AdamWOptions>(o, std::move(params), make_adamw);
        }},
   });
   add_all<ScheduleMaker>(r, &Registry::add_schedule, {

@@ -81,8 +81,8 @@ class Profiler final : public tk::Plugin {
   }
   void on_validation_start(tk::Context&) override { validation_ = now_us(); }
   void on_validation_end(tk::Context&) override {
-    range("validation", "validation", validation_, now_us());
     last_ = now_us();
+    range("validation", "validation", validation_, last_);
   }
   void on_fit_end(tk::Context&) override {
     if (on_) end_operators();  // a run that ended inside a traced step

@@ -36,6 +36,8 @@ class ModelWithFlops {
   virtual ~ModelWithFlops();
 };
 
+/// `model` as a ModelWithFlops, or null when it does not count its FLOPs.
+const ModelWithFlops* flops_of(const Model& model);
 /// train_flops of `model` on a batch of `input_sizes`, or a negative number when it does not count.
 double train_flops_of(const Model& model, c10::IntArrayRef input_sizes);
 
