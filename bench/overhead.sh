@@ -9,7 +9,7 @@ threads=${2:-0}
 bench_int REPS "$reps" 1
 bench_int THREADS "$threads" 0
 steps=300 warmup=50
-shape=(256 512 2 10 16384 64 4 $steps $warmup "$threads")
+shape=(mlp 256 512 2 10 16384 64 4 $steps $warmup "$threads")
 times="$bench_work/times"
 cpu=$(bench_cpu python)
 

@@ -108,17 +108,20 @@ inline at::ScalarType autocast_dtype(at::DeviceType device) {
 }
 
 /// Causal (masked) scaled dot-product attention over q, k, v [B, H, T, D]. LibTorch 2.0+ has a
-/// fused kernel (flash / memory-efficient on CUDA); 1.x gets the same arithmetic written out.
+/// fused kernel (flash / memory-efficient on CUDA); 1.x gets the same arithmetic written out, with
+/// the scale and the mask folded into one batched product (baddbmm adds the -inf of the future
+/// positions): no separate passes over the scores for them, forward or backward.
 inline at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout) {
 #if TK_TORCH_AT_LEAST(2, 0)
   return at::scaled_dot_product_attention(q, k, v, {}, dropout, /*is_causal=*/true);
 #else
-  const int64_t t = q.size(-2);
-  auto scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
-  auto future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
-  auto weights = at::softmax(scores.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+  auto future = at::full({t, t}, -std::numeric_limits<double>::infinity(), q.options()).triu(1);
+  auto scores = at::baddbmm(future.expand({b * h, t, t}), q.reshape({b * h, t, d}),
+                            k.reshape({b * h, t, d}).transpose(1, 2), 1.0, 1.0 / std::sqrt(static_cast<double>(d)));
+  auto weights = at::softmax(scores, -1);
   if (dropout > 0.0) weights = at::dropout(weights, dropout, /*train=*/true);
-  return at::matmul(weights, v);
+  return at::bmm(weights, v.reshape({b * h, t, d})).view({b, h, t, d});
 #endif
 }
 
