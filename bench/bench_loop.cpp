@@ -21,13 +21,13 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/modules/pooling.h>
 #include <torch/optim/adamw.h>
+#include <tk/compat.h>
 #include <zlib.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -45,6 +45,7 @@ void set_threads(int64_t n) {
 /// Runs STEPS optimizer steps of `step` and prints the time per step after WARMUP.
 template <class Step>
 void time_steps(int64_t steps, int64_t warmup, Step step) {
+  if (warmup < 0 || steps <= warmup) throw std::runtime_error("STEPS must be larger than WARMUP (>= 0)");
   auto start = Clock::now();
   double loss = 0;
   for (int64_t s = 0; s < steps; ++s) {
@@ -99,14 +100,21 @@ torch::Tensor read_idx(const std::string& path) {
   unsigned char buf[1 << 16];
   for (int got; (got = gzread(f, buf, sizeof buf)) > 0;) raw.insert(raw.end(), buf, buf + got);
   gzclose(f);
-  if (raw.size() < 4) throw std::runtime_error(path + " is not an IDX file");
+  if (raw.size() < 4 || raw[0] != 0 || raw[1] != 0 || raw[2] != 0x08)
+    throw std::runtime_error(path + " is not an IDX file of bytes");
   const int rank = raw[3];
+  if (raw.size() < 4 + 4 * static_cast<size_t>(rank)) throw std::runtime_error(path + " ends inside its header");
   std::vector<int64_t> dims;
   for (int i = 0; i < rank; ++i) {
     const unsigned char* d = raw.data() + 4 + 4 * i;
     dims.push_back((int64_t(d[0]) << 24) | (int64_t(d[1]) << 16) | (int64_t(d[2]) << 8) | int64_t(d[3]));
   }
   const size_t offset = 4 + 4 * static_cast<size_t>(rank);
+  int64_t count = 1;
+  for (int64_t d : dims) count *= d;
+  if (raw.size() != offset + static_cast<size_t>(count))
+    throw std::runtime_error(path + " holds " + std::to_string(raw.size() - offset) + " bytes of data, its header " +
+                             std::to_string(count));
   return torch::from_blob(raw.data() + offset, dims, torch::kUInt8).clone();
 }
 
@@ -143,7 +151,7 @@ int cnn(int argc, char** argv) {
   return 0;
 }
 
-/// gpt_loop.py's block: pre-LayerNorm, causal attention written out as LibTorch 1.13 runs it.
+/// gpt_loop.py's block: pre-LayerNorm, the causal attention of trainkit's GPT (tk/compat.h).
 struct BlockImpl : torch::nn::Module {
   BlockImpl(int64_t c, int64_t heads) : heads(heads) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c})));
@@ -156,10 +164,8 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
     auto qkv_ = qkv->forward(ln1->forward(x)).view({b, t, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
-    auto s = torch::matmul(qkv_[0], qkv_[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(c / heads));
-    auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
-    s = s.masked_fill(future, -std::numeric_limits<double>::infinity()).softmax(-1);
-    x = x + proj->forward(torch::matmul(s, qkv_[2]).transpose(1, 2).reshape({b, t, c}));
+    auto y = tk::compat::causal_attention(qkv_[0], qkv_[1], qkv_[2], 0.0);  // the model's own attention
+    x = x + proj->forward(y.transpose(1, 2).reshape({b, t, c}));
     return x + out->forward(torch::gelu(fc->forward(ln2->forward(x))));
   }
   int64_t heads;
@@ -191,6 +197,7 @@ int gpt(char** argv) {
   const int64_t layers = arg(argv, 2), width = arg(argv, 3), heads = arg(argv, 4), t = arg(argv, 5);
   const int64_t b = arg(argv, 6), k = arg(argv, 7), steps = arg(argv, 8), warmup = arg(argv, 9);
   set_threads(arg(argv, 10));
+  if (heads < 1 || width % heads != 0) throw std::runtime_error("WIDTH must be a multiple of HEADS");
   torch::manual_seed(1);
   Gpt model(layers, width, heads, t);
   torch::optim::AdamW opt(model->parameters(),

@@ -70,10 +70,11 @@ refused="lr: must be > 0"
 case_ "overhead.sh: tk-run refused"                   "$refused" "${refuse[@]}" -- overhead.sh 1 1
 case_ "vs-python.sh fashion: tk-run refused"          "$refused" "${refuse[@]}" -- vs-python.sh fashion 1
 case_ "vs-python.sh gpt: tk-run refused"              "$refused" "${refuse[@]}" -- vs-python.sh gpt 1
+case_ "loop-gaps.sh: tk-run refused"                  "$refused" "${refuse[@]}" -- loop-gaps.sh 1 1
 case_ "precision.sh: tk-run refused"                  "$refused" "${refuse[@]}" -- precision.sh 1
 case_ "memory.sh: tk-run refused"                     "$refused" "${refuse[@]}" -- memory.sh
 case_ "gpt-memory.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- gpt-memory.sh 8 3
-case_ "recompute.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- recompute.sh 3 2
+case_ "recompute.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- recompute.sh 3 1 2
 case_ "auto-batch.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- auto-batch.sh 8 2 300MiB
 case_ "ddp.sh: tk-run refused"                        "$refused" "${refuse[@]}" -- ddp.sh 1
 case_ "precision.sh: 2nd tk-run refused (folder in use)" "holds another run" BUILD_DIR="$tmp/second-refused" -- precision.sh 1
@@ -81,7 +82,9 @@ case_ "overhead.sh: tk-run killed mid-run"            "ended by signal SIGKILL" 
 case_ "precision.sh: tk-run ends short, exit 0"       "holds 20 step records" TK_BENCH_EXTRA="--set run.steps=20" -- precision.sh 1
 case_ "overhead.sh: the C++ loop fails"               "injected failure of tk-bench-loop" BUILD_DIR="$tmp/loop-fails" -- overhead.sh 1 1
 case_ "overhead.sh: the Python loop fails"            "RuntimeError: injected failure of bench_loop.py" TK_BENCH_PYTHON="$tmp/python" -- overhead.sh 1 1
-case_ "recompute.sh: the Python loop fails"           "RuntimeError: injected failure of recompute_loop.py" TK_BENCH_PYTHON="$tmp/python" -- recompute.sh 3 2
+case_ "loop-gaps.sh: the C++ loop fails"              "injected failure of tk-bench-loop" BUILD_DIR="$tmp/loop-fails" -- loop-gaps.sh 1 1
+case_ "loop-gaps.sh: THREADS x refused"               "THREADS must be an integer >= 0" -- loop-gaps.sh 1 x
+case_ "recompute.sh: the Python loop fails"           "RuntimeError: injected failure of recompute_loop.py" TK_BENCH_PYTHON="$tmp/python" -- recompute.sh 3 1 2
 case_ "vs-python.sh fashion: the Python loop fails"   "RuntimeError: injected failure of fashion_loop.py" TK_BENCH_PYTHON="$tmp/python" -- vs-python.sh fashion 1
 case_ "build-time.sh: git clone fails"                "fatal: injected failure of git clone" PATH="$tmp/git-fails:$PATH" -- build-time.sh
 case_ "overhead.sh: REPS 0 refused"                   "REPS must be an integer >= 1" -- overhead.sh 0

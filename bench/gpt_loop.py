@@ -1,5 +1,5 @@
 """recipes/gpt-tiny.toml's model and step written by hand in Python (Debian's python3-torch): the
-same GPT (pre-LayerNorm blocks, causal attention written out as LibTorch 1.13 runs it, tied head),
+same GPT (pre-LayerNorm blocks, the causal attention of trainkit's GPT, tied head),
 micro-batches of B sequences of T bytes accumulated K to a step with token normalization, AdamW.
 Prints ms per optimizer step between steps WARMUP and STEPS.
 
@@ -37,6 +37,18 @@ def rotate(x, base=10000.0):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
 
+def causal_attention(q, k, v):
+    """trainkit's GPT attention (tk/compat.h): PyTorch's fused kernel where torch has one (2.0+),
+    else the scale and the causal mask folded into one baddbmm."""
+    if hasattr(F, "scaled_dot_product_attention"):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    b, h, t, d = q.shape
+    future = torch.full((t, t), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    s = torch.baddbmm(future.expand(b * h, t, t), q.reshape(b * h, t, d), k.reshape(b * h, t, d).transpose(1, 2),
+                      alpha=1.0 / math.sqrt(d))
+    return (s.softmax(-1) @ v.reshape(b * h, t, d)).view(b, h, t, d)
+
+
 class Block(torch.nn.Module):
     def __init__(self, c: int, heads: int, rotary: bool = False, rms: bool = False):
         super().__init__()
@@ -51,9 +63,7 @@ class Block(torch.nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         if self.rotary:
             q, k = rotate(q), rotate(k)
-        s = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf")).softmax(-1)
-        x = x + self.proj((s @ v).transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(causal_attention(q, k, v).transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 

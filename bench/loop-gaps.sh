@@ -19,7 +19,7 @@ quiet=(--progress none --log-level warn --set run.epochs=0 --set run.validate_ev
 
 # WORKLOAD THREADS REP: one run of each program; appends "WORKLOAD THREADS PROGRAM MS" to $times.
 one_round() {
-  local w=$1 t=$2 i=$3 steps warmup recipe data tk_args=() cpp py env_=()
+  local w=$1 t=$2 i=$3 steps warmup recipe data cpp py env_=() ms
   case "$w" in
     mlp) steps=300 warmup=50 recipe="$bench_root/bench/overhead.toml" data=()
          cpp=(mlp 256 512 2 10 16384 64 4 $steps $warmup "$t")
@@ -32,8 +32,9 @@ one_round() {
          py=("$bench_root/bench/gpt_loop.py" 2 128 4 128 8 4 $steps $warmup) ;;
   esac
   if [ "$t" -gt 0 ]; then env_=(OMP_NUM_THREADS="$t" OPENBLAS_NUM_THREADS="$t"); fi
-  bench_tk "$w-$t-$i" "$steps" "$recipe" "${quiet[@]}" "${data[@]}" --set run.steps=$steps --set run.threads="$t"
-  echo "$w $t tk $(/usr/bin/python3 "$bench_root/bench/step_ms.py" "$tk_dir/metrics.jsonl" $warmup $steps)" >>"$times"
+  bench_tk "$w-$t-$i" "$steps" "$recipe" "${quiet[@]}" ${data[@]+"${data[@]}"} --set run.steps=$steps --set run.threads="$t"
+  ms=$(/usr/bin/python3 "$bench_root/bench/step_ms.py" "$tk_dir/metrics.jsonl" $warmup $steps)
+  echo "$w $t tk $ms" >>"$times"
   bench_cmd "tk-bench-loop $w (run $i)" ms_per_step env ${env_[@]+"${env_[@]}"} "$bench_bin/tk-bench-loop" "${cpp[@]}"
   echo "$w $t cpp $cmd_value" >>"$times"
   bench_cmd "$(basename "${py[0]}") (run $i)" ms_per_step env ${env_[@]+"${env_[@]}"} "$bench_python" "${py[@]}"

@@ -12,15 +12,18 @@ steps=300 warmup=50
 shape=(mlp 256 512 2 10 16384 64 4 $steps $warmup "$threads")
 times="$bench_work/times"
 cpu=$(bench_cpu python)
+# tk-run's run.threads reaches OpenBLAS; the hand-written loops' thread setters do not.
+blas=()
+if [ "$threads" -gt 0 ]; then blas=(OPENBLAS_NUM_THREADS="$threads"); fi
 
 for i in $(seq "$reps"); do
   bench_tk "run-$i" "$steps" "$bench_root/bench/overhead.toml" --progress none --log-level warn \
     --set run.threads="$threads"
   ms=$(/usr/bin/python3 "$bench_root/bench/step_ms.py" "$tk_dir/metrics.jsonl" "$warmup" "$steps")
   echo "tk $ms" >>"$times"
-  bench_cmd "tk-bench-loop (run $i)" ms_per_step "$bench_bin/tk-bench-loop" "${shape[@]}"
+  bench_cmd "tk-bench-loop (run $i)" ms_per_step env ${blas[@]+"${blas[@]}"} "$bench_bin/tk-bench-loop" "${shape[@]}"
   echo "cpp $cmd_value" >>"$times"
-  bench_cmd "bench_loop.py (run $i)" ms_per_step "$bench_python" "$bench_root/bench/bench_loop.py" "${shape[@]}"
+  bench_cmd "bench_loop.py (run $i)" ms_per_step env ${blas[@]+"${blas[@]}"} "$bench_python" "$bench_root/bench/bench_loop.py" "${shape[@]:1}"
   echo "py $cmd_value" >>"$times"
 done
 

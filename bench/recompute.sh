@@ -8,12 +8,16 @@
 # Next to each run, the same step written by hand in Python with PyTorch's own recomputation
 # (torch.utils.checkpoint, bench/recompute_loop.py), run right after it: its time per step, and
 # the share of its step that forward takes (what one more forward of every block costs).
-#   bash bench/recompute.sh [steps] [micro-batches...]   (after tools/build.sh; default 6 steps, 8 16 32)
+# The peaks come from one run of each with every allocation counted (run.measure_memory); the times
+# from REPS more, interleaved, without the counting (median and best).
+#   bash bench/recompute.sh [STEPS] [REPS] [MICRO_BATCH...]   (after tools/build.sh; default 6 steps, 3 runs, 8 16 32)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 steps="${1:-6}"
 bench_int steps "$steps" 3  # the time per step is taken over steps 2..steps
-shift || true
+reps="${2:-3}"
+bench_int REPS "$reps" 1
+shift $(($# > 2 ? 2 : $#))
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(8 16 32)
 for m in "${sizes[@]}"; do bench_int micro-batch "$m" 1; done
@@ -27,37 +31,63 @@ model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data
 
 echo "GPT 4 blocks x 256 wide, 8 heads, 256-token sequences (fortunes, padded documents), AdamW, $steps steps of one micro-batch"
 bench_cpu python
-echo "| micro-batch | blocks recomputed | step peak (MiB) | activations (MiB) | activations vs none | ms / step | vs none | Python checkpoint ms / step | vs none | Python forward share |"
+echo "| micro-batch | blocks recomputed | step peak (MiB) | activations (MiB) | activations vs none | ms / step (median, best) | vs none (median, best) | Python checkpoint ms / step (median) | vs none | Python forward share |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
+run_tk() {  # KIND MICRO_BATCH NAME ARG...
+  local kind=$1 m=$2 name=$3
+  shift 3
+  bench_tk "$name" "$steps" "$recipes/$kind.toml" --progress none --log-level warn "${model[@]}" \
+    --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
+    --set data.micro_batch="$m" --set plugins.grad_accum.steps=1 "$@"
+}
 for m in "${sizes[@]}"; do
-  rows=() py=()
+  memory=() times="$bench_work/times-$m"
   every=(0 2 1)
   for kind in none half all; do
-    bench_tk "$kind-$m" "$steps" "$recipes/$kind.toml" --progress none --log-level warn "${model[@]}" \
-      --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
-      --set data.micro_batch="$m" --set plugins.grad_accum.steps=1 --set run.measure_memory=true
-    rows+=("$tk_dir")
-    bench_cmd "python-$kind-$m" ms_per_step "$bench_python" "$bench_root/bench/recompute_loop.py" 4 256 8 256 "$m" \
-      "$steps" 1 "${every[${#py[@]}]}"
-    py+=("$cmd_value:$(awk '/forward_ms/ {print $2}' "$cmd_out"):$(awk '/backward_ms/ {print $2}' "$cmd_out")")
+    run_tk "$kind" "$m" "memory-$kind-$m" --set run.measure_memory=true
+    memory+=("$tk_dir")
   done
-  "$bench_python" - "$m" "${rows[@]}" "${py[@]}" <<'PY' || bench_die "the runs at micro-batch $m disagree (see above)"
-import json, sys, torch
-m, dirs, py = sys.argv[1], sys.argv[2:5], [[float(v) for v in a.split(":")] for a in sys.argv[5:8]]
+  for r in $(seq "$reps"); do
+    for i in 0 1 2; do
+      kind=$(echo none half all | cut -d' ' -f$((i + 1)))
+      run_tk "$kind" "$m" "time-$kind-$m-$r"
+      ms=$(/usr/bin/python3 "$bench_root/bench/step_ms.py" "$tk_dir/metrics.jsonl" 1 "$steps")
+      echo "tk $i $ms" >>"$times"
+      bench_cmd "python-$kind-$m" ms_per_step "$bench_python" "$bench_root/bench/recompute_loop.py" 4 256 8 256 "$m" \
+        "$steps" 1 "${every[$i]}"
+      forward=$(awk '/forward_ms/ {print $2}' "$cmd_out")
+      [ -n "$forward" ] || bench_die "recompute_loop.py printed no forward_ms; its stdout:" "$cmd_out"
+      echo "py $i $cmd_value $forward" >>"$times"
+    done
+  done
+  "$bench_python" - "$m" "$times" "${memory[@]}" <<'PY' || bench_die "the runs at micro-batch $m disagree (see above)"
+import json, statistics, sys, torch
+m, times, dirs = sys.argv[1], sys.argv[2], sys.argv[3:6]
 labels = ["none", "every other (2 of 4)", "all 4"]
 params = sum(t.numel() for t in torch.load(f"{dirs[0]}/weights.pt").values())
 state_mib = 16 * params / 2**20
-runs = []
+tk, py, fwd = [[], [], []], [[], [], []], [[], [], []]
+for line in open(times):
+    words = line.split()
+    i = int(words[1])
+    (tk if words[0] == "tk" else py)[i].append(float(words[2]))
+    if words[0] == "py":
+        fwd[i].append(float(words[3]) / float(words[2]))
+peaks, losses = [], []
 for d in dirs:
     rows = [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
-    peak = max(r["step_peak_mib"] for r in rows[1:])
-    ms = 1000 * (rows[-1]["wall_time"] - rows[0]["wall_time"]) / (len(rows) - 1)
-    runs.append((peak, peak - state_mib, ms, [r["loss"] for r in rows]))
-for label, (peak, act, ms, losses), (pms, pf, pb) in zip(labels, runs, py):
-    print(f"| {m} | {label} | {peak:.0f} | {act:.0f} | {act / runs[0][1]:.2f}x | {ms:.0f} | {ms / runs[0][2]:.2f}x "
-          f"| {pms:.0f} | {pms / py[0][0]:.2f}x | {pf / pms:.0%} |")
-if any(r[3] != runs[0][3] for r in runs):
-    print(f"bench: the losses differ with recomputation at micro-batch {m}: {[r[3] for r in runs]}", file=sys.stderr)
+    peaks.append(max(r["step_peak_mib"] for r in rows[1:]))
+    losses.append([r["loss"] for r in rows])
+med = [statistics.median(v) for v in tk]
+best = [min(v) for v in tk]
+pmed = [statistics.median(v) for v in py]
+for i, label in enumerate(labels):
+    act, act0 = peaks[i] - state_mib, peaks[0] - state_mib
+    print(f"| {m} | {label} | {peaks[i]:.0f} | {act:.0f} | {act / act0:.2f}x | {med[i]:.0f}, {best[i]:.0f} | "
+          f"{med[i] / med[0]:.2f}x, {best[i] / best[0]:.2f}x | {pmed[i]:.0f} | {pmed[i] / pmed[0]:.2f}x | "
+          f"{statistics.median(fwd[i]):.0%} |")
+if any(l != losses[0] for l in losses):
+    print(f"bench: the losses differ with recomputation at micro-batch {m}: {losses}", file=sys.stderr)
     sys.exit(1)
 PY
 done

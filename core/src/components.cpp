@@ -26,7 +26,6 @@ void set_cpu_threads(int n) {
   if (auto set = reinterpret_cast<Setter>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(n);
 }
 
-
 OptionSpecs run_specs() {
   return {opt_string("name", "run", "name of the run"),
           opt_int("seed", 0, "seed of initialization, data order and synthetic data"),

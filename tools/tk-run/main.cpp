@@ -186,14 +186,14 @@ void prefer_passive_openmp(char** argv) {
 /// activations then fault every page in anew, zeroed. Measured on gpt-tiny: 8x the page faults and
 /// about 1.1x the step time (docs/benchmarks.md). tk-run keeps freed memory for reuse, as a caching
 /// allocator does: blocks up to 32 MiB (glibc's largest threshold) from the heap, and up to 1 GiB
-/// free at its top. GLIBC_TUNABLES or MALLOC_ variables the user set decide instead.
+/// free at its top. Either threshold the user set (GLIBC_TUNABLES, MALLOC_*_ variables) is kept.
 void keep_freed_memory() {
   const char* tunables = std::getenv("GLIBC_TUNABLES");
-  if ((tunables != nullptr && std::strstr(tunables, "glibc.malloc.") != nullptr) ||
-      std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr || std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr)
-    return;
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  auto user_set = [&](const char* tunable, const char* variable) {
+    return (tunables != nullptr && std::strstr(tunables, tunable) != nullptr) || std::getenv(variable) != nullptr;
+  };
+  if (!user_set("glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_")) mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  if (!user_set("glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_")) mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 /// What the command line asked for.
