@@ -6,6 +6,9 @@
 #   bash bench/loop-gaps.sh [REPS] [THREADS...]   (default: 9 runs, at 1 thread and at the default)
 # THREADS 0 is every library's default; N > 0 is N threads for all three, the BLAS's included
 # (tk-run: run.threads = N; the hand-written loops: OMP_NUM_THREADS and OPENBLAS_NUM_THREADS = N).
+# Each round starts with the next program (tk, C++, Python; then C++, Python, tk; ...), so that a
+# load that comes and goes on a shared machine does not fall on one program's runs.
+# TK_BENCH_WORKLOADS picks some of the workloads (default "mlp cnn gpt").
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 reps=${1:-9}
@@ -32,19 +35,29 @@ one_round() {
          py=("$bench_root/bench/gpt_loop.py" 2 128 4 128 8 4 $steps $warmup) ;;
   esac
   if [ "$t" -gt 0 ]; then env_=(OMP_NUM_THREADS="$t" OPENBLAS_NUM_THREADS="$t"); fi
-  bench_tk "$w-$t-$i" "$steps" "$recipe" "${quiet[@]}" ${data[@]+"${data[@]}"} --set run.steps=$steps --set run.threads="$t"
-  ms=$(/usr/bin/python3 "$bench_root/bench/step_ms.py" "$tk_dir/metrics.jsonl" $warmup $steps)
-  echo "$w $t tk $ms" >>"$times"
-  bench_cmd "tk-bench-loop $w (run $i)" ms_per_step env ${env_[@]+"${env_[@]}"} "$bench_bin/tk-bench-loop" "${cpp[@]}"
-  echo "$w $t cpp $cmd_value" >>"$times"
-  bench_cmd "$(basename "${py[0]}") (run $i)" ms_per_step env ${env_[@]+"${env_[@]}"} "$bench_python" "${py[@]}"
-  echo "$w $t py $cmd_value" >>"$times"
+  local order=(tk cpp py tk cpp) prog
+  for prog in "${order[@]:$((i % 3)):3}"; do
+    case "$prog" in
+      tk) bench_tk "$w-$t-$i" "$steps" "$recipe" "${quiet[@]}" ${data[@]+"${data[@]}"} --set run.steps=$steps \
+            --set run.threads="$t"
+          ms=$(/usr/bin/python3 "$bench_root/bench/step_ms.py" "$tk_dir/metrics.jsonl" $warmup $steps) ;;
+      cpp) bench_cmd "tk-bench-loop $w (run $i)" ms_per_step env ${env_[@]+"${env_[@]}"} "$bench_bin/tk-bench-loop" \
+             "${cpp[@]}"
+           ms=$cmd_value ;;
+      py) bench_cmd "$(basename "${py[0]}") (run $i)" ms_per_step env ${env_[@]+"${env_[@]}"} "$bench_python" "${py[@]}"
+          ms=$cmd_value ;;
+    esac
+    echo "$w $t $prog $ms" >>"$times"
+  done
 }
 
 times="$bench_work/times"
 for t in "${settings[@]}"; do
   for i in $(seq "$reps"); do
-    for w in mlp cnn gpt; do one_round "$w" "$t" "$i"; done
+    for w in ${TK_BENCH_WORKLOADS:-mlp cnn gpt}; do
+      case "$w" in mlp | cnn | gpt) ;; *) bench_usage "TK_BENCH_WORKLOADS: no workload '$w' (mlp, cnn, gpt)" ;; esac
+      one_round "$w" "$t" "$i"
+    done
   done
 done
 
@@ -68,4 +81,9 @@ for (w, t), r in runs.items():
     print(f"| {names[w]} | {t or 'default'} | {cell('tk')} | {cell('cpp')} | {cell('py')} | "
           f"{med['tk'] / med['cpp']:.3f} | {best['tk'] / best['cpp']:.3f} | "
           f"{med['tk'] / med['py']:.3f} | {best['tk'] / best['py']:.3f} |")
+print()
+print("Every run, in the order they ran (ms per step):")
+for (w, t), r in runs.items():
+    for k in ("tk", "cpp", "py"):
+        print(f"  {w} {t or 'default'} {k}: " + ", ".join(f"{v:.2f}" for v in r[k]))
 PY

@@ -36,7 +36,7 @@ OptionSpecs run_specs() {
           opt_string("device", "auto", "where to train (auto: CUDA when available)", {"auto", "cpu", "cuda"}),
           opt_int("log_every", 10, "optimizer steps between plain progress lines"),
           opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
-          opt_int("threads", 0, "intra-op CPU threads (0: LibTorch's default)"),
+          opt_int("threads", 0, "CPU threads of LibTorch's operations and of OpenBLAS's matrix products (0: the libraries' defaults)"),
           opt_bool("trace", false, "record every plugin dispatch in trace.jsonl"),
           opt_bool("measure_memory", false,
                    "each step's peak memory in metrics.jsonl (step_peak_mib); on the CPU every allocation is then "

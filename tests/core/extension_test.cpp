@@ -5,6 +5,8 @@
 #include <tk/compat.h>
 #include <tk/components.h>
 
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -314,6 +316,21 @@ TEST_SUITE("extension") {
     CHECK(t->describe().find("recipe        test.toml") == 0);
     CHECK(t->fit().steps == 6);
   }
+  TEST_CASE("run.threads sets the threads of LibTorch and of the OpenBLAS it multiplies with") {
+    using Get = int (*)();
+    auto blas_threads = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+    auto set_blas = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+    const int torch_before = at::get_num_threads(), blas_before = blas_threads ? blas_threads() : 0;
+    for (int n : {1, 2}) {
+      tk::Trainer t(tkt::recipe({"run.threads=" + std::to_string(n)}), tkt::quiet());
+      CHECK(at::get_num_threads() == n);
+      if (blas_threads) CHECK(blas_threads() == n);  // LibTorch's setter alone leaves OpenBLAS at one per core
+    }
+    if (!blas_threads) MESSAGE("this LibTorch's BLAS is not OpenBLAS: only LibTorch's threads checked");
+    at::set_num_threads(torch_before);
+    if (set_blas) set_blas(blas_before);
+  }
+
   TEST_CASE("run.phase_times: each record says where its step's time went") {
     const fs::path dir = tkt::temp_dir("phases");
     std::string text = with_library(kToyRecipe, kFixtures / "tk_toy_components.so") +
