@@ -9,7 +9,7 @@
 //   tk-bench-loop gpt LAYERS WIDTH HEADS T B K STEPS WARMUP THREADS
 //       recipes/gpt-tiny.toml's GPT on seeded random bytes, summed losses divided by the tokens
 //       (gpt_loop.py)
-// THREADS 0: LibTorch's default.
+// THREADS 0: the libraries' defaults; N > 0: N threads for LibTorch and for OpenBLAS (as run.threads).
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
@@ -38,8 +38,9 @@ using Clock = std::chrono::steady_clock;
 
 int64_t arg(char** argv, int i) { return std::atoll(argv[i]); }
 
+/// THREADS > 0: that many for LibTorch and for OpenBLAS, as tk-run's run.threads sets them.
 void set_threads(int64_t n) {
-  if (n > 0) at::set_num_threads(static_cast<int>(n));
+  if (n > 0) tk::compat::set_cpu_threads(static_cast<int>(n));
 }
 
 /// Runs STEPS optimizer steps of `step` and prints the time per step after WARMUP.

@@ -76,6 +76,7 @@ case_ "memory.sh: tk-run refused"                     "$refused" "${refuse[@]}" 
 case_ "gpt-memory.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- gpt-memory.sh 8 3
 case_ "recompute.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- recompute.sh 3 1 2
 case_ "auto-batch.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- auto-batch.sh 8 2 300MiB
+case_ "instructions.sh: tk-run refused"               "$refused" "${refuse[@]}" -- instructions.sh mlp-small
 case_ "ddp.sh: tk-run refused"                        "$refused" "${refuse[@]}" -- ddp.sh 1
 case_ "precision.sh: 2nd tk-run refused (folder in use)" "holds another run" BUILD_DIR="$tmp/second-refused" -- precision.sh 1
 case_ "overhead.sh: tk-run killed mid-run"            "ended by signal SIGKILL" TK_FAULT=metrics-written:10 -- overhead.sh 1 1
@@ -89,6 +90,7 @@ case_ "vs-python.sh fashion: the Python loop fails"   "RuntimeError: injected fa
 case_ "build-time.sh: git clone fails"                "fatal: injected failure of git clone" PATH="$tmp/git-fails:$PATH" -- build-time.sh
 case_ "overhead.sh: REPS 0 refused"                   "REPS must be an integer >= 1" -- overhead.sh 0
 case_ "gpt-memory.sh: B not a multiple of 8"          "B must be a multiple of 8" -- gpt-memory.sh 12 3
+case_ "instructions.sh: no workload x"               "no workload 'x'" -- instructions.sh x
 case_ "recompute.sh: steps 2 refused"                 "steps must be an integer >= 3" -- recompute.sh 2
 
 echo "$passed passed, $failed failed in $((SECONDS - t_all)) s"

@@ -15,6 +15,7 @@
 #
 # Functions
 #   bench_tk NAME STEPS ARG...     runs "$bench_bin/tk-run ARG... --set run.output=DIR $TK_BENCH_EXTRA"
+#                                  (under the words of the array bench_wrap first, when a script sets it)
 #                                  with DIR a new empty folder; stops the script unless it exits 0 and
 #                                  DIR/metrics.jsonl then holds exactly the step records 1..STEPS.
 #                                  Sets tk_dir (DIR), tk_out and tk_err (files with its stdout, stderr).
@@ -157,7 +158,7 @@ bench_tk() {  # NAME STEPS ARG...
   shift 2
   tk_dir=$(bench_fresh "$name")
   tk_out="$tk_dir.stdout" tk_err="$tk_dir.stderr"
-  local cmd=("$bench_bin/tk-run" "$@" --set run.output="$tk_dir" ${bench_extra[@]+"${bench_extra[@]}"})
+  local cmd=(${bench_wrap[@]+"${bench_wrap[@]}"} "$bench_bin/tk-run" "$@" --set run.output="$tk_dir" ${bench_extra[@]+"${bench_extra[@]}"})
   "${cmd[@]}" >"$tk_out" 2>"$tk_err" || rc=$?
   [ "$rc" -eq 0 ] || bench_failed "tk-run ($name)" "$rc" "$tk_err" "$tk_out" "${cmd[@]}"
   if ! problem=$(bench_check_metrics "$tk_dir/metrics.jsonl" "$steps" 2>&1); then

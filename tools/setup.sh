@@ -10,6 +10,7 @@ packages=(
   libsentencepiece-dev
   python3 python3-torch python3-sentencepiece
   chromium
+  valgrind
   dataset-fashion-mnist fortunes
 )
 

@@ -1,7 +1,5 @@
 // The components of a run: [run] read into its settings, then the data set, model, loss,
 // optimizer and schedule the recipe's sections name, each made by its registered maker.
-#include <ATen/Parallel.h>
-#include <dlfcn.h>
 #include <spdlog/spdlog.h>
 #include <torch/cuda.h>
 
@@ -12,19 +10,11 @@
 #include <thread>
 
 #include "run.h"
+#include "tk/compat.h"
 #include "tk/tensor_io.h"
 
 namespace tk::detail {
 namespace {
-
-/// LibTorch's thread count does not reach the BLAS that does its matrix products: OpenBLAS
-/// (Debian's libopenblas0-pthread) keeps a thread per core of its own, so one LibTorch thread
-/// would still multiply on every core. The BLAS is told too, where the loaded one has a setter.
-void set_cpu_threads(int n) {
-  at::set_num_threads(n);
-  using Setter = void (*)(int);
-  if (auto set = reinterpret_cast<Setter>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(n);
-}
 
 OptionSpecs run_specs() {
   return {opt_string("name", "run", "name of the run"),
@@ -162,7 +152,7 @@ void read_run_section(Run& r, const Recipe& recipe) {
   if (o.get_int("threads") > 4 * cores)
     o.fail("threads", "is " + std::to_string(o.get_int("threads")) + " on a machine with " + std::to_string(cores) +
                           " cores; at most " + std::to_string(4 * cores) + " (4 per core) are accepted");
-  if (o.get_int("threads") > 0) set_cpu_threads(static_cast<int>(o.get_int("threads")));
+  if (o.get_int("threads") > 0) compat::set_cpu_threads(static_cast<int>(o.get_int("threads")));
   r.dtype = o.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
   const std::string& dev = o.get_string("device");
   const bool cuda = torch::cuda::is_available();

@@ -2,7 +2,10 @@
 /// Differences between LibTorch versions live here and only here.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/Parallel.h>
 #include <c10/core/Allocator.h>
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -74,6 +77,16 @@ class WarningForwarder final : public c10::WarningHandler {
 
 /// Turns autocast on or off for `device` (CPU or CUDA) with the given lower-precision dtype.
 /// LibTorch 2.4 made the autocast API device-generic; 1.x has one function pair per device.
+/// CPU threads for LibTorch and for the BLAS under its matrix products. LibTorch's thread count
+/// does not reach the BLAS it was built on: OpenBLAS (Debian's libopenblas0-pthread) keeps a thread
+/// per core of its own, so one LibTorch thread would still multiply on every core. The BLAS is told
+/// too, where the loaded one has a setter (OpenBLAS's openblas_set_num_threads).
+inline void set_cpu_threads(int n) {
+  at::set_num_threads(n);
+  using Setter = void (*)(int);
+  if (auto set = reinterpret_cast<Setter>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(n);
+}
+
 inline void set_autocast(at::DeviceType device, bool enabled, at::ScalarType dtype) {
 #if TK_TORCH_AT_LEAST(2, 4)
   at::autocast::set_autocast_dtype(device, dtype);

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The loop's cost in instructions: tk-run vs the same training hand-written in LibTorch (tk-bench-loop)
+# vs the same training in Python (Debian's python3-torch), counted by Valgrind's callgrind. A count
+# of executed instructions does not move with the machine's load the way time does, so it resolves a
+# difference of a fraction of a percent where interleaved timings on a shared machine cannot.
+#   bash bench/instructions.sh [WORKLOAD...]   (default: mlp-small gpt-small mlp)
+# Each program runs twice, for LOW and for HIGH optimizer steps; the difference of the two counts over
+# HIGH - LOW is what one step costs, start-up (loading libraries, the data, the first steps' one-time
+# work) taken out. Workloads:
+#   mlp-small  the MLP of bench/overhead.toml narrowed to 16-16-16-10 (64 x 4, AdamW): almost all of its
+#              step is the loop and the per-operator dispatch, the part a framework adds to
+#   gpt-small  gpt-tiny's 2 layers and 4 heads at width 32, 2 x 4 sequences of 16 bytes
+#   mlp        bench/overhead.toml as it is (256-512-512-10), the shape bench/loop-gaps.sh times
+# Everything at one thread. Under Valgrind the CPU shows no AVX-512, so LibTorch's kernels are its AVX2
+# ones in all three programs: the counts compare the programs, not this CPU's native step.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+workloads=("$@")
+[ ${#workloads[@]} -gt 0 ] || workloads=(mlp-small gpt-small mlp)
+for w in "${workloads[@]}"; do
+  case "$w" in mlp-small | gpt-small | mlp) ;; *) bench_usage "no workload '$w' (mlp-small, gpt-small, mlp)" ;; esac
+done
+command -v valgrind >/dev/null || bench_usage "valgrind is not installed (bash tools/setup.sh installs it)"
+# One thread for LibTorch and OpenBLAS in all three; PASSIVE as tk-run sets it (it would run itself again).
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+cpu=$(bench_cpu python)
+quiet=(--progress none --log-level warn --set run.epochs=0 --set run.validate_every=0 --set run.threads=1)
+counts="$bench_work/counts"
+
+# LOG: the instructions callgrind counted, from its log.
+collected() {
+  local n
+  n=$(sed -n 's/^==[0-9]*== Collected : \([0-9]*\)$/\1/p' "$1" | tail -n 1)
+  [ -n "$n" ] || bench_die "callgrind counted nothing (no 'Collected' line in its log)" "$1"
+  echo "$n"
+}
+
+# WORKLOAD PROGRAM STEPS: one counted run; appends "WORKLOAD PROGRAM STEPS INSTRUCTIONS" to $counts.
+count_run() {
+  local w=$1 prog=$2 steps=$3 log tk=() cpp=() py=()
+  log=$(mktemp "$bench_work/callgrind.XXXXXX")
+  local vg=(valgrind --tool=callgrind --callgrind-out-file=/dev/null --log-file="$log")
+  case "$w" in
+    mlp-small)
+      tk=("$bench_root/bench/overhead.toml" --set 'model.hidden=[16,16]' --set data.features=16)
+      cpp=(mlp 16 16 2 10 16384 64 4 "$steps" 1 1) py=("$bench_root/bench/bench_loop.py" 16 16 2 10 16384 64 4 "$steps" 1 1) ;;
+    mlp)
+      tk=("$bench_root/bench/overhead.toml")
+      cpp=(mlp 256 512 2 10 16384 64 4 "$steps" 1 1) py=("$bench_root/bench/bench_loop.py" 256 512 2 10 16384 64 4 "$steps" 1 1) ;;
+    gpt-small)
+      tk=("$bench_root/recipes/gpt-tiny.toml" --set model.width=32 --set data.seq_len=16 --set data.micro_batch=2
+          --set data.validation_fraction=0.0)
+      cpp=(gpt 2 32 4 16 2 4 "$steps" 1 1) py=("$bench_root/bench/gpt_loop.py" 2 32 4 16 2 4 "$steps" 1) ;;
+  esac
+  case "$prog" in
+    tk) bench_wrap=("${vg[@]}")
+        bench_tk "$w-$steps" "$steps" "${tk[@]}" "${quiet[@]}" --set run.steps="$steps"
+        bench_wrap=() ;;
+    cpp) bench_cmd "tk-bench-loop $w ($steps steps)" ms_per_step "${vg[@]}" "$bench_bin/tk-bench-loop" "${cpp[@]}" ;;
+    py) bench_cmd "$(basename "${py[0]}") $w ($steps steps)" ms_per_step "${vg[@]}" "$bench_python" "${py[@]}" ;;
+  esac
+  echo "$w $prog $steps $(collected "$log")" >>"$counts"
+}
+
+for w in "${workloads[@]}"; do
+  case "$w" in mlp) low=2 high=5 ;; *) low=10 high=50 ;; esac
+  for prog in tk cpp py; do
+    for steps in $low $high; do
+      count_run "$w" "$prog" "$steps"
+      echo "bench: $(tail -n 1 "$counts")" >&2
+    done
+  done
+done
+
+/usr/bin/python3 - "$counts" "$cpu" <<'PY'
+import sys
+runs = {}
+for line in open(sys.argv[1]):
+    w, prog, steps, n = line.split()
+    runs.setdefault(w, {}).setdefault(prog, {})[int(steps)] = int(n)
+names = {"mlp-small": "MLP 16-16-16-10, 64 x 4", "gpt-small": "GPT 2 layers, width 32, 2 x 4 x 16 tokens",
+         "mlp": "MLP 256-512-512-10, 64 x 4"}
+print("Instructions per optimizer step (callgrind; the difference of two runs' counts over their difference in steps),"
+      " one thread")
+print(sys.argv[2] + "; under Valgrind LibTorch runs its AVX2 kernels")
+print("| workload | tk-run | C++ | Python | tk-run - C++ | tk/C++ | tk/Python |")
+print("|---|---|---|---|---|---|---|")
+for w, r in runs.items():
+    per = {}
+    for prog, c in r.items():
+        (lo, a), (hi, b) = sorted(c.items())
+        per[prog] = (b - a) / (hi - lo)
+    m = lambda x: f"{x / 1e6:.3f} M"
+    print(f"| {names[w]} | {m(per['tk'])} | {m(per['cpp'])} | {m(per['py'])} | {(per['tk'] - per['cpp']) / 1e3:+.0f} k |"
+          f" {per['tk'] / per['cpp']:.4f} | {per['tk'] / per['py']:.4f} |")
+PY
