@@ -200,8 +200,10 @@ bench_cpu() {  # [python]
   for f in avx2 avx512f avx512_bf16 amx_tile amx_bf16; do
     if [[ $flags == *" $f "* ]]; then isa+=", $f yes"; else isa+=", $f no"; fi
   done
-  line="CPU: ${model:-unknown}, $(nproc) cores"
-  [ "$(nproc)" = "$(nproc --all)" ] || line+=" (of $(nproc --all))"
+  local cores  # the cores this process may use (nproc alone would count OMP_NUM_THREADS)
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+  line="CPU: ${model:-unknown}, $cores cores"
+  [ "$cores" = "$(nproc --all)" ] || line+=" (of $(nproc --all))"
   line+="; ${isa#, }"
   if [ -x "$bench_bin/tk-run" ]; then
     torch=$("$bench_bin/tk-run" --version | sed -n 's/.*(LibTorch \([^,)]*\).*/\1/p')
