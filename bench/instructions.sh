@@ -37,20 +37,24 @@ collected() {
 
 # WORKLOAD PROGRAM STEPS: one counted run; appends "WORKLOAD PROGRAM STEPS INSTRUCTIONS" to $counts.
 count_run() {
-  local w=$1 prog=$2 steps=$3 log tk=() cpp=() py=()
+  local w=$1 prog=$2 steps=$3 log tk=() shape=() cpp=() py=()
   log=$(mktemp "$bench_work/callgrind.XXXXXX")
   local vg=(valgrind --tool=callgrind --callgrind-out-file=/dev/null --log-file="$log")
+  # The hand-written loops take the same shape words (bench_loop.cpp's and the .py files' usage).
   case "$w" in
-    mlp-small)
-      tk=("$bench_root/bench/overhead.toml" --set 'model.hidden=[16,16]' --set data.features=16)
-      cpp=(mlp 16 16 2 10 16384 64 4 "$steps" 1 1) py=("$bench_root/bench/bench_loop.py" 16 16 2 10 16384 64 4 "$steps" 1 1) ;;
-    mlp)
+    mlp-small | mlp)
       tk=("$bench_root/bench/overhead.toml")
-      cpp=(mlp 256 512 2 10 16384 64 4 "$steps" 1 1) py=("$bench_root/bench/bench_loop.py" 256 512 2 10 16384 64 4 "$steps" 1 1) ;;
+      shape=(256 512 2 10 16384 64 4 "$steps" 1)
+      if [ "$w" = mlp-small ]; then
+        shape=(16 16 "${shape[@]:2}")
+        tk+=(--set 'model.hidden=[16,16]' --set data.features=16)
+      fi
+      cpp=(mlp "${shape[@]}" 1) py=("$bench_root/bench/bench_loop.py" "${shape[@]}" 1) ;;
     gpt-small)
       tk=("$bench_root/recipes/gpt-tiny.toml" --set model.width=32 --set data.seq_len=16 --set data.micro_batch=2
           --set data.validation_fraction=0.0)
-      cpp=(gpt 2 32 4 16 2 4 "$steps" 1 1) py=("$bench_root/bench/gpt_loop.py" 2 32 4 16 2 4 "$steps" 1) ;;
+      shape=(2 32 4 16 2 4 "$steps" 1)
+      cpp=(gpt "${shape[@]}" 1) py=("$bench_root/bench/gpt_loop.py" "${shape[@]}") ;;  # gpt_loop.py takes no THREADS
   esac
   case "$prog" in
     tk) bench_wrap=("${vg[@]}")

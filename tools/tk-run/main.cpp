@@ -184,9 +184,9 @@ void prefer_passive_openmp(char** argv) {
 /// glibc gives a freed block above its mmap threshold back to the kernel (the threshold starts at
 /// 128 KiB), and shrinks the heap when 128 KiB are free at its top: the next micro-batch's
 /// activations then fault every page in anew, zeroed. Measured on 40 steps of gpt-tiny: 8x the
-/// minor page faults and 1.5x the time in the kernel (docs/benchmarks.md). tk-run keeps freed memory for reuse, as a caching
-/// allocator does: blocks up to 32 MiB (glibc's largest threshold) from the heap, and up to 1 GiB
-/// free at its top. Either threshold the user set (GLIBC_TUNABLES, MALLOC_*_ variables) is kept.
+/// minor page faults and 1.5x the time in the kernel (docs/benchmarks.md). tk-run keeps freed
+/// memory for reuse, as a caching allocator does: blocks up to 32 MiB (glibc's largest threshold)
+/// from the heap, and up to 1 GiB free at its top. Either threshold the user set (GLIBC_TUNABLES, MALLOC_*_ variables) is kept.
 void keep_freed_memory() {
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   auto user_set = [&](const char* tunable, const char* variable) {

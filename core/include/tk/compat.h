@@ -75,8 +75,6 @@ class WarningForwarder final : public c10::WarningHandler {
   void (*sink_)(const std::string&);
 };
 
-/// Turns autocast on or off for `device` (CPU or CUDA) with the given lower-precision dtype.
-/// LibTorch 2.4 made the autocast API device-generic; 1.x has one function pair per device.
 /// CPU threads for LibTorch and for the BLAS under its matrix products. LibTorch's thread count
 /// does not reach the BLAS it was built on: OpenBLAS (Debian's libopenblas0-pthread) keeps a thread
 /// per core of its own, so one LibTorch thread would still multiply on every core. The BLAS is told
@@ -87,6 +85,8 @@ inline void set_cpu_threads(int n) {
   if (auto set = reinterpret_cast<Setter>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(n);
 }
 
+/// Turns autocast on or off for `device` (CPU or CUDA) with the given lower-precision dtype.
+/// LibTorch 2.4 made the autocast API device-generic; 1.x has one function pair per device.
 inline void set_autocast(at::DeviceType device, bool enabled, at::ScalarType dtype) {
 #if TK_TORCH_AT_LEAST(2, 4)
   at::autocast::set_autocast_dtype(device, dtype);
