@@ -3,7 +3,7 @@
 # vs the same training in Python (Debian's python3-torch), counted by Valgrind's callgrind. A count
 # of executed instructions does not move with the machine's load the way time does, so it resolves a
 # difference of a fraction of a percent where interleaved timings on a shared machine cannot.
-#   bash bench/instructions.sh [WORKLOAD...]   (default: mlp-small gpt-small mlp)
+#   bash bench/instructions.sh [WORKLOAD...]   (default: mlp-small gpt-small mlp cnn)
 # Each program runs twice, for LOW and for HIGH optimizer steps; the difference of the two counts over
 # HIGH - LOW is what one step costs, start-up (loading libraries, the data, the first steps' one-time
 # work) taken out. Workloads:
@@ -11,14 +11,17 @@
 #              step is the loop and the per-operator dispatch, the part a framework adds to
 #   gpt-small  gpt-tiny's 2 layers and 4 heads at width 32, 2 x 4 sequences of 16 bytes
 #   mlp        bench/overhead.toml as it is (256-512-512-10), the shape bench/loop-gaps.sh times
+#   cnn        recipes/fashion-mnist.toml's CNN on Fashion-MNIST, 32 x 4 (bench/fashion_loop.py)
+#   gpt        recipes/gpt-tiny.toml as it is, 8 x 4 sequences of 128 bytes (not in the default: about
+#              a minute a step under Valgrind, half an hour in all)
 # Everything at one thread. Under Valgrind the CPU shows no AVX-512, so LibTorch's kernels are its AVX2
 # ones in all three programs: the counts compare the programs, not this CPU's native step.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 workloads=("$@")
-[ ${#workloads[@]} -gt 0 ] || workloads=(mlp-small gpt-small mlp)
+[ ${#workloads[@]} -gt 0 ] || workloads=(mlp-small gpt-small mlp cnn)
 for w in "${workloads[@]}"; do
-  case "$w" in mlp-small | gpt-small | mlp) ;; *) bench_usage "no workload '$w' (mlp-small, gpt-small, mlp)" ;; esac
+  case "$w" in mlp-small | gpt-small | mlp | cnn | gpt) ;; *) bench_usage "no workload '$w' (mlp-small, gpt-small, mlp, cnn, gpt)" ;; esac
 done
 command -v valgrind >/dev/null || bench_usage "valgrind is not installed (bash tools/setup.sh installs it)"
 # One thread for LibTorch and OpenBLAS in all three; PASSIVE as tk-run sets it (it would run itself again).
@@ -50,11 +53,17 @@ count_run() {
         tk+=(--set 'model.hidden=[16,16]' --set data.features=16)
       fi
       cpp=(mlp "${shape[@]}" 1) py=("$bench_root/bench/bench_loop.py" "${shape[@]}" 1) ;;
-    gpt-small)
-      tk=("$bench_root/recipes/gpt-tiny.toml" --set model.width=32 --set data.seq_len=16 --set data.micro_batch=2
-          --set data.validation_fraction=0.0)
-      shape=(2 32 4 16 2 4 "$steps" 1)
+    gpt-small | gpt)
+      tk=("$bench_root/recipes/gpt-tiny.toml" --set data.validation_fraction=0.0)
+      shape=(2 128 4 128 8 4 "$steps" 1)
+      if [ "$w" = gpt-small ]; then
+        tk+=(--set model.width=32 --set data.seq_len=16 --set data.micro_batch=2)
+        shape=(2 32 4 16 2 "${shape[@]:5}")
+      fi
       cpp=(gpt "${shape[@]}" 1) py=("$bench_root/bench/gpt_loop.py" "${shape[@]}") ;;  # gpt_loop.py takes no THREADS
+    cnn)
+      tk=("$bench_root/recipes/fashion-mnist.toml")
+      cpp=(cnn "$steps" 1 1) py=("$bench_root/bench/fashion_loop.py" "$steps" 1) ;;
   esac
   case "$prog" in
     tk) bench_wrap=("${vg[@]}")
@@ -67,7 +76,7 @@ count_run() {
 }
 
 for w in "${workloads[@]}"; do
-  case "$w" in mlp) low=2 high=5 ;; *) low=10 high=50 ;; esac
+  case "$w" in mlp | cnn) low=2 high=5 ;; gpt) low=2 high=4 ;; *) low=10 high=50 ;; esac
   for prog in tk cpp py; do
     for steps in $low $high; do
       count_run "$w" "$prog" "$steps"
@@ -83,7 +92,8 @@ for line in open(sys.argv[1]):
     w, prog, steps, n = line.split()
     runs.setdefault(w, {}).setdefault(prog, {})[int(steps)] = int(n)
 names = {"mlp-small": "MLP 16-16-16-10, 64 x 4", "gpt-small": "GPT 2 layers, width 32, 2 x 4 x 16 tokens",
-         "mlp": "MLP 256-512-512-10, 64 x 4"}
+         "mlp": "MLP 256-512-512-10, 64 x 4", "cnn": "Fashion-MNIST CNN, 32 x 4",
+         "gpt": "gpt-tiny (2 layers, width 128), 8 x 4 x 128 tokens"}
 print("Instructions per optimizer step (callgrind; the difference of two runs' counts over their difference in steps),"
       " one thread")
 print(sys.argv[2] + "; under Valgrind LibTorch runs its AVX2 kernels")

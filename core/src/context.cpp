@@ -75,14 +75,20 @@ std::vector<double> LoopState::read(const at::Tensor& values) const {
 }
 
 void LoopState::read_step_values() {
+  step.flagged.clear();
+  if (step.deferred.empty()) {  // the loss alone: one read, nothing to gather
+    if (totals.loss.defined()) {
+      ++host_reads;
+      totals.loss_sum = totals.loss.item<double>();
+    }
+    return;
+  }
   std::vector<at::Tensor> values;
   const at::Device device = totals.loss.defined()  ? totals.loss.device()
                             : step.deferred.empty() ? at::Device(at::kCPU)
                                                     : step.deferred.front().value.device();
   if (totals.loss.defined()) values.push_back(totals.loss.reshape({1}).to(at::kDouble));
   for (const auto& d : step.deferred) values.push_back(d.value.reshape({-1}).slice(0, 0, 1).to(device, at::kDouble));
-  step.flagged.clear();
-  if (values.empty()) return;
   const at::Tensor host = at::cat(values).to(at::kCPU);
   ++host_reads;
   const auto v = host.accessor<double, 1>();

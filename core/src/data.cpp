@@ -42,6 +42,8 @@ TensorDataset::TensorDataset(at::Tensor inputs, at::Tensor targets, int64_t igno
   if (inputs_.size(0) != targets_.size(0))
     throw Error("data set has " + std::to_string(inputs_.size(0)) + " inputs but " +
                 std::to_string(targets_.size(0)) + " targets");
+  // One look at all the targets here spares each micro-batch its count of the items that count.
+  every_item_counts_ = at::isFloatingType(targets_.scalar_type()) || !targets_.eq(ignore_index_).any().item<bool>();
 }
 
 Batch TensorDataset::get(const at::Tensor& indices) const {
@@ -49,8 +51,9 @@ Batch TensorDataset::get(const at::Tensor& indices) const {
   b.input = inputs_.index_select(0, indices);
   b.target = targets_.index_select(0, indices);
   b.samples = indices.size(0);
-  b.tokens = at::isFloatingType(b.target.scalar_type()) ? b.samples
-                                                        : (b.target != ignore_index_).sum().item<int64_t>();
+  if (at::isFloatingType(b.target.scalar_type())) b.tokens = b.samples;
+  else if (every_item_counts_) b.tokens = b.target.numel();
+  else b.tokens = b.target.ne(ignore_index_).sum().item<int64_t>();
   return b;
 }
 

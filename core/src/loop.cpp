@@ -206,9 +206,15 @@ void Loop::micro_batch(Batch& batch) {
   t.micro_batches += 1;
   t.samples += batch.samples;
   t.tokens += batch.tokens;
-  at::Tensor weighted = s_.loss_item.to(at::kDouble);
-  if (r_.plan.reduction == Reduction::Mean) weighted = weighted * static_cast<double>(batch.tokens);
-  t.loss = t.loss.defined() ? t.loss + weighted : weighted;
+  // The item-weighted sum, in place: one device op per micro-batch. A float32 (or 16-bit) loss
+  // times a count below 2^29 is exact in float64, so the fused add rounds as a mul and an add would.
+  const double items = r_.plan.reduction == Reduction::Mean ? static_cast<double>(batch.tokens) : 1.0;
+  if (t.loss.defined()) {
+    t.loss.add_(s_.loss_item, items);
+  } else {
+    t.loss = s_.loss_item.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);  // not an alias of the loss
+    if (items != 1.0) t.loss.mul_(items);
+  }
   emit(Event::Backward);
   phases_.add(kBackward);
 }

@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 
@@ -40,9 +41,9 @@ void JsonLine::key(const std::string& k) {
 JsonLine& JsonLine::add(const std::string& k, double v) {
   key(k);
   if (std::isfinite(v)) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.10g", v);
-    body_ += buf;
+    char buf[32];  // as printf's %.10g, without its locale and format parsing
+    const auto end = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::general, 10).ptr;
+    body_.append(buf, end);
   } else {
     body_ += "null";  // JSON has no NaN or infinity
   }

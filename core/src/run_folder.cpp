@@ -106,10 +106,13 @@ std::optional<Manifest> read_manifest(const fs::path& dir, std::string* damaged)
     return out;
   }
   out.lists_core = j.contains("core");
-  if (j.contains("core") && j["core"].is_array())
-    for (const auto& f : j["core"])
+  if (j.contains("core") && !j["core"].is_array()) bad("\"core\" is not a list");
+  if (j.contains("core") && j["core"].is_array()) {
+    for (const auto& f : j["core"]) {
       if (f.is_string() && is_core_name(f.get<std::string>())) out.core.push_back(f.get<std::string>());
       else bad("an entry of \"core\" is not a file of the core's");
+    }
+  }
   for (const auto& [plugin, files] : j["plugins"].items()) {
     auto& list = out.plugins[plugin];
     if (!files.is_array()) {

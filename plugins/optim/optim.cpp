@@ -25,9 +25,10 @@ class CrossEntropy : public LossFn {
         ignore_(o.get_int("ignore_index")),
         smoothing_(o.get_float("label_smoothing")) {}
   torch::Tensor operator()(const torch::Tensor& out, const Batch& b) const override {
-    const int64_t c = out.size(-1);
-    return at::cross_entropy_loss(out.reshape({-1, c}), b.target.reshape({-1}), {}, at_reduction(reduction()),
-                                  ignore_, smoothing_);
+    // Sequences flatten to rows; a classifier's [N, C] and [N] are already rows (no view to make).
+    const at::Tensor rows = out.dim() == 2 ? out : out.reshape({-1, out.size(-1)});
+    const at::Tensor targets = b.target.dim() == 1 ? b.target : b.target.reshape({-1});
+    return at::cross_entropy_loss(rows, targets, {}, at_reduction(reduction()), ignore_, smoothing_);
   }
 
  private:

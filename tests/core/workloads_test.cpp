@@ -174,6 +174,20 @@ TEST_SUITE("workloads") {
     CHECK(all.input.std().item<double>() == doctest::Approx(1.0).epsilon(0.01));
   }
 
+  TEST_CASE("a TensorDataset's batch counts the target items that are not ignore_index") {
+    const auto x = torch::zeros({3, 2});
+    const tk::TensorDataset padded(x, torch::tensor({5, 6, -100, 7, -100, -100}, torch::kLong).reshape({3, 2}));
+    CHECK(padded.get(torch::tensor({0, 1, 2}, torch::kLong)).tokens == 3);
+    CHECK(padded.get(torch::tensor({0}, torch::kLong)).tokens == 2);
+    CHECK(padded.get(torch::tensor({2, 2}, torch::kLong)).tokens == 0);
+    const tk::TensorDataset other_pad(x, torch::tensor({{1, 0}, {0, 0}, {2, 3}}, torch::kLong), /*ignore_index=*/0);
+    CHECK(other_pad.get(torch::tensor({0, 1, 2}, torch::kLong)).tokens == 3);
+    const tk::TensorDataset labels(x, torch::tensor({4, 0, 9}, torch::kLong));  // none ignored: every item counts
+    CHECK(labels.get(torch::tensor({2, 0}, torch::kLong)).tokens == 2);
+    const tk::TensorDataset reals(x, torch::full({3, 4}, -100.0));  // regression targets: one item per example
+    CHECK(reals.get(torch::tensor({1, 2}, torch::kLong)).tokens == 2);
+  }
+
   TEST_CASE("text is cut into next-token examples; documents start their own and are padded") {
     const fs::path dir = tkt::temp_dir("text");
     fs::create_directories(dir);

@@ -53,16 +53,17 @@ inline constexpr const char kEventHooks[] = TK_EVENT_HOOKS(TK_EVENT_TEXT);
 /// The layout of every type that crosses the boundary between the core and a plugin library, the
 /// virtual table of Plugin and which event each of its hooks is, computed from the headers a
 /// library is compiled with (the virtual tables of the component interfaces, Model, Dataset,
-/// LossFn and LrSchedule, are covered by their sizes only). A library
+/// LossFn and LrSchedule, are covered by their sizes only; TensorDataset is there because a
+/// plugin library allocates the ones it makes). A library
 /// built with other headers, another standard library ABI or other packing gets another value,
 /// and the loader refuses it. The contexts, the plan and the plugin base are views of state the
 /// core owns (pointers to it), so the core's bookkeeping is not part of it.
 inline constexpr uint64_t kLayoutSignature =
     mix(mix(mix(mix(layout_of<Plugin, Context, SetupContext, OutputFiles, Contract, RunPlan, WindowRequest, Window,
-                              Counters, WindowTotals, Batch, DataInfo, DataSplits, Model, Dataset, LossFn, LrSchedule,
-                              Options, OptionSpec, OptionValue, OptionBinder, Registry, Component<ModelMaker>,
-                              Component<PluginMaker>, StateDict, NamedTensors, std::string, std::function<void()>,
-                              std::shared_ptr<void>, at::Tensor>(),
+                              Counters, WindowTotals, Batch, DataInfo, DataSplits, Model, Dataset, TensorDataset,
+                              LossFn, LrSchedule, Options, OptionSpec, OptionValue, OptionBinder, Registry,
+                              Component<ModelMaker>, Component<PluginMaker>, StateDict, NamedTensors, std::string,
+                              std::function<void()>, std::shared_ptr<void>, at::Tensor>(),
                     text_hash(kPluginVirtuals)),
                 text_hash(kEventHooks)),
             static_cast<uint64_t>(kEventCount)),

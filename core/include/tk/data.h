@@ -52,6 +52,7 @@ class TensorDataset : public Dataset {
  private:
   at::Tensor inputs_, targets_;
   int64_t ignore_index_;
+  bool every_item_counts_ = true;  // no target is ignore_index (or the targets are reals)
 };
 
 /// A data set's training split, its optional validation split, and what it tells model and loss.

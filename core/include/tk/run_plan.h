@@ -50,8 +50,9 @@ struct WindowTotals {
   int64_t samples = 0;        ///< their examples
   int64_t tokens = 0;         ///< their counted target items
   /// Sum of the micro-batches' item-weighted losses, on the device (float64, 0-dim; undefined
-  /// before the first backward). It stays there until the boundary; a sync plugin all-reduces it
-  /// in place. The core reads it once per step, after the boundary event, into loss_sum.
+  /// before the first backward; each backward adds to it in place, so a plugin that keeps a value
+  /// clones it). It stays there until the boundary; a sync plugin all-reduces it in place. The core
+  /// reads it once per step, after the boundary event, into loss_sum.
   at::Tensor loss;
   double loss_sum = 0.0;      ///< `loss` read to the host (after the boundary event), for the true window loss
 };
