@@ -84,9 +84,7 @@ void LoopState::read_step_values() {
     return;
   }
   std::vector<at::Tensor> values;
-  const at::Device device = totals.loss.defined()  ? totals.loss.device()
-                            : step.deferred.empty() ? at::Device(at::kCPU)
-                                                    : step.deferred.front().value.device();
+  const at::Device device = totals.loss.defined() ? totals.loss.device() : step.deferred.front().value.device();
   if (totals.loss.defined()) values.push_back(totals.loss.reshape({1}).to(at::kDouble));
   for (const auto& d : step.deferred) values.push_back(d.value.reshape({-1}).slice(0, 0, 1).to(device, at::kDouble));
   const at::Tensor host = at::cat(values).to(at::kCPU);

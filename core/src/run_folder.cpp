@@ -106,8 +106,8 @@ std::optional<Manifest> read_manifest(const fs::path& dir, std::string* damaged)
     return out;
   }
   out.lists_core = j.contains("core");
-  if (j.contains("core") && !j["core"].is_array()) bad("\"core\" is not a list");
-  if (j.contains("core") && j["core"].is_array()) {
+  if (out.lists_core && !j["core"].is_array()) bad("\"core\" is not a list");
+  if (out.lists_core && j["core"].is_array()) {
     for (const auto& f : j["core"]) {
       if (f.is_string() && is_core_name(f.get<std::string>())) out.core.push_back(f.get<std::string>());
       else bad("an entry of \"core\" is not a file of the core's");
