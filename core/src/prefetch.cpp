@@ -68,9 +68,8 @@ Prefetcher::~Prefetcher() {
 void Prefetcher::work() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    cv_.wait(lock, [this] { return stop_ || (pending_ && !busy_ && !result_ && !error_); });
+    cv_.wait(lock, [this] { return stop_ || (pending_ && !result_ && !error_); });
     if (stop_) return;
-    busy_ = true;
     const at::Tensor indices = pending_indices_;
     lock.unlock();
     std::shared_ptr<Prepared> made;
@@ -81,7 +80,6 @@ void Prefetcher::work() {
       error = std::current_exception();
     }
     lock.lock();
-    busy_ = false;
     result_ = std::move(made);
     error_ = error;
     cv_.notify_all();

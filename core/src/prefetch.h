@@ -66,13 +66,15 @@ class Prefetcher {
   c10::Device device_{c10::kCPU};   // CUDA: the run's device, with its index
   std::optional<c10::Stream> side_;  // CUDA: the stream the copies run on
   std::string reason_;
-  // The worker and its one job: a batch asked for (pending_), made (result_ or error_).
+  // The worker and its one job: a batch asked for (pending_), made (result_ or error_). While the
+  // worker makes it, no new one is asked for: ahead() drains first, so the worker waits only
+  // between jobs.
   void work();
   std::shared_ptr<Prepared> wait_result();
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::thread worker_;
-  bool stop_ = false, pending_ = false, busy_ = false;
+  bool stop_ = false, pending_ = false;
   Key pending_key_;
   at::Tensor pending_indices_;
   std::shared_ptr<Prepared> result_;
