@@ -453,8 +453,8 @@ std::string ResolvedRecipe::toml(const std::string& source) const {
   return out.str();
 }
 
-std::vector<std::pair<std::string, std::string>> ResolvedRecipe::values() const {
-  std::vector<std::pair<std::string, std::string>> out;
+std::vector<ResolvedRecipe::Value> ResolvedRecipe::values() const {
+  std::vector<Value> out;
   std::string plugins;
   for (const auto& e : entries_) {
     std::string prefix = e.header + ".";
@@ -462,12 +462,12 @@ std::vector<std::pair<std::string, std::string>> ResolvedRecipe::values() const 
       prefix += e.label + ".";
       plugins += (plugins.empty() ? "" : ", ") + e.label;
     } else if (!e.name.empty()) {
-      out.emplace_back(e.header + ".name", to_toml(e.name));
+      out.push_back({e.header + ".name", to_toml(e.name)});
     }
-    if (!e.path.empty()) out.emplace_back(prefix + "path", to_toml(e.path));
-    for (const auto& [k, v] : e.options.values()) out.emplace_back(prefix + k, to_toml(v));
+    if (!e.path.empty()) out.push_back({prefix + "path", to_toml(e.path)});
+    for (const auto& [k, v] : e.options.values()) out.push_back({prefix + k, to_toml(v), !e.options.is_set(k)});
   }
-  out.emplace_back("plugins", to_toml(plugins));
+  out.push_back({"plugins", to_toml(plugins)});
   return out;
 }
 

@@ -17,7 +17,7 @@ RunIdentity run_identity(const Run& r) {
       "run.checkpoint_keep", "run.prefetch"};
   RunIdentity id;
   id.world_size = r.plan.world_size;
-  for (auto& [k, v] : r.resolved.values()) {
+  for (auto& [k, v, is_default] : r.resolved.values()) {
     if (kMayChange.count(k)) continue;
     // On the CPU an optimizer's per_tensor and foreach steps are the same arithmetic to the bit
     // (auto is one of them): only the fused one, which rounds differently, is part of what a run
@@ -26,6 +26,7 @@ RunIdentity run_identity(const Run& r) {
     if (k == "optimizer.implementation" && kBuiltIn.count(r.opt_name) && v != "\"fused\"" && !r.device.is_cuda())
       continue;
     id.recipe.emplace_back(k, v);
+    if (is_default) id.defaults.insert(k);
   }
   return id;
 }
@@ -48,28 +49,43 @@ void restore_plugin_states(Run& r, Checkpoint& resumed) {
     r.warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
 }
 
-/// Each difference between the checkpoint's run and this one that `allowed` does not cover.
-std::vector<std::string> differences(const RunIdentity& saved, const RunIdentity& now,
-                                     const std::vector<std::string>& allowed) {
+/// How the checkpoint's run and this one differ, each entry "key: old -> new" or "key = value".
+struct Differences {
+  std::vector<std::string> refused;   ///< what `allowed` does not cover
+  std::vector<std::string> defaults;  ///< keys the checkpoint does not record, at their default here
+};
+
+/// Compares the checkpoint's run with this one. A key the checkpoint does not record is an option
+/// the trainkit (or plugin) that wrote it did not have yet: left at its default, it trains what that
+/// one trained, and is no difference.
+Differences differences(const RunIdentity& saved, const RunIdentity& now, const std::vector<std::string>& allowed) {
   auto is_allowed = [&](const std::string& key) {
     for (const auto& a : allowed)
       if (a == "all" || a == key || key.rfind(a + ".", 0) == 0) return true;
     return false;
   };
   std::map<std::string, std::string> before(saved.recipe.begin(), saved.recipe.end());
-  std::vector<std::string> out;
+  Differences out;
   auto show = [](const std::string* v) { return v ? *v : std::string("(not set)"); };
   for (const auto& [k, v] : now.recipe) {
     auto it = before.find(k);
     const std::string* old = it == before.end() ? nullptr : &it->second;
-    if ((!old || *old != v) && !is_allowed(k)) out.push_back(k + ": " + show(old) + " -> " + v);
+    if (!old && now.defaults.count(k))
+      out.defaults.push_back(k + " = " + v);
+    else if ((!old || *old != v) && !is_allowed(k))
+      out.refused.push_back(k + ": " + show(old) + " -> " + v);
     if (it != before.end()) before.erase(it);
   }
   for (const auto& [k, v] : before)
-    if (!is_allowed(k)) out.push_back(k + ": " + v + " -> (not set)");
+    if (!is_allowed(k)) out.refused.push_back(k + ": " + v + " -> (not set)");
   if (saved.world_size != now.world_size && !is_allowed("world_size"))
-    out.push_back("world_size: " + std::to_string(saved.world_size) + " -> " + std::to_string(now.world_size));
+    out.refused.push_back("world_size: " + std::to_string(saved.world_size) + " -> " + std::to_string(now.world_size));
   return out;
+}
+
+/// One item a line, indented, for a message.
+std::string lines(const std::vector<std::string>& items) {
+  return "\n  " + join(items.data(), items.data() + items.size(), "\n  ");
 }
 
 }  // namespace
@@ -82,13 +98,13 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   // Checked before anything is loaded: another optimizer's state would not even load.
   if (auto saved = read_run_identity(dir)) {
     const auto diff = differences(*saved, identity, allowed);
-    if (!diff.empty()) {
-      std::string list;
-      for (const auto& d : diff) list += "\n  " + d;
+    if (!diff.refused.empty())
       throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
-                  list + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
+                  lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
                   "or allow a change on purpose with --allow-change KEY");
-    }
+    if (!diff.defaults.empty())
+      r.warn(dir.string() + " does not record these options (they are newer than what wrote it); resuming with their "
+             "defaults, as the run that wrote it trained:" + lines(diff.defaults));
   } else {
     r.warn(dir.string() + " does not record the recipe it was made with (written by an older trainkit): "
            "make sure this recipe is the one it was started with");

@@ -245,6 +245,39 @@ TEST_SUITE("reliability") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("a checkpoint that predates an option resumes with its default, bit-identically; set otherwise, it is refused") {
+    const fs::path root = tkt::temp_dir("older-options"), reference = root / "reference", run = root / "run";
+    const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 ";
+    REQUIRE(tk_run(reference, kAccum, sets).rc == 0);
+    REQUIRE(tk_run(run, kAccum, sets + "--set run.max_time=\\\"0s\\\"").rc == 0);  // stops after step 1
+    // As an older trainkit wrote it: without two options it did not have, both at their default
+    // here (the recipe sets neither), one of them a plugin's.
+    const std::vector<std::string> newer = {"optimizer.nesterov", "plugins.grad_accum.normalize"};
+    int edited = 0;
+    for (const auto& ck : fs::directory_iterator(run / "out/checkpoints")) {
+      if (!fs::exists(ck.path() / "run.json")) continue;
+      auto info = nlohmann::json::parse(tkt::read_text(ck.path() / "run.json"));
+      for (const auto& key : newer) REQUIRE(info["recipe"].erase(key) == 1);
+      std::ofstream(ck.path() / "run.json") << info.dump(1);
+      ++edited;
+    }
+    REQUIRE(edited > 0);
+    // Set to anything but its default, a missing option is a change like any other.
+    auto nesterov = tk_run(run, kAccum, sets + "--set optimizer.nesterov=true --resume latest");
+    INFO(nesterov.out);
+    CHECK(nesterov.rc == 2);
+    CHECK(has(nesterov, "optimizer.nesterov: (not set) -> true"));
+    CHECK(!has(nesterov, "plugins.grad_accum.normalize"));
+    auto resumed = tk_run(run, kAccum, sets + "--resume latest");
+    INFO(resumed.out);
+    REQUIRE(resumed.rc == 0);
+    CHECK(has(resumed, "does not record these options"));
+    CHECK(has(resumed, "optimizer.nesterov = false"));
+    CHECK(has(resumed, "plugins.grad_accum.normalize = \"mean\""));
+    check_same_run(run, reference);
+    fs::remove_all(root);
+  }
+
   TEST_CASE("a 2-rank checkpoint does not resume in one process") {
     const fs::path root = tkt::temp_dir("strict-world");
     const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n";

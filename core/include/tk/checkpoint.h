@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,6 +30,9 @@ struct TrainingPosition {
 struct RunIdentity {
   std::vector<std::pair<std::string, std::string>> recipe;  ///< "section.key" -> TOML value
   int64_t world_size = 1;
+  /// The keys of `recipe` at their option's default, not set by the recipe (this run's own view;
+  /// run.json does not record it): a key a checkpoint lacks is no difference when it is one of them.
+  std::set<std::string> defaults;
 };
 
 /// What load_checkpoint() hands back beyond the model and optimizer it restores.

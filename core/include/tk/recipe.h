@@ -82,9 +82,15 @@ class ResolvedRecipe {
 
   /// As TOML: what the output folder's recipe.toml holds; it runs as it is.
   std::string toml(const std::string& source) const;
-  /// As flat "section.key" -> TOML value pairs, in order; a plugin's keys are
-  /// "plugins.<label>.<key>" (its file "plugins.<label>.path"), and "plugins" lists the labels.
-  std::vector<std::pair<std::string, std::string>> values() const;
+  /// One value of values(): its flat key, its TOML text, and whether it is its option's default
+  /// (given neither by the recipe nor by an override).
+  struct Value {
+    std::string key, toml;
+    bool is_default = false;
+  };
+  /// Every value as a flat "section.key", in order; a plugin's keys are "plugins.<label>.<key>"
+  /// (its file "plugins.<label>.path"), and "plugins" lists the labels.
+  std::vector<Value> values() const;
 
  private:
   struct Entry {
