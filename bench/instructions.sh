@@ -16,6 +16,8 @@
 #              a minute a step under Valgrind, half an hour in all)
 # Everything at one thread. Under Valgrind the CPU shows no AVX-512, so LibTorch's kernels are its AVX2
 # ones in all three programs: the counts compare the programs, not this CPU's native step.
+# Where Valgrind cannot start tk-run (a CPU without RDTSCP: see probe_valgrind), the script says so in
+# one line and exits 77 (bench_cannot) before it counts anything.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 workloads=("$@")
@@ -24,6 +26,27 @@ for w in "${workloads[@]}"; do
   case "$w" in mlp-small | gpt-small | mlp | cnn | gpt) ;; *) bench_usage "no workload '$w' (mlp-small, gpt-small, mlp, cnn, gpt)" ;; esac
 done
 command -v valgrind >/dev/null || bench_usage "valgrind is not installed (bash tools/setup.sh installs it)"
+# Valgrind emulates the CPU it runs on, and stops at an instruction the CPU's flags do not list. A
+# program linking Debian's LibTorch runs RDTSCP in a static initializer (Highway's timer, through
+# OpenCV and libjxl), so on a CPU whose flags lack rdtscp (some AMD EPYC virtual machines) no program
+# of the three can start. Probe once, before any figure is taken; where it fails, exit 77 (bench_cannot).
+probe_valgrind() {
+  local log="$bench_work/valgrind-probe.log" rc=0 why
+  # tk-run alone must start: a tk-run that cannot is a failure, not this machine's limit.
+  bench_checked "tk-run --version" "$bench_work/version.log" "$bench_bin/tk-run" --version
+  # In a subshell that waits for it, so that the shell's "Illegal instruction" notice goes to /dev/null too.
+  (valgrind --tool=none --log-file="$log" "$bench_bin/tk-run" --version >/dev/null 2>&1; exit $?) 2>/dev/null || rc=$?
+  [ "$rc" -ne 0 ] || return 0
+  # Valgrind names the instruction it stopped at (its first bytes): "0xF 0x1 0xF9" is RDTSCP.
+  why=$(sed -n 's/^\(vex [^:]*: unhandled instruction bytes: \(0x[0-9A-F]* \)\{0,2\}0x[0-9A-F]*\).*/\1/p' "$log" | head -n 1)
+  if [[ " $(sed -n 's/^flags[[:space:]]*: //p' /proc/cpuinfo | head -n 1) " != *" rdtscp "* ]]; then
+    why+="${why:+; }this CPU's flags do not list rdtscp, which LibTorch's libraries use at start-up"
+  fi
+  bench_cannot "count instructions on this machine: Valgrind $(valgrind --version | sed 's/^valgrind-//') cannot start tk-run \
+(exit status $rc${why:+: $why}); count where \`valgrind --tool=none build/bin/tk-run --version\` runs"
+}
+[ -x "$bench_bin/tk-run" ] || bench_die "no $bench_bin/tk-run (build first: bash tools/build.sh)"
+probe_valgrind
 # One thread for LibTorch and OpenBLAS in all three; PASSIVE as tk-run sets it (it would run itself again).
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 cpu=$(bench_cpu python)

@@ -31,6 +31,9 @@
 #   bench_int NAME VALUE MIN       stops with the script's usage (exit 2) unless VALUE is an integer >= MIN.
 #   bench_usage MESSAGE            prints MESSAGE and the script's usage lines, exits 2.
 #   bench_die MESSAGE [FILE]       prints MESSAGE (and the end of FILE) on stderr, exits 1.
+#   bench_cannot MESSAGE           this machine cannot take the script's figures (a tool it needs cannot
+#                                  run here): prints "bench: cannot MESSAGE" on stderr, exits 77
+#                                  ($bench_cannot_status), the status ctest reads as "skipped".
 #
 # Environment
 #   BUILD_DIR          the build folder (default: build/ in the source tree)
@@ -86,6 +89,12 @@ bench_die() {  # MESSAGE [FILE]
   # From a subshell, an exit would only end the subshell: stop the script itself.
   if [ "$BASH_SUBSHELL" -gt 0 ]; then kill -s TERM "$bench_pid"; fi
   exit 1
+}
+
+readonly bench_cannot_status=77
+bench_cannot() {  # MESSAGE
+  echo "bench: cannot $1" >&2
+  exit "$bench_cannot_status"
 }
 
 bench_usage() {  # MESSAGE

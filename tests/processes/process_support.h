@@ -58,6 +58,19 @@ inline Proc shell(const std::string& cmd) {
   return p;
 }
 
+/// A collective timeout far longer than any run of these tests: a world that stops within it stopped
+/// because its launcher saw the failure, not because a collective gave up waiting.
+inline constexpr const char* kLongTimeout = "timeout_s = 600.0\n";
+
+/// Whether `out` reports a collective's timeout (as Gloo, NCCL and tk-run say it), not the option's name.
+inline bool reports_timeout(const std::string& out) {
+  std::string low = out;
+  for (auto& ch : low) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  for (size_t at = low.find("timeout"); at != std::string::npos; at = low.find("timeout", at + 1))
+    if (low.compare(at, 9, "timeout_s") != 0) return true;
+  return low.find("timed out") != std::string::npos;
+}
+
 /// The tk-run command for `DIR/recipe.toml` (written from `recipe_text`) with outputs in DIR/out.
 inline std::string tk_run_command(const std::filesystem::path& dir, const std::string& recipe_text,
                                   const std::string& args) {

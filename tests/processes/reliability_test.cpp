@@ -409,7 +409,6 @@ TEST_SUITE("reliability") {
     INFO(p.out);
     CHECK(p.rc == 1);
     CHECK(has(p, "tk-run: rank 1 hung: rank 0 timed out waiting for it"));
-    CHECK(p.seconds < 60.0);
     fs::remove_all(root);
   }
 }
