@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "../src/state.h"
+#include "api/api.h"
 #include "tk/loader.h"
 
 namespace fs = std::filesystem;

@@ -1,0 +1,21 @@
+// The questions the core asks of any model (tk/model.h): its FLOPs, whether it has BatchNorm.
+#include "tk/model.h"
+
+namespace tk {
+
+ModelWithFlops::~ModelWithFlops() = default;
+
+const ModelWithFlops* flops_of(const Model& model) { return dynamic_cast<const ModelWithFlops*>(&model); }
+
+double train_flops_of(const Model& model, c10::IntArrayRef input_sizes) {
+  const ModelWithFlops* with = flops_of(model);
+  return with ? with->train_flops(input_sizes) : -1.0;
+}
+
+bool has_batchnorm(torch::nn::Module& m) {
+  for (const auto& sub : m.modules(/*include_self=*/true))
+    if (sub->name().find("BatchNorm") != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace tk

@@ -1,0 +1,228 @@
+#include "tk/options.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+namespace tk {
+
+double machine_memory_bytes() {
+  return static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+}
+
+std::string format_bytes(double b) {
+  char buf[32];
+  if (b >= 1024.0 * 1024 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.3g TiB", b / (1024.0 * 1024 * 1024 * 1024));
+  else if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.3g GiB", b / (1024.0 * 1024 * 1024));
+  else std::snprintf(buf, sizeof buf, "%.3g MiB", b / (1024.0 * 1024));
+  return buf;
+}
+
+void require_memory(const Options& o, const std::string& key, double bytes, const std::string& what) {
+  const double have = machine_memory_bytes();
+  if (bytes > have)
+    o.fail(key, what + " needs about " + format_bytes(bytes) + " of memory; this machine has " + format_bytes(have));
+}
+
+std::optional<double> parse_bytes(const std::string& v) {
+  size_t pos = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &pos);
+  } catch (const std::exception&) {
+    pos = 0;
+  }
+  std::string unit = v.substr(pos);
+  unit.erase(0, unit.find_first_not_of(' '));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1},          {"B", 1},         {"KiB", 1024.0},  {"MiB", 1024.0 * 1024}, {"GiB", 1024.0 * 1024 * 1024},
+      {"TiB", 1024.0 * 1024 * 1024 * 1024}, {"kB", 1e3}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+  if (pos > 0 && std::isfinite(x) && x > 0)
+    for (const auto& [name, scale] : kUnits)
+      if (unit == name) return x * scale;
+  return std::nullopt;
+}
+
+std::string bytes_expected(const std::string& v) {
+  return "expected a size > 0 like \"1.5GiB\", \"800MiB\" or \"2GB\", got \"" + v + "\"";
+}
+
+double parse_bytes(const Options& o, const std::string& key) {
+  const std::string& v = o.get_string(key);
+  if (auto bytes = parse_bytes(v)) return *bytes;
+  o.fail(key, bytes_expected(v));
+}
+
+std::string require_file(const Options& o, const std::string& key) {
+  const std::string& path = o.get_path(key);
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) o.fail(key, path + " is a folder, not a file");
+  if (!std::filesystem::exists(path, ec)) o.fail(key, "no such file: " + path);
+  if (!std::filesystem::is_regular_file(path, ec)) o.fail(key, path + " is not a regular file (a device or a pipe?)");
+  return path;
+}
+
+
+const char* to_string(OptionType t) noexcept {
+  switch (t) {
+    case OptionType::Bool: return "boolean";
+    case OptionType::Int: return "integer";
+    case OptionType::Float: return "float";
+    case OptionType::String: return "string";
+    case OptionType::IntList: return "array of integers";
+    case OptionType::FloatList: return "array of floats";
+    case OptionType::Path: return "path";
+    case OptionType::StringList: return "array of strings";
+  }
+  return "?";
+}
+
+OptionSpec opt_bool(std::string name, bool def, std::string doc) {
+  return {std::move(name), OptionType::Bool, def, std::move(doc)};
+}
+OptionSpec opt_int(std::string name, int64_t def, std::string doc) {
+  return {std::move(name), OptionType::Int, def, std::move(doc)};
+}
+OptionSpec opt_float(std::string name, double def, std::string doc) {
+  return {std::move(name), OptionType::Float, def, std::move(doc)};
+}
+OptionSpec opt_string(std::string name, std::string def, std::string doc,
+                      std::vector<std::string> choices) {
+  return {std::move(name), OptionType::String, std::move(def), std::move(doc), std::move(choices)};
+}
+OptionSpec opt_path(std::string name, std::string def, std::string doc) {
+  return {std::move(name), OptionType::Path, std::move(def), std::move(doc)};
+}
+OptionSpec opt_ints(std::string name, std::vector<int64_t> def, std::string doc) {
+  return {std::move(name), OptionType::IntList, std::move(def), std::move(doc)};
+}
+OptionSpec opt_floats(std::string name, std::vector<double> def, std::string doc) {
+  return {std::move(name), OptionType::FloatList, std::move(def), std::move(doc)};
+}
+OptionSpec opt_strings(std::string name, std::vector<std::string> def, std::string doc) {
+  return {std::move(name), OptionType::StringList, std::move(def), std::move(doc)};
+}
+
+void Options::set(const std::string& name, OptionValue v, SourceLoc where) {
+  values_[name] = std::move(v);
+  where_[name] = std::move(where);
+}
+
+const OptionValue& Options::at(const std::string& name, OptionType t) const {
+  auto it = values_.find(name);
+  if (it == values_.end())
+    throw Error("option '" + name + "' is not declared in " + (context_.empty() ? "options" : context_));
+  static constexpr OptionType kIndexType[] = {OptionType::Bool,   OptionType::Int,
+                                              OptionType::Float,  OptionType::String,
+                                              OptionType::IntList, OptionType::FloatList,
+                                              OptionType::StringList};
+  if (kIndexType[it->second.index()] != t)
+    throw Error("option '" + name + "' of " + context_ + " is a " +
+                to_string(kIndexType[it->second.index()]) + ", read as a " + to_string(t));
+  return it->second;
+}
+
+bool Options::get_bool(const std::string& n) const { return std::get<bool>(at(n, OptionType::Bool)); }
+int64_t Options::get_int(const std::string& n) const {
+  auto it = values_.find(n);
+  if (it != values_.end() && std::holds_alternative<std::string>(it->second))
+    throw Error("option '" + n + "' of " + context_ + " is \"" + std::get<std::string>(it->second) +
+                "\", not a number: read it with get_word");
+  return std::get<int64_t>(at(n, OptionType::Int));
+}
+std::string Options::get_word(const std::string& n) const {
+  auto it = values_.find(n);
+  if (it != values_.end() && std::holds_alternative<std::string>(it->second)) return std::get<std::string>(it->second);
+  return "";
+}
+double Options::get_float(const std::string& n) const { return std::get<double>(at(n, OptionType::Float)); }
+const std::string& Options::get_string(const std::string& n) const {
+  return std::get<std::string>(at(n, OptionType::String));
+}
+const std::string& Options::get_path(const std::string& n) const {
+  return std::get<std::string>(at(n, OptionType::String));
+}
+const std::vector<int64_t>& Options::get_ints(const std::string& n) const {
+  return std::get<std::vector<int64_t>>(at(n, OptionType::IntList));
+}
+const std::vector<double>& Options::get_floats(const std::string& n) const {
+  return std::get<std::vector<double>>(at(n, OptionType::FloatList));
+}
+const std::vector<std::string>& Options::get_strings(const std::string& n) const {
+  return std::get<std::vector<std::string>>(at(n, OptionType::StringList));
+}
+
+bool Options::is_set(const std::string& name) const {
+  auto it = where_.find(name);
+  return it != where_.end() && !it->second.file.empty();
+}
+
+SourceLoc Options::where(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it != where_.end() && !it->second.file.empty()) return it->second;
+  return section_loc_;
+}
+
+void Options::fail(const std::string& name, const std::string& what) const {
+  std::string key = context_.empty() ? name : context_ + "." + name;
+  throw RecipeError(where(name), key + ": " + what);
+}
+
+static std::string format_double(double d) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", d);
+  std::string s = buf;
+  // Shortest representation that round-trips.
+  for (int prec = 1; prec < 17; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, d);
+    if (std::stod(buf) == d) {
+      s = buf;
+      break;
+    }
+  }
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string to_toml(const OptionValue& v) {
+  struct Visitor {
+    std::string operator()(bool b) const { return b ? "true" : "false"; }
+    std::string operator()(int64_t i) const { return std::to_string(i); }
+    std::string operator()(double d) const { return format_double(d); }
+    std::string operator()(const std::string& s) const {
+      std::string out = "\"";
+      for (char c : s) {
+        if (c == '"' || c == '\\') out += '\\';
+        out += c;
+      }
+      return out + "\"";
+    }
+    std::string operator()(const std::vector<int64_t>& xs) const {
+      std::string out = "[";
+      for (size_t i = 0; i < xs.size(); ++i) out += (i ? ", " : "") + std::to_string(xs[i]);
+      return out + "]";
+    }
+    std::string operator()(const std::vector<double>& xs) const {
+      std::string out = "[";
+      for (size_t i = 0; i < xs.size(); ++i) out += (i ? ", " : "") + format_double(xs[i]);
+      return out + "]";
+    }
+    std::string operator()(const std::vector<std::string>& xs) const {
+      std::string out = "[";
+      for (size_t i = 0; i < xs.size(); ++i) out += (i ? ", " : "") + (*this)(xs[i]);
+      return out + "]";
+    }
+  };
+  return std::visit(Visitor{}, v);
+}
+
+Options defaults_of(const OptionSpecs& specs) {
+  Options o;
+  for (const auto& s : specs) o.set(s.name, s.default_value);
+  return o;
+}
+
+}  // namespace tk

@@ -1,0 +1,47 @@
+#pragma once
+// The assemble layer: a run built from its recipe. [run] read, the standard libraries and every
+// [[plugins]] entry's loaded, the plugins made and given their options, then data, model, loss
+// and schedule from their sections; the optimizer made over the trainable parameters. Not
+// installed.
+#include <memory>
+#include <set>
+#include <string>
+
+#include "run/run.h"
+#include "tk/trainer.h"
+
+namespace tk::detail {
+
+// ---- libraries.cpp: the recipe's libraries and plugins ---------------------------------------------
+
+/// Reads [run], loads trainkit's standard libraries and every `[[plugins]]` library, makes the
+/// plugins with their options, and builds data, model, loss and schedule (components.cpp).
+void assemble(Run& run, const Recipe& recipe, const TrainerOptions& opts);
+/// Adds a plugin made in code: prepared already, or prepared here with `name` and `options` (TOML).
+void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options,
+                uint32_t hooks);
+/// What a launcher needs to know of a recipe's plugins without building a run: the capabilities
+/// they provide. The recipe's sections and the plugins' options are checked on the way (plugins
+/// loaded and given their options; no data, model or memory trial).
+std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerOptions& opts);
+
+// ---- components.cpp: [run] and the components of the recipe's sections -----------------------------
+
+/// The settings of [run]: bound, dtype, device, time limit.
+void read_run_section(Run& run, const Recipe& recipe);
+/// Data, model, loss, optimizer (checked now, made after setup) and schedule.
+void build_components(Run& run, const Recipe& recipe);
+/// The component sections' names and options checked against what is registered, nothing made
+/// (what a launcher checks before it starts workers).
+void check_component_sections(Run& run, const Recipe& recipe);
+/// Makes the optimizer over the model's trainable parameters (again, after a trial step).
+void make_optimizer(Run& run);
+/// Zeroes the gradients of the optimizer's parameters in place, keeping their storage (data
+/// parallel's gradients are views of its buckets), on every LibTorch (2.x's zero_grad drops them,
+/// 1.x's detaches them in place, which views refuse). A parameter without one gets a zero
+/// gradient: every trainable parameter holds one from the start of training, so a step that does
+/// not use a parameter steps it with a zero gradient in a fresh run, a resumed one and on every
+/// rank alike.
+void zero_grads(Run& run);
+
+}  // namespace tk::detail

@@ -1,0 +1,326 @@
+// The components of a run: [run] read into its settings, then the data set, model, loss,
+// optimizer and schedule the recipe's sections name, each made by its registered maker.
+#include <spdlog/spdlog.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <thread>
+
+#include "assemble/assemble.h"
+#include "tk/compat.h"
+#include "tk/tensor_io.h"
+
+namespace tk::detail {
+namespace {
+
+OptionSpecs run_specs() {
+  return {opt_string("name", "run", "name of the run"),
+          opt_int("seed", 0, "seed of initialization, data order and synthetic data"),
+          opt_int("epochs", 0, "epochs to train (give epochs or steps)"),
+          opt_int("steps", 0, "optimizer steps to train (give epochs or steps)"),
+          opt_string("output", "", "output folder, relative to the working directory (default runs/<name>)"),
+          opt_string("dtype", "float32", "parameter and data type", {"float32", "float64"}),
+          opt_string("device", "auto", "where to train (auto: CUDA when available)", {"auto", "cpu", "cuda"}),
+          opt_int("log_every", 10, "optimizer steps between plain progress lines"),
+          opt_int("validate_every", 0, "optimizer steps between validations (0: only at the end)"),
+          opt_int("threads", 0, "CPU threads of LibTorch's operations and of OpenBLAS's matrix products (0: the libraries' defaults)"),
+          opt_bool("trace", false, "record every plugin dispatch in trace.jsonl"),
+          opt_bool("measure_memory", false,
+                   "each step's peak memory in metrics.jsonl (step_peak_mib); on the CPU every allocation is then "
+                   "counted, under a lock (always on on CUDA; micro_batch = \"auto\" counts during its trials only)"),
+          opt_float("peak_gflops", 0.0,
+                    "the device's peak rate in GFLOP/s (bench/gemm.sh measures this machine's): each step's "
+                    "record then has mfu, the model's FLOP rate over it (0: none)"),
+          opt_bool("phase_times", false,
+                   "each step's time by phase in metrics.jsonl: data_ms, forward_ms (with the loss), backward_ms, "
+                   "boundary_ms (the plugins' boundary work: unscaling, clipping, a data-parallel wait), "
+                   "optimizer_ms (with the plugins' step-end work), validation_ms; on CUDA each phase then waits for the device"),
+          opt_string("prefetch", "auto",
+                     "prepare the next micro-batch while the current one trains (auto: on CUDA, and on the CPU "
+                     "when preparing data takes a noticeable share of a micro-batch); the results are the same",
+                     {"auto", "on", "off"}),
+          opt_int("checkpoint_every", 0, "optimizer steps between checkpoints (0: only at the end)"),
+          opt_int("checkpoint_keep", 3, "newest checkpoints to keep"),
+          opt_string("max_time", "", "stop at the first boundary after this long, e.g. \"90s\", \"10m\", \"2h\" (\"\": no limit)")};
+}
+
+OptionSpecs loader_specs() {
+  OptionSpec micro_batch = opt_int("micro_batch", 32, "examples per micro-batch (\"auto\": picked by memory, see grad_accum)");
+  micro_batch.choices = {"auto"};
+  return {micro_batch,
+          opt_bool("shuffle", true, "shuffle every epoch (a pure function of seed and epoch)"),
+          opt_bool("drop_last", false, "drop an epoch's last, smaller micro-batch")};
+}
+
+OptionSpecs model_specs() {
+  return {opt_path("init", "", "start from these weights, by parameter and buffer name: a .safetensors file, or a "
+                               "dict of tensors saved by torch.save (\"\": the model's own initialization)"),
+          opt_bool("init_partial", false,
+                   "let init lack some of the model's tensors, hold others, or hold them in other shapes: those keep "
+                   "the model's initialization, and the log lists them")};
+}
+
+/// `[model] init`: the model's parameters and buffers from a file, by name (before any plugin's
+/// setup, so that an adapter wraps the pretrained model).
+void load_init(Run& r) {
+  const std::string& file = r.model_opts.get_path("init");
+  if (file.empty()) return;
+  const bool partial = r.model_opts.get_bool("init_partial");
+  NamedTensors saved;
+  try {
+    saved = std::filesystem::path(file).extension() == ".safetensors" ? load_safetensors(file) : load_tensor_dict(file);
+  } catch (const std::exception& e) {
+    r.model_opts.fail("init", message_of(e));
+  }
+  std::map<std::string, at::Tensor> by_name(saved.begin(), saved.end());
+  std::vector<std::string> missing, misshapen;
+  torch::NoGradGuard no_grad;
+  auto take = [&](const std::string& name, at::Tensor& dst) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) return missing.push_back("'" + name + "'");
+    if (it->second.sizes() != dst.sizes())
+      misshapen.push_back("'" + name + "' (" + c10::str(it->second.sizes()) + " there, " + c10::str(dst.sizes()) + " here)");
+    else
+      dst.copy_(it->second);
+    by_name.erase(it);
+  };
+  for (auto& p : r.model->named_parameters()) take(p.key(), p.value());
+  for (auto& b : r.model->named_buffers()) take(b.key(), b.value());
+  std::vector<std::string> extra;
+  for (const auto& [name, t] : by_name) extra.push_back("'" + name + "'");
+  auto some = [](const std::vector<std::string>& v) {
+    const size_t n = std::min<size_t>(v.size(), 5);
+    return join(v.data(), v.data() + n) + (v.size() > n ? " and " + std::to_string(v.size() - n) + " more" : "");
+  };
+  std::string why;
+  if (!missing.empty()) why += "; it lacks " + some(missing);
+  if (!misshapen.empty()) why += "; other shapes: " + some(misshapen);
+  if (!extra.empty()) why += "; the model has no " + some(extra);
+  const size_t loaded = saved.size() - extra.size() - misshapen.size();
+  if (!why.empty() && !partial)
+    r.model_opts.fail("init", file + " does not fit model '" + r.model_name + "'" + why +
+                                  " (init_partial = true loads what fits)");
+  if (!why.empty()) r.warn("init: loaded " + std::to_string(loaded) + " tensors of " + file + why);
+  else spdlog::info("init: loaded all {} tensors of {}", loaded, file);
+}
+
+/// "90s", "10m", "1.5h", "250ms" -> seconds; "" -> infinity.
+double parse_duration(const Options& o, const std::string& key) {
+  const std::string& v = o.get_string(key);
+  if (v.empty()) return std::numeric_limits<double>::infinity();
+  size_t pos = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &pos);
+  } catch (const std::exception&) {
+    o.fail(key, "expected a duration like \"90s\", \"10m\" or \"2h\", got \"" + v + "\"");
+  }
+  const std::string unit = v.substr(pos);
+  const double scale = unit == "ms" ? 1e-3 : unit == "s" ? 1 : unit == "m" ? 60 : unit == "h" ? 3600 : -1;
+  if (scale < 0 || x < 0)
+    o.fail(key, "expected a duration like \"90s\", \"10m\" or \"2h\" (units ms, s, m, h), got \"" + v + "\"");
+  return x * scale;
+}
+
+}  // namespace
+
+void read_run_section(Run& r, const Recipe& recipe) {
+  r.run = recipe.options("run", run_specs());
+  r.resolved.add_section("run", "", r.run);
+  const Options& o = r.run;
+  const int64_t epochs = o.get_int("epochs"), steps = o.get_int("steps");
+  if (epochs < 0) o.fail("epochs", "must be >= 0");
+  if (steps < 0) o.fail("steps", "must be >= 0");
+  if (epochs > 0 && steps > 0) o.fail("steps", "give either epochs or steps, not both");
+  for (const char* k : {"epochs", "steps"})
+    if (o.get_int(k) > kMaxCount)
+      o.fail(k, "is " + std::to_string(o.get_int(k)) + ", beyond what any machine can train (at most " +
+                    std::to_string(kMaxCount) + ")");
+  r.bound = steps > 0 ? Bound{Bound::Unit::Steps, steps} : Bound{Bound::Unit::Epochs, std::max<int64_t>(1, epochs)};
+  for (const char* k : {"log_every", "checkpoint_keep"})
+    if (o.get_int(k) < 1) o.fail(k, "must be >= 1");
+  for (const char* k : {"validate_every", "checkpoint_every"})
+    if (o.get_int(k) < 0) o.fail(k, "must be >= 0");
+  r.max_time_s = parse_duration(o, "max_time");
+  if (!(o.get_float("peak_gflops") >= 0.0)) o.fail("peak_gflops", "must be >= 0 (GFLOP/s; 0: no MFU)");
+  r.tracing = o.get_bool("trace");
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  if (o.get_int("threads") < 0) o.fail("threads", "must be >= 0 (0: LibTorch's default)");
+  if (o.get_int("threads") > 4 * cores)
+    o.fail("threads", "is " + std::to_string(o.get_int("threads")) + " on a machine with " + std::to_string(cores) +
+                          " cores; at most " + std::to_string(4 * cores) + " (4 per core) are accepted");
+  if (o.get_int("threads") > 0) compat::set_cpu_threads(static_cast<int>(o.get_int("threads")));
+  r.dtype = o.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
+  const std::string& dev = o.get_string("device");
+  const bool cuda = torch::cuda::is_available();
+  if (dev == "cuda" && !cuda) o.fail("device", "CUDA is not available (this LibTorch has no CUDA, or no GPU is visible)");
+  r.device = (dev == "cuda" || (dev == "auto" && cuda)) ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  // One GPU per process of a launch (tk-run's, torchrun's or Slurm's local rank): its own.
+  const char* local = std::getenv("LOCAL_RANK") ? std::getenv("LOCAL_RANK") : std::getenv("SLURM_LOCALID");
+  if (r.device.is_cuda() && local) {
+    const long i = std::strtol(local, nullptr, 10);
+    const long n = static_cast<long>(torch::cuda::device_count());
+    if (i < 0 || i >= n)
+      o.fail("device", "this process's local rank is " + std::string(local) + " but " + std::to_string(n) +
+                           " GPUs are visible: start at most one process per GPU");
+    r.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i));
+  }
+  r.seed = static_cast<uint64_t>(o.get_int("seed"));
+}
+
+namespace {
+
+/// Runs `make` (a component's maker) so that whatever it throws names the recipe section: a
+/// LibTorch error in one line, an allocation that failed as such.
+template <class Make>
+auto made_in(const Options& o, const std::string& what, Make&& make) {
+  try {
+    return make();
+  } catch (const RecipeError&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw RecipeError(o.section_loc(), what + ": out of memory while making it");
+  } catch (const std::exception& e) {
+    throw RecipeError(o.section_loc(), what + ": " + message_of(e));
+  }
+}
+
+/// The component section `name` selects (or `fallback`), with its checked options (`extra` first)
+/// in `opts`, recorded as resolved.
+template <class Maker>
+const Component<Maker>& section(Run& r, const Recipe& recipe, const char* name, const char* fallback,
+                                const std::vector<Component<Maker>>& list, std::string& chosen, Options& opts,
+                                OptionSpecs extra = {}) {
+  const auto& c = *find_component(list, recipe.component(name, fallback, component_names(list)));
+  extra.insert(extra.end(), c.specs.begin(), c.specs.end());
+  chosen = c.name;
+  opts = recipe.options(name, extra, true);
+  r.resolved.add_section(name, c.name, opts);
+  return c;
+}
+
+}  // namespace
+
+/// Data, model, loss, optimizer (checked now, made after setup) and schedule.
+void build_components(Run& r, const Recipe& recipe) {
+  const auto& dc = section(r, recipe, "data", "", r.registry.data(), r.data_name, r.data_opts, loader_specs());
+  if (r.data_opts.get_word("micro_batch").empty() && r.data_opts.get_int("micro_batch") < 1)
+    r.data_opts.fail("micro_batch", "must be >= 1");
+  r.data = made_in(r.data_opts, "data '" + dc.name + "'", [&] { return dc.make(r.data_opts, r.seed); });
+  if (!r.data.train) throw RecipeError(r.data_opts.section_loc(), "data '" + dc.name + "' made no training split");
+
+  // `[model] torchscript = "file.pt"` needs no name.
+  const auto& mc = section(r, recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "",
+                           r.registry.models(), r.model_name, r.model_opts, model_specs());
+  torch::manual_seed(r.seed);
+  r.model = made_in(r.model_opts, "model '" + mc.name + "'", [&] { return mc.make(r.model_opts, r.data.info); });
+  if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
+  r.model->to(r.device, r.dtype);
+  load_init(r);
+  r.model->train();
+
+  const auto& lc = section(r, recipe, "loss", r.data.info.default_loss.c_str(), r.registry.losses(), r.loss_name,
+                           r.loss_opts);
+  r.loss = lc.make(r.loss_opts);
+  const auto& info = r.data.info;
+  if (info.ignore_index && r.loss_opts.has("ignore_index") && r.loss_opts.get_int("ignore_index") != *info.ignore_index)
+    r.loss_opts.fail("ignore_index", "is " + std::to_string(r.loss_opts.get_int("ignore_index")) +
+                                         ", but the data marks padding with " + std::to_string(*info.ignore_index) +
+                                         " (data.ignore_index): padding would count toward the loss");
+  const Targets wants = r.loss->targets();
+  if (wants != Targets::Any && (wants == Targets::Classes) != info.classification)
+    throw RecipeError(r.loss_opts.section_loc(),
+                      "loss '" + r.loss_name + "' takes " + (wants == Targets::Classes ? "class labels" : "real-valued targets") +
+                          ", but data '" + r.data_name + "' gives " +
+                          (info.classification ? "class labels" : "real-valued targets") +
+                          (info.default_loss.empty() ? std::string() : "; use " + info.default_loss));
+
+  const auto& oc = section(r, recipe, "optimizer", "", r.registry.optimizers(), r.opt_name, r.opt_opts);
+  r.optimizer_maker = &oc;
+  // Made now to check its options and read its learning rate; the real one is made after setup.
+  r.base_lr = get_lr(*oc.make(r.opt_opts, r.model->parameters()));
+
+  const auto& sc = section(r, recipe, "schedule", "constant", r.registry.schedules(), r.sched_name, r.sched_opts);
+  r.schedule = sc.make(r.sched_opts, r.base_lr);
+}
+
+void check_component_sections(Run& r, const Recipe& recipe) {
+  std::string name;
+  Options opts;
+  section(r, recipe, "data", "", r.registry.data(), name, opts, loader_specs());
+  section(r, recipe, "model", recipe.sets("model", "torchscript") ? "torchscript" : "", r.registry.models(), name, opts,
+          model_specs());
+  if (recipe.sets("loss", "name")) section(r, recipe, "loss", "", r.registry.losses(), name, opts);
+  section(r, recipe, "optimizer", "", r.registry.optimizers(), name, opts);
+  section(r, recipe, "schedule", "constant", r.registry.schedules(), name, opts);
+}
+
+namespace {
+
+/// Refuses a wrapped optimizer whose groups do not list each trainable parameter exactly once.
+void check_optimizer_covers(const Run& r, const torch::optim::Optimizer& opt, const std::vector<at::Tensor>& trainable) {
+  std::map<const void*, int> seen;
+  for (const auto& g : opt.param_groups())
+    for (const auto& p : g.params()) ++seen[p.unsafeGetTensorImpl()];
+  const std::string who = "the optimizer made through the wrap_optimizer of plugin '" + r.optimizer_wraps.back().first + "'";
+  for (const auto& p : r.model->named_parameters()) {
+    if (!p.value().requires_grad()) continue;
+    auto it = seen.find(p.value().unsafeGetTensorImpl());
+    if (it == seen.end())
+      throw Error(who + " does not list trainable parameter '" + p.key() +
+                  "' in its param_groups: the core sets the learning rate and zeroes gradients through them");
+    if (it->second > 1) throw Error(who + " lists parameter '" + p.key() + "' " + std::to_string(it->second) + " times");
+    seen.erase(it);
+  }
+  if (!seen.empty())
+    throw Error(who + " lists " + std::to_string(seen.size()) + " tensor(s) that are not trainable parameters of the model (" +
+                std::to_string(trainable.size()) + " are)");
+}
+
+}  // namespace
+
+void make_optimizer(Run& r) {
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : r.model->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  if (trainable.empty())
+    throw RecipeError(r.model_opts.section_loc(), "model '" + r.model_name + "' has no trainable parameter" +
+                (r.model->parameters().empty() ? std::string() : " (every parameter has requires_grad = false)"));
+  OptimizerFactory make = [&r](std::vector<at::Tensor> params) { return r.optimizer_maker->make(r.opt_opts, std::move(params)); };
+  for (const auto& [plugin, wrap] : r.optimizer_wraps)
+    make = [&plugin = plugin, &wrap = wrap, inner = std::move(make)](std::vector<at::Tensor> params) {
+      std::unique_ptr<torch::optim::Optimizer> made;
+      try {
+        made = wrap(std::move(params), inner);
+      } catch (const RecipeError&) {
+        throw;  // the recipe's optimizer section, located
+      } catch (const PluginRuntimeError&) {
+        throw;  // an earlier plugin's wrap, named
+      } catch (const std::exception& e) {
+        throw PluginRuntimeError("plugin '" + plugin + "' could not make the optimizer: " + message_of(e));
+      }
+      if (!made) throw PluginRuntimeError("plugin '" + plugin + "' made no optimizer (its wrap_optimizer returned null)");
+      return made;
+    };
+  auto made = make(trainable);
+  if (!r.optimizer_wraps.empty()) check_optimizer_covers(r, *made, trainable);
+  r.optimizer = std::move(made);
+}
+
+void zero_grads(Run& r) {
+  for (auto& group : r.optimizer->param_groups())
+    for (auto& p : group.params()) {
+      at::Tensor& g = p.mutable_grad();
+      if (!g.defined()) {
+        g = at::zeros_like(p, at::MemoryFormat::Preserve);
+        continue;
+      }
+      if (g.requires_grad()) g = g.detach();  // a graph left by create_graph: dropped (detach_ fails on views)
+      g.zero_();
+    }
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,215 @@
+#include "tk/checkpoint.h"
+
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include "tk/error.h"
+#include "tk/output.h"
+#include "tk/tensor_io.h"
+#include "support/support.h"
+
+namespace fs = std::filesystem;
+
+namespace tk {
+namespace {
+
+constexpr const char* kPluginPrefix = "plugin-";
+constexpr const char* kIdentityFile = "run.json";
+
+/// A checkpoint folder that was moved into place whole (a partial one is still `<name>.tmp`).
+bool is_complete(const fs::path& dir) {
+  for (const char* f : {"model.pt", "optimizer.pt", "trainer.pt"})
+    if (!fs::is_regular_file(dir / f)) return false;
+  return true;
+}
+
+/// The complete `step-<N>` folders under `root`, oldest first.
+std::vector<fs::path> complete_checkpoints(const fs::path& root) {
+  std::vector<fs::path> all;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("step-", 0) == 0 && e.path().extension() != ".tmp" && is_complete(e.path())) all.push_back(e.path());
+  }
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+}  // namespace
+
+namespace {
+
+NamedTensors position_tensors(const TrainingPosition& p) {
+  const Counters& c = p.counters;
+  auto t = torch::tensor({c.step, c.micro_step, c.epoch, c.batch_in_epoch, c.samples_seen, c.tokens_seen,
+                          c.skipped_steps, c.schedule_step, c.total_steps, p.next_epoch, p.next_batch, p.micro_batch},
+                         torch::kLong);
+  NamedTensors out{{"position", t}};
+  for (auto& named : detail::rng_tensors()) out.push_back(std::move(named));
+  return out;
+}
+
+TrainingPosition position_from(const torch::Tensor& t) {
+  // 11 fields: written before the micro-batch was recorded.
+  if (t.numel() != 11 && t.numel() != 12)
+    throw Error("checkpoint position has " + std::to_string(t.numel()) + " fields, expected 12");
+  auto v = t.to(torch::kLong);
+  auto at = [&](int i) { return v[i].item<int64_t>(); };
+  TrainingPosition p;
+  p.counters.step = at(0);
+  p.counters.micro_step = at(1);
+  p.counters.epoch = at(2);
+  p.counters.batch_in_epoch = at(3);
+  p.counters.samples_seen = at(4);
+  p.counters.tokens_seen = at(5);
+  p.counters.skipped_steps = at(6);
+  p.counters.schedule_step = at(7);
+  p.counters.total_steps = at(8);
+  p.next_epoch = at(9);
+  p.next_batch = at(10);
+  if (t.numel() == 12) p.micro_batch = at(11);
+  return p;
+}
+
+}  // namespace
+
+fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optimizer& optimizer,
+                         const std::vector<std::pair<std::string, StateDict>>& plugin_states,
+                         const TrainingPosition& position, const RunIdentity& identity, int64_t keep) {
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) throw Error("cannot create checkpoint folder '" + root.string() + "': " + ec.message());
+  const std::string name = step_name(position.counters.step);
+  const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
+  fs::remove_all(tmp, ec);
+  try {
+    fs::create_directories(tmp, ec);
+    if (ec) throw Error("cannot create checkpoint folder '" + tmp.string() + "': " + ec.message());
+    NamedTensors state;
+    for (const auto& p : model.named_parameters()) state.emplace_back(p.key(), p.value());
+    for (const auto& b : model.named_buffers()) state.emplace_back(b.key(), b.value());
+    save_tensor_dict(tmp / "model.pt", state);
+    detail::fault_point("checkpoint-partial");
+    torch::serialize::OutputArchive archive;
+    optimizer.save(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    detail::write_file_atomic(tmp / "optimizer.pt", bytes.str());
+    save_tensor_dict(tmp / "trainer.pt", position_tensors(position));
+    for (const auto& [plugin, s] : plugin_states)
+      save_tensor_dict(tmp / (kPluginPrefix + plugin + ".pt"), NamedTensors(s.begin(), s.end()));
+    nlohmann::ordered_json info;
+    info["format"] = 1;
+    info["world_size"] = identity.world_size;
+    info["recipe"] = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : identity.recipe) info["recipe"][k] = v;
+    detail::write_file_atomic(tmp / kIdentityFile, info.dump(1) + "\n");
+
+    fs::remove_all(final_dir, ec);
+    if (::rename(tmp.c_str(), final_dir.c_str()) != 0)
+      throw Error("cannot move checkpoint into place at '" + final_dir.string() + "': " + std::strerror(errno));
+    detail::sync_folder(root);
+  } catch (...) {
+    fs::remove_all(tmp, ec);  // a partial checkpoint only takes the space a full disk lacks
+    throw;
+  }
+  detail::fault_point("checkpoint-renamed");
+  write_atomic(root / "latest", name + "\n");
+  detail::fault_point("checkpoint-done");
+
+  const auto all = complete_checkpoints(root);
+  for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
+  return final_dir;
+}
+
+fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, std::string* note) {
+  const fs::path root = arg == "latest" ? output_dir / "checkpoints" : fs::path(arg);
+  if (is_complete(root)) return root;
+  std::string latest;
+  std::ifstream(root / "latest") >> latest;
+  if (!latest.empty() && is_complete(root / latest)) return root / latest;
+  const auto all = complete_checkpoints(root);  // empty when `root` is no folder
+  if (!all.empty()) {
+    if (note)
+      *note = (latest.empty() ? "'" + (root / "latest").string() + "' is missing"
+                              : "'" + (root / "latest").string() + "' names '" + latest + "', which is not a complete checkpoint") +
+              "; taking the newest complete one, " + all.back().filename().string();
+    return all.back();
+  }
+  throw RunRefused("no checkpoint at '" + root.string() + "' (expected a folder with trainer.pt, or a checkpoints folder "
+              "with step-<N> folders" + (arg == "latest" ? ", under the run's output folder" : "") + ")");
+}
+
+std::optional<RunIdentity> read_run_identity(const fs::path& dir) {
+  std::ifstream in(dir / kIdentityFile);
+  if (!in) return std::nullopt;
+  try {
+    const auto info = nlohmann::json::parse(in);
+    RunIdentity id;
+    id.world_size = info.at("world_size").get<int64_t>();
+    for (const auto& [k, v] : info.at("recipe").items()) id.recipe.emplace_back(k, v.get<std::string>());
+    return id;
+  } catch (const nlohmann::json::exception& e) {
+    throw Error((dir / kIdentityFile).string() + ": damaged (" + e.what() + ")");
+  }
+}
+
+Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Optimizer& optimizer) {
+  Checkpoint ck;
+  ck.dir = dir;
+  std::map<std::string, torch::Tensor> saved;
+  for (auto& [k, t] : load_tensor_dict(dir / "model.pt")) saved.emplace(k, t);
+  torch::NoGradGuard no_grad;
+  auto restore = [&](const std::string& name, torch::Tensor& dst) {
+    auto it = saved.find(name);
+    if (it == saved.end())
+      throw Error(dir.string() + ": the checkpoint has no '" + name + "'; it was saved from a different model");
+    if (it->second.sizes() != dst.sizes())
+      throw Error(dir.string() + ": '" + name + "' has shape " + c10::str(it->second.sizes()) + " in the checkpoint, " +
+                  c10::str(dst.sizes()) + " in the model");
+    dst.copy_(it->second);
+    saved.erase(it);
+  };
+  for (auto& p : model.named_parameters()) restore(p.key(), p.value());
+  for (auto& b : model.named_buffers()) restore(b.key(), b.value());
+  if (!saved.empty())
+    throw Error(dir.string() + ": the checkpoint has '" + saved.begin()->first + "', which the model does not");
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from((dir / "optimizer.pt").string());
+    optimizer.load(archive);
+  } catch (const c10::Error& e) {
+    throw Error((dir / "optimizer.pt").string() + ": damaged, or saved for another optimizer: " +
+                message_of(e));
+  }
+  std::map<std::string, torch::Tensor> trainer;
+  for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
+  ck.position = position_from(trainer.at("position"));
+  detail::load_rng_tensors(trainer, (dir / "trainer.pt").string());
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind(kPluginPrefix, 0) != 0 || e.path().extension() != ".pt") continue;
+    StateDict s;
+    for (auto& [k, t] : load_tensor_dict(e.path())) s.emplace(k, t);
+    ck.plugin_states.emplace(f.substr(std::strlen(kPluginPrefix), f.size() - std::strlen(kPluginPrefix) - 3), s);
+  }
+  return ck;
+}
+
+}  // namespace tk

@@ -1,0 +1,97 @@
+#pragma once
+// The persist layer: what a run keeps on disk. Its output folder (lock, resolved recipe,
+// metrics.jsonl, status.json, checkpoints, weights, the plugins' files), its identity as
+// checkpoints record it, and the resume from a checkpoint. Not installed.
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "run/run.h"
+#include "support/support.h"
+#include "tk/checkpoint.h"
+#include "tk/output.h"
+#include "tk/trainer.h"
+
+namespace tk::detail {
+
+// ---- resume.cpp: what a run is, and continuing one from a checkpoint ----------------------------------
+
+/// What determines `run`: its resolved recipe without the keys that may change on resume, and its
+/// world size.
+RunIdentity run_identity(const Run& run);
+/// Restores model, optimizer, RNG and plugin states from the checkpoint `which` names (a folder or
+/// "latest" of `output_dir`); refuses, listing each difference, a checkpoint whose run differs from
+/// `identity` in anything but the keys `allowed` names.
+Checkpoint resume_from(Run& run, const std::string& which, const std::filesystem::path& output_dir,
+                       const RunIdentity& identity, const std::vector<std::string>& allowed);
+
+// ---- run_outputs.cpp: the output folder -------------------------------------------------------------------
+
+/// The run's output folder: the resolved recipe, metrics.jsonl, checkpoints, weights.pt, the
+/// plugins' files. Inactive (every call a no-op) when outputs are off or on ranks other than 0.
+/// Every write is checked; a failed one throws naming the file, and what was written before stays.
+class RunOutputs {
+ public:
+  RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts);
+  /// Whether this process writes the run's files (rank 0, outputs on).
+  bool active() const noexcept { return active_; }
+  /// Whether the run writes files at all (on some rank): checkpoints are then taken.
+  bool writes() const noexcept { return writes_; }
+  const std::filesystem::path& dir() const noexcept { return dir_; }
+  /// What determines this run, as its checkpoints record it.
+  const RunIdentity& identity() const noexcept { return identity_; }
+  /// Creates the folder and locks it for this run's life (another live run there is refused,
+  /// naming its PID). Unless resuming, a folder that holds another run is refused, or with
+  /// `overwrite` cleared of that run's files (the plugins' among them).
+  void claim();
+  /// Writes the resolved recipe and opens metrics.jsonl (when resuming: cut back to the
+  /// checkpoint's step, a torn last line dropped).
+  void open(const std::optional<Checkpoint>& resumed);
+  /// Appends one record to metrics.jsonl.
+  void record(const JsonLine& line);
+  /// Checkpoints the run after micro-batch `b` of `epoch`, the records so far synced to disk first;
+  /// returns the checkpoint folder.
+  std::filesystem::path checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b);
+  /// weights.pt, trace.jsonl when tracing, and for a completed run every plugin's files
+  /// (Plugin::write_files).
+  void finish(Run& run, const std::vector<TraceEntry>& trace, bool completed);
+  /// A resumed run that was already complete: weights.pt, and the files of each plugin that has
+  /// one missing, written again.
+  void complete_again(Run& run);
+  /// status.json: where the run stands ("running", "completed", "max_time", "signal", "failed"),
+  /// its step, and for a failure the error. Replaced atomically; a run killed outright leaves
+  /// "running" behind, with the PID that held the folder.
+  void status(const char* state, int64_t step, const std::string& detail = {}) const;
+  /// The files written or rewritten so far, by name.
+  const std::vector<std::string>& written() const noexcept { return written_; }
+
+ private:
+  void write_weights(const Run& run);
+  void write_plugin_files(Run& run, bool only_missing);
+  /// Records `file` as plugin `plugin`'s in files.json before it is written.
+  void record_plugin_file(const std::string& plugin, const std::string& file);
+  /// Records `file` as the core's in files.json before it is written (once).
+  void own(const std::string& file) const;
+  /// files.json as it is; refuses a damaged one.
+  Manifest load_manifest() const;
+  /// The run's record of its files, read from files.json when first needed.
+  Manifest& manifest() const;
+  void wrote(const std::string& file);
+
+  bool active_ = false, writes_ = false, resuming_ = false, overwrite_ = false;
+  std::filesystem::path dir_;
+  const Recipe& recipe_;
+  const ResolvedRecipe& resolved_;
+  RunIdentity identity_;
+  FolderLock lock_;
+  AppendFile metrics_;
+  std::vector<std::string> written_;
+  mutable Manifest manifest_;  // files.json as this run keeps it (read when first needed)
+  mutable bool manifest_loaded_ = false;
+};
+
+/// The folder a run writes: run.output, else runs/<run.name>.
+std::filesystem::path output_dir_of(const Run& run);
+
+}  // namespace tk::detail

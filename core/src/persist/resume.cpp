@@ -1,0 +1,123 @@
+// What a run is (its identity, as checkpoints record it) and continuing one from a checkpoint:
+// the recorded run compared with this one, then model, optimizer, generators and plugin states.
+#include <map>
+#include <set>
+
+#include "assemble/assemble.h"
+#include "persist/persist.h"
+#include "planning/planning.h"
+
+namespace fs = std::filesystem;
+
+namespace tk::detail {
+
+RunIdentity run_identity(const Run& r) {
+  // What may change between a run and its resume without changing what it trains.
+  static const std::set<std::string> kMayChange = {
+      "run.name",         "run.output",      "run.max_time",    "run.log_every",        "run.validate_every",
+      "run.trace",        "run.measure_memory", "run.phase_times", "run.peak_gflops",    "run.checkpoint_every",
+      "run.checkpoint_keep", "run.prefetch"};
+  RunIdentity id;
+  id.world_size = r.plan.world_size;
+  for (auto& [k, v, is_default] : r.resolved.values()) {
+    if (kMayChange.count(k)) continue;
+    // On the CPU an optimizer's per_tensor and foreach steps are the same arithmetic to the bit
+    // (auto is one of them): only the fused one, which rounds differently, is part of what a run
+    // is. On CUDA the foreach kernels round differently too.
+    static const std::set<std::string> kBuiltIn = {"sgd", "adam", "adamw"};
+    if (k == "optimizer.implementation" && kBuiltIn.count(r.opt_name) && v != "\"fused\"" && !r.device.is_cuda())
+      continue;
+    id.recipe.emplace_back(k, v);
+    if (is_default) id.defaults.insert(k);
+  }
+  return id;
+}
+
+namespace {
+
+/// Hands each plugin its state from a checkpoint (before fit_start); warns about states nobody loads.
+void restore_plugin_states(Run& r, Checkpoint& resumed) {
+  for (const auto& slot : r.slots) {
+    if (!slot.plugin) continue;
+    auto it = resumed.plugin_states.find(slot.name);
+    if (it == resumed.plugin_states.end()) {
+      r.warn("plugin '" + slot.name + "' has no state in " + resumed.dir.string() + "; it starts fresh");
+      continue;
+    }
+    r.call_plugin(slot, "load_state", [&] { slot.plugin->load_state(it->second); });
+    resumed.plugin_states.erase(it);
+  }
+  for (const auto& [name, st] : resumed.plugin_states)
+    r.warn("the checkpoint holds state of plugin '" + name + "', which this run does not load; ignored");
+}
+
+/// How the checkpoint's run and this one differ, each entry "key: old -> new" or "key = value".
+struct Differences {
+  std::vector<std::string> refused;   ///< what `allowed` does not cover
+  std::vector<std::string> defaults;  ///< keys the checkpoint does not record, at their default here
+};
+
+/// Compares the checkpoint's run with this one. A key the checkpoint does not record is an option
+/// the trainkit (or plugin) that wrote it did not have yet: left at its default, it trains what that
+/// one trained, and is no difference.
+Differences differences(const RunIdentity& saved, const RunIdentity& now, const std::vector<std::string>& allowed) {
+  auto is_allowed = [&](const std::string& key) {
+    for (const auto& a : allowed)
+      if (a == "all" || a == key || key.rfind(a + ".", 0) == 0) return true;
+    return false;
+  };
+  std::map<std::string, std::string> before(saved.recipe.begin(), saved.recipe.end());
+  Differences out;
+  auto show = [](const std::string* v) { return v ? *v : std::string("(not set)"); };
+  for (const auto& [k, v] : now.recipe) {
+    auto it = before.find(k);
+    const std::string* old = it == before.end() ? nullptr : &it->second;
+    if (!old && now.defaults.count(k))
+      out.defaults.push_back(k + " = " + v);
+    else if ((!old || *old != v) && !is_allowed(k))
+      out.refused.push_back(k + ": " + show(old) + " -> " + v);
+    if (it != before.end()) before.erase(it);
+  }
+  for (const auto& [k, v] : before)
+    if (!is_allowed(k)) out.refused.push_back(k + ": " + v + " -> (not set)");
+  if (saved.world_size != now.world_size && !is_allowed("world_size"))
+    out.refused.push_back("world_size: " + std::to_string(saved.world_size) + " -> " + std::to_string(now.world_size));
+  return out;
+}
+
+/// One item a line, indented, for a message.
+std::string lines(const std::vector<std::string>& items) {
+  return "\n  " + join(items.data(), items.data() + items.size(), "\n  ");
+}
+
+}  // namespace
+
+Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_dir, const RunIdentity& identity,
+                       const std::vector<std::string>& allowed) {
+  std::string note;
+  const fs::path dir = resolve_checkpoint(which, output_dir, &note);
+  if (!note.empty()) r.warn(note);
+  // Checked before anything is loaded: another optimizer's state would not even load.
+  if (auto saved = read_run_identity(dir)) {
+    const auto diff = differences(*saved, identity, allowed);
+    if (!diff.refused.empty())
+      throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
+                  lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
+                  "or allow a change on purpose with --allow-change KEY");
+    if (!diff.defaults.empty())
+      r.warn(dir.string() + " does not record these options (they are newer than what wrote it); resuming with their "
+             "defaults, as the run that wrote it trained:" + lines(diff.defaults));
+  } else {
+    r.warn(dir.string() + " does not record the recipe it was made with (written by an older trainkit): "
+           "make sure this recipe is the one it was started with");
+  }
+  Checkpoint resumed = load_checkpoint(dir, *r.model, *r.optimizer);
+  restore_plugin_states(r, resumed);
+  if (resumed.position.counters.total_steps != r.total_steps)
+    throw RunRefused(resumed.dir.string() + ": the checkpoint is of a run of " +
+                std::to_string(resumed.position.counters.total_steps) + " steps, this one has " +
+                std::to_string(r.total_steps) + ": resume with the recipe it was made with");
+  return resumed;
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,224 @@
+// What a run writes: the output folder, its metrics records, checkpoints, weights and trace.
+#include <unistd.h>
+
+#include <algorithm>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "assemble/assemble.h"
+#include "persist/persist.h"
+#include "planning/planning.h"
+#include "support/support.h"
+#include "tk/tensor_io.h"
+
+namespace fs = std::filesystem;
+
+namespace tk::detail {
+
+fs::path output_dir_of(const Run& run) {
+  const std::string& o = run.run.get_string("output");
+  return o.empty() ? fs::path("runs") / run.run.get_string("name") : fs::path(o);
+}
+
+RunOutputs::RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts)
+    : resuming_(opts.resume.has_value()), overwrite_(opts.overwrite), recipe_(recipe), resolved_(run.resolved) {
+  dir_ = output_dir_of(run);
+  writes_ = opts.write_outputs;
+  active_ = writes_ && run.plan.rank == 0;  // one rank writes for the world
+  identity_ = run_identity(run);
+}
+
+void RunOutputs::claim() {
+  if (!active_) return;
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) throw Error("cannot create output folder '" + dir_.string() + "': " + ec.message());
+  lock_.acquire(dir_);
+  if (resuming_) return;
+  const FolderSurvey found = survey_folder(dir_);
+  auto listed = [](const std::vector<std::string>& v) { return join(v.data(), v.data() + v.size()); };
+  if (!found.foreign.empty())
+    throw RunRefused("the output folder '" + dir_.string() + "' holds files trainkit did not write where it writes (" +
+                     listed(found.foreign) + "): trainkit never writes over them nor deletes them, with or without "
+                     "--overwrite; move them, or give this run another run.output");
+  if (found.run.empty()) {
+    for (const auto& p : found.deletable) fs::remove_all(p, ec);  // what is left of no run: nothing to keep
+    fs::remove(dir_ / "checkpoints", ec);
+    return;
+  }
+  if (!overwrite_)
+    throw RunRefused("the output folder '" + dir_.string() + "' holds another run (" + listed(found.run) +
+                     "): continue it with --resume latest, replace it with --overwrite, or give this run another "
+                     "run.output");
+  spdlog::warn("--overwrite: deleting the run in '{}' ({})", dir_.string(), listed(found.run));
+  // Its files only, each as the survey found it, files.json last: a failed deletion leaves the rest listed.
+  for (const auto& p : found.deletable) {
+    fs::remove_all(p, ec);
+    if (ec) throw Error("cannot delete '" + p.string() + "': " + ec.message());
+  }
+  fs::remove(dir_ / "checkpoints", ec);  // empty now: anything else there was refused above
+}
+
+Manifest& RunOutputs::manifest() const {
+  if (!manifest_loaded_) {
+    manifest_ = load_manifest();
+    manifest_loaded_ = true;
+  }
+  return manifest_;
+}
+
+void RunOutputs::own(const std::string& file) const {
+  manifest();
+  if (std::find(manifest_.core.begin(), manifest_.core.end(), file) != manifest_.core.end()) return;
+  manifest_.core.push_back(file);
+  write_manifest(dir_, manifest_);  // listed before it is written: never a file of nobody's
+}
+
+void RunOutputs::open(const std::optional<Checkpoint>& resumed) {
+  if (!active_) return;
+  own("recipe.toml");
+  own("metrics.jsonl");
+  write_atomic(dir_ / "recipe.toml", resolved_.toml(recipe_.source()));
+  wrote("recipe.toml");
+  wrote("metrics.jsonl");
+  const fs::path file = dir_ / "metrics.jsonl";
+  if (resumed) {  // keep the records up to the checkpoint, drop any written after it
+    std::ifstream in(file);
+    std::string kept;
+    for (std::string line; std::getline(in, line);) {
+      const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (record.is_discarded() || !record.is_object()) continue;  // a line torn by a full disk
+      const auto step = record.find("step");
+      if (step == record.end() || !step->is_number_integer() || step->get<int64_t>() <= resumed->position.counters.step)
+        kept += line + "\n";
+    }
+    write_atomic(file, kept);
+    metrics_.open(file, /*truncate=*/false);
+  } else {
+    metrics_.open(file, /*truncate=*/true);
+  }
+}
+
+void RunOutputs::record(const JsonLine& line) {
+  if (!metrics_.is_open()) return;
+  metrics_.append(line.str());
+  fault_point("metrics-written");
+}
+
+fs::path RunOutputs::checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b) {
+  TrainingPosition pos{counters, epoch, b + 1, run.plan.micro_batch};
+  if (pos.next_batch >= run.batches_per_epoch ||
+      !run.windows->start(epoch, pos.next_batch, counters.step, counters.samples_seen * run.plan.world_size)) {
+    pos.next_epoch = epoch + 1;
+    pos.next_batch = 0;
+  }
+  std::vector<std::pair<std::string, StateDict>> states;
+  for (const auto& slot : run.slots)
+    if (slot.plugin) states.emplace_back(slot.name, slot.plugin->state());
+  metrics_.sync();  // a checkpoint never gets ahead of the records of the steps it holds
+  own("checkpoints");
+  return save_checkpoint(dir_ / "checkpoints", *run.model, *run.optimizer, states, pos, identity_,
+                         run.run.get_int("checkpoint_keep"));
+}
+
+void RunOutputs::wrote(const std::string& file) {
+  if (std::find(written_.begin(), written_.end(), file) == written_.end()) written_.push_back(file);
+}
+
+void RunOutputs::write_weights(const Run& run) {
+  own("weights.pt");
+  own("weights.safetensors");
+  NamedTensors tensors;
+  for (const auto& p : run.model->named_parameters()) tensors.emplace_back(p.key(), p.value());
+  for (const auto& b : run.model->named_buffers()) tensors.emplace_back(b.key(), b.value());
+  save_tensor_dict(dir_ / "weights.pt", tensors);
+  wrote("weights.pt");
+  save_safetensors(dir_ / "weights.safetensors", tensors);
+  wrote("weights.safetensors");
+}
+
+void RunOutputs::record_plugin_file(const std::string& plugin, const std::string& file) {
+  const std::string why = bad_plugin_file_name(file);
+  if (!why.empty()) throw Error("the file name '" + file + "' " + why);
+  manifest();
+  for (const auto& [other, list] : manifest_.plugins)
+    if (other != plugin && std::find(list.begin(), list.end(), file) != list.end())
+      throw Error("'" + file + "' is plugin '" + other + "''s file in " + dir_.string());
+  auto& mine = manifest_.plugins[plugin];
+  if (std::find(mine.begin(), mine.end(), file) == mine.end()) {
+    mine.push_back(file);
+    write_manifest(dir_, manifest_);  // listed before it exists: never a file of nobody's
+  }
+  wrote(file);
+}
+
+Manifest RunOutputs::load_manifest() const {
+  std::string damaged;
+  auto m = read_manifest(dir_, &damaged);
+  if (!damaged.empty())
+    throw Error(damaged + "; it lists the files of this run: repair it, or delete it and the files it listed");
+  return m.value_or(Manifest{});
+}
+
+void RunOutputs::write_plugin_files(Run& run, bool only_missing) {
+  FilesState state{&run.dispatch, run.model.get(), &run.plan, dir_,
+                   [this](const std::string& plugin, const std::string& file) { record_plugin_file(plugin, file); }};
+  OutputFiles files = ContextAccess::files(state);
+  manifest();
+  for (size_t i : run.order) {
+    const Slot& slot = run.slots[i];
+    const auto it = manifest_.plugins.find(slot.name);
+    if (only_missing && it != manifest_.plugins.end() &&
+        std::all_of(it->second.begin(), it->second.end(), [&](const auto& f) { return fs::exists(dir_ / f); }))
+      continue;  // it wrote its files, and they are all there
+    run.call_plugin(slot, "write_files", [&] { slot.plugin->write_files(files); });
+    if (!manifest_.plugins.count(slot.name)) {  // it wrote none: recorded, so that a resume does not ask again
+      manifest_.plugins[slot.name] = {};
+      write_manifest(dir_, manifest_);
+    }
+  }
+}
+
+void RunOutputs::complete_again(Run& run) {
+  if (!active_) return;
+  manifest();
+  if (!fs::exists(dir_ / "weights.pt") || !fs::exists(dir_ / "weights.safetensors")) write_weights(run);
+  write_plugin_files(run, /*only_missing=*/true);
+}
+
+void RunOutputs::status(const char* state, int64_t step, const std::string& detail) const {
+  if (!active_) return;
+  nlohmann::json s = {{"status", state}, {"step", step}, {"pid", static_cast<int64_t>(getpid())},
+                      {"time", static_cast<int64_t>(std::time(nullptr))}};
+  if (!detail.empty()) s["detail"] = detail;
+  own("status.json");
+  write_atomic(dir_ / "status.json", s.dump() + "\n");
+}
+
+void RunOutputs::finish(Run& run, const std::vector<TraceEntry>& trace, bool completed) {
+  if (!active_) return;
+  metrics_.sync();
+  metrics_.close();
+  write_weights(run);
+  if (completed) write_plugin_files(run, /*only_missing=*/false);
+  if (!run.tracing) return;
+  std::string text;
+  for (const auto& e : trace)
+    text += JsonLine()
+                .add("plugin", e.plugin)
+                .add("event", std::string(to_string(e.event)))
+                .add("step", e.step)
+                .add("micro_step", e.micro_step)
+                .str() +
+            "\n";
+  own("trace.jsonl");
+  write_atomic(dir_ / "trace.jsonl", text);
+  wrote("trace.jsonl");
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,310 @@
+// Memory: what a stretch of a run allocates (the CPU allocator counted, CUDA's caching allocator
+// read), trial steps that leave no trace, and the micro-batch picked for a memory budget.
+#include <c10/core/CPUAllocator.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "assemble/assemble.h"
+#include "planning/planning.h"
+#include "tk/compat.h"
+
+namespace tk::detail {
+namespace {
+
+/// Counts every byte the CPU allocator hands out while it is installed: current and peak. Memory
+/// allocated before (the parameters, say) is not counted; the caller adds it. One instance for
+/// the process, never freed: a tensor made under it may outlive the measurement and still come
+/// back to it. Its DataPtrs keep context == data, as Allocator::raw_allocate requires.
+class CountingAllocator final : public compat::AllocatorBase {
+ public:
+  static CountingAllocator& instance() {
+    static auto* a = new CountingAllocator;
+    return *a;
+  }
+  c10::DataPtr allocate_bytes(size_t n) const override {
+    c10::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    c10::DeleterFnPtr free_fn = inner.get_deleter();
+    void* ctx = inner.release_context();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_[data] = {ctx, free_fn, n};
+      current_ += static_cast<int64_t>(n);
+      peak_ = std::max(peak_, current_);
+    }
+    return {data, data, &release, device};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  /// Installs it in front of `base`, counting from now.
+  void start(c10::Allocator* base) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    base_ = base;
+    start_ = peak_ = current_;
+  }
+  /// Bytes at the peak since the last call (or start()), beyond what was held at start(); a new
+  /// stretch starts.
+  int64_t take_peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t p = peak_ - start_;
+    peak_ = current_;
+    return p;
+  }
+
+ private:
+  struct Held {
+    void* ctx;
+    c10::DeleterFnPtr free_fn;
+    size_t n;
+  };
+  CountingAllocator() = default;
+  static void release(void* data) {
+    auto& self = instance();
+    Held h{};
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      auto it = self.held_.find(data);
+      if (it == self.held_.end()) {  // raw-allocated before it was installed: the base's to free
+        h.free_fn = self.base_ ? self.base_->raw_deleter() : nullptr;
+        h.ctx = data;
+      } else {
+        h = it->second;
+        self.held_.erase(it);
+        self.current_ -= static_cast<int64_t>(h.n);
+      }
+    }
+    if (h.free_fn) h.free_fn(h.ctx);
+  }
+
+  c10::Allocator* base_ = nullptr;
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<void*, Held> held_;
+  mutable int64_t current_ = 0, peak_ = 0;
+  int64_t start_ = 0;
+};
+
+double bytes_of(const std::vector<at::Tensor>& ts) {
+  double total = 0;
+  for (const auto& t : ts) total += static_cast<double>(t.nbytes());
+  return total;
+}
+
+/// Peak bytes of a training step at micro-batch `m` in its steady state: the model's parameters
+/// and buffers, the batch, activations, gradients and the optimizer's state. Two steps are taken
+/// and the second is measured (the optimizer's state and the gradients kept by zero_grad exist by
+/// then); with more than one micro-batch per step, two go through forward and backward in each
+/// (the second adds its gradients into the first's, through a temporary per parameter).
+double measure_step(Run& r, int64_t m, int64_t k) {
+  TrialGuard guard(r);
+  MemoryMeter meter(r);
+  const at::Tensor order = r.shard_order(0);  // the first micro-batches of training, and their index
+  const int64_t n = order.size(0);
+  for (int step = 0; step < 2; ++step) {
+    meter.take_peak();  // the second step's stretch starts here
+    for (int64_t i = 0; i < std::min<int64_t>(k, 2); ++i) {
+      Batch b = r.fetch(*r.data.train, order.slice(0, std::min(i * m, n - 1), std::min((i + 1) * m, n)));
+      at::Tensor loss = (*r.loss)(r.model->forward(b.input), b);
+      loss.backward();
+    }
+    r.optimizer->step();
+    zero_grads(r);
+  }
+  return meter.take_peak();
+}
+
+}  // namespace
+
+std::vector<int64_t> divisors_of(int64_t n) {
+  std::vector<int64_t> small, large;
+  for (int64_t d = 1; d * d <= n; ++d)
+    if (n % d == 0) {
+      small.push_back(d);
+      if (d * d != n) large.push_back(n / d);
+    }
+  small.insert(small.end(), large.rbegin(), large.rend());
+  return small;
+}
+
+MemoryMeter::MemoryMeter(const Run& r) : device_(r.device) {
+  resident_ = bytes_of(r.model->parameters()) + bytes_of(r.model->buffers());
+  if (device_.is_cuda()) {
+    compat::cuda_reset_peak(device_);
+    return;
+  }
+  previous_ = c10::GetCPUAllocator();
+  if (previous_ == &CountingAllocator::instance()) throw Error("memory meters do not nest");
+  CountingAllocator::instance().start(previous_);
+  c10::SetCPUAllocator(&CountingAllocator::instance(), kPriority);
+}
+
+MemoryMeter::~MemoryMeter() {
+  if (previous_) c10::SetCPUAllocator(previous_, kPriority);
+}
+
+double MemoryMeter::take_peak() {
+  if (device_.is_cuda()) {
+    const double p = compat::cuda_peak_bytes(device_);
+    compat::cuda_reset_peak(device_);
+    return p;
+  }
+  return resident_ + static_cast<double>(CountingAllocator::instance().take_peak());
+}
+
+TrialGuard::TrialGuard(Run& r) : r_(r), rng_(save_rng()) {
+  torch::NoGradGuard no_grad;
+  for (const auto& p : r.model->parameters()) params_.push_back(p.detach().clone());
+  for (const auto& b : r.model->buffers()) buffers_.push_back(b.detach().clone());
+}
+
+TrialGuard::~TrialGuard() {
+  torch::NoGradGuard no_grad;
+  r_.model->to(r_.dtype);  // a trial may have run in another dtype
+  auto params = r_.model->parameters();
+  for (size_t i = 0; i < params.size() && i < params_.size(); ++i) {
+    params[i].copy_(params_[i]);
+    params[i].mutable_grad() = at::Tensor();
+  }
+  auto buffers = r_.model->buffers();
+  for (size_t i = 0; i < buffers.size() && i < buffers_.size(); ++i) buffers[i].copy_(buffers_[i]);
+  restore_rng(rng_);
+  try {
+    make_optimizer(r_);
+  } catch (...) {  // it was made from these parameters before: cannot fail now
+  }
+}
+
+namespace {
+
+/// The micro-batches a step's peak was measured at, with their peaks, and the search over them.
+struct BatchSearch {
+  Run& r;
+  int64_t per_rank;
+  std::vector<int64_t> candidates;
+  std::function<bool(double)> fits;
+
+  double measure(std::map<int64_t, double>& peaks, int64_t m) { return peaks[m] = measure_step(r, m, per_rank / m); }
+
+  /// The largest candidate whose step fits, with the lever (if any) where it is now; 0 when not
+  /// even the smallest does. From `known` (a candidate known to fit, not measured again; 0: the
+  /// smallest, measured) up in doublings while the prediction and then the measurement fit; then
+  /// the largest divisor in between whose measurement fits.
+  int64_t largest_fitting(std::map<int64_t, double>& peaks, int64_t known = 0) {
+    // The peak grows about linearly with the micro-batch: from the last two measured, predict.
+    auto predict = [&](int64_t m) {
+      if (peaks.size() < 2) return 0.0;  // no slope yet: the measurement decides
+      auto hi = peaks.rbegin();
+      auto lo = std::next(hi);
+      const double slope = (hi->second - lo->second) / static_cast<double>(hi->first - lo->first);
+      return hi->second + slope * static_cast<double>(m - hi->first);
+    };
+    int64_t chosen = known > 0 ? known : candidates.front();
+    if (known == 0 && !fits(measure(peaks, chosen))) return 0;
+    int64_t over = 0;
+    for (int64_t d : candidates) {
+      if (d < 2 * chosen && d != candidates.back()) continue;
+      if (!fits(predict(d)) || !fits(measure(peaks, d))) {
+        over = d;
+        break;
+      }
+      chosen = d;
+    }
+    if (over > 0)
+      for (auto it = std::find(candidates.rbegin(), candidates.rend(), over); it != candidates.rend() && *it > chosen; ++it)
+        if (*it != over && fits(predict(*it)) && fits(measure(peaks, *it))) {
+          chosen = *it;
+          break;
+        }
+    return chosen;
+  }
+};
+
+std::string list_peaks(const std::map<int64_t, double>& peaks) {
+  std::string list;
+  for (const auto& [m, b] : peaks) list += (list.empty() ? "" : ", ") + std::to_string(m) + ": " + format_bytes(b);
+  return list;
+}
+
+}  // namespace
+
+void pick_micro_batch(Run& r) {
+  PlanValues& p = r.plan;
+  if (!p.micro_batch_auto || p.micro_batch > 0) return;
+  double budget = p.memory_budget;
+  std::string source = "memory_budget";
+  if (budget <= 0) {
+    if (!r.device.is_cuda())
+      refuse_window(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set memory_budget "
+                                 "(e.g. \"2GiB\") in the grad_accum entry");
+    budget = p.memory_budget = compat::cuda_free_bytes(r.device);
+    source = "free memory of " + r.device.str();
+  }
+  constexpr double kMargin = 0.10;  // the picked step's measured peak is at most 90% of the budget
+  BatchSearch search{r, p.effective_batch_goal / p.world_size, {}, [&](double peak) { return peak * (1 + kMargin) <= budget; }};
+  for (int64_t d : divisors_of(search.per_rank))
+    if (d == 1 || d <= r.shard_size()) search.candidates.push_back(d);
+
+  // With a lever (recomputation, say): the largest micro-batch that fits at its highest level,
+  // if that is more than fits without it, then the lowest level at which that one fits (found by
+  // bisection). A higher level is taken never to need more memory: what fits without the lever
+  // fits with it, and is not measured again.
+  const bool lever = !r.memory_lever.first.empty();
+  MemoryLever& l = r.memory_lever.second;
+  std::map<int64_t, std::map<int64_t, double>> peaks;  // level -> micro-batch -> peak
+  int64_t level = 0;
+  if (lever) l.set(0);
+  int64_t chosen = search.largest_fitting(peaks[0]);
+  if (lever && chosen != search.candidates.back()) {
+    l.set(l.levels);
+    const int64_t best = search.largest_fitting(peaks[l.levels], chosen);
+    if (best > chosen) {
+      int64_t lo = 0, hi = l.levels;  // best does not fit at lo (or was not tried there), fits at hi
+      while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        l.set(mid);
+        (search.fits(search.measure(peaks[mid], best)) ? hi : lo) = mid;
+      }
+      chosen = best;
+      level = hi;
+    }
+  }
+  if (chosen == 0) {
+    const int64_t m = search.candidates.front();
+    const int64_t at = lever ? l.levels : 0;
+    refuse_window(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(m) +
+                                          (lever ? " with " + std::to_string(at) + " " + l.what + " (the most plugin '" +
+                                                       r.memory_lever.first + "' offers)"
+                                                 : std::string()) +
+                                          " takes " + format_bytes(peaks[at][m]) + "; with a " +
+                                          std::to_string(int(kMargin * 100)) + "% margin that is more than the budget of " +
+                                          format_bytes(budget) + " (" + source + ")");
+  }
+  if (lever) {
+    l.set(level);
+    p.memory_level = level;
+    p.memory_lever_what = l.what;
+    p.memory_lever_owner = r.memory_lever.first;
+  }
+  p.micro_batch = chosen;
+  p.accumulation = search.per_rank / chosen;
+  p.measured_peaks.assign(peaks[level].begin(), peaks[level].end());
+  std::string with, others;
+  if (lever) {
+    with = " with " + std::to_string(level) + " of " + std::to_string(l.levels) + " " + l.what + " (plugin '" +
+           r.memory_lever.first + "')";
+    for (const auto& [lv, at] : peaks)
+      if (lv != level) others += "; at " + std::to_string(lv) + " " + l.what + ": " + list_peaks(at);
+  }
+  spdlog::info("micro-batch {} picked by memory{}: a step's peak {} of a {} budget ({}; {}% margin); measured {}{}", chosen,
+               with, format_bytes(peaks[level][chosen]), format_bytes(budget), source, int(kMargin * 100),
+               list_peaks(peaks[level]), others);
+}
+
+}  // namespace tk::detail

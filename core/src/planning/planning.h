@@ -1,0 +1,88 @@
+#pragma once
+// The planning layer: the plan settled before training. The plugins' configure and order, the
+// window from an effective batch, setup, the micro-batch picked by measured memory, the windows,
+// the checks of data and model; the printed plan and the accumulation verifier. Not installed.
+#include <c10/core/Allocator.h>
+
+#include <string>
+#include <vector>
+
+#include "run/run.h"
+#include "support/support.h"
+#include "tk/trainer.h"
+
+namespace tk::detail {
+
+// ---- configure.cpp: the plan, the plugins' configure and setup, the windows ----------------------------
+
+/// Lets the plugins shape the plan and the model, orders them, makes the optimizer (idempotent).
+void plan_run(Run& run);
+/// After the plugins' configure: infers the window size or the micro-batch from an effective
+/// batch a plugin asked for, refusing a combination that does not add up.
+void settle_window(Run& run);
+/// Micro-batches per epoch, the window schedule and the run's length, from the plan.
+void shape_windows(Run& run);
+/// Changes the micro-batch to `m`, keeping the examples per optimizer step (k grows to match).
+void rebatch(Run& run, int64_t m);
+/// The micro-batch to fall back to after an out-of-memory error: the largest that divides the
+/// examples per step and is at most half the current one (0: none).
+int64_t backed_off_micro_batch(const Run& run);
+/// An error about the effective batch, at the recipe line of the window plugin's option `key`
+/// when it has one (planning and the memory pick refuse with it).
+[[noreturn]] void refuse_window(const Run& run, const std::string& key, const std::string& what);
+
+// ---- data_check.cpp: the data and the model checked before training ---------------------------------
+
+/// The data checked (finite inputs, targets of the loss's kind and range), then one micro-batch
+/// through the model and the loss in eval mode, so that a model that does not fit its data is
+/// refused naming both.
+void check_data_and_model(Run& run);
+
+// ---- memory.cpp: measured memory, trial steps, the micro-batch picked by memory ---------------------
+
+/// Undoes a trial step on the run's model when it goes out of scope: parameters, buffers and
+/// random generators put back, gradients cleared, the optimizer made anew.
+class TrialGuard {
+ public:
+  explicit TrialGuard(Run& r);
+  ~TrialGuard();
+  TrialGuard(const TrialGuard&) = delete;
+  TrialGuard& operator=(const TrialGuard&) = delete;
+
+ private:
+  Run& r_;
+  std::vector<at::Tensor> params_, buffers_;
+  RngStates rng_;
+};
+/// Peak tensor memory of one stretch of a run (a trial step, a training step) on the run's
+/// device: on the CPU, every byte LibTorch's CPU allocator hands out while the meter lives, plus
+/// the model's parameters and buffers; on CUDA, the caching allocator's peak.
+class MemoryMeter {
+ public:
+  explicit MemoryMeter(const Run& r);
+  ~MemoryMeter();
+  MemoryMeter(const MemoryMeter&) = delete;
+  MemoryMeter& operator=(const MemoryMeter&) = delete;
+  /// Peak bytes since the previous call (or the start); a new stretch starts.
+  double take_peak();
+
+ private:
+  static constexpr uint8_t kPriority = 200;  // above LibTorch's own CPU allocator registration
+  at::Device device_;
+  double resident_ = 0;
+  c10::Allocator* previous_ = nullptr;
+};
+/// With [data] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
+/// micro-batch that fits the budget; every trial is undone.
+void pick_micro_batch(Run& run);
+/// The divisors of n, ascending.
+std::vector<int64_t> divisors_of(int64_t n);
+
+// ---- verify.cpp, describe.cpp -------------------------------------------------------------------------
+
+/// The first window's gradient accumulated vs in one batch; the run is planned.
+AccumulationCheck verify_accumulation(Run& run);
+/// The resolved plan as `tk-run --dry-run` prints it.
+std::string describe(Run& run, const Recipe& recipe);
+
+}  // namespace tk::detail

@@ -1,0 +1,129 @@
+// The accumulation verifier: is k x m really the step of one batch of k*m for this model and
+// data? Computed in float64 on the run's own model, so that only the model's own batch
+// dependence (BatchNorm, dropout, a loss that averages unequal counts) can make a difference.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "assemble/assemble.h"
+#include "planning/planning.h"
+
+namespace tk::detail {
+namespace {
+
+/// Gradients of the trainable parameters after `pass` ran backward; cleared for the next pass.
+std::vector<at::Tensor> gradients_of(Run& r, const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) {
+    out.push_back(p.grad().defined() ? p.grad().detach().clone() : at::zeros_like(p));
+    const_cast<at::Tensor&>(p).mutable_grad() = at::Tensor();
+  }
+  return out;
+}
+
+/// The module a parameter belongs to: its name without the last component.
+std::string owner_of(const std::string& param) {
+  const auto dot = param.rfind('.');
+  return dot == std::string::npos ? "(the model itself)" : param.substr(0, dot);
+}
+
+/// What explains a difference: the modules known to depend on the batch or on chance in
+/// training mode, a mean over unequal token counts, else the modules whose gradients differ.
+void explain(const Run& r, AccumulationCheck& check, int64_t used, const std::set<std::string>& differing) {
+  bool explained = false;
+  for (const auto& item : r.model->named_modules("model")) {
+    const auto& mod = item.value();
+    if (!mod->is_training()) continue;
+    const std::string type = mod->name();
+    if (type.find("BatchNorm") != std::string::npos) {
+      check.findings.push_back(item.key() + " (" + type + "): BatchNorm in training mode normalizes each micro-batch of " +
+                               std::to_string(check.micro_batch) + " by its own statistics, not the window's " +
+                               std::to_string(used));
+      explained = true;
+    } else if (type.find("Dropout") != std::string::npos) {
+      check.findings.push_back(item.key() + " (" + type + "): dropout may draw other masks for micro-batches than for "
+                               "one batch; accumulation is then exact in expectation only");
+      explained = true;
+    }
+  }
+  if (r.loss->reduction() == Reduction::Mean && r.data.info.ignore_index) {
+    check.findings.push_back("the loss is a mean over counted tokens, and micro-batches count different numbers of "
+                             "them: a mean of their means is not the window's mean; use reduction = \"sum\" with "
+                             "grad_accum normalize = \"tokens\"");
+  } else if (!explained) {
+    std::string list;
+    for (const auto& d : differing) list += (list.empty() ? "" : ", ") + d;
+    check.findings.push_back("the gradients of " + list + " differ: something in the model's forward depends on the "
+                             "other examples of its batch");
+  }
+}
+
+/// The trainable parameters and their names, gradients cleared.
+std::pair<std::vector<at::Tensor>, std::vector<std::string>> trainable(Run& r) {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& item : r.model->named_parameters())
+    if (item.value().requires_grad()) {
+      names.push_back(item.key());
+      params.push_back(item.value());
+      const_cast<at::Tensor&>(item.value()).mutable_grad() = at::Tensor();
+    }
+  return {params, names};
+}
+
+}  // namespace
+
+AccumulationCheck verify_accumulation(Run& r) {
+  plan_run(r);
+  AccumulationCheck check;
+  check.micro_batch = r.plan.micro_batch;
+  check.micro_batches = r.windows->size_at(0, 0);  // the first window (smaller under a ramp)
+  check.tolerance = r.dtype == at::kDouble ? 1e-9 : 1e-5;
+  const int64_t m = r.plan.micro_batch, k = check.micro_batches;
+  const at::Tensor order = r.shard_order(0);
+  const int64_t used = std::min(order.size(0), k * m);
+  if (used <= m) check.micro_batches = 1;
+
+  TrialGuard guard(r);  // parameters, buffers, generators and the optimizer come back afterwards
+  const at::ScalarType dtype = r.dtype;
+  r.dtype = at::kDouble;  // fetch() places floating data in float64
+  r.model->to(at::kDouble);
+  struct RestoreDtype {
+    Run& r;
+    at::ScalarType t;
+    ~RestoreDtype() { r.dtype = t; }
+  } restore{r, dtype};
+
+  const auto [params, names] = trainable(r);
+  // Both passes draw from the same random state: dropout's difference is its mask, not its seed.
+  const RngStates rng = save_rng();
+  int64_t pieces = 0;
+  for (int64_t start = 0; start < used; start += m, ++pieces) {
+    Batch b = r.fetch(*r.data.train, order.slice(0, start, std::min(used, start + m)));
+    (*r.loss)(r.model->forward(b.input), b).backward();
+  }
+  auto accumulated = gradients_of(r, params);
+  if (r.loss->reduction() == Reduction::Mean)  // the window's gradient is the mean over its micro-batches
+    for (auto& g : accumulated) g.div_(static_cast<double>(pieces));
+  restore_rng(rng);
+  {
+    Batch b = r.fetch(*r.data.train, order.slice(0, 0, used));
+    (*r.loss)(r.model->forward(b.input), b).backward();
+  }
+  const auto whole = gradients_of(r, params);
+
+  std::set<std::string> differing;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double scale = whole[i].abs().max().item<double>();
+    const double diff = (accumulated[i] - whole[i]).abs().max().item<double>();
+    const double rel = scale > 0 ? diff / scale : diff;
+    check.parameters.push_back({names[i], rel});
+    check.max_difference = std::max(check.max_difference, rel);
+    if (rel > check.tolerance) differing.insert(owner_of(names[i]));
+  }
+  if (!check.exact()) explain(r, check, used, differing);
+  return check;
+}
+
+}  // namespace tk::detail

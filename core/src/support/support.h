@@ -1,0 +1,137 @@
+#pragma once
+// The support layer: what every part of a run uses and that knows nothing of a run. Checked,
+// durable file operations (every failed write throws an Error naming the file and the reason,
+// nothing is left half-written where a reader could take it for whole, one process at a time owns
+// a folder); files.json, the record of what of an output folder is trainkit's; figures for people;
+// the process's random generators. Not installed.
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tk/tensor_io.h"
+
+namespace tk::detail {
+
+// ---- files.cpp: durable writes, the folder lock, fault points ------------------------------------
+
+/// Writes all of `data` to `file`, replacing it: through `<file>.tmp`, fsync, rename and an fsync
+/// of the folder, so that a crash or a kill at any instant leaves either the old or the new file.
+void write_file_atomic(const std::filesystem::path& file, const std::string& data);
+
+/// Makes a rename or a new entry in `dir` survive a power cut.
+void sync_folder(const std::filesystem::path& dir);
+
+/// A file that only grows by whole records (metrics.jsonl): each append is one checked write(2)
+/// of a complete line, so a kill never leaves a line the kernel has not taken whole.
+class AppendFile {
+ public:
+  AppendFile() = default;
+  AppendFile(const AppendFile&) = delete;
+  AppendFile& operator=(const AppendFile&) = delete;
+  ~AppendFile();
+
+  /// Opens `file` for appending (created when missing, emptied when `truncate`).
+  void open(const std::filesystem::path& file, bool truncate);
+  bool is_open() const noexcept { return fd_ >= 0; }
+  /// Appends `line` and a newline; throws naming the file on any failure (disk full included).
+  void append(const std::string& line);
+  /// Flushes what was appended to the disk.
+  void sync();
+  void close();
+
+ private:
+  int fd_ = -1;
+  std::filesystem::path file_;
+};
+
+/// An exclusive lock on a folder for as long as this object lives: `<dir>/.tk-lock`, flock(2)ed
+/// and holding the owner's PID. The kernel drops the lock when the process ends, however it ends,
+/// so a killed run never blocks its own resume.
+class FolderLock {
+ public:
+  FolderLock() = default;
+  FolderLock(const FolderLock&) = delete;
+  FolderLock& operator=(const FolderLock&) = delete;
+  ~FolderLock();
+
+  /// Takes the lock on `dir` (which must exist); throws, naming the holder's PID, when another
+  /// process holds it.
+  void acquire(const std::filesystem::path& dir);
+  void release();
+
+ private:
+  int fd_ = -1;
+};
+
+/// A crash point for tests of kill safety: when the environment variable TK_FAULT is
+/// "<name>:<n>", the n-th time the run passes point `name` the process kills itself with SIGKILL.
+/// Points: metrics-written, checkpoint-partial, checkpoint-renamed, checkpoint-done.
+void fault_point(const char* name);
+/// Whether TK_FAULT is "<name>:<n>" and this is the n-th time point `name` is passed (for faults
+/// other than a kill: "oom" makes the n-th micro-batch of the process fail as out of memory).
+bool fault_due(const char* name);
+
+// ---- manifest.cpp: files.json and the survey of an output folder ---------------------------------
+
+/// files.json: the core's files of the run (recipe.toml, metrics.jsonl, ..., checkpoints) and each
+/// plugin's (a plugin that wrote none has an empty list). Each file is recorded before it is
+/// written, so no file of trainkit's is ever unlisted.
+struct Manifest {
+  std::vector<std::string> core;
+  std::map<std::string, std::vector<std::string>> plugins;
+  bool lists_core = true;  ///< false for a files.json that records the plugins' files only
+};
+
+/// The name of the record.
+inline constexpr const char* kManifestFile = "files.json";
+
+/// files.json of `dir`, nullopt when there is none. Only names that may be trainkit's are kept (a
+/// damaged or hand-edited list can never name a folder, a link or anything outside `dir`);
+/// `damaged` says why when something was dropped or it cannot be read.
+std::optional<Manifest> read_manifest(const std::filesystem::path& dir, std::string* damaged = nullptr);
+/// Replaces files.json of `dir` atomically.
+void write_manifest(const std::filesystem::path& dir, const Manifest& m);
+
+/// Why `file` cannot be a plugin's file name (a folder, a hidden name, a core file's), or "".
+std::string bad_plugin_file_name(const std::string& file);
+
+/// What an output folder holds, sorted out before a new run claims it.
+struct FolderSurvey {
+  std::vector<std::string> run;      ///< the files of a run of trainkit's that are there (for messages)
+  std::vector<std::string> foreign;  ///< files at the names trainkit writes that it did not write
+  std::vector<std::filesystem::path> deletable;  ///< what --overwrite deletes: the run's files, files.json last
+};
+
+/// Surveys `dir`: a file at one of the names trainkit writes is the run's when files.json lists it
+/// (or, in a folder written before files.json existed, when the folder carries trainkit's marks: a
+/// resolved recipe.toml, a status.json); checkpoints/ holds the run's step-<N> folders and
+/// `latest`, and anything else there is foreign. A report.html is the run's when it is a report.
+FolderSurvey survey_folder(const std::filesystem::path& dir);
+
+// ---- output.cpp: figures of a run for people ------------------------------------------------------
+
+/// Peak resident memory of this process so far, in MiB.
+double peak_rss_mib();
+/// A loss or perplexity for people: 4 significant digits.
+std::string fmt_loss(double v);
+
+// ---- rng.cpp: the process's random generators (checkpoints, trials, back-offs) -------------------
+
+/// The process's random generators by checkpoint key (the CPU's, each GPU's).
+std::vector<std::pair<std::string, at::Generator>> generators();
+/// The states of the process's random generators, to put back later.
+using RngStates = std::vector<std::pair<at::Generator, at::Tensor>>;
+RngStates save_rng();
+void restore_rng(const RngStates& states);
+/// The generators' states by checkpoint key, for trainer.pt.
+NamedTensors rng_tensors();
+/// Restores the generators from trainer.pt's tensors; `where` names the file in errors.
+void load_rng_tensors(const std::map<std::string, at::Tensor>& saved, const std::string& where);
+
+}  // namespace tk::detail

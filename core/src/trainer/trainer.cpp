@@ -1,0 +1,132 @@
+// The Trainer: a run in process, from a recipe to its result.
+#include "tk/trainer.h"
+
+#include <c10/util/Exception.h>
+
+#include "assemble/assemble.h"
+#include "loop/loop.h"
+#include "planning/planning.h"
+
+namespace tk {
+namespace {
+
+/// Rethrows the exception in flight as an object made here, in libtrainkit. An exception object
+/// made in a plugin library has its vtable there; the library may be unloaded while the exception
+/// propagates (a Trainer destroyed during unwinding releases its libraries).
+[[noreturn]] void rethrow_from_core() {
+  try {
+    throw;
+  } catch (const RecipeError& e) {
+    throw RecipeError(e);
+  } catch (const PluginLoadError& e) {
+    throw PluginLoadError(e.what());
+  } catch (const RunRefused& e) {
+    throw RunRefused(e.what());
+  } catch (const PluginRuntimeError& e) {
+    throw PluginRuntimeError(e.what());
+  } catch (const Error& e) {
+    throw Error(e.what());
+  } catch (const std::exception& e) {  // LibTorch's among them: one line, no C++ stack
+    throw Error(message_of(e));
+  }
+}
+
+}  // namespace
+
+std::set<std::string> plugin_capabilities(const Recipe& recipe, const TrainerOptions& opts) {
+  try {
+    return detail::provided_capabilities(recipe, opts);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
+struct Trainer::Impl {
+  Recipe recipe;
+  TrainerOptions options;
+  detail::Run run;
+  std::vector<TraceEntry> trace;
+  bool fitted = false;
+};
+
+Trainer::Trainer(Recipe recipe, TrainerOptions opts) : impl_(new Impl{std::move(recipe), std::move(opts), {}, {}, false}) {
+  try {
+    detail::assemble(impl_->run, impl_->recipe, impl_->options);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+Trainer::~Trainer() = default;
+
+void Trainer::add_plugin(std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options,
+                         uint32_t hooks) {
+  try {
+    detail::add_plugin(impl_->run, std::move(plugin), name, options, hooks);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
+std::string Trainer::describe() {
+  try {
+    return detail::describe(impl_->run, impl_->recipe);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
+FitResult Trainer::fit() {
+  if (impl_->fitted) throw Error("fit() can run once per Trainer");
+  impl_->fitted = true;
+  try {
+    detail::plan_run(impl_->run);
+    return detail::train(impl_->run, impl_->recipe, impl_->options, impl_->trace);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
+AccumulationCheck Trainer::verify_accumulation() {
+  try {
+    detail::plan_run(impl_->run);
+    return detail::verify_accumulation(impl_->run);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
+Model& Trainer::model() { return *impl_->run.model; }
+/// Plans the run, with errors made in libtrainkit.
+static void plan_from_core(detail::Run& run) {
+  try {
+    detail::plan_run(run);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
+torch::optim::Optimizer& Trainer::optimizer() {
+  plan_from_core(impl_->run);
+  return *impl_->run.optimizer;
+}
+const RunPlan& Trainer::plan() {
+  plan_from_core(impl_->run);
+  return impl_->run.plan.view;
+}
+const DataSplits& Trainer::data() const { return impl_->run.data; }
+const Recipe& Trainer::recipe() const { return impl_->recipe; }
+std::string Trainer::resolved_recipe() const { return impl_->run.resolved.toml(impl_->recipe.source()); }
+std::filesystem::path Trainer::output_dir() const {
+  return impl_->options.write_outputs ? detail::output_dir_of(impl_->run) : std::filesystem::path();
+}
+const Registry& Trainer::registry() const { return impl_->run.registry; }
+const std::vector<TraceEntry>& Trainer::trace() const { return impl_->trace; }
+const std::vector<std::string>& Trainer::warnings() const { return impl_->run.warnings; }
+std::vector<std::string> Trainer::plugin_order() {
+  plan_from_core(impl_->run);
+  std::vector<std::string> out;
+  for (size_t i : impl_->run.order) out.push_back(impl_->run.slots[i].name);
+  return out;
+}
+
+}  // namespace tk
