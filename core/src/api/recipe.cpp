@@ -427,50 +427,6 @@ std::string Recipe::plugin_label(size_t i) const {
   return entry_label(*(*arr)[i].as_table(), i);
 }
 
-void ResolvedRecipe::add_section(const std::string& section, const std::string& name, const Options& values) {
-  for (auto& e : entries_)
-    if (!e.array && e.header == section) {
-      e = {section, false, "", name, "", values};
-      return;
-    }
-  entries_.push_back({section, false, "", name, "", values});
-}
-
-void ResolvedRecipe::add_plugin(const std::string& label, const std::string& name, const std::string& path,
-                                const Options& values) {
-  entries_.push_back({"plugins", true, label, name, path, values});
-}
-
-std::string ResolvedRecipe::toml(const std::string& source) const {
-  std::ostringstream out;
-  out << "# resolved from " << source << " (defaults filled in, overrides applied)\n";
-  for (const auto& e : entries_) {
-    out << "\n" << (e.array ? "[[" + e.header + "]]" : "[" + e.header + "]") << "\n";
-    if (!e.name.empty()) out << "name = " << to_toml(e.name) << "\n";
-    if (!e.path.empty()) out << "path = " << to_toml(e.path) << "\n";
-    for (const auto& [k, v] : e.options.values()) out << k << " = " << to_toml(v) << "\n";
-  }
-  return out.str();
-}
-
-std::vector<ResolvedRecipe::Value> ResolvedRecipe::values() const {
-  std::vector<Value> out;
-  std::string plugins;
-  for (const auto& e : entries_) {
-    std::string prefix = e.header + ".";
-    if (e.array) {
-      prefix += e.label + ".";
-      plugins += (plugins.empty() ? "" : ", ") + e.label;
-    } else if (!e.name.empty()) {
-      out.push_back({e.header + ".name", to_toml(e.name)});
-    }
-    if (!e.path.empty()) out.push_back({prefix + "path", to_toml(e.path)});
-    for (const auto& [k, v] : e.options.values()) out.push_back({prefix + k, to_toml(v), !e.options.is_set(k)});
-  }
-  out.push_back({"plugins", to_toml(plugins)});
-  return out;
-}
-
 const std::string& Recipe::source() const noexcept { return impl_->source; }
 std::filesystem::path Recipe::dir() const { return impl_->dir; }
 std::filesystem::path Recipe::resolve_path(const std::string& p) const {

@@ -1,0 +1,43 @@
+#pragma once
+/// What a run was made of: its recipe resolved, section by section (recipe.toml, the run's identity).
+#include <string>
+#include <vector>
+
+#include "tk/options.h"
+
+namespace tk {
+
+/// The recipe as a run resolved it: each section it read, with every value (defaults included),
+/// in the order the run adds them. Built by the run from what it read, never as a side effect of
+/// reading: what recipe.toml and the run's identity hold is what the run was made of.
+class ResolvedRecipe {
+ public:
+  /// A section such as [optimizer]: the component's `name` (empty for [run]) and its values.
+  void add_section(const std::string& section, const std::string& name, const Options& values);
+  /// A [[plugins]] entry: its label (Recipe::plugin_label), its `name` and `path` as the recipe
+  /// gave them (either may be empty) and its values.
+  void add_plugin(const std::string& label, const std::string& name, const std::string& path, const Options& values);
+
+  /// As TOML: what the output folder's recipe.toml holds; it runs as it is.
+  std::string toml(const std::string& source) const;
+  /// One value of values(): its flat key, its TOML text, and whether it is its option's default
+  /// (given neither by the recipe nor by an override).
+  struct Value {
+    std::string key, toml;
+    bool is_default = false;
+  };
+  /// Every value as a flat "section.key", in order; a plugin's keys are "plugins.<label>.<key>"
+  /// (its file "plugins.<label>.path"), and "plugins" lists the labels.
+  std::vector<Value> values() const;
+
+ private:
+  struct Entry {
+    std::string header;
+    bool array = false;
+    std::string label, name, path;
+    Options options;
+  };
+  std::vector<Entry> entries_;
+};
+
+}  // namespace tk

@@ -1,0 +1,101 @@
+#pragma once
+// The engine layer: a step as the plugins see it. The plugins' hooks by event, called in dispatch
+// order with each failure named (plugin, event, step); a window's micro-batches through forward,
+// loss and backward, and its optimizer step, with the events around each phase. Training runs
+// every micro-batch and step through it. Not installed.
+#include <array>
+#include <chrono>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "api/api.h"
+#include "run/run.h"
+#include "tk/output.h"
+#include "tk/trainer.h"
+
+namespace tk::detail {
+
+// ---- events.cpp: the plugins' hooks by event ------------------------------------------------------
+
+/// The plugins' Context over the engine's state.
+class EventContext final : public Context {
+ public:
+  explicit EventContext(LoopState* s) noexcept : Context(s) {}
+};
+
+/// Who handles each event, in dispatch order, and the calls of their hooks. A plugin that
+/// declines an event is dropped from its list.
+class Events {
+ public:
+  /// Over `run`'s planned plugins and the state their Context shows; each dispatch is appended to
+  /// `trace` when the run traces.
+  Events(Run& run, LoopState& state, std::vector<TraceEntry>& trace);
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+
+  /// Calls the hook of `e` of every plugin that handles it. A hook's exception is rethrown as a
+  /// PluginRuntimeError naming the plugin, the event, the step and the micro-batch.
+  void emit(Event e);
+  /// on_fit_end of every plugin, each called even when one before it failed; the first failure is
+  /// then rethrown.
+  void fit_end();
+  /// After a failure: on_fit_end (status failed) once for every plugin whose on_fit_start ran (or
+  /// that has none); their errors are dropped.
+  void fit_end_after_failure();
+  /// The Context the hooks get.
+  Context& context() noexcept { return ctx_; }
+
+ private:
+  Run& r_;
+  LoopState& s_;
+  std::vector<TraceEntry>& trace_;
+  EventContext ctx_;
+  std::array<std::vector<const Slot*>, kEventCount> handlers_;
+  std::set<const Slot*> not_started_;  // plugins whose on_fit_start has not run (yet)
+};
+
+// ---- step.cpp: a window's micro-batches and its step ------------------------------------------
+
+/// With run.phase_times: where each window's time went, in ms, for its record. Off, every call is
+/// a no-op.
+struct PhaseTimes {
+  enum Phase { kData, kForward, kBackward, kBoundary, kOptimizer, kValidation, kPhases };
+  bool on = false, cuda = false;  // on CUDA each mark waits for the device: the phases' own time
+  std::array<double, kPhases> ms{};
+  std::chrono::steady_clock::time_point t;
+
+  /// Starts a stretch.
+  void mark();
+  /// Ends the stretch since the last mark as phase `p` (and starts the next).
+  void add(Phase p);
+  /// The window's phases into its record (validation_ms only on a step that validated).
+  void record(JsonLine& line) const;
+};
+
+/// A model's name for messages: "model 'gpt'", with the file it was read from when it has one.
+std::string model_label(const Run& run);
+
+/// Runs micro-batches and optimizer steps of a planned run, dispatching their events.
+class StepEngine {
+ public:
+  StepEngine(Run& run, LoopState& state, Events& events, PhaseTimes& phases);
+
+  /// One micro-batch of the current window (state.window): MicroBatch, forward, the loss, Loss,
+  /// backward, Backward. Adds it to the window's totals and the counters.
+  void micro_batch(const Batch& batch);
+  /// The window's optimizer step: the learning rate set, Boundary, the step's one read from the
+  /// device, the step (or its veto), zero_grad, the counters, StepEnd. Returns whether a plugin
+  /// vetoed it. A non-finite window loss stops the run before the step with `diagnose()`'s
+  /// account of it.
+  bool step(const std::function<std::string()>& diagnose);
+
+ private:
+  Run& r_;
+  LoopState& s_;
+  Events& events_;
+  PhaseTimes& phases_;
+};
+
+}  // namespace tk::detail

@@ -1,0 +1,103 @@
+// A window's micro-batches and its optimizer step (engine.h): the events around each phase.
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#include "assemble/assemble.h"
+#include "engine/engine.h"
+#include "support/support.h"
+#include "tk/compat.h"
+
+namespace tk::detail {
+
+void PhaseTimes::mark() {
+  if (!on) return;
+  if (cuda) compat::cuda_synchronize();
+  t = std::chrono::steady_clock::now();
+}
+
+void PhaseTimes::add(Phase p) {
+  if (!on) return;
+  const auto before = t;
+  mark();
+  ms[static_cast<size_t>(p)] += std::chrono::duration<double, std::milli>(t - before).count();
+}
+
+void PhaseTimes::record(JsonLine& line) const {
+  static const char* const kNames[kPhases] = {"data_ms",     "forward_ms",   "backward_ms",
+                                              "boundary_ms", "optimizer_ms", "validation_ms"};
+  if (!on) return;
+  for (size_t p = 0; p < kPhases; ++p)
+    if (p != kValidation || ms[p] > 0.0) line.add(kNames[p], ms[p]);
+}
+
+std::string model_label(const Run& r) {
+  const std::string file = r.model_opts.has("torchscript") ? r.model_opts.get_path("torchscript") : "";
+  return "model '" + r.model_name + "'" + (file.empty() ? "" : " (" + file + ")");
+}
+
+StepEngine::StepEngine(Run& run, LoopState& state, Events& events, PhaseTimes& phases)
+    : r_(run), s_(state), events_(events), phases_(phases) {}
+
+void StepEngine::micro_batch(const Batch& batch) {
+  if (fault_due("oom")) TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (injected by TK_FAULT=oom)");
+  phases_.mark();
+  events_.emit(Event::MicroBatch);
+  at::Tensor out = r_.model->forward(batch.input);
+  s_.loss = (*r_.loss)(out, batch);
+  if (!s_.loss.requires_grad())
+    throw Error(model_label(r_) + ": its output does not depend on a trainable parameter (it is detached, or computed "
+                "without grad): backward has nothing to differentiate");
+  // The loss stays on the device: no host read per micro-batch (loss_value() reads on demand).
+  s_.loss_item = s_.loss.detach();
+  s_.loss_read = false;
+  events_.emit(Event::Loss);
+  phases_.add(PhaseTimes::kForward);
+  s_.loss.backward();
+  s_.loss = at::Tensor();
+  Counters& c = s_.counters;
+  WindowTotals& t = s_.totals;
+  ++c.micro_step;
+  c.samples_seen += batch.samples;
+  c.tokens_seen += batch.tokens;
+  t.micro_batches += 1;
+  t.samples += batch.samples;
+  t.tokens += batch.tokens;
+  // The item-weighted sum, in place: one device op per micro-batch. A float32 (or 16-bit) loss
+  // times a count below 2^29 is exact in float64, so the fused add rounds as a mul and an add would.
+  const double items = r_.plan.reduction == Reduction::Mean ? static_cast<double>(batch.tokens) : 1.0;
+  if (t.loss.defined()) {
+    t.loss.add_(s_.loss_item, items);
+  } else {
+    t.loss = s_.loss_item.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);  // not an alias of the loss
+    if (items != 1.0) t.loss.mul_(items);
+  }
+  events_.emit(Event::Backward);
+  phases_.add(PhaseTimes::kBackward);
+}
+
+bool StepEngine::step(const std::function<std::string()>& diagnose) {
+  s_.lr = r_.schedule->lr(s_.counters.schedule_step, r_.total_steps);
+  set_lr(*r_.optimizer, s_.lr);
+  s_.step.clear();
+  phases_.mark();
+  events_.emit(Event::Boundary);
+  // After the boundary (a sync plugin may have replaced the totals with sums over all ranks):
+  // the step's one read from the device.
+  s_.read_step_values();
+  phases_.add(PhaseTimes::kBoundary);
+  const WindowTotals& t = s_.totals;
+  s_.window_loss = t.tokens > 0 ? t.loss_sum / static_cast<double>(t.tokens) : 0.0;
+  const bool skipped = !s_.step.veto_reason.empty();
+  if (!skipped && !std::isfinite(s_.window_loss)) throw Error(diagnose());
+  if (!skipped) r_.optimizer->step();
+  else ++s_.counters.skipped_steps;
+  zero_grads(r_);
+  ++s_.counters.step;
+  if (!skipped || s_.step.veto_advances_schedule) ++s_.counters.schedule_step;
+  events_.emit(Event::StepEnd);
+  phases_.add(PhaseTimes::kOptimizer);
+  return skipped;
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,23 @@
+// When a step is checkpointed (loop.h).
+#include <torch/serialize/output-archive.h>
+
+#include "loop/loop.h"
+
+namespace tk::detail {
+
+CheckpointPolicy::CheckpointPolicy(Run& run, RunOutputs& outputs)
+    : r_(run), outputs_(outputs), every_(run.run.get_int("checkpoint_every")) {}
+
+std::optional<std::filesystem::path> CheckpointPolicy::after_step(const Counters& c, int64_t epoch, int64_t b,
+                                                                  bool last) {
+  if (!outputs_.writes() || !(last || (every_ > 0 && c.step % every_ == 0))) return std::nullopt;
+  if (outputs_.active()) return outputs_.checkpoint(r_, c, epoch, b);
+  if (!r_.optimizer_wraps.empty()) {
+    // A wrapped optimizer's save() may gather its state from every rank: each one takes part.
+    torch::serialize::OutputArchive discarded;
+    r_.optimizer->save(discarded);
+  }
+  return std::nullopt;
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,57 @@
+// A validation pass and its record (loop.h).
+#include <cmath>
+
+#include "loop/loop.h"
+
+namespace tk::detail {
+
+Validator::Validator(Run& run, LoopState& state, Events& events) : r_(run), s_(state), events_(events) {}
+
+std::pair<double, double> Validator::validate() {
+  r_.model->eval();
+  double loss_sum = 0.0;
+  int64_t items = 0, correct = 0;
+  const bool classes = r_.data.info.classification;
+  {
+    torch::NoGradGuard no_grad;  // both validation hooks run in eval mode without grad
+    events_.emit(Event::ValidationStart);
+    const int64_t n = r_.data.validation->size(), m = r_.plan.micro_batch;
+    for (int64_t start = 0; start < n; start += m) {
+      Batch b = r_.fetch(*r_.data.validation, at::arange(start, std::min(n, start + m), at::kLong));
+      auto out = r_.model->forward(b.input);
+      const double l = (*r_.loss)(out, b).item<double>();
+      loss_sum += r_.plan.reduction == Reduction::Mean ? l * static_cast<double>(b.tokens) : l;
+      items += b.tokens;
+      if (classes) correct += (out.argmax(-1) == b.target).sum().item<int64_t>();
+    }
+    s_.validation_loss = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
+    events_.emit(Event::ValidationEnd);
+  }
+  r_.model->train();
+  return {s_.validation_loss,
+          items > 0 && classes ? static_cast<double>(correct) / static_cast<double>(items) : std::nan("")};
+}
+
+void Validator::record(JsonLine& line, Progress& progress, std::vector<double>& losses) {
+  s_.step.metrics.clear();  // the step's own are in its record already
+  auto [vloss, acc] = validate();
+  losses.push_back(vloss);
+  line.add("validation_loss", vloss);
+  std::string note = "validation  step " + std::to_string(s_.counters.step) + "  loss " + fmt_loss(vloss);
+  if (!std::isnan(acc)) line.add("validation_accuracy", acc);
+  const DataInfo& info = r_.data.info;
+  if (info.next_token) {
+    const double ppl = std::exp(vloss);
+    line.add("validation_perplexity", ppl);
+    note += "  perplexity " + fmt_loss(ppl);
+    if (!info.baseline_name.empty())
+      note += "  (" + info.baseline_name + " baseline loss " + fmt_loss(info.baseline_loss) + ")";
+  } else if (!std::isnan(acc)) {
+    note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
+  }
+  for (const auto& [k, v] : s_.step.metrics) line.add(k, v);
+  progress.note(note);
+  last_step_ = s_.counters.step;
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,238 @@
+// The plugin contract (tk/testing.h): the checks every plugin library must pass, run on a small
+// recipe with the library's plugin among the core's own.
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "api/api.h"
+#include "tk/loader.h"
+#include "tk/testing.h"
+
+namespace fs = std::filesystem;
+
+namespace tk::testing {
+
+namespace {
+
+/// Two epochs of a small MLP with validation: every event occurs.
+const char* const kContractRecipe = R"(
+[run]
+seed = 5
+epochs = 2
+dtype = "float32"
+
+[model]
+name = "mlp"
+hidden = [8]
+
+[data]
+name = "synthetic-classification"
+samples = 60
+validation_samples = 16
+features = 6
+classes = 3
+micro_batch = 8
+
+[optimizer]
+name = "sgd"
+lr = 0.05
+momentum = 0.9
+)";
+
+fs::path scratch(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("tk-contract-" + std::to_string(getpid()) + "-" + name);
+  fs::remove_all(d);
+  return d;
+}
+
+/// A contract that orders a plugin after every gradient plugin.
+/// The contract's checks of one library, each returning "" when it holds, else why not.
+class ContractChecks {
+ public:
+  ContractChecks(const fs::path& file, const ContractOptions& c) : file_(file), c_(c) {}
+
+  std::string loads_and_names_itself() const {
+    auto lp = PluginLoader({}).load_plugin(file_);
+    if (lp.name.empty()) return "its name is empty";
+    if (lp.version.empty()) return "its version is empty";
+    if (lp.plugin->name() != lp.name) return "the instance is named '" + lp.plugin->name() + "', not '" + lp.name + "'";
+    Registry registry;
+    PluginLoader({}).load(file_, registry);
+    if (registry.plugins().front().doc.empty()) return "it registers no description (TK_PLUGIN's fourth argument)";
+    instance("");  // its defaults are accepted
+    return "";
+  }
+
+  std::string refuses_bad_options() const {
+    const auto specs = fresh_specs();
+    try {
+      RunOptions o;
+      o.libraries = {{file_, "definitely_not_an_option = 1"}};
+      run(kTinyRecipe, o);
+      return "an unknown option was accepted";
+    } catch (const RecipeError& e) {
+      const std::string m = e.what();
+      if (m.find("unknown key 'definitely_not_an_option'") == std::string::npos) return "unclear error: " + m;
+      for (const auto& s : specs)
+        if (m.find(s.name) == std::string::npos) return "the error does not list option '" + s.name + "': " + m;
+    }
+    for (const auto& s : specs) {
+      // A list of strings also takes one string (a list of one): a number is mistyped for it.
+      const bool stringy = s.type == OptionType::String || s.type == OptionType::Path || s.type == OptionType::StringList;
+      const std::string wrong = stringy ? "1" : "\"not a " + std::string(to_string(s.type)) + "\"";
+      try {
+        instance(s.name + " = " + wrong);
+        return "option '" + s.name + "' accepted " + wrong;
+      } catch (const RecipeError& e) {
+        if (std::string(e.what()).find("expected") == std::string::npos) return "unclear error: " + std::string(e.what());
+      }
+    }
+    return "";
+  }
+
+  std::string runs_every_hook() const {
+    auto p = instance(c_.options);
+    auto r = run_with({p});
+    for (int i = 0; i < kEventCount; ++i) {
+      const auto e = static_cast<Event>(i);
+      if (!p->handles(e)) continue;
+      const bool seen = std::any_of(r.trace.begin(), r.trace.end(),
+                                    [&](const TraceEntry& t) { return t.event == e && t.plugin == p->name(); });
+      if (!seen) return std::string("its ") + hook_name(e) + " hook never ran";
+    }
+    if (r.fit.steps < 1) return "the run took no step";
+    return finite(r);
+  }
+
+  std::string round_trips_state() const {
+    auto p = instance(c_.options);
+    run_with({p});
+    auto fresh = instance(c_.options);
+    fresh->load_state(p->state());
+    return same_state(p->state(), fresh->state(), "after loading it into a fresh instance");
+  }
+
+  std::string neutral_is_bit_identical() const {
+    auto without = run_with({});
+    auto with = run_with({instance(c_.neutral)});
+    if (without.fit.steps != with.fit.steps)
+      return std::to_string(with.fit.steps) + " steps instead of " + std::to_string(without.fit.steps);
+    const double d = max_difference(without.parameters, with.parameters);
+    return d == 0.0 ? "" : "the parameters differ by up to " + std::to_string(d);
+  }
+
+  std::string resume_equals_uninterrupted() const {
+    const fs::path a = scratch("whole"), b = scratch("resumed");
+    auto whole_plugin = instance(c_.options);
+    RunOptions whole;
+    whole.plugins = {whole_plugin};
+    whole.output = a;
+    auto full = run(kContractRecipe, whole);
+    RunOptions first = whole;
+    first.plugins = {instance(c_.options)};
+    first.output = b;
+    int boundaries = 0;
+    first.stop_requested = [&boundaries] { return ++boundaries == 3; };
+    auto stopped = run(kContractRecipe, first);
+    auto resumed_plugin = instance(c_.options);
+    RunOptions second = first;
+    second.plugins = {resumed_plugin};
+    second.stop_requested = nullptr;
+    second.resume = "latest";
+    auto resumed = run(kContractRecipe, second);
+    fs::remove_all(a);
+    fs::remove_all(b);
+    if (stopped.fit.status != FitStatus::StoppedBySignal) return "the first half did not stop at its third boundary";
+    const double d = max_difference(full.parameters, resumed.parameters);
+    if (d != 0.0) return "the resumed run's parameters differ by up to " + std::to_string(d);
+    return same_state(whole_plugin->state(), resumed_plugin->state(), "at the end of the resumed run");
+  }
+
+  std::string survives_a_veto() const {
+    auto r = run_with({instance(c_.options), {std::make_shared<VetoAt>(std::set<int64_t>{1}), "veto_at"}});
+    if (r.fit.skipped_steps < 1) return "the vetoed step was not skipped";
+    return finite(r);
+  }
+
+  std::string fit_end_after_failure() const {
+    try {
+      run_with({instance(c_.options), {std::make_shared<ThrowAt>(2), "throw_at"}});
+      return "the run did not fail";
+    } catch (const PluginRuntimeError& e) {
+      const std::string m = e.what();
+      if (m.find("plugin 'throw_at' failed in event backward at step 2") != 0) return "another error stood: " + m;
+    }
+    return "";
+  }
+
+ private:
+  /// A new instance with the options given as TOML.
+  std::shared_ptr<Plugin> instance(const std::string& toml) const { return load_plugin(file_, toml); }
+  OptionSpecs fresh_specs() const {
+    auto p = PluginLoader({}).load_plugin(file_).plugin;
+    return detail::declared_options(*p);
+  }
+  RunResult run_with(std::vector<InProcess> plugins) const {
+    RunOptions o;
+    o.plugins = std::move(plugins);
+    return run(kContractRecipe, o);
+  }
+  static std::string finite(const RunResult& r) {
+    for (const auto& [name, t] : r.parameters)
+      if (!at::isfinite(t).all().item<bool>()) return "parameter " + name + " is not finite";
+    for (double l : r.fit.window_losses)
+      if (!std::isfinite(l)) return "a window loss is not finite";
+    return "";
+  }
+  /// "" when two states hold the same entries with the same values.
+  static std::string same_state(const StateDict& want, const StateDict& got, const std::string& when) {
+    if (got.size() != want.size())
+      return "its state has " + std::to_string(got.size()) + " entries " + when + ", expected " + std::to_string(want.size());
+    for (const auto& [k, v] : want) {
+      auto it = got.find(k);
+      if (it == got.end()) return "state entry '" + k + "' is missing " + when;
+      const at::Tensor a = v.detach().cpu(), b = it->second.detach().cpu();
+      if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes() || !a.equal(b))
+        return "state entry '" + k + "' differs " + when;
+    }
+    return "";
+  }
+
+  fs::path file_;
+  ContractOptions c_;
+};
+
+}  // namespace
+
+std::vector<CheckResult> check_contract(const fs::path& file, const ContractOptions& c) {
+  const ContractChecks contract(file, c);
+  std::vector<CheckResult> out;
+  auto check = [&](const std::string& name, std::string (ContractChecks::*fn)() const) {
+    CheckResult r{name, false, false, ""};
+    try {
+      r.detail = (contract.*fn)();
+    } catch (const std::exception& e) {
+      r.detail = std::string("threw: ") + e.what();
+    }
+    r.passed = r.detail.empty();
+    out.push_back(std::move(r));
+  };
+  check("loads, names and describes itself, and accepts its default options", &ContractChecks::loads_and_names_itself);
+  if (!out.back().passed) return out;  // nothing else can run
+  check("refuses unknown and mistyped options, listing the valid ones", &ContractChecks::refuses_bad_options);
+  check("runs every hook it keeps in a run with two epochs and validation", &ContractChecks::runs_every_hook);
+  check("round-trips its state into a fresh instance", &ContractChecks::round_trips_state);
+  if (c.check_neutral) {
+    check("leaves a run bit-identical with neutral options", &ContractChecks::neutral_is_bit_identical);
+  } else {
+    out.push_back({"leaves a run bit-identical with neutral options", false, true,
+                   "--neutral none: the plugin always changes the numerics"});
+  }
+  check("a run stopped at a checkpoint and resumed equals an uninterrupted one, its state included",
+        &ContractChecks::resume_equals_uninterrupted);
+  check("survives a vetoed step", &ContractChecks::survives_a_veto);
+  check("gets on_fit_end after another plugin fails, and the first error stands", &ContractChecks::fit_end_after_failure);
+  return out;
+}
+
+}  // namespace tk::testing
