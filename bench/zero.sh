@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The optimizer state under data parallel, whole on every rank (ddp) and sharded (ddp zero_stage =
-# 1): the GPT of bench/gpt-memory.sh (4 layers x 256) with AdamW on 1, 2 and 4 ranks (Gloo,
+# The optimizer state under data parallel, whole on every rank (ddp) and sharded (the shard plugin
+# at stage 1): the GPT of bench/gpt-memory.sh (4 layers x 256) with AdamW on 1, 2 and 4 ranks (Gloo,
 # loopback). Per configuration: the optimizer state rank 0 holds (optimizer_state_mib), the
 # largest share any rank updates (from each rank's log), peak resident memory of rank 0, time per
 # step, and whether the sharded run's losses equal the unsharded one's (they must, bit for bit).
@@ -14,7 +14,7 @@ model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data
        --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0
        --set data.micro_batch=4 --set plugins.grad_accum.steps=1 --set run.checkpoint_every=0)
 sed '/^\[\[plugins\]\]/,$d' "$bench_root/recipes/gpt-tiny.toml" >"$bench_work/gpt.toml"
-printf '[[plugins]]\nname = "grad_accum"\nsteps = 1\nnormalize = "tokens"\n[[plugins]]\nname = "ddp"\n' >>"$bench_work/gpt.toml"
+printf '[[plugins]]\nname = "grad_accum"\nsteps = 1\nnormalize = "tokens"\n[[plugins]]\nname = "ddp"\n[[plugins]]\nname = "shard"\n' >>"$bench_work/gpt.toml"
 
 summary() {  # metrics.jsonl, the run's stdout+stderr, ranks, zero stage -> a table row's figures
   /usr/bin/python3 - "$@" <<'PY'
@@ -37,12 +37,12 @@ PY
 
 echo "GPT 4 layers x 256, 8 heads, 128-token sequences (fortunes, bytes), AdamW (float32 state), micro-batch 4 per rank, $steps steps"
 bench_cpu
-echo "| ranks | zero_stage | optimizer state, rank 0 (MiB) | largest rank's state (MiB) | total / ranks (MiB) | peak RSS, rank 0 (MiB) | ms / step | losses equal |"
+echo "| ranks | stage | optimizer state, rank 0 (MiB) | largest rank's state (MiB) | total / ranks (MiB) | peak RSS, rank 0 (MiB) | ms / step | losses equal |"
 echo "|---|---|---|---|---|---|---|---|"
 declare -A whole
 for ranks in 1 2 4; do
   for stage in 0 1; do
-    args=("$bench_work/gpt.toml" --progress none --log-level info "${model[@]}" --set plugins.ddp.zero_stage="$stage")
+    args=("$bench_work/gpt.toml" --progress none --log-level info "${model[@]}" --set plugins.shard.stage="$stage")
     if [ "$ranks" -gt 1 ]; then args+=(--nproc "$ranks"); fi
     bench_tk "r$ranks-z$stage" "$steps" "${args[@]}"
     cat "$tk_out" "$tk_err" >"$bench_work/log-$ranks-$stage"

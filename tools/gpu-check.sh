@@ -204,24 +204,24 @@ else fail "plugin contract suite (see $work/contract.log)"; fi
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "${gpus:-0}" -lt 2 ]; then
   skip "ddp over NCCL: needs 2 GPUs, $gpus visible"
-elif run ddp "$root/recipes/ddp.toml" "${quick[@]}" --set plugins.ddp.backend=nccl --nproc 2 &&
-     grep -q 'rank 1 of 2 joined (nccl' "$work/ddp.log"
+elif run ddp "$root/recipes/ddp.toml" "${quick[@]}" --set world.backend=nccl --nproc 2 &&
+     grep -q 'rank 1 of 2 (RANK/WORLD_SIZE, nccl' "$work/ddp.log"
 then pass "ddp over NCCL, two ranks on two GPUs"
 else fail "ddp over NCCL, two ranks (see $work/ddp.log)"; fi
 
-# 7b. The sharded optimizer (ddp zero_stage = 1) on the GPT: a world of one on CUDA, and 2 ranks
-# over NCCL where 2 GPUs are visible; the weights equal those of zero_stage = 0, bit for bit.
+# 7b. The sharded optimizer (the shard plugin at stage 1) on the GPT: a world of one on CUDA, and 2
+# ranks over NCCL where 2 GPUs are visible; the weights equal those of stage 0, bit for bit.
 gpt_quick=(--set run.epochs=0 --set run.steps=20 --set run.validate_every=0 --set data.validation_fraction=0.0
            --set data.path="$deps/usr/share/games/fortunes/cookie")
-r=$(recipe_with gpt_ddp "$root/recipes/gpt-tiny.toml" '\n[[plugins]]\nname = "ddp"\n')
-if run zero1 "$r" "${gpt_quick[@]}" --set plugins.ddp.zero_stage=1 && run zero0 "$r" "${gpt_quick[@]}" && same zero1 zero0 &&
+r=$(recipe_with gpt_ddp "$root/recipes/gpt-tiny.toml" '\n[[plugins]]\nname = "ddp"\n[[plugins]]\nname = "shard"\n')
+if run zero1 "$r" "${gpt_quick[@]}" --set plugins.shard.stage=1 && run zero0 "$r" "${gpt_quick[@]}" && same zero1 zero0 &&
    grep -q '"optimizer_state_mib"' "$work/zero1/metrics.jsonl"
 then pass "GPT with the sharded optimizer on CUDA (a world of one) equals the unsharded one"
 else fail "GPT with the sharded optimizer on CUDA (see $work/zero1.log, $work/zero0.log)"; fi
 if [ "${gpus:-0}" -lt 2 ]; then
   skip "sharded optimizer over NCCL: needs 2 GPUs, $gpus visible"
-elif run zero1n "$r" "${gpt_quick[@]}" --set plugins.ddp.zero_stage=1 --set plugins.ddp.backend=nccl --nproc 2 &&
-     run zero0n "$r" "${gpt_quick[@]}" --set plugins.ddp.backend=nccl --nproc 2 && same zero1n zero0n
+elif run zero1n "$r" "${gpt_quick[@]}" --set plugins.shard.stage=1 --set world.backend=nccl --nproc 2 &&
+     run zero0n "$r" "${gpt_quick[@]}" --set world.backend=nccl --nproc 2 && same zero1n zero0n
 then pass "GPT with the sharded optimizer over NCCL, two ranks, equals ddp alone"
 else fail "GPT with the sharded optimizer over NCCL (see $work/zero1n.log)"; fi
 

@@ -1,6 +1,7 @@
 // trainkit::testing: in-process runs, fixtures and the plugin contract checks.
 #include "tk/testing.h"
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +17,32 @@ using detail::ContextAccess;
 
 namespace {
 
+/// The world of a ManualContext or ManualPlan: rank and size as the test set them, never joined
+/// (as a dry run's world): each collective combines this rank's values alone.
+class LocalWorld final : public World {
+ public:
+  LocalWorld(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return size_; }
+  int local_rank() const noexcept override { return rank_; }
+  const std::string& backend() const noexcept override { return backend_; }
+  bool joined() const noexcept override { return false; }
+  std::chrono::milliseconds timeout() const noexcept override { return std::chrono::milliseconds(300000); }
+  void all_reduce(at::Tensor&, ReduceOp) override {}
+  void broadcast(at::Tensor&, int) override {}
+  at::Tensor all_gather(const at::Tensor& t) override { return t.clone(); }
+  at::Tensor reduce_scatter(const at::Tensor& t, ReduceOp) override {
+    const int64_t part = t.size(0) / size_;
+    return t.slice(0, part * rank_, part * (rank_ + 1)).clone();
+  }
+  void barrier() override {}
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group() override { return {}; }
+
+ private:
+  int rank_, size_;
+  std::string backend_ = "none";
+};
+
 void apply(detail::PlanState* plan, const PlanSettings& p) {
   plan->micro_batch = p.micro_batch;
   plan->accumulation = p.accumulation;
@@ -25,6 +52,7 @@ void apply(detail::PlanState* plan, const PlanSettings& p) {
   plan->reduction = p.reduction;
   plan->device = p.device;
   plan->capabilities = p.capabilities;
+  plan->world = new LocalWorld(p.rank, p.world_size);
 }
 
 detail::LoopState* new_state(Model& model, torch::optim::Optimizer& optimizer, const PlanSettings& p) {
@@ -32,6 +60,7 @@ detail::LoopState* new_state(Model& model, torch::optim::Optimizer& optimizer, c
   auto* plan = new detail::PlanState;
   apply(plan, p);
   s->plan = plan;
+  s->world = plan->world;
   s->model = &model;
   s->optimizer = &optimizer;
   return s;
@@ -44,6 +73,7 @@ ManualContext::ManualContext(Model& model, torch::optim::Optimizer& optimizer, c
 
 ManualContext::~ManualContext() {
   detail::LoopState* s = &ContextAccess::state(*this);
+  delete s->plan->world;
   delete s->plan;
   delete s;
 }
@@ -98,7 +128,7 @@ ManualPlan::ManualPlan(const PlanSettings& settings) : impl_(std::make_unique<Im
   apply(&impl_->plan, settings);
   impl_->plan.dispatch = &impl_->dispatch;
 }
-ManualPlan::~ManualPlan() = default;
+ManualPlan::~ManualPlan() { delete impl_->plan.world; }
 
 void ManualPlan::configure(Plugin& p) {
   impl_->dispatch.enter(p.name(), "configure");
@@ -212,23 +242,28 @@ double max_difference(const Parameters& a, const Parameters& b) {
 }
 
 Contract Capture::contract() const { return after_everything(); }
-void Capture::on_micro_batch(Context& ctx) { windows.push_back(ctx.window()); }
+void Capture::on_micro_batch(Context& ctx) {
+  if (!ctx.trial()) windows.push_back(ctx.window());
+}
 void Capture::on_boundary(Context& ctx) {
+  if (ctx.trial()) return;  // what it records is the run's steps
   grads.push_back(flat_grads(ctx.model()));
   lrs.push_back(ctx.lr());
   window_sizes.push_back(ctx.totals().micro_batches);
 }
-void Capture::on_step_end(Context& ctx) { window_losses.push_back(ctx.window_loss()); }
+void Capture::on_step_end(Context& ctx) {
+  if (!ctx.trial()) window_losses.push_back(ctx.window_loss());
+}
 
 VetoAt::VetoAt(std::set<int64_t> steps) : steps_(std::move(steps)) {}
 Contract VetoAt::contract() const { return after_everything(); }
 void VetoAt::on_boundary(Context& ctx) {
-  if (steps_.count(ctx.counters().step)) ctx.veto_step("vetoed by the test");
+  if (!ctx.trial() && steps_.count(ctx.counters().step)) ctx.veto_step("vetoed by the test");
 }
 
 ThrowAt::ThrowAt(int64_t step) : step_(step) {}
 void ThrowAt::on_backward(Context& ctx) {
-  if (ctx.counters().step == step_) throw std::runtime_error("injected failure");
+  if (!ctx.trial() && ctx.counters().step == step_) throw std::runtime_error("injected failure");
 }
 
 }  // namespace tk::testing

@@ -158,6 +158,9 @@ class MixedPrecision final : public tk::Plugin {
 
  private:
   void start(tk::Context& ctx) {
+    // Trial steps (the memory planner's; the verifier's, in float64, which autocast leaves alone)
+    // neither say nor check what training will.
+    if (ctx.trial()) return;
     for (const auto& n : notes_) ctx.warn(n);
     notes_.clear();
     if (device_ == at::kCPU && !fp16_) say_bf16(ctx);

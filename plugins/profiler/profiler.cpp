@@ -45,6 +45,8 @@ class Profiler final : public tk::Plugin {
   }
 
   void on_fit_start(tk::Context& ctx) override {
+    trial_ = ctx.trial();  // trial steps are not the run's: nothing of them is traced
+    if (trial_) return;
     t0_ = now_us();
     last_ = t0_;
     maybe_begin(ctx.counters().step + 1);
@@ -68,6 +70,7 @@ class Profiler final : public tk::Plugin {
   }
   void on_boundary(tk::Context&) override { boundary_ = now_us(); }
   void on_step_end(tk::Context& ctx) override {
+    if (trial_) return;
     const double t = now_us();
     const int64_t step = ctx.counters().step;  // the step just taken
     if (on_) {
@@ -85,6 +88,10 @@ class Profiler final : public tk::Plugin {
     range("validation", "validation", validation_, last_);
   }
   void on_fit_end(tk::Context&) override {
+    if (trial_) {
+      trial_ = false;
+      return;
+    }
     if (on_) end_operators();  // a run that ended inside a traced step
     on_ = false;
   }
@@ -140,7 +147,7 @@ class Profiler final : public tk::Plugin {
 
   std::vector<int64_t> steps_ = {2, 3};
   bool operators_ = true;
-  bool on_ = false, profiling_ = false;
+  bool on_ = false, profiling_ = false, trial_ = false;
   double t0_ = 0, last_ = 0, begin_ = 0, micro_ = 0, loss_ = 0, boundary_ = 0, validation_ = 0;
   nlohmann::json events_ = nlohmann::json::array();
 };

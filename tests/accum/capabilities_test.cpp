@@ -203,6 +203,7 @@ TEST_SUITE("accumulation capabilities") {
     const Trained automatic = train({"data.micro_batch=\"auto\""},
                                     with_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\""));
     const Trained by_hand = train({"data.micro_batch=16"}, with_accum("steps = 4"));
+    CHECK(automatic.plan.micro_batch == 16);
     CHECK(torch::equal(automatic.params, by_hand.params));  // the trials left nothing behind
 
     // Too small a budget, and no budget on the CPU, are refused with the figures.

@@ -353,7 +353,7 @@ TEST_SUITE("extension") {
       CAPTURE(k);
       const auto v = tkt::metric(m, k);
       REQUIRE(v.size() == 5);
-      for (double x : v) CHECK(x >= 0.0);
+      for (double x : v) CHECK(x > 0.0);  // each phase had work, and its time was added to it
     }
     // The phases are parts of the step: together no longer than the time between two records.
     const auto fwd = tkt::metric(m, "forward_ms"), bwd = tkt::metric(m, "backward_ms"),

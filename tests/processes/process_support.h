@@ -60,7 +60,7 @@ inline Proc shell(const std::string& cmd) {
 
 /// A collective timeout far longer than any run of these tests: a world that stops within it stopped
 /// because its launcher saw the failure, not because a collective gave up waiting.
-inline constexpr const char* kLongTimeout = "timeout_s = 600.0\n";
+inline constexpr const char* kLongTimeout = "[world]\ntimeout_s = 600.0\n";
 
 /// Whether `out` reports a collective's timeout (as Gloo, NCCL and tk-run say it), not the option's name.
 inline bool reports_timeout(const std::string& out) {

@@ -68,7 +68,7 @@ TEST_SUITE("ddp") {
 
   TEST_CASE("2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window") {
     const fs::path root = tkt::temp_dir("ddp-equal");
-    auto two = two_ranks_equal_one_process(root, kBase, "check_every = 1\ntimeout_s = 60.0\n", 4);
+    auto two = two_ranks_equal_one_process(root, kBase, "check_every = 1\n[world]\ntimeout_s = 60.0\n", 4);
     auto big = tk_run(root / "big", kBase, "--set data.micro_batch=16");
     REQUIRE(big.rc == 0);
     CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
@@ -117,7 +117,7 @@ TEST_SUITE("ddp") {
 
   TEST_CASE("find_unused_parameters = false: the same step without the search, and an unused parameter is named") {
     const fs::path root = tkt::temp_dir("ddp-no-search");
-    const std::string options = "find_unused_parameters = false\ntimeout_s = 20.0\n";
+    const std::string options = "find_unused_parameters = false\n[world]\ntimeout_s = 20.0\n";
     two_ranks_equal_one_process(root, kBase, options, 4);
     // Per window: the one bucket and the totals, no used-map.
     CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces") == std::vector<double>{2, 4, 6, 8, 10, 12});
@@ -150,7 +150,7 @@ TEST_SUITE("ddp") {
 
   TEST_CASE("ranks whose models differ are refused at start, naming the first difference") {
     const fs::path root = tkt::temp_dir("ddp-differ");
-    auto p = tk_run(root, experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 20.0\n",
+    auto p = tk_run(root, experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[world]\ntimeout_s = 20.0\n",
                     "--nproc 2 --set model.hidden_on_rank1=10");
     CHECK(p.rc == 1);
     CHECK(p.out.find("the model on rank 1 differs from rank 0's: parameter 'trunk.weight' is [10, 8] Double here and "
@@ -160,7 +160,7 @@ TEST_SUITE("ddp") {
     CHECK(p.out.find("[rank 0] [") != std::string::npos);
     CHECK(p.out.find("the model on rank 1 differs from rank 0's (that rank's error names the difference)") !=
           std::string::npos);
-    auto count = tk_run(root / "count", experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 20.0\n",
+    auto count = tk_run(root / "count", experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[world]\ntimeout_s = 20.0\n",
                         "--nproc 2 --set model.experts_on_rank1=3");
     CHECK(count.rc == 1);
     CHECK(count.out.find("the model on rank 1 differs from rank 0's: 14 parameters and 0 buffers here, 18 and 0 on "
@@ -205,7 +205,7 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("token shards: 2 ranks read disjoint sequences, equal to 1 process; killed and resumed, bit-identical") {
+  TEST_CASE("token shards: 2 ranks read disjoint sequences, equal to 1 process - killed and resumed, bit-identical") {
     const fs::path root = tkt::temp_dir("ddp-tokens-shards");
     fs::create_directories(root / "data");
     for (int s = 0; s < 2; ++s) {
@@ -342,7 +342,8 @@ TEST_SUITE("ddp") {
     REQUIRE(four.rc == 0);
     CHECK(node1.find("node 1 exited 0") != std::string::npos);
     CHECK(node1.find("[rank 3] ") != std::string::npos);
-    CHECK(four.out.find("world size    4 (set by ddp)") != std::string::npos);
+    CHECK(four.out.find("world         rank 0 of 4 (RANK/WORLD_SIZE, gloo, rendezvous 127.0.0.1:") != std::string::npos);
+    CHECK(node1.find("world: rank 3 of 4 (RANK/WORLD_SIZE, gloo, rendezvous 127.0.0.1:") != std::string::npos);
     auto one = tk_run(root / "one", std::string(kBase) + accum, "--set data.micro_batch=16");
     REQUIRE(one.rc == 0);
     CHECK(tkt::excess(weights(root / "four"), weights(root / "one"), kF64) <= 1.0);
@@ -400,7 +401,8 @@ TEST_SUITE("ddp") {
                     "--nproc 4 --dry-run");
     CHECK(p.rc == 0);
     CHECK(p.out.find("effective     48 examples per optimizer step (4 x 3 x 4); 12 per rank") != std::string::npos);
-    CHECK(p.out.find("world size    4 (set by ddp)") != std::string::npos);
+    CHECK(p.out.find("world         rank 0 of 4 (RANK/WORLD_SIZE, gloo, rendezvous 127.0.0.1:") != std::string::npos);
+    CHECK(p.out.find("; not joined: a dry run plans this rank alone") != std::string::npos);
     fs::remove_all(root);
   }
 }
@@ -415,13 +417,13 @@ TEST_SUITE("zero") {
     return r;
   }
 
-  /// `recipe` + `plugins` on `ranks` ranks with ddp at zero_stage 1 (ROOT/zero) and at 0
+  /// `recipe` + `plugins` on `ranks` ranks with ddp and the shard plugin at stage 1 (ROOT/zero) and ddp alone
   /// (ROOT/ddp), with `sets`: the same weights and the same record of every step, bit for bit.
   /// Returns the sharded run.
   Proc zero_equals_ddp(const fs::path& root, const std::string& recipe, const std::string& plugins, int ranks,
                        const std::string& sets = "") {
     const std::string args = "--nproc " + std::to_string(ranks) + " " + sets;
-    auto zero = tk_run(root / "zero", recipe + plugins + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\nzero_stage = 1\n", args);
+    auto zero = tk_run(root / "zero", recipe + plugins + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n[[plugins]]\nname = \"shard\"\nstage = 1\n", args);
     INFO(zero.out);
     REQUIRE(zero.rc == 0);
     auto ddp = tk_run(root / "ddp", recipe + plugins + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n", args);
@@ -435,7 +437,7 @@ TEST_SUITE("zero") {
     }
     CHECK(tkt::skipped(root / "zero/out/metrics.jsonl") == tkt::skipped(root / "ddp/out/metrics.jsonl"));
     // Each rank updates its share and broadcasts it: the check of every step saw equal ranks.
-    CHECK(zero.out.find("zero_stage = 1: the optimizer state is sharded over " + std::to_string(ranks) + " ranks") !=
+    CHECK(zero.out.find("stage 1: the optimizer state is sharded over " + std::to_string(ranks) + " ranks") !=
           std::string::npos);
     return zero;
   }
@@ -498,7 +500,7 @@ TEST_SUITE("zero") {
   TEST_CASE("killed and resumed: bit-identical, with every rank's share in the checkpoint") {
     const fs::path root = tkt::temp_dir("zero-resume");
     const std::string recipe = base_with(kAdamW) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
-                               "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\n";
+                               "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 1\n";
     kill_and_resume(root, recipe, "--nproc 2 --set run.steps=12 --set run.checkpoint_every=4 ");
     torch::serialize::InputArchive archive;
     archive.load_from((root / "two/out/checkpoints/step-00000008/optimizer.pt").string());
@@ -513,10 +515,10 @@ TEST_SUITE("zero") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("out of time, every rank stops at the same boundary; the resumed run ends bit-identical") {
+  TEST_CASE("out of time, every rank stops at the same boundary - the resumed run ends bit-identical") {
     const fs::path root = tkt::temp_dir("zero-max-time");
     const std::string recipe = base_with(kAdamW) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
-                               "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\ntimeout_s = 20.0\n";
+                               "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 1\n[world]\ntimeout_s = 20.0\n";
     const std::string sets = "--nproc 2 --set run.steps=400 ";
     auto whole = tk_run(root / "whole", recipe, sets);
     REQUIRE(whole.rc == 0);
@@ -548,18 +550,18 @@ TEST_SUITE("zero") {
     // resume on another world starts epoch 2 from its beginning.
     const fs::path root = tkt::temp_dir("zero-reshard");
     const std::string recipe = base_with(kAdamW) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
-                               "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n";
+                               "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n[[plugins]]\nname = \"shard\"\n";
     const std::string sets = "--set run.steps=20 --set run.checkpoint_every=16 ";
-    auto sharded = tk_run(root / "sharded", recipe, "--nproc 2 --set plugins.ddp.zero_stage=1 " + sets);
+    auto sharded = tk_run(root / "sharded", recipe, "--nproc 2 --set plugins.shard.stage=1 " + sets);
     REQUIRE(sharded.rc == 0);
     auto whole = tk_run(root / "whole", recipe, "--nproc 2 " + sets);
     REQUIRE(whole.rc == 0);
     CHECK(torch::equal(weights(root / "sharded"), weights(root / "whole")));
     const std::string four = "--nproc 4 --set plugins.grad_accum.steps=1 --allow-change world_size "
-                             "--allow-change plugins.grad_accum.steps --allow-change plugins.ddp.zero_stage " + sets;
+                             "--allow-change plugins.grad_accum.steps --allow-change plugins.shard.stage " + sets;
     auto resume = [&](const char* from, const char* to, int stage) {
       auto p = tk_run(root / to, recipe,
-                      four + "--set plugins.ddp.zero_stage=" + std::to_string(stage) + " --resume " +
+                      four + "--set plugins.shard.stage=" + std::to_string(stage) + " --resume " +
                           (root / from / "out/checkpoints/step-00000016").string());
       INFO(p.out);
       REQUIRE(p.rc == 0);
@@ -575,20 +577,25 @@ TEST_SUITE("zero") {
 
   TEST_CASE("bad input: a stage other than 0 or 1, more ranks than tensors, ranks whose models differ") {
     const fs::path root = tkt::temp_dir("zero-bad");
-    auto stage = tk_run(root / "stage", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\nzero_stage = 2\n", "");
+    auto stage = tk_run(root / "stage", base_with(kAdamW) + "[[plugins]]\nname = \"shard\"\nstage = 2\n", "");
     CHECK(stage.rc != 0);
-    CHECK(stage.out.find("zero_stage: must be 0 or 1") != std::string::npos);
+    CHECK(stage.out.find("plugins.shard.stage: must be 0 or 1") != std::string::npos);
     CHECK(stage.out.find("recipe.toml:") != std::string::npos);
+    // ddp's zero_stage of earlier versions: refused, saying where the setting went.
+    auto moved = tk_run(root / "moved", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\n", "");
+    CHECK(moved.rc == 2);
+    CHECK(moved.out.find("plugins.ddp.zero_stage: the sharded optimizer is its own plugin now: write [[plugins]] name = "
+                         "\"shard\" with stage = 1 instead") != std::string::npos);
     // An MLP without hidden layers has 2 tensors: 3 ranks cannot each update whole ones.
     std::string flat = base_with(kAdamW);
     flat.replace(flat.find("hidden = [16]"), 13, "hidden = []");
-    auto many = tk_run(root / "many", flat + "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\ntimeout_s = 20.0\n", "--nproc 3");
+    auto many = tk_run(root / "many", flat + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 1\n[world]\ntimeout_s = 20.0\n", "--nproc 3");
     CHECK(many.rc != 0);
-    CHECK(many.out.find("plugin 'ddp' could not make the optimizer: zero_stage = 1 shards whole tensors: the model "
+    CHECK(many.out.find("plugin 'shard' could not make the optimizer: stage 1 shards whole tensors: the model "
                         "has 2 trainable tensors for 3 ranks") != std::string::npos);
     CHECK(many.out.find("step 1/") == std::string::npos);
     auto differ = tk_run(root / "differ",
-                         experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\ntimeout_s = 20.0\n",
+                         experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 1\n[world]\ntimeout_s = 20.0\n",
                          "--nproc 2 --set model.experts_on_rank1=3");
     CHECK(differ.rc == 1);
     CHECK(differ.out.find("the model on rank 1 differs from rank 0's: 14 parameters and 0 buffers here, 18 and 0 on "
@@ -615,7 +622,7 @@ TEST_SUITE("recompute") {
   TEST_CASE("2 DDP ranks with recomputation take the steps of 2 ranks without it, bit for bit (search on, off, ZeRO-1)") {
     const fs::path root = tkt::temp_dir("recompute-ddp");
     const std::string base = gpt_recipe(root);
-    for (const std::string ddp : {"", "find_unused_parameters = false\n", "zero_stage = 1\n"}) {
+    for (const std::string ddp : {"", "find_unused_parameters = false\n", "[[plugins]]\nname = \"shard\"\nstage = 1\n"}) {
       CAPTURE(ddp);
       const std::string with_ddp = base + "[[plugins]]\nname = \"ddp\"\n" + ddp;
       auto plain = tk_run(root / "plain", with_ddp, "--nproc 2 --overwrite");
@@ -656,7 +663,7 @@ TEST_SUITE("resume") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("SIGTERM stops at the next boundary with a checkpoint and a non-zero exit; resuming completes the run") {
+  TEST_CASE("SIGTERM stops at the next boundary with a checkpoint and a non-zero exit - resuming completes the run") {
     const fs::path root = tkt::temp_dir("resume-term");
     const std::string sets = "--set run.steps=20000 --set run.checkpoint_every=0 ";
     auto one = tk_run(root / "one", kBase, sets);

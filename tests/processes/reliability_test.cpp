@@ -54,7 +54,7 @@ void check_same_run(const fs::path& dir, const fs::path& reference) {
 }  // namespace
 
 TEST_SUITE("reliability") {
-  TEST_CASE("a write that fails stops the run at once, naming the file; the last good checkpoint is kept") {
+  TEST_CASE("a write that fails stops the run at once, naming the file - the last good checkpoint is kept") {
     const fs::path root = tkt::temp_dir("full-disk");
     SUBCASE("metrics.jsonl a link to a device: not trainkit's, never written through") {
       fs::create_directories(root / "out");
@@ -141,7 +141,7 @@ TEST_SUITE("reliability") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("--overwrite deletes only what trainkit wrote; files of a person's at trainkit's names are never touched") {
+  TEST_CASE("--overwrite deletes only what trainkit wrote - files of a person's at trainkit's names are never touched") {
     const fs::path root = tkt::temp_dir("foreign");
     // A folder of a person's own, at the names trainkit writes: refused, with or without --overwrite.
     fs::create_directories(root / "out/checkpoints/epoch_10");
@@ -182,15 +182,15 @@ TEST_SUITE("reliability") {
     auto p = tk_run(root, kBase, "--nproc 2");
     INFO(p.out);
     CHECK(p.rc == 2);
-    CHECK(has(p, "--nproc 2 needs a plugin that provides the world"));
+    CHECK(has(p, "--nproc 2 needs a plugin that sums the gradients across the processes (grads.synced)"));
     CHECK(!has(p, "starting 2 workers"));
     CHECK(!fs::exists(root / "out"));
     fs::remove_all(root);
   }
 
-  TEST_CASE("--nproc checks the recipe and its plugins without building the run; a worker's refusal is the launch's") {
+  TEST_CASE("--nproc checks the recipe and its plugins without building the run - a worker's refusal is the launch's") {
     const fs::path root = tkt::temp_dir("nproc-checks");
-    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 30.0\n";
+    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n[world]\ntimeout_s = 30.0\n";
     // A key no component has: refused by the launcher, at its place, before any worker starts.
     auto key = tk_run(root / "key", recipe, "--nproc 2 --set model.hiden=[8]");
     INFO(key.out);
@@ -207,7 +207,7 @@ TEST_SUITE("reliability") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("resume refuses a different run, listing each change; --allow-change lets one through") {
+  TEST_CASE("resume refuses a different run, listing each change - --allow-change lets one through") {
     const fs::path root = tkt::temp_dir("strict-resume");
     const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 --set run.max_time=\\\"0s\\\" ";
     REQUIRE(tk_run(root, kAccum, sets).rc == 0);  // stops after step 1, with a checkpoint
@@ -245,7 +245,7 @@ TEST_SUITE("reliability") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("a checkpoint that predates an option resumes with its default, bit-identically; set otherwise, it is refused") {
+  TEST_CASE("a checkpoint that predates an option resumes with its default, bit-identically - set otherwise, it is refused") {
     const fs::path root = tkt::temp_dir("older-options"), reference = root / "reference", run = root / "run";
     const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 ";
     REQUIRE(tk_run(reference, kAccum, sets).rc == 0);
@@ -289,7 +289,7 @@ TEST_SUITE("reliability") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("SIGHUP stops like SIGTERM; the printed command continues this very run; a finished run resumes to nothing") {
+  TEST_CASE("SIGHUP stops like SIGTERM - the printed command continues this very run - a finished run resumes to nothing") {
     const fs::path root = tkt::temp_dir("resume-hint");
     const std::string cmd = tkt::tk_run_command(root, kAccum, "--set run.steps=3000 --set 'optimizer.lr=0.05'");
     auto p = tkt::shell(start_and_wait(cmd, root / "out/metrics.jsonl") + "kill -HUP $pid; wait $pid");
@@ -403,7 +403,7 @@ TEST_SUITE("reliability") {
 
   TEST_CASE("a rank that hangs is named") {
     const fs::path root = tkt::temp_dir("hung-rank");
-    auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ntimeout_s = 5.0\n" +
+    auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n[world]\ntimeout_s = 5.0\n" +
                               "[[plugins]]\nname = \"probe\"\nstop_at_step = 2\nonly_rank = 1\n",
                     "--nproc 2");
     INFO(p.out);

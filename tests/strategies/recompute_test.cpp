@@ -272,4 +272,40 @@ TEST_SUITE("recompute") {
     CHECK(torch::equal(params, by_hand.params));
     CHECK(fit.window_losses == by_hand.fit.window_losses);
   }
+
+  TEST_CASE("with bf16 autocast and recomputation, the trials measure the run's own step: its measured peak is the trial's") {
+    // The trials run the recipe's plugins (autocast, the recomputed blocks) through the run's own
+    // engine: the peak the planner measured for the micro-batch and level it picked is the peak
+    // each training step then takes. Trials that left autocast out measured float32 activations.
+    const double huge = 64.0 * (1 << 30);
+    const Plan roomy = plan(kBf16 + recompute("modules = \"auto\"\n"), 16, huge);
+    REQUIRE(roomy.micro_batch == 16);
+    // A budget that 8 fits at the lever's top level and 16 does not: the planner must weigh both.
+    const double budget = 1.1 * 1.01 * peak_at(roomy, 8);
+    const std::string text = std::string(kGpt) + kAutoAccum + kBf16 + recompute("modules = \"auto\"\n");
+    const fs::path dir = tkt::temp_dir("recompute-auto-bf16");
+    tk::TrainerOptions opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer t(tkt::recipe(auto_sets(16, budget) + std::vector<std::string>{"run.output=\"" + dir.string() + "\"",
+                                                                       "run.measure_memory=true"},
+                              text.c_str()),
+                  opts);
+    const tk::RunPlan& p = t.plan();
+    const int64_t m = p.micro_batch();
+    double trial = 0;
+    for (const auto& [mb, bytes] : p.measured_peaks())
+      if (mb == m) trial = bytes;
+    REQUIRE(trial > 0);
+    CHECK(trial * 1.1 <= budget);
+    t.fit();
+    const auto peaks = tkt::metric(dir / "metrics.jsonl", "step_peak_mib");
+    REQUIRE(peaks.size() >= 2);
+    for (size_t i = 1; i < peaks.size(); ++i) {  // the first step makes the optimizer's state
+      CAPTURE(i);
+      const double run = peaks[i] * 1024 * 1024;
+      CHECK(run <= budget);
+      CHECK(std::abs(run - trial) <= 0.03 * trial);
+    }
+    fs::remove_all(dir);
+  }
 }

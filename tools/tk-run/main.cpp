@@ -234,7 +234,8 @@ void add_options(CLI::App& app, Cli& c) {
       ->type_name("KEY")
       ->allow_extra_args(false);
   app.add_option("--nproc", c.launch.nproc,
-                 "train with N processes on this machine (needs a plugin that provides the world, such as ddp); "
+                 "train with N processes on this machine (needs a plugin that sums gradients across them, such as "
+                 "ddp); "
                  "each worker's output is prefixed with its rank; one failing stops them all")
       ->type_name("N")
       ->check(CLI::Range(1, 4096));
@@ -271,6 +272,7 @@ int die_usage(const std::string& msg) {
 std::string check_combination(Cli& c) {
   if (c.recipe_path.empty()) return "no recipe given";
   if (!c.resume.empty()) c.topts.resume = c.resume;
+  c.topts.join_world = !c.dry_run;  // a dry run plans alone (under --nproc, rank 0 alone is started)
   if (!c.topts.allow_changes.empty() && c.resume.empty()) return "--allow-change needs --resume";
   if (c.topts.overwrite && !c.resume.empty()) return "--overwrite starts a run over; it cannot go with --resume";
   if ((c.launch.nproc > 1 || c.launch.nnodes > 1) && c.worker) return "--nproc or --nnodes inside a worker";
@@ -307,15 +309,16 @@ int print_dry_run(const std::string& plan) {
   return 0;
 }
 
-/// --nproc N: the recipe's plugins must make a world (each worker would otherwise train the whole
-/// run alone, all into one folder), learnt from the plugins alone; then the workers (for a dry
-/// run, rank 0 of that world prints its plan).
+/// --nproc N: a plugin of the recipe must sum the gradients across the world (each worker would
+/// otherwise train its own run), learnt from the plugins alone; then the workers (for a dry run,
+/// rank 0 of that world prints its plan).
 int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
   const auto caps = tk::plugin_capabilities(recipe, c.topts);
-  if (!caps.count(tk::cap::kWorld))
-    return die_usage("--nproc " + std::to_string(c.launch.nproc) + " needs a plugin that provides the world (" +
-                     tk::cap::kWorld + "), such as ddp: add [[plugins]] name = \"ddp\" to the recipe; this one "
-                     "would train " + std::to_string(c.launch.nproc) + " independent copies of the run");
+  if (!caps.count(tk::cap::kGradsSynced))
+    return die_usage("--nproc " + std::to_string(c.launch.nproc) + " needs a plugin that sums the gradients across "
+                     "the processes (" + tk::cap::kGradsSynced + "), such as ddp: add [[plugins]] name = \"ddp\" to "
+                     "the recipe; this one would train " + std::to_string(c.launch.nproc) + " independent copies of "
+                     "the run");
   setenv("TK_WORKER", "1", 1);
   std::vector<std::string> worker_argv = {argv[0]};
   for (auto& a : args_without(argc, argv, kLaunchOptions, {})) worker_argv.push_back(a);

@@ -12,12 +12,12 @@ inline constexpr const char* kGradsUnscaled = "grads.unscaled";    ///< loss sca
 inline constexpr const char* kGradsClipped = "grads.clipped";      ///< norm or value clipped
 inline constexpr const char* kLossScale = "loss.scale";            ///< multiplies the loss before backward
 inline constexpr const char* kAutocast = "autocast";               ///< runs forward under autocast
-inline constexpr const char* kWorld = "world";                     ///< sets world size and rank (data parallel)
+inline constexpr const char* kOptimizerSharded = "optimizer.sharded"; ///< the optimizer's state split across the ranks
 
 /// Every name above. A name in `after` or `requires_` that is neither one of these nor provided
 /// by a plugin of the run is reported (a warning for `after`, part of the error for `requires_`):
 /// it is most likely a typo that would silently drop an ordering.
 inline constexpr const char* kKnown[] = {kWindow,     kGradsSynced, kGradsNormalized, kGradsUnscaled,
-                                         kGradsClipped, kLossScale, kAutocast,        kWorld};
+                                         kGradsClipped, kLossScale, kAutocast,        kOptimizerSharded};
 
 }  // namespace tk::cap

@@ -17,12 +17,14 @@
 #include "tk/events.h"
 #include "tk/model.h"
 #include "tk/run_plan.h"
+#include "tk/world.h"
 
 namespace tk {
 
-/// How a run ended, as on_fit_end sees it (Running before that).
-enum class FitStatus { Running, Completed, StoppedByTime, StoppedBySignal, Failed };
-/// "running", "completed", "max_time", "signal", "failed".
+/// How a run ended, as on_fit_end sees it (Running before that). Trial: the end of trial steps
+/// (Context::trial()), which leave nothing behind.
+enum class FitStatus { Running, Completed, StoppedByTime, StoppedBySignal, Failed, Trial };
+/// "running", "completed", "max_time", "signal", "failed", "trial".
 const char* to_string(FitStatus s) noexcept;
 
 /// Named tensors, as save_tensors writes them (tk/tensor_io.h uses the same type).
@@ -60,6 +62,8 @@ class Context : public PluginLog {
   const RunPlan& plan() const noexcept;
   int rank() const noexcept;
   int world_size() const noexcept;
+  /// The run's world: its ranks and their collectives (tk/world.h).
+  World& world() const noexcept;
   /// How the recipe's loss reduces over its items (the plan's).
   Reduction reduction() const noexcept;
   /// The event being dispatched.
@@ -93,6 +97,12 @@ class Context : public PluginLog {
   const std::filesystem::path& output_dir() const noexcept;
   /// Running until on_fit_end; there, how the run ended.
   FitStatus status() const noexcept;
+  /// Whether these are trial steps, not training: the memory planner's (micro_batch = "auto")
+  /// and the accumulation verifier's run the plugins' whole cycle, on_fit_start to on_fit_end
+  /// (status Trial), before training, and put back afterwards the parameters, buffers, random
+  /// generators, optimizer and every plugin's state() (through load_state). A plugin that records
+  /// what happens (a profiler, a log) leaves trials out.
+  bool trial() const noexcept;
 
   /// Adds a value to this step's record in metrics.jsonl (boundary, step_end and validation_end
   /// events); the core's own keys (step, loss, lr, ...) are refused.
@@ -163,6 +173,8 @@ class SetupContext : public PluginLog {
   /// Replaces the model (a wrapper that holds the old one, say).
   void set_model(ModelPtr m);
   const RunPlan& plan() const noexcept;
+  /// The run's world: its ranks and their collectives (tk/world.h).
+  World& world() const noexcept;
   const DataInfo& data() const noexcept;
   /// Has the core make the run's optimizer through `wrap`: it gets the trainable parameters and a
   /// factory of the recipe's optimizer, and may build that over the parameters it chooses (a

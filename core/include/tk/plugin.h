@@ -66,8 +66,9 @@ class Plugin {
   virtual void init() {}
   /// Declares ordering needs and what this plugin provides.
   virtual Contract contract() const { return {}; }
-  /// Shapes the run plan before training: the window (RunPlan::set_window) or the world
-  /// (RunPlan::set_world); may refuse the plan with fail_option().
+  /// Shapes the run plan before training: the window (RunPlan::set_window); may refuse the plan
+  /// with fail_option(). The world (plan.world()) is there: its collectives may be called, by
+  /// every rank alike.
   virtual void configure(RunPlan& plan) {}
   /// Once, after the model is built and before the optimizer exists; may change the model.
   virtual void setup(SetupContext& setup) {}

@@ -12,6 +12,8 @@
 
 namespace tk {
 
+class World;
+
 /// What to do with the short window at the end of an epoch.
 enum class LastWindow { Step, Drop, Carry };
 const char* to_string(LastWindow p) noexcept;
@@ -97,7 +99,7 @@ struct PlanAccess;
 }  // namespace detail
 
 /// The shape of a run, settled before training. Plugins shape it in Plugin::configure, through
-/// set_window and set_world only; the core then settles what they left open (the window size from
+/// set_window only; the core then settles what they left open (the window size from
 /// an effective batch, the micro-batch from a memory budget). From on_fit_start on, it is final.
 /// The core owns what lies behind it: a plugin sees the values, never the bookkeeping.
 class RunPlan {
@@ -122,9 +124,11 @@ class RunPlan {
   int64_t memory_level() const noexcept;
   const BatchRamp& ramp() const noexcept;
   LastWindow last_window() const noexcept;
-  /// Processes that train together, and this one's rank.
+  /// Processes that train together, and this one's rank (the run's world, tk/world.h).
   int world_size() const noexcept;
   int rank() const noexcept;
+  /// The run's world: its ranks and their collectives (tk/world.h).
+  World& world() const noexcept;
   /// How the recipe's loss reduces over its items.
   Reduction reduction() const noexcept;
   /// Where the model and the batches live.
@@ -133,21 +137,12 @@ class RunPlan {
   bool has(const std::string& cap) const;
   /// Everything the run's plugins provide.
   const std::set<std::string>& capabilities() const noexcept;
-  /// The plugins that set the window and the world ("" when none did).
+  /// The plugin that set the window ("" when none did).
   const std::string& window_owner() const noexcept;
-  const std::string& world_owner() const noexcept;
 
   /// Sets the accumulation window (configure only). A second plugin trying to set it is refused,
   /// naming both.
   void set_window(const WindowRequest& request);
-  /// Sets world size and rank (configure only); a second plugin trying to set them is refused,
-  /// naming both.
-  void set_world(int world_size, int rank);
-  /// How the ranks agree (configure only, by the plugin that set the world): `max_over_ranks(v)`
-  /// returns the largest `v` any rank passed, a collective every rank calls at the same point.
-  /// The core calls it once per optimizer step, from the first step on, so that every rank stops
-  /// at the same boundary when one of them is out of time or was asked to stop.
-  void set_world_agreement(std::function<int64_t(int64_t)> max_over_ranks);
 
   RunPlan(const RunPlan&) = delete;
   RunPlan& operator=(const RunPlan&) = delete;

@@ -145,7 +145,8 @@ inline bool identical(const Parameters& a, const Parameters& b) { return max_dif
 
 /// Records, at each boundary after all gradient work, the gradients (flat, float64), the step's
 /// lr and window size; at each step end the window loss; at each micro-batch its window position.
-/// Give it a name when adding it to a run ({capture, "capture"}).
+/// Trial steps (Context::trial()) are left out. Give it a name when adding it to a run ({capture,
+/// "capture"}).
 class Capture : public Plugin {
  public:
   Contract contract() const override;
@@ -158,7 +159,8 @@ class Capture : public Plugin {
   std::vector<Window> windows;
 };
 
-/// Vetoes the optimizer steps with the given 0-based indices (after every gradient plugin).
+/// Vetoes the optimizer steps with the given 0-based indices (after every gradient plugin); trial
+/// steps it leaves alone.
 class VetoAt : public Plugin {
  public:
   explicit VetoAt(std::set<int64_t> steps);
@@ -169,7 +171,7 @@ class VetoAt : public Plugin {
   std::set<int64_t> steps_;
 };
 
-/// Throws from on_backward at the given 0-based step: a run that fails mid-window.
+/// Throws from on_backward at the given 0-based step (not in a trial): a run that fails mid-window.
 class ThrowAt : public Plugin {
  public:
   explicit ThrowAt(int64_t step);

@@ -48,6 +48,9 @@ struct TrainerOptions {
   /// Recipe keys ("optimizer.lr", or a section such as "optimizer") that may differ from the
   /// checkpoint's when resuming; "all" allows any difference. Other differences are refused.
   std::vector<std::string> allow_changes;
+  /// Whether the run joins the other ranks of its world (tk/world.h) when it first needs them;
+  /// false for a dry run of one rank of a world, which plans alone.
+  bool join_world = true;
 };
 
 /// What a finished run reports.

@@ -15,6 +15,7 @@
 #include "tk/context.h"
 #include "tk/plugin.h"
 #include "tk/registry.h"
+#include "tk/world.h"
 #include "tk/run_plan.h"
 
 namespace tk::detail {
@@ -53,8 +54,8 @@ struct PlanValues {
   Reduction reduction = Reduction::Mean;
   c10::DeviceType device = c10::kCPU;
   std::set<std::string> capabilities;
-  std::string window_owner, world_owner;
-  std::function<int64_t(int64_t)> max_over_ranks;  ///< the world's agreement (its owner's), if any
+  std::string window_owner;
+  World* world = nullptr;  ///< the run's (set before the plugins configure)
 
   int64_t effective_batch() const noexcept { return micro_batch * accumulation * world_size; }
   bool has(const std::string& cap) const { return capabilities.count(cap) != 0; }
@@ -68,7 +69,7 @@ struct PlanState : PlanValues {
   /// Back to the values of a plan no plugin has shaped.
   void reset() { static_cast<PlanValues&>(*this) = PlanValues{}; }
 
-  const Dispatch* dispatch = nullptr;  ///< who is configuring (set_window and set_world need it)
+  const Dispatch* dispatch = nullptr;  ///< who is configuring (set_window needs it)
   RunPlan view;
 };
 
@@ -96,6 +97,7 @@ struct StepVotes {
 /// Everything behind a Context.
 struct LoopState {
   Dispatch d;
+  World* world = nullptr;
   Model* model = nullptr;
   torch::optim::Optimizer* optimizer = nullptr;
   const PlanState* plan = nullptr;
@@ -111,6 +113,7 @@ struct LoopState {
   double window_loss = 0.0, validation_loss = 0.0, lr = 0.0;
   std::filesystem::path output_dir;
   FitStatus status = FitStatus::Running;
+  bool trial = false;  ///< a trial step (the memory planner's, the verifier's): nothing of it is kept
   StepVotes step;
 
   /// Counts one read from the device.
@@ -123,6 +126,7 @@ struct LoopState {
 /// Everything behind a SetupContext.
 struct SetupState {
   const Dispatch* d = nullptr;  // the run's
+  World* world = nullptr;
   ModelPtr* model = nullptr;
   const PlanState* plan = nullptr;
   const DataInfo* data = nullptr;

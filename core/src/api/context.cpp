@@ -121,6 +121,7 @@ const char* to_string(FitStatus s) noexcept {
     case FitStatus::StoppedByTime: return "max_time";
     case FitStatus::StoppedBySignal: return "signal";
     case FitStatus::Failed: return "failed";
+    case FitStatus::Trial: return "trial";
   }
   return "?";
 }
@@ -134,6 +135,7 @@ torch::optim::Optimizer& Context::optimizer() const { return *s_->optimizer; }
 const RunPlan& Context::plan() const noexcept { return s_->plan->view; }
 int Context::rank() const noexcept { return s_->plan->rank; }
 int Context::world_size() const noexcept { return s_->plan->world_size; }
+World& Context::world() const noexcept { return *s_->world; }
 Reduction Context::reduction() const noexcept { return s_->plan->reduction; }
 Event Context::event() const noexcept { return s_->d.event.value_or(Event::FitStart); }
 const Counters& Context::counters() const noexcept { return s_->counters; }
@@ -162,6 +164,7 @@ double Context::validation_loss() const noexcept { return s_->validation_loss; }
 double Context::lr() const noexcept { return s_->lr; }
 const std::filesystem::path& Context::output_dir() const noexcept { return s_->output_dir; }
 FitStatus Context::status() const noexcept { return s_->status; }
+bool Context::trial() const noexcept { return s_->trial; }
 
 namespace {
 
@@ -241,6 +244,7 @@ void SetupContext::set_model(ModelPtr m) {
   *s_->model = std::move(m);
 }
 const RunPlan& SetupContext::plan() const noexcept { return s_->plan->view; }
+World& SetupContext::world() const noexcept { return *s_->world; }
 const DataInfo& SetupContext::data() const noexcept { return *s_->data; }
 void SetupContext::wrap_optimizer(OptimizerWrap wrap) {
   if (!wrap) throw std::invalid_argument("wrap_optimizer: the wrap is empty");

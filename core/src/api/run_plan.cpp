@@ -1,4 +1,4 @@
-// RunPlan: the plugins' view of the plan, and the two ways they shape it (in configure only).
+// RunPlan: the plugins' view of the plan, and the way they shape it (in configure only).
 #include "tk/run_plan.h"
 
 #include "api/api.h"
@@ -22,12 +22,12 @@ const BatchRamp& RunPlan::ramp() const noexcept { return s_->ramp; }
 LastWindow RunPlan::last_window() const noexcept { return s_->last_window; }
 int RunPlan::world_size() const noexcept { return s_->world_size; }
 int RunPlan::rank() const noexcept { return s_->rank; }
+World& RunPlan::world() const noexcept { return *s_->world; }
 Reduction RunPlan::reduction() const noexcept { return s_->reduction; }
 c10::DeviceType RunPlan::device() const noexcept { return s_->device; }
 bool RunPlan::has(const std::string& cap) const { return s_->has(cap); }
 const std::set<std::string>& RunPlan::capabilities() const noexcept { return s_->capabilities; }
 const std::string& RunPlan::window_owner() const noexcept { return s_->window_owner; }
-const std::string& RunPlan::world_owner() const noexcept { return s_->world_owner; }
 
 const char* to_string(LastWindow p) noexcept {
   switch (p) {
@@ -65,27 +65,6 @@ void RunPlan::set_window(const WindowRequest& w) {
   s_->memory_budget = w.memory_budget;
   s_->ramp = w.ramp;
   s_->window_owner = by;
-}
-
-void RunPlan::set_world(int world, int rank) {
-  const std::string& by = configuring(*s_, "set_world()");
-  if (!s_->world_owner.empty() && s_->world_owner != by)
-    throw Error("plugins '" + s_->world_owner + "' and '" + by + "' both set the world size; keep one of them");
-  if (world < 1 || rank < 0 || rank >= world)
-    throw Error("plugin '" + by + "' set world size " + std::to_string(world) + " and rank " + std::to_string(rank));
-  s_->world_size = world;
-  s_->rank = rank;
-  s_->world_owner = by;
-}
-
-void RunPlan::set_world_agreement(std::function<int64_t(int64_t)> max_over_ranks) {
-  const std::string& by = configuring(*s_, "set_world_agreement()");
-  if (s_->world_owner != by)
-    throw Error("plugin '" + by + "' gave the world's agreement, but " +
-                (s_->world_owner.empty() ? std::string("no plugin") : "plugin '" + s_->world_owner + "'") +
-                " set the world (set_world comes first, from the same plugin)");
-  if (!max_over_ranks) throw Error("plugin '" + by + "' gave an empty world agreement");
-  s_->max_over_ranks = std::move(max_over_ranks);
 }
 
 }  // namespace tk

@@ -12,7 +12,7 @@ namespace fs = std::filesystem;
 namespace tk::detail {
 namespace {
 
-const std::vector<std::string> kSections = {"run", "model", "data", "loss", "optimizer", "schedule", "plugins"};
+const std::vector<std::string> kSections = {"run", "world", "model", "data", "loss", "optimizer", "schedule", "plugins"};
 
 /// What a `[[plugins]]` entry resolves to: the library it loaded and the plugin it names ("" for
 /// a library that only registers components).
@@ -121,6 +121,7 @@ PluginLoader loader_for(const Recipe& recipe, const TrainerOptions& opts) {
 
 void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
   recipe.check_sections(kSections);
+  r.may_join_world = opts.join_world;
   read_run_section(r, recipe);
   load_standard_libraries(r.registry);
   load_plugins(r, recipe, loader_for(recipe, opts));

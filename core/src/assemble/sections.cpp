@@ -169,6 +169,9 @@ void read_run_section(Run& r, const Recipe& recipe) {
     r.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i));
   }
   r.seed = static_cast<uint64_t>(o.get_int("seed"));
+  r.world_opts = recipe.options("world", world_specs());
+  r.resolved.add_section("world", "", r.world_opts);
+  r.world = std::make_unique<ProcessWorld>(placement_from_environment());
 }
 
 namespace {

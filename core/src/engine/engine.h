@@ -77,7 +77,11 @@ struct PhaseTimes {
 /// A model's name for messages: "model 'gpt'", with the file it was read from when it has one.
 std::string model_label(const Run& run);
 
-/// Runs micro-batches and optimizer steps of a planned run, dispatching their events.
+/// The state the plugins' Context shows, for a planned run before its first event.
+LoopState loop_state(Run& run);
+
+/// Runs micro-batches and optimizer steps of a planned run, dispatching their events: the one
+/// path a window takes in training, in the memory planner's trials and in the verifier.
 class StepEngine {
  public:
   StepEngine(Run& run, LoopState& state, Events& events, PhaseTimes& phases);
@@ -85,10 +89,12 @@ class StepEngine {
   /// One micro-batch of the current window (state.window): MicroBatch, forward, the loss, Loss,
   /// backward, Backward. Adds it to the window's totals and the counters.
   void micro_batch(const Batch& batch);
-  /// The window's optimizer step: the learning rate set, Boundary, the step's one read from the
-  /// device, the step (or its veto), zero_grad, the counters, StepEnd. Returns whether a plugin
-  /// vetoed it. A non-finite window loss stops the run before the step with `diagnose()`'s
-  /// account of it.
+  /// The window's boundary: the learning rate set, Boundary, the step's one read from the device.
+  /// The gradients are then those the optimizer steps with.
+  void boundary();
+  /// The window's optimizer step: boundary(), then the step (or its veto), zero_grad, the
+  /// counters, StepEnd. Returns whether a plugin vetoed it. With `diagnose`, a non-finite window
+  /// loss stops the run before the step with its account of it.
   bool step(const std::function<std::string()>& diagnose);
 
  private:
@@ -96,6 +102,45 @@ class StepEngine {
   LoopState& s_;
   Events& events_;
   PhaseTimes& phases_;
+};
+
+// ---- trial.cpp: steps that leave nothing behind ---------------------------------------------------
+
+/// Steps of a planned run for the memory planner's trials and the accumulation verifier: the
+/// plugins' whole cycle (on_fit_start, each window's events, on_fit_end with status Trial) through
+/// the run's own engine, with ctx.trial() true and the plugins' info lines left out of the log.
+/// What the steps change (parameters, buffers, generators, the optimizer, the plugins' states)
+/// the caller puts back (TrialGuard).
+class TrialRun {
+ public:
+  /// Dispatches on_fit_start.
+  explicit TrialRun(Run& run);
+  /// on_fit_end, when finish() did not run (after a failure: its errors dropped).
+  ~TrialRun();
+  TrialRun(const TrialRun&) = delete;
+  TrialRun& operator=(const TrialRun&) = delete;
+
+  /// Opens a window of `size` micro-batches.
+  void open_window(int64_t size);
+  /// The window's next micro-batch.
+  void micro_batch(const Batch& batch);
+  /// The window's boundary, without the optimizer step.
+  void boundary() { engine_.boundary(); }
+  /// The window's whole step (a non-finite loss is no error here: the trial measures memory).
+  void step() { engine_.step({}); }
+  /// on_fit_end (status Trial); its errors propagate.
+  void finish();
+  const LoopState& state() const noexcept { return s_; }
+
+ private:
+  Run& r_;
+  LoopState s_;
+  std::vector<TraceEntry> trace_;  // not kept
+  Events events_;
+  PhaseTimes phases_;  // off
+  StepEngine engine_;
+  int64_t next_ = 0;  // the window's next micro-batch
+  bool finished_ = false;
 };
 
 }  // namespace tk::detail

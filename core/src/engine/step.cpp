@@ -32,15 +32,20 @@ void PhaseTimes::record(JsonLine& line) const {
 }
 
 std::string model_label(const Run& r) {
-  const std::string file = r.model_opts.has("torchscript") ? r.model_opts.get_path("torchscript") : "";
-  return "model '" + r.model_name + "'" + (file.empty() ? "" : " (" + file + ")");
+  // The files the model was read from: its Path options that the recipe set.
+  std::string files;
+  for (const auto& c : r.registry.models())
+    if (c.name == r.model_name)
+      for (const auto& spec : c.specs)
+        if (spec.type == OptionType::Path && r.model_opts.has(spec.name) && !r.model_opts.get_path(spec.name).empty())
+          files += (files.empty() ? "" : ", ") + r.model_opts.get_path(spec.name);
+  return "model '" + r.model_name + "'" + (files.empty() ? "" : " (" + files + ")");
 }
 
 StepEngine::StepEngine(Run& run, LoopState& state, Events& events, PhaseTimes& phases)
     : r_(run), s_(state), events_(events), phases_(phases) {}
 
 void StepEngine::micro_batch(const Batch& batch) {
-  if (fault_due("oom")) TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (injected by TK_FAULT=oom)");
   phases_.mark();
   events_.emit(Event::MicroBatch);
   at::Tensor out = r_.model->forward(batch.input);
@@ -76,7 +81,18 @@ void StepEngine::micro_batch(const Batch& batch) {
   phases_.add(PhaseTimes::kBackward);
 }
 
-bool StepEngine::step(const std::function<std::string()>& diagnose) {
+LoopState loop_state(Run& run) {
+  LoopState s;
+  s.model = run.model.get();
+  s.optimizer = run.optimizer.get();
+  s.plan = &run.plan;
+  s.world = run.world.get();
+  s.counters.total_steps = run.total_steps;
+  s.d.log = run.dispatch.log;
+  return s;
+}
+
+void StepEngine::boundary() {
   s_.lr = r_.schedule->lr(s_.counters.schedule_step, r_.total_steps);
   set_lr(*r_.optimizer, s_.lr);
   s_.step.clear();
@@ -86,10 +102,14 @@ bool StepEngine::step(const std::function<std::string()>& diagnose) {
   // the step's one read from the device.
   s_.read_step_values();
   phases_.add(PhaseTimes::kBoundary);
+}
+
+bool StepEngine::step(const std::function<std::string()>& diagnose) {
+  boundary();
   const WindowTotals& t = s_.totals;
   s_.window_loss = t.tokens > 0 ? t.loss_sum / static_cast<double>(t.tokens) : 0.0;
   const bool skipped = !s_.step.veto_reason.empty();
-  if (!skipped && !std::isfinite(s_.window_loss)) throw Error(diagnose());
+  if (!skipped && diagnose && !std::isfinite(s_.window_loss)) throw Error(diagnose());
   if (!skipped) r_.optimizer->step();
   else ++s_.counters.skipped_steps;
   zero_grads(r_);

@@ -12,8 +12,9 @@ std::optional<std::filesystem::path> CheckpointPolicy::after_step(const Counters
                                                                   bool last) {
   if (!outputs_.writes() || !(last || (every_ > 0 && c.step % every_ == 0))) return std::nullopt;
   if (outputs_.active()) return outputs_.checkpoint(r_, c, epoch, b);
-  if (!r_.optimizer_wraps.empty()) {
-    // A wrapped optimizer's save() may gather its state from every rank: each one takes part.
+  // A checkpoint is the world's: every rank's optimizer saves (one whose state is spread over the
+  // ranks gathers it to rank 0 there), rank 0 alone writes.
+  if (r_.plan.world_size > 1) {
     torch::serialize::OutputArchive discarded;
     r_.optimizer->save(discarded);
   }

@@ -1,6 +1,7 @@
 // The training loop: epochs of windows of micro-batches, one optimizer step per window, and what
 // each step's end decides (its record, validation, a stop, a checkpoint). The step itself is the
 // engine's; everything else about a run is assembled and planned before it starts.
+#include <c10/util/Exception.h>
 #include <spdlog/spdlog.h>
 
 #include "loop/loop.h"
@@ -67,16 +68,6 @@ class Loop {
   bool done_ = false, in_window_ = false;  // checkpoints and resumes are at boundaries
   std::vector<at::Tensor> window_indices_;  // the examples of the window's micro-batches, for a diagnosis
 };
-
-LoopState loop_state(Run& run) {
-  LoopState s;
-  s.model = run.model.get();
-  s.optimizer = run.optimizer.get();
-  s.plan = &run.plan;
-  s.counters.total_steps = run.total_steps;
-  s.d.log = run.dispatch.log;
-  return s;
-}
 
 Loop::Loop(Run& run, const TrainerOptions& opts, std::vector<TraceEntry>& trace)
     : r_(run),
@@ -158,6 +149,8 @@ bool Loop::train_micro_batch(int64_t epoch, int64_t& b, const at::Tensor& order)
     s_.counters.batch_in_epoch = b;
     window_indices_.push_back(indices(b));
     recorder_.add(batch);
+    // TK_FAULT=oom:N makes the N-th micro-batch of training fail as out of memory (trials are not counted).
+    if (fault_due("oom")) TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (injected by TK_FAULT=oom)");
     engine_.micro_batch(batch);
   } catch (const c10::OutOfMemoryError& e) {
     s_.batch = nullptr;

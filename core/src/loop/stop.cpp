@@ -24,13 +24,16 @@ FitStatus StopRule::decide() {
   int64_t stop = kGoOn;
   if (opts_.stop_requested && opts_.stop_requested()) stop = kSignalled;
   else if (elapsed() >= r_.max_time_s) stop = kOutOfTime;
-  if (r_.plan.world_size > 1 && r_.plan.max_over_ranks) stop = r_.plan.max_over_ranks(stop);
+  if (r_.plan.world_size > 1) stop = r_.world->max(stop);
   return stop == kSignalled ? FitStatus::StoppedBySignal : stop == kOutOfTime ? FitStatus::StoppedByTime
                                                                             : FitStatus::Running;
 }
 
 void StopRule::note_unfinished_schedule(Run& run, const LoopState& s) const {
-  if (run.sched_name == "constant" || run.plan.rank != 0) return;
+  if (run.plan.rank != 0) return;
+  // A schedule whose last rate is this step's lost nothing (a constant one, say).
+  const double last = run.schedule->lr(run.total_steps - 1, run.total_steps);
+  if (last == s.lr) return;
   const int64_t done = s.counters.step - first_step_;
   const double seconds = elapsed();
   if (done < 1 || seconds <= 0.0) return;
@@ -38,8 +41,7 @@ void StopRule::note_unfinished_schedule(Run& run, const LoopState& s) const {
   run.warn(fmt::format("run.max_time stopped the run at step {} of run.steps = {}: schedule '{}' had not ended (lr "
                        "{:.3g} at this step, {:.3g} at its last). At this run's pace ({:.3g} s a step) about {} steps "
                        "fit in run.max_time; set run.steps to that for a schedule that ends with the time",
-                       s.counters.step, run.total_steps, run.sched_name, s.lr,
-                       run.schedule->lr(run.total_steps - 1, run.total_steps), seconds / static_cast<double>(done),
+                       s.counters.step, run.total_steps, run.sched_name, s.lr, last, seconds / static_cast<double>(done),
                        first_step_ + fit));
 }
 

@@ -46,7 +46,7 @@ void check_effective_batch(const Run& r) {
 void set_up_plugins(Run& r) {
   r.optimizer_wraps.clear();
   r.memory_lever = {};
-  SetupState state{&r.dispatch, &r.model, &r.plan, &r.data.info, &r.optimizer_wraps, &r.memory_lever};
+  SetupState state{&r.dispatch, r.world.get(), &r.model, &r.plan, &r.data.info, &r.optimizer_wraps, &r.memory_lever};
   SetupContext setup = ContextAccess::setup(state);
   for (size_t i : r.order) {
     const Slot& s = r.slots[i];
@@ -56,11 +56,20 @@ void set_up_plugins(Run& r) {
 
 void plan_once(Run& r) {
   r.plan.reset();
+  r.world->configure(r.world_opts, r.device, r.may_join_world);
+  r.plan.world_size = r.world->size();
+  r.plan.rank = r.world->rank();
+  r.plan.world = r.world.get();
   r.plan.micro_batch_auto = r.data_opts.get_word("micro_batch") == "auto";
   r.plan.micro_batch = r.plan.micro_batch_auto ? 0 : r.data_opts.get_int("micro_batch");
   r.plan.reduction = r.loss->reduction();
   r.plan.device = r.device.type();
   configure_plugins(r);
+  if (r.plan.world_size > 1 && !r.plan.has(cap::kGradsSynced))
+    throw Error("this process is rank " + std::to_string(r.plan.rank) + " of a world of " +
+                std::to_string(r.plan.world_size) + " (" + r.world->describe() + "), and no plugin sums the gradients "
+                "across it (" + cap::kGradsSynced + "): each rank would train its own run; add [[plugins]] name = "
+                "\"ddp\"");
   settle_window(r);
   check_effective_batch(r);
   set_up_plugins(r);

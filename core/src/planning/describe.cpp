@@ -47,7 +47,7 @@ std::string describe(Run& d, const Recipe& recipe) {
                                                      " micro-batches per epoch)"
                                                : std::string())
       << "\n"
-      << "world size    " << p.world_size << (p.world_owner.empty() ? "" : " (set by " + p.world_owner + ")") << "\n"
+      << "world         " << d.world->describe() << "\n"
       << "effective     " << p.effective_batch() << " examples per optimizer step (" << p.micro_batch << " x "
       << p.accumulation << " x " << p.world_size << ")"
       << (p.world_size > 1 ? "; " + std::to_string(p.micro_batch * p.accumulation) + " per rank" : "")

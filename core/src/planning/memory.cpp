@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "assemble/assemble.h"
+#include "engine/engine.h"
 #include "planning/planning.h"
 #include "tk/compat.h"
 
@@ -98,26 +99,32 @@ double bytes_of(const std::vector<at::Tensor>& ts) {
 }
 
 /// Peak bytes of a training step at micro-batch `m` in its steady state: the model's parameters
-/// and buffers, the batch, activations, gradients and the optimizer's state. Two steps are taken
-/// and the second is measured (the optimizer's state and the gradients kept by zero_grad exist by
-/// then); with more than one micro-batch per step, two go through forward and backward in each
-/// (the second adds its gradients into the first's, through a temporary per parameter).
+/// and buffers, the batch, activations, gradients and the optimizer's state. The steps are the
+/// run's own (the engine, with every plugin's events: autocast, recomputation, a sharded
+/// optimizer, data parallel's buckets), two of them, and the second is measured (the optimizer's
+/// state and the gradients kept by zero_grad exist by then); with more than one micro-batch per
+/// step, two go through forward and backward in each (the second adds its gradients into the
+/// first's, through a temporary per parameter).
 double measure_step(Run& r, int64_t m, int64_t k) {
   TrialGuard guard(r);
-  MemoryMeter meter(r);
-  const at::Tensor order = r.shard_order(0);  // the first micro-batches of training, and their index
-  const int64_t n = order.size(0);
-  for (int step = 0; step < 2; ++step) {
-    meter.take_peak();  // the second step's stretch starts here
-    for (int64_t i = 0; i < std::min<int64_t>(k, 2); ++i) {
-      Batch b = r.fetch(*r.data.train, order.slice(0, std::min(i * m, n - 1), std::min((i + 1) * m, n)));
-      at::Tensor loss = (*r.loss)(r.model->forward(b.input), b);
-      loss.backward();
+  double peak = 0;
+  {
+    MemoryMeter meter(r);
+    TrialRun trial(r);
+    const at::Tensor order = r.shard_order(0);  // the first micro-batches of training, and their index
+    const int64_t n = order.size(0), micro_batches = std::min<int64_t>(k, 2);
+    for (int step = 0; step < 2; ++step) {
+      meter.take_peak();  // the second step's stretch starts here
+      trial.open_window(micro_batches);
+      for (int64_t i = 0; i < micro_batches; ++i)
+        trial.micro_batch(r.fetch(*r.data.train, order.slice(0, std::min(i * m, n - 1), std::min((i + 1) * m, n))));
+      trial.step();
     }
-    r.optimizer->step();
-    zero_grads(r);
+    peak = meter.take_peak();
+    trial.finish();
   }
-  return meter.take_peak();
+  guard.restore();
+  return peak;
 }
 
 }  // namespace
@@ -134,7 +141,15 @@ std::vector<int64_t> divisors_of(int64_t n) {
 }
 
 MemoryMeter::MemoryMeter(const Run& r) : device_(r.device) {
-  resident_ = bytes_of(r.model->parameters()) + bytes_of(r.model->buffers());
+  // What the step holds that was made before the meter: the parameters, buffers, the gradients
+  // kept between steps (training zeroes them before its first step) and the optimizer's state (a
+  // resume loads it first).
+  std::vector<at::Tensor> grads;
+  for (const auto& p : r.model->parameters())
+    if (p.grad().defined()) grads.push_back(p.grad());
+  resident_ = bytes_of(r.model->parameters()) + bytes_of(r.model->buffers()) + bytes_of(grads);
+  if (r.optimizer)
+    if (const int64_t state = optimizer_state_bytes(*r.optimizer); state > 0) resident_ += static_cast<double>(state);
   if (device_.is_cuda()) {
     compat::cuda_reset_peak(device_);
     return;
@@ -162,9 +177,33 @@ TrialGuard::TrialGuard(Run& r) : r_(r), rng_(save_rng()) {
   torch::NoGradGuard no_grad;
   for (const auto& p : r.model->parameters()) params_.push_back(p.detach().clone());
   for (const auto& b : r.model->buffers()) buffers_.push_back(b.detach().clone());
+  for (size_t i : r.order) {
+    const Slot& s = r.slots[i];
+    declined_.emplace_back(s.plugin.get(), PluginAccess::state(*s.plugin).declined);
+    r.call_plugin(s, "state", [&] { states_.emplace_back(&s, s.plugin->state()); });
+  }
 }
 
 TrialGuard::~TrialGuard() {
+  if (restored_) return;
+  restore_tensors();
+  for (auto& [p, bits] : declined_) PluginAccess::state(*p).declined = bits;
+  for (auto& [slot, state] : states_)
+    if (!state.empty()) try {
+        slot->plugin->load_state(state);
+      } catch (...) {
+      }
+}
+
+void TrialGuard::restore() {
+  restored_ = true;
+  restore_tensors();
+  for (auto& [p, bits] : declined_) PluginAccess::state(*p).declined = bits;
+  for (auto& [slot, state] : states_)
+    if (!state.empty()) r_.call_plugin(*slot, "load_state", [&, &st = state] { slot->plugin->load_state(st); });
+}
+
+void TrialGuard::restore_tensors() noexcept {
   torch::NoGradGuard no_grad;
   r_.model->to(r_.dtype);  // a trial may have run in another dtype
   auto params = r_.model->parameters();
@@ -190,7 +229,11 @@ struct BatchSearch {
   std::vector<int64_t> candidates;
   std::function<bool(double)> fits;
 
-  double measure(std::map<int64_t, double>& peaks, int64_t m) { return peaks[m] = measure_step(r, m, per_rank / m); }
+  /// The peak of a step at micro-batch `m`: the largest any rank measured, so that every rank
+  /// takes the same decisions from it (and the same trials after it).
+  double measure(std::map<int64_t, double>& peaks, int64_t m) {
+    return peaks[m] = r.world->max(measure_step(r, m, per_rank / m));
+  }
 
   /// The largest candidate whose step fits, with the lever (if any) where it is now; 0 when not
   /// even the smallest does. From `known` (a candidate known to fit, not measured again; 0: the
@@ -243,7 +286,8 @@ void pick_micro_batch(Run& r) {
     if (!r.device.is_cuda())
       refuse_window(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set memory_budget "
                                  "(e.g. \"2GiB\") in the grad_accum entry");
-    budget = p.memory_budget = compat::cuda_free_bytes(r.device);
+    // The smallest any rank has: every rank steps with the micro-batch picked.
+    budget = p.memory_budget = -r.world->max(-compat::cuda_free_bytes(r.device));
     source = "free memory of " + r.device.str();
   }
   constexpr double kMargin = 0.10;  // the picked step's measured peak is at most 90% of the budget

@@ -40,23 +40,33 @@ void check_data_and_model(Run& run);
 
 // ---- memory.cpp: measured memory, trial steps, the micro-batch picked by memory ---------------------
 
-/// Undoes a trial step on the run's model when it goes out of scope: parameters, buffers and
-/// random generators put back, gradients cleared, the optimizer made anew.
+/// Undoes trial steps (TrialRun) on the run: parameters, buffers and random generators put back,
+/// gradients cleared, the optimizer made anew, and every plugin's state() given back to its
+/// load_state() (a plugin whose state() was empty is not called), with the events it declined.
 class TrialGuard {
  public:
   explicit TrialGuard(Run& r);
+  /// restore(), unless it ran; its errors are dropped here (another error is on its way).
   ~TrialGuard();
   TrialGuard(const TrialGuard&) = delete;
   TrialGuard& operator=(const TrialGuard&) = delete;
+  /// Puts everything back; a plugin's load_state() that fails is reported, naming it.
+  void restore();
 
  private:
+  void restore_tensors() noexcept;
+
   Run& r_;
   std::vector<at::Tensor> params_, buffers_;
   RngStates rng_;
+  std::vector<std::pair<const Slot*, StateDict>> states_;
+  std::vector<std::pair<Plugin*, uint32_t>> declined_;
+  bool restored_ = false;
 };
 /// Peak tensor memory of one stretch of a run (a trial step, a training step) on the run's
 /// device: on the CPU, every byte LibTorch's CPU allocator hands out while the meter lives, plus
-/// the model's parameters and buffers; on CUDA, the caching allocator's peak.
+/// what the step holds that was made before (parameters, buffers, gradients, the optimizer's
+/// state); on CUDA, the caching allocator's peak.
 class MemoryMeter {
  public:
   explicit MemoryMeter(const Run& r);

@@ -5,8 +5,10 @@
 #include <cmath>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "assemble/assemble.h"
+#include "engine/engine.h"
 #include "planning/planning.h"
 
 namespace tk::detail {
@@ -85,36 +87,44 @@ AccumulationCheck verify_accumulation(Run& r) {
   const int64_t used = std::min(order.size(0), k * m);
   if (used <= m) check.micro_batches = 1;
 
-  TrialGuard guard(r);  // parameters, buffers, generators and the optimizer come back afterwards
-  const at::ScalarType dtype = r.dtype;
-  r.dtype = at::kDouble;  // fetch() places floating data in float64
-  r.model->to(at::kDouble);
-  struct RestoreDtype {
-    Run& r;
-    at::ScalarType t;
-    ~RestoreDtype() { r.dtype = t; }
-  } restore{r, dtype};
-
-  const auto [params, names] = trainable(r);
-  // Both passes draw from the same random state: dropout's difference is its mask, not its seed.
-  const RngStates rng = save_rng();
-  int64_t pieces = 0;
-  for (int64_t start = 0; start < used; start += m, ++pieces) {
-    Batch b = r.fetch(*r.data.train, order.slice(0, start, std::min(used, start + m)));
-    (*r.loss)(r.model->forward(b.input), b).backward();
-  }
-  auto accumulated = gradients_of(r, params);
-  if (r.loss->reduction() == Reduction::Mean)  // the window's gradient is the mean over its micro-batches
-    for (auto& g : accumulated) g.div_(static_cast<double>(pieces));
-  restore_rng(rng);
+  TrialGuard guard(r);  // parameters, buffers, generators, the optimizer and plugin states come back afterwards
+  std::vector<at::Tensor> accumulated, whole;
+  std::vector<std::string> names;
   {
-    Batch b = r.fetch(*r.data.train, order.slice(0, 0, used));
-    (*r.loss)(r.model->forward(b.input), b).backward();
+    const at::ScalarType dtype = r.dtype;
+    r.dtype = at::kDouble;  // fetch() places floating data in float64
+    r.model->to(at::kDouble);
+    struct RestoreDtype {
+      Run& r;
+      at::ScalarType t;
+      ~RestoreDtype() { r.dtype = t; }
+    } restore{r, dtype};
+    std::vector<at::Tensor> params;
+    std::tie(params, names) = trainable(r);
+    // Both sides are the run's own window through the engine: its plugins' events, the
+    // normalization, unscaling and clipping of its boundary; the gradients compared are those the
+    // optimizer would step with. Each side starts from the same state, random generators
+    // included: dropout's difference is its mask, not its seed.
+    auto side = [&](const std::vector<at::Tensor>& pieces) {
+      TrialGuard each(r);
+      TrialRun trial(r);
+      trial.open_window(static_cast<int64_t>(pieces.size()));
+      for (const auto& idx : pieces) trial.micro_batch(r.fetch(*r.data.train, idx));
+      trial.boundary();
+      auto grads = gradients_of(r, params);
+      trial.finish();
+      each.restore();
+      return grads;
+    };
+    std::vector<at::Tensor> pieces;
+    for (int64_t start = 0; start < used; start += m) pieces.push_back(order.slice(0, start, std::min(used, start + m)));
+    accumulated = side(pieces);
+    whole = side({order.slice(0, 0, used)});
   }
-  const auto whole = gradients_of(r, params);
+  guard.restore();
 
   std::set<std::string> differing;
-  for (size_t i = 0; i < params.size(); ++i) {
+  for (size_t i = 0; i < whole.size(); ++i) {
     const double scale = whole[i].abs().max().item<double>();
     const double diff = (accumulated[i] - whole[i]).abs().max().item<double>();
     const double rel = scale > 0 ? diff / scale : diff;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "api/api.h"
+#include "world/world.h"
 #include "tk/components.h"
 #include "tk/plan.h"
 #include "tk/plugin.h"
@@ -38,8 +39,11 @@ struct Run {
   // have put that library's code into the model; the model, data and optimizer go first.
   std::vector<Slot> slots;
   Dispatch dispatch;    // who the core calls now (setup, configure, write_files)
+  // Before the model and the optimizer, which may hold on to it (a sharded optimizer does).
+  std::unique_ptr<ProcessWorld> world;  ///< from the environment at assembly; joined when first needed
+  bool may_join_world = true;           ///< false for a dry run, which plans rank 0 alone
 
-  Options run, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
+  Options run, world_opts, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
   std::string model_name, data_name, loss_name, opt_name, sched_name;
   ResolvedRecipe resolved;  // what the run was made of, section by section
   at::ScalarType dtype = at::kFloat;

@@ -1,29 +1,17 @@
 #pragma once
-// ZeRO stage 1 for the ddp plugin: the optimizer's state split across the ranks. Each rank builds
+// ZeRO stage 1: the optimizer's state split across the ranks of the run's world. Each rank builds
 // the recipe's optimizer over its own share of the parameters (whole tensors), steps it on the
-// gradients the reducer has summed, and broadcasts the parameters it updated to the other ranks.
+// gradients summed across ranks (by ddp), and broadcasts the parameters it updated to the others.
 #include <c10/util/intrusive_ptr.h>
 #include <torch/optim/optimizer.h>
 #include <tk/components.h>
 #include <tk/context.h>
+#include <tk/world.h>
 
 #include <memory>
 #include <vector>
 
-namespace c10d {
-class ProcessGroup;
-}  // namespace c10d
-
-namespace tk::ddp {
-
-/// What the sharded optimizer talks over: the world's process group, set once the ddp plugin has
-/// joined (on_fit_start), and the device its messages go on. Before that (a memory trial) each rank
-/// steps its share alone.
-struct ShardComm {
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  at::Device device = at::kCPU;
-  size_t bucket_bytes = 25u << 20;
-};
+namespace tk::shard {
 
 /// The rank that owns each of `params`: whole tensors, the largest first, each to the rank that
 /// holds the fewest bytes so far (ties: the lowest rank). Every rank computes the same partition
@@ -40,8 +28,9 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
  public:
   /// Refuses a world with more ranks than trainable tensors and an optimizer whose step is not
   /// one per parameter (LBFGS).
-  static std::unique_ptr<ShardedOptimizer> make(std::vector<at::Tensor> params, int rank, int world,
-                                                tk::OptimizerFactory inner, std::shared_ptr<const ShardComm> comm);
+  /// Over the ranks of `world`, which outlives it (the run's).
+  static std::unique_ptr<ShardedOptimizer> make(std::vector<at::Tensor> params, tk::World& world,
+                                                tk::OptimizerFactory inner);
 
   at::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -55,9 +44,10 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
   double broadcast_ms() const noexcept { return broadcast_ms_; }
 
  private:
-  ShardedOptimizer(std::vector<at::Tensor> params, std::vector<int> owners, int rank, int world,
-                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make,
-                   std::shared_ptr<const ShardComm> comm);
+  ShardedOptimizer(std::vector<at::Tensor> params, std::vector<int> owners, tk::World& world,
+                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make);
+  /// The device point-to-point messages go on.
+  at::Device shard_device() const;
   /// Every rank's share, serialized: all of them on rank 0, none elsewhere.
   std::vector<at::Tensor> gather_shards() const;
   /// Moves the state of this rank's parameters out of `from` (an optimizer over `from_params`,
@@ -70,8 +60,8 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
   int rank_, world_;
   std::unique_ptr<torch::optim::Optimizer> shard_;
   tk::OptimizerFactory make_;
-  std::shared_ptr<const ShardComm> comm_;
+  tk::World& comm_;
   double broadcast_ms_ = 0.0;
 };
 
-}  // namespace tk::ddp
+}  // namespace tk::shard

@@ -15,8 +15,11 @@
 #include <numeric>
 #include <sstream>
 
-namespace tk::ddp {
+namespace tk::shard {
 namespace {
+
+/// Parameters broadcast together after a step (as PyTorch DDP's bucket_cap_mb).
+constexpr size_t kBucketBytes = 25u << 20;
 
 int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()); }
 
@@ -48,36 +51,36 @@ std::vector<int> partition(const std::vector<at::Tensor>& params, int world) {
   return owners;
 }
 
-std::unique_ptr<ShardedOptimizer> ShardedOptimizer::make(std::vector<at::Tensor> params, int rank, int world,
-                                                         tk::OptimizerFactory inner, std::shared_ptr<const ShardComm> comm) {
+std::unique_ptr<ShardedOptimizer> ShardedOptimizer::make(std::vector<at::Tensor> params, tk::World& comm,
+                                                         tk::OptimizerFactory inner) {
+  const int rank = comm.rank(), world = comm.size();
   if (static_cast<int64_t>(params.size()) < world)
-    throw Error("zero_stage = 1 shards whole tensors: the model has " + std::to_string(params.size()) +
-                " trainable tensors for " + std::to_string(world) + " ranks; use fewer ranks or zero_stage = 0");
+    throw Error("stage 1 shards whole tensors: the model has " + std::to_string(params.size()) +
+                " trainable tensors for " + std::to_string(world) + " ranks; use fewer ranks or stage = 0");
   std::vector<int> owners = partition(params, world);
   std::vector<at::Tensor> mine;
   for (size_t i = 0; i < params.size(); ++i)
     if (owners[i] == rank) mine.push_back(params[i]);
   auto shard = inner(mine);
-  if (!shard) throw Error("zero_stage = 1: the recipe's optimizer factory made no optimizer");
+  if (!shard) throw Error("stage 1: the recipe's optimizer factory made no optimizer");
   if (dynamic_cast<const torch::optim::LBFGS*>(shard.get()))
-    throw Error("zero_stage = 1 cannot shard LBFGS: its step looks at every parameter at once");
-  return std::unique_ptr<ShardedOptimizer>(new ShardedOptimizer(std::move(params), std::move(owners), rank, world,
-                                                                std::move(shard), std::move(inner), std::move(comm)));
+    throw Error("stage 1 cannot shard LBFGS: its step looks at every parameter at once");
+  return std::unique_ptr<ShardedOptimizer>(
+      new ShardedOptimizer(std::move(params), std::move(owners), comm, std::move(shard), std::move(inner)));
 }
 
-ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, std::vector<int> owners, int rank, int world,
-                                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make,
-                                   std::shared_ptr<const ShardComm> comm)
+ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, std::vector<int> owners, tk::World& comm,
+                                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make)
     : Optimizer(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(params)},
                 shard->defaults().clone()),
       params_(std::move(params)),
       owners_(std::move(owners)),
-      by_rank_(static_cast<size_t>(world)),
-      rank_(rank),
-      world_(world),
+      by_rank_(static_cast<size_t>(comm.size())),
+      rank_(comm.rank()),
+      world_(comm.size()),
       shard_(std::move(shard)),
       make_(std::move(make)),
-      comm_(std::move(comm)) {
+      comm_(comm) {
   for (size_t i = 0; i < params_.size(); ++i) by_rank_[static_cast<size_t>(owners_[i])].push_back(params_[i]);
 }
 
@@ -90,19 +93,23 @@ int64_t ShardedOptimizer::owned_bytes(int r) const {
 int64_t ShardedOptimizer::state_bytes() const { return tk::optimizer_state_bytes(*shard_); }
 
 at::Tensor ShardedOptimizer::step(LossClosure closure) {
-  if (closure) throw Error("the sharded optimizer (ddp zero_stage = 1) takes no closure");
+  if (closure) throw Error("the sharded optimizer (shard stage = 1) takes no closure");
   // The core set the learning rate on this optimizer's group; the shard's groups follow it.
   const double lr = param_groups().front().options().get_lr();
   for (auto& g : shard_->param_groups()) g.options().set_lr(lr);
   shard_->step();
   const auto t0 = std::chrono::steady_clock::now();
-  if (comm_ && comm_->group) {
+  if (auto group = world_ > 1 ? comm_.process_group() : c10::intrusive_ptr<c10d::ProcessGroup>()) {
     torch::NoGradGuard no_grad;
-    for (int r = 0; r < world_; ++r)
-      c10d::broadcast_coalesced(comm_->group, by_rank_[static_cast<size_t>(r)], comm_->bucket_bytes, r);
+    for (int r = 0; r < world_; ++r) c10d::broadcast_coalesced(group, by_rank_[static_cast<size_t>(r)], kBucketBytes, r);
   }
   broadcast_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return {};
+}
+
+at::Device ShardedOptimizer::shard_device() const {
+  // Where the backend sends from: the parameters' device (NCCL needs the GPU).
+  return params_.empty() ? at::Device(at::kCPU) : params_.front().device();
 }
 
 std::vector<at::Tensor> ShardedOptimizer::gather_shards() const {
@@ -115,20 +122,21 @@ std::vector<at::Tensor> ShardedOptimizer::gather_shards() const {
   std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
   std::vector<at::Tensor> shards(static_cast<size_t>(world_));
   shards[static_cast<size_t>(rank_)] = mine;
-  if (world_ == 1 || !comm_ || !comm_->group) return shards;
-  // Each rank's size, then each share sent to rank 0 in turn.
+  const auto group = world_ > 1 ? comm_.process_group() : c10::intrusive_ptr<c10d::ProcessGroup>();
+  if (!group) return shards;
+  // Each rank's size, then each share sent to rank 0 in turn (point to point: no rank but 0 ever
+  // holds more than its own share).
   auto sizes = at::zeros({world_}, at::kLong);
   sizes[rank_] = static_cast<int64_t>(bytes.size());
-  std::vector<at::Tensor> v{sizes.to(comm_->device)};
-  comm_->group->allreduce(v)->wait();
-  sizes = v[0].cpu();
+  comm_.all_reduce(sizes);
+  const at::Device device = shard_device();
   for (int r = 1; r < world_; ++r) {
     if (rank_ == r) {
-      std::vector<at::Tensor> out{mine.to(comm_->device)};
-      comm_->group->send(out, 0, r)->wait();
+      std::vector<at::Tensor> out{mine.to(device)};
+      group->send(out, 0, r)->wait();
     } else if (rank_ == 0) {
-      std::vector<at::Tensor> in{at::empty({sizes[r].item<int64_t>()}, at::TensorOptions(at::kByte).device(comm_->device))};
-      comm_->group->recv(in, r, r)->wait();
+      std::vector<at::Tensor> in{at::empty({sizes[r].item<int64_t>()}, at::TensorOptions(at::kByte).device(device))};
+      group->recv(in, r, r)->wait();
       shards[static_cast<size_t>(r)] = in[0].cpu();
     }
   }
@@ -155,7 +163,7 @@ void ShardedOptimizer::adopt(torch::optim::Optimizer& from) {
 void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   at::Tensor saved_world;
   if (!archive.try_read(kWorldKey, saved_world, /*is_buffer=*/true)) {
-    // An unsharded optimizer's state (a checkpoint of zero_stage = 0): the whole optimizer over
+    // An unsharded optimizer's state (a checkpoint of stage 0, or without the shard plugin): the whole optimizer over
     // every parameter, in model order.
     auto whole = make_(params_);
     whole->load(archive);
@@ -195,4 +203,4 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   }
 }
 
-}  // namespace tk::ddp
+}  // namespace tk::shard

@@ -1,0 +1,281 @@
+// The processes of a run (world.h): their placement from the environment, the rendezvous and the
+// process group, and the collectives every plugin may use.
+#include "world/world.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include <spdlog/spdlog.h>
+
+#include "tk/compat.h"
+#include "tk/error.h"
+
+namespace tk {
+
+World::~World() = default;
+
+int64_t World::max(int64_t v) {
+  auto t = at::tensor({v}, at::kLong);
+  all_reduce(t, ReduceOp::Max);
+  return t.item<int64_t>();
+}
+
+double World::max(double v) {
+  auto t = at::tensor({v}, at::kDouble);
+  all_reduce(t, ReduceOp::Max);
+  return t.item<double>();
+}
+
+}  // namespace tk
+
+namespace tk::detail {
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = env(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < -(1L << 30) || x > (1L << 30))
+    throw Error(std::string("environment variable ") + name + "=" + v + " is not an integer");
+  return static_cast<int>(x);
+}
+
+/// The address of this machine that routes to `host` (a UDP socket connected there sends
+/// nothing); "" when it cannot be found.
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) return "";
+  std::string out;
+  for (addrinfo* a = found; a && out.empty(); a = a->ai_next) {
+    const int s = socket(a->ai_family, SOCK_DGRAM, 0);
+    if (s < 0) continue;
+    sockaddr_storage mine{};
+    socklen_t len = sizeof mine;
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (connect(s, a->ai_addr, a->ai_addrlen) == 0 && getsockname(s, reinterpret_cast<sockaddr*>(&mine), &len) == 0) {
+      const void* ip = mine.ss_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&mine)->sin_addr)
+                                                 : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&mine)->sin6_addr);
+      if (inet_ntop(mine.ss_family, ip, text, sizeof text)) out = text;
+    }
+    close(s);
+  }
+  freeaddrinfo(found);
+  return out;
+}
+
+/// The network device Gloo uses on this rank: GLOO_SOCKET_IFNAME's interface when it is set (as
+/// in PyTorch), else the address that routes to the rendezvous host (127.0.0.1 for a world on
+/// loopback). The host name's address would often be 127.0.1.1 (Debian's /etc/hosts), which
+/// other machines cannot reach.
+std::shared_ptr<::gloo::transport::Device> gloo_device(const Placement& p) {
+  if (const char* ifname = env("GLOO_SOCKET_IFNAME")) {
+    const std::string first = std::string(ifname).substr(0, std::string(ifname).find(','));
+    return c10d::ProcessGroupGloo::createDeviceForInterface(first);
+  }
+  const std::string mine = local_address_towards(p.addr, p.port);
+  if (mine.empty())
+    throw Error("no address of this machine routes to the rendezvous host " + p.addr +
+                " (MASTER_ADDR); set GLOO_SOCKET_IFNAME to the network interface to use");
+  return c10d::ProcessGroupGloo::createDeviceForHostname(mine);
+}
+
+c10d::ReduceOp c10d_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case ReduceOp::Sum: break;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, 1e9) * 1000));
+}
+
+}  // namespace
+
+OptionSpecs world_specs() {
+  return {opt_string("backend", "auto", "collective backend: gloo (CPU), nccl (CUDA), auto (nccl on CUDA, else gloo)",
+                     {"auto", "gloo", "nccl"}),
+          opt_float("timeout_s", 300.0, "seconds a collective may wait for the other ranks before the run fails"),
+          opt_float("rendezvous_timeout_s", 300.0, "seconds to wait for every rank to join")};
+}
+
+Placement placement_from_environment() {
+  Placement p;
+  if (env("WORLD_SIZE")) {
+    p.size = env_int("WORLD_SIZE", 1);
+    p.rank = env_int("RANK", 0);
+    p.local_rank = env_int("LOCAL_RANK", p.rank);
+    p.source = "RANK/WORLD_SIZE";
+  } else if (env("SLURM_NTASKS")) {
+    p.size = env_int("SLURM_NTASKS", 1);
+    p.rank = env_int("SLURM_PROCID", 0);
+    p.local_rank = env_int("SLURM_LOCALID", 0);
+    p.source = "SLURM_PROCID/SLURM_NTASKS";
+    if (p.size > 1 && !env("MASTER_ADDR"))
+      throw Error("under Slurm, set MASTER_ADDR (e.g. the first host of $SLURM_JOB_NODELIST) and MASTER_PORT");
+  }
+  if (const char* a = env("MASTER_ADDR")) p.addr = a;
+  p.port = env_int("MASTER_PORT", 29500);
+  if (p.size < 1 || p.rank < 0 || p.rank >= p.size)
+    throw Error("rank " + std::to_string(p.rank) + " is outside a world of " + std::to_string(p.size) + " (" + p.source +
+                ")");
+  if (p.port < 1 || p.port > 65535) throw Error("MASTER_PORT=" + std::to_string(p.port) + " is not a port");
+  return p;
+}
+
+ProcessWorld::ProcessWorld(Placement placement) : p_(std::move(placement)) {}
+ProcessWorld::~ProcessWorld() { leave(); }
+
+void ProcessWorld::configure(const Options& o, at::Device device, bool may_join) {
+  if (!(o.get_float("timeout_s") > 0)) o.fail("timeout_s", "must be > 0");
+  if (!(o.get_float("rendezvous_timeout_s") > 0)) o.fail("rendezvous_timeout_s", "must be > 0");
+  std::string backend = o.get_string("backend");
+  if (backend == "auto") backend = device.is_cuda() ? "nccl" : "gloo";
+  if (backend == "nccl" && !device.is_cuda()) o.fail("backend", "nccl needs the run on CUDA (run.device)");
+#ifndef USE_C10D_NCCL
+  if (backend == "nccl") o.fail("backend", "this LibTorch was built without NCCL; use gloo");
+#endif
+  timeout_ = millis(o.get_float("timeout_s"));
+  rendezvous_timeout_ = millis(o.get_float("rendezvous_timeout_s"));
+  device_ = device;
+  may_join_ = may_join && p_.size > 1;
+  if (p_.size > 1) backend_ = backend;
+}
+
+void ProcessWorld::join() {
+  if (joined() || !may_join_) return;
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<std::uint16_t>(p_.port);
+  so.isServer = p_.rank == 0;
+  so.numWorkers = static_cast<std::size_t>(p_.size);
+  so.waitWorkers = true;
+  so.timeout = rendezvous_timeout_;
+  compat::use_classic_tcpstore(so, 0);
+  try {
+    store_ = c10::make_intrusive<c10d::TCPStore>(p_.addr, so);
+  } catch (const std::exception& err) {
+    throw Error("rendezvous at " + p_.addr + ":" + std::to_string(p_.port) + " failed for rank " +
+                std::to_string(p_.rank) + " of " + std::to_string(p_.size) + ": " + err.what());
+  }
+  if (backend_ == "gloo") {
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
+    opts->devices.push_back(gloo_device(p_));
+    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, p_.rank, p_.size, opts);
+    group_ = compat::process_group(gloo, store_, p_.rank, p_.size, false);
+  }
+#ifdef USE_C10D_NCCL
+  if (backend_ == "nccl") {
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout_;
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, p_.rank, p_.size, opts);
+    group_ = compat::process_group(nccl, store_, p_.rank, p_.size, true);
+  }
+#endif
+  spdlog::info("world: {} joined", describe());
+}
+
+void ProcessWorld::leave() noexcept {
+  group_.reset();
+  store_.reset();
+}
+
+std::string ProcessWorld::describe() const {
+  std::string s = "rank " + std::to_string(p_.rank) + " of " + std::to_string(p_.size);
+  if (p_.size == 1) return s + " (" + p_.source + ")";
+  return s + " (" + p_.source + ", " + backend_ + ", rendezvous " + p_.addr + ":" + std::to_string(p_.port) + ")" +
+         (may_join_ ? "" : "; not joined: a dry run plans this rank alone");
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> ProcessWorld::process_group() {
+  join();
+  return group_;
+}
+
+// The collectives join the world when first called. Unjoined (a world of one, a dry run) each
+// leaves its input as it is. Small
+// tensors go where the backend runs (NCCL: the GPU) and come back to where they were.
+
+void ProcessWorld::all_reduce(at::Tensor& t, ReduceOp op) {
+  join();
+  if (!joined()) return;
+  std::vector<at::Tensor> v{t.to(device_)};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d_op(op);
+  group_->allreduce(v, o)->wait();
+  if (!v[0].is_same(t)) t.copy_(v[0]);
+}
+
+void ProcessWorld::broadcast(at::Tensor& t, int root) {
+  join();
+  if (!joined()) return;
+  if (root < 0 || root >= p_.size)
+    throw Error("broadcast from rank " + std::to_string(root) + " in a world of " + std::to_string(p_.size));
+  std::vector<at::Tensor> v{t.to(device_)};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  group_->broadcast(v, o)->wait();
+  if (!v[0].is_same(t)) t.copy_(v[0]);
+}
+
+at::Tensor ProcessWorld::all_gather(const at::Tensor& t) {
+  join();
+  if (!joined()) return t.clone();
+  std::vector<at::Tensor> in{t.to(device_).contiguous()};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < p_.size; ++r) out[0].push_back(at::empty_like(in[0]));
+  group_->allgather(out, in)->wait();
+  return at::cat(out[0]).to(t.device());
+}
+
+at::Tensor ProcessWorld::reduce_scatter(const at::Tensor& t, ReduceOp op) {
+  if (t.dim() == 0 || t.size(0) % p_.size != 0)
+    throw Error("reduce_scatter of a tensor of " + std::to_string(t.dim() == 0 ? 0 : t.size(0)) + " rows over " +
+                std::to_string(p_.size) + " ranks: the first dimension must divide evenly");
+  const int64_t part = t.size(0) / p_.size;
+  join();
+  if (!joined()) return t.slice(0, part * p_.rank, part * (p_.rank + 1)).clone();
+  if (backend_ != "gloo") {  // the native collective
+    std::vector<at::Tensor> out{at::empty_like(t.slice(0, 0, part), t.options().device(device_))};
+    std::vector<std::vector<at::Tensor>> in(1);
+    const at::Tensor whole = t.to(device_).contiguous();
+    for (int r = 0; r < p_.size; ++r) in[0].push_back(whole.slice(0, part * r, part * (r + 1)));
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d_op(op);
+    group_->reduce_scatter(out, in, o)->wait();
+    return out[0].to(t.device());
+  }
+  // Gloo has no reduce-scatter: the whole tensor all-reduced, then this rank's part.
+  at::Tensor whole = t.clone();
+  all_reduce(whole, op);
+  return whole.slice(0, part * p_.rank, part * (p_.rank + 1)).clone();
+}
+
+void ProcessWorld::barrier() {
+  join();
+  if (!joined()) return;
+  group_->barrier()->wait();
+}
+
+}  // namespace tk::detail

@@ -1,0 +1,80 @@
+#pragma once
+// The world layer: the processes of a run (tk/world.h), made from the launcher's environment and
+// joined over c10d (a TCPStore rendezvous, ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA where
+// LibTorch has it). Not installed.
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "tk/options.h"
+#include "tk/world.h"
+
+namespace c10d {
+class Store;
+}  // namespace c10d
+
+namespace tk::detail {
+
+/// The recipe's [world] section: its option specs.
+OptionSpecs world_specs();
+
+/// Where this process sits, as the launcher's environment says (no connection made).
+struct Placement {
+  int rank = 0, size = 1, local_rank = 0;
+  std::string addr = "127.0.0.1";
+  int port = 29500;
+  std::string source = "single process";  ///< which variables said so
+};
+/// The placement from RANK/WORLD_SIZE/LOCAL_RANK (torchrun, tk-run --nproc) or SLURM_PROCID/
+/// SLURM_NTASKS/SLURM_LOCALID, with MASTER_ADDR and MASTER_PORT; a world of one without them.
+/// Refuses values that are not a world (a rank outside it, a port that is no port).
+Placement placement_from_environment();
+
+/// The world of a run: described from the environment when the run is assembled, joined when it
+/// is planned.
+class ProcessWorld final : public World {
+ public:
+  explicit ProcessWorld(Placement placement);
+  ~ProcessWorld() override;
+
+  int rank() const noexcept override { return p_.rank; }
+  int size() const noexcept override { return p_.size; }
+  int local_rank() const noexcept override { return p_.local_rank; }
+  const std::string& backend() const noexcept override { return backend_; }
+  bool joined() const noexcept override { return group_ != nullptr; }
+  std::chrono::milliseconds timeout() const noexcept override { return timeout_; }
+  void all_reduce(at::Tensor& t, ReduceOp op) override;
+  void broadcast(at::Tensor& t, int root) override;
+  at::Tensor all_gather(const at::Tensor& t) override;
+  at::Tensor reduce_scatter(const at::Tensor& t, ReduceOp op) override;
+  void barrier() override;
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group() override;
+
+  /// Settles how the world joins, from the recipe's [world] `settings` and the run's `device`:
+  /// the backend ("auto": nccl on CUDA, gloo on the CPU), the timeouts, where small collectives
+  /// run. Refuses a backend the device or this LibTorch cannot use, naming the recipe line. With
+  /// `may_join` false (a dry run, which plans rank 0 alone) it never joins.
+  void configure(const Options& settings, at::Device device, bool may_join);
+  /// Joins the other ranks, once, when first needed (a collective, the process group): the
+  /// rendezvous at MASTER_ADDR:MASTER_PORT within [world] rendezvous_timeout_s, then the process
+  /// group. Nothing in a world of one, before configure() or when it may not join.
+  void join();
+  /// Leaves: the process group and the store are released (at the end of the run).
+  void leave() noexcept;
+  /// "rank 1 of 2 (RANK/WORLD_SIZE, gloo, rendezvous 127.0.0.1:29500)", for the log and the plan
+  /// (the backend once configured).
+  std::string describe() const;
+
+ private:
+  Placement p_;
+  std::string backend_ = "none";
+  std::chrono::milliseconds timeout_{300000}, rendezvous_timeout_{300000};
+  bool may_join_ = false;
+  at::Device device_ = at::kCPU;  // where small collectives run (NCCL needs the GPU)
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
+}  // namespace tk::detail
