@@ -21,8 +21,8 @@ echo "|---|---|---|---|---|---|---|"
 for budget in "${budgets[@]}"; do
   bench_tk "budget-$budget" "$steps" "$bench_root/recipes/gpt-tiny.toml" --progress none "${model[@]}" \
     --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
-    --set data.micro_batch=auto --set plugins.grad_accum.steps=0 --set plugins.grad_accum.effective_batch="$B" \
-    --set plugins.grad_accum.memory_budget="\"$budget\"" --set run.measure_memory=true
+    --set batch.micro_batch=auto --set batch.accumulation=0 --set batch.effective_batch="$B" \
+    --set batch.memory_budget="\"$budget\"" --set run.measure_memory=true
   trial=$(sed -n 's/.*a step.s peak \([0-9.]*\) \(MiB\|GiB\).*/\1 \2/p' "$tk_err")
   [ "$(wc -l <<<"$trial")" -eq 1 ] && [ -n "$trial" ] ||
     bench_die "tk-run (budget $budget) did not report the trial's peak once ('a step's peak N MiB'); its stderr:" "$tk_err"

@@ -29,6 +29,8 @@ samples = 4096
 validation_samples = 0
 features = 1024
 classes = 10
+
+[batch]
 micro_batch = 32
 
 [optimizer]
@@ -70,7 +72,7 @@ for round in $(seq 1 "$rounds"); do
               --set plugins.ddp.bucket_mb=1e6 --set plugins.ddp.first_bucket_mb=1e6
             label="one bucket: all-reduce after backward" ;;
       one) bench_tk "$cfg-$round" "$steps" "$bench_work/one.toml" --progress none --log-level warn \
-             --set data.micro_batch=64
+             --set batch.micro_batch=64
            label="1 process, micro-batch 64" ;;
     esac
     read -r ms bwd overlap wait boundary buckets <<<"$(summary "$tk_dir/metrics.jsonl" "$([ $cfg = one ] && echo one || echo two)")"

@@ -14,7 +14,7 @@ model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data
 run() {  # label, micro_batch, k
   bench_tk "$1" "$steps" "$bench_root/recipes/gpt-tiny.toml" --progress none --log-level warn \
     "${model[@]}" --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
-    --set data.micro_batch="$2" --set plugins.grad_accum.steps="$3"
+    --set batch.micro_batch="$2" --set batch.accumulation="$3"
   /usr/bin/python3 - "$tk_dir/metrics.jsonl" "$1" "$2" "$3" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

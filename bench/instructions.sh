@@ -80,7 +80,7 @@ count_run() {
       tk=("$bench_root/recipes/gpt-tiny.toml" --set data.validation_fraction=0.0)
       shape=(2 128 4 128 8 4 "$steps" 1)
       if [ "$w" = gpt-small ]; then
-        tk+=(--set model.width=32 --set data.seq_len=16 --set data.micro_batch=2)
+        tk+=(--set model.width=32 --set data.seq_len=16 --set batch.micro_batch=2)
         shape=(2 32 4 16 2 "${shape[@]:5}")
       fi
       cpp=(gpt "${shape[@]}" 1) py=("$bench_root/bench/gpt_loop.py" "${shape[@]}") ;;  # gpt_loop.py takes no THREADS

@@ -8,7 +8,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 steps=12  # bench/memory.toml's run.steps
 run() {  # label, micro_batch, k
   bench_tk "$1" "$steps" "$bench_root/bench/memory.toml" --progress none --log-level warn \
-    --set data.micro_batch="$2" --set plugins.grad_accum.steps="$3"
+    --set batch.micro_batch="$2" --set batch.accumulation="$3"
   /usr/bin/python3 - "$tk_dir/metrics.jsonl" "$1" "$2" "$3" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

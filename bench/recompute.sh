@@ -38,7 +38,7 @@ run_tk() {  # KIND MICRO_BATCH NAME ARG...
   shift 3
   bench_tk "$name" "$steps" "$recipes/$kind.toml" --progress none --log-level warn "${model[@]}" \
     --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0 \
-    --set data.micro_batch="$m" --set plugins.grad_accum.steps=1 "$@"
+    --set batch.micro_batch="$m" --set batch.accumulation=1 "$@"
 }
 for m in "${sizes[@]}"; do
   memory=() times="$bench_work/times-$m"

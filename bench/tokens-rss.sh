@@ -33,7 +33,7 @@ PY
 per_shard=$(( gib * (1 << 29) / 4 ))  # 4 shards of 2-byte tokens make GIB GiB
 write_shards "$bench_work/small" 4 $(( 1 << 20 ))
 write_shards "$bench_work/large" 4 "$per_shard"
-printf '[run]\nseed = 0\nsteps = %d\n[model]\nname = "gpt"\nlayers = 2\nheads = 4\nwidth = 64\n[data]\nname = "tokens"\nseq_len = 1024\nmicro_batch = 4\n[optimizer]\nname = "adamw"\nlr = 0.001\n' \
+printf '[run]\nseed = 0\nsteps = %d\n[model]\nname = "gpt"\nlayers = 2\nheads = 4\nwidth = 64\n[data]\nname = "tokens"\nseq_len = 1024\n[batch]\nmicro_batch = 4\n[optimizer]\nname = "adamw"\nlr = 0.001\n' \
   "$steps" >"$bench_work/gpt.toml"
 
 echo "GPT 2 x 64 on llm.c token shards (vocabulary 256, 1024-token sequences, micro-batch 4), $steps steps"

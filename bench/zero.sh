@@ -12,9 +12,9 @@ steps=${1:-6}
 bench_int STEPS "$steps" 3
 model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data.seq_len=128
        --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0
-       --set data.micro_batch=4 --set plugins.grad_accum.steps=1 --set run.checkpoint_every=0)
+       --set batch.micro_batch=4 --set batch.accumulation=1 --set run.checkpoint_every=0)
 sed '/^\[\[plugins\]\]/,$d' "$bench_root/recipes/gpt-tiny.toml" >"$bench_work/gpt.toml"
-printf '[[plugins]]\nname = "grad_accum"\nsteps = 1\nnormalize = "tokens"\n[[plugins]]\nname = "ddp"\n[[plugins]]\nname = "shard"\n' >>"$bench_work/gpt.toml"
+printf '[[plugins]]\nname = "grad_accum"\nnormalize = "tokens"\n[[plugins]]\nname = "ddp"\n[[plugins]]\nname = "shard"\n' >>"$bench_work/gpt.toml"
 
 summary() {  # metrics.jsonl, the run's stdout+stderr, ranks, zero stage -> a table row's figures
   /usr/bin/python3 - "$@" <<'PY'

@@ -229,7 +229,7 @@ else fail "GPT with the sharded optimizer over NCCL (see $work/zero1n.log)"; fi
 # with every block recomputed equals the run without it, bit for bit (the CUDA generator replayed);
 # its GPU peak and time per step next to those without it.
 rc_model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set model.dropout=0.1 --set data.seq_len=256
-          --set data.micro_batch=16 --set plugins.grad_accum.steps=1)
+          --set batch.micro_batch=16 --set batch.accumulation=1)
 r=$(recipe_with gpt_rc "$root/recipes/gpt-tiny.toml" '\n[[plugins]]\nname = "recompute"\n')
 if run rc_on "$r" "${gpt_quick[@]}" "${rc_model[@]}" && run rc_off "$root/recipes/gpt-tiny.toml" "${gpt_quick[@]}" "${rc_model[@]}" &&
    same rc_on rc_off; then
@@ -282,7 +282,7 @@ else fail "GPT recipe on CUDA (see $work/gpt.log)"; fi
 # 128 a step) on CUDA against the same model in PyTorch by hand, on bytes (vocabulary 256, not the
 # recipe's 4096 BPE pieces: no tokenizer is built here), with trainkit's phase times and MFU's FLOPs.
 speed_model=(--set model.layers=4 --set model.width=128 --set model.heads=4 --set model.position='"rotary"'
-             --set model.norm='"rmsnorm"' --set data.seq_len=128 --set data.micro_batch=16 --set plugins.grad_accum.steps=4)
+             --set model.norm='"rmsnorm"' --set data.seq_len=128 --set batch.micro_batch=16 --set batch.accumulation=4)
 if run speed "$root/recipes/gpt-tiny.toml" --set run.epochs=0 --set run.steps=$steps --set run.validate_every=0 \
      --set data.validation_fraction=0.0 --set data.path="$deps/usr/share/games/fortunes/cookie" --set run.phase_times=true \
      "${speed_model[@]}"; then

@@ -10,7 +10,7 @@ TK_BUILD_TARGETS="tk-run tk-report tk_plugins" bash "$root/tools/build.sh"
 "$build/bin/tk-run" "$root/recipes/fashion-mnist.toml" --overwrite --progress plain \
   --set run.output="$out/accumulated-4x32"
 "$build/bin/tk-run" "$root/recipes/fashion-mnist.toml" --overwrite --progress plain \
-  --set run.output="$out/one-batch-128" --set plugins.grad_accum.steps=1 --set data.micro_batch=128
+  --set run.output="$out/one-batch-128" --set batch.accumulation=1 --set batch.micro_batch=128
 "$build/bin/tk-report" "$out/accumulated-4x32" "$out/one-batch-128" -o "$out/report.html"
 chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
   --disable-component-update --disable-sync --user-data-dir="$(mktemp -d)" --hide-scrollbars \

@@ -31,6 +31,8 @@ samples = 60
 validation_samples = 16
 features = 6
 classes = 3
+
+[batch]
 micro_batch = 8
 
 [optimizer]

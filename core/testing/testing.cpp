@@ -30,7 +30,7 @@ class LocalWorld final : public World {
   std::chrono::milliseconds timeout() const noexcept override { return std::chrono::milliseconds(300000); }
   void all_reduce(at::Tensor&, ReduceOp) override {}
   void broadcast(at::Tensor&, int) override {}
-  at::Tensor all_gather(const at::Tensor& t) override { return t.clone(); }
+  at::Tensor all_gather(const at::Tensor& t) override { return at::cat(std::vector<at::Tensor>(static_cast<size_t>(size_), t)); }
   at::Tensor reduce_scatter(const at::Tensor& t, ReduceOp) override {
     const int64_t part = t.size(0) / size_;
     return t.slice(0, part * rank_, part * (rank_ + 1)).clone();
@@ -139,6 +139,18 @@ void ManualPlan::configure(Plugin& p) {
     throw;
   }
   impl_->dispatch.leave();
+  // A plugin that still shapes the window itself (RunPlan::set_window, deprecated): its window is
+  // the plan's, as in a run (where [batch] is the place for it).
+  auto& plan = impl_->plan;
+  if (plan.requested && plan.window_owner == p.name()) {
+    const WindowRequest& w = *plan.requested;
+    const int64_t per_rank = w.effective_batch / plan.world_size;
+    if (w.steps > 0) plan.accumulation = w.steps;
+    else if (plan.micro_batch > 0 && per_rank % plan.micro_batch == 0) plan.accumulation = per_rank / plan.micro_batch;
+    plan.effective_batch_goal = w.effective_batch;
+    plan.last_window = w.last_window;
+    plan.ramp = w.ramp;
+  }
 }
 
 const RunPlan& ManualPlan::plan() const noexcept { return impl_->plan.view; }
@@ -167,6 +179,8 @@ samples = 256
 validation_samples = 0
 features = 8
 classes = 4
+
+[batch]
 micro_batch = 8
 
 [optimizer]

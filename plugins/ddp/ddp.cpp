@@ -134,10 +134,10 @@ class Ddp final : public tk::Plugin {
           "is then an error");
     o.add("check_every", check_every_, "every N steps, verify that all ranks hold the same parameters (0: never)");
     // Settings that moved: the world is the core's ([world]), the sharded optimizer the shard plugin's.
-    o.add("backend", moved_backend_, "moved to [world] backend", {"", "auto", "gloo", "nccl"});
-    o.add("timeout_s", moved_timeout_s_, "moved to [world] timeout_s");
-    o.add("rendezvous_timeout_s", moved_rendezvous_timeout_s_, "moved to [world] rendezvous_timeout_s");
-    o.add("zero_stage", moved_zero_stage_, "moved to the shard plugin's stage");
+    o.add("backend", moved_backend_, "moved to [world] backend", {"", "auto", "gloo", "nccl"}).retired();
+    o.add("timeout_s", moved_timeout_s_, "moved to [world] timeout_s").retired();
+    o.add("rendezvous_timeout_s", moved_rendezvous_timeout_s_, "moved to [world] rendezvous_timeout_s").retired();
+    o.add("zero_stage", moved_zero_stage_, "moved to the shard plugin's stage").retired();
   }
 
   void init() override {
@@ -363,6 +363,7 @@ class Ddp final : public tk::Plugin {
   }
 
   void leave() {
+    param_names_.clear();
     for (size_t i = 0; i < hooks_.size(); ++i) params_[i].remove_hook(hooks_[i]);
     hooks_.clear();
     reducer_.reset();

@@ -1,15 +1,16 @@
 // Gradient accumulation: k micro-batches of m take exactly the step one batch of k*m would take.
 //
-// The core shapes the window (this plugin sets its size and last-window policy in configure) and
-// keeps the window's totals. Gradients of the micro-batches simply add up in .grad; at the
-// boundary, after any gradient sync and before unscaling and clipping, they are divided once by
-// the window's true size: its micro-batch count (normalize = "mean", for mean-reduced losses) or
-// its sample / token count (normalize = "samples" / "tokens", for sum-reduced losses). The count is
-// the window's actual one, so a short last window is normalized correctly.
+// The recipe's [batch] section gives the window (k, or the effective batch it follows from, a
+// ramp, the last window's policy) and the core runs it and keeps the window's totals. Gradients of
+// the micro-batches simply add up in .grad; at the boundary, after any gradient sync and before
+// unscaling and clipping, this plugin divides them once by the window's true size: its
+// micro-batch count (normalize = "mean", for mean-reduced losses) or its sample / token count
+// (normalize = "samples" / "tokens", for sum-reduced losses). The count is the window's actual
+// one, so a short last window is normalized correctly.
 //
-// The window may also be given as an effective batch (examples per optimizer step over all
-// ranks): the core infers k, or with [data] micro_batch = "auto" picks the micro-batch that fits
-// memory_budget; and it may ramp from a smaller effective batch at the start.
+// Its options steps, effective_batch, memory_budget, last_window and ramp_* are deprecated: given,
+// they shape the window as before (RunPlan::set_window), and the core says what [batch] lines to
+// write instead.
 #include <tk/abi.h>
 
 namespace {
@@ -20,23 +21,19 @@ enum class Normalize { Mean, Samples, Tokens };
 class GradAccum final : public tk::Plugin {
  public:
   void bind(tk::OptionBinder& o) override {
-    o.add("steps", steps_, "micro-batches per optimizer step (k); inferred when effective_batch is given instead (or steps = 0)");
-    o.add("effective_batch", effective_,
-          "examples per optimizer step over all ranks (0: steps x micro_batch x world size); give two of steps, [data] "
-          "micro_batch and this, and the third is inferred");
-    o.add("memory_budget", memory_budget_,
-          "with [data] micro_batch = \"auto\": the memory one training step may use, e.g. \"1.5GiB\" (\"\": the GPU's free "
-          "memory; required on the CPU)");
-    o.add("ramp_from", ramp_from_, "effective batch of the first step, ramping linearly up to effective_batch (0: no ramp)");
-    o.add("ramp_steps", ramp_steps_, "length of the ramp in optimizer steps");
-    o.add("ramp_samples", ramp_samples_, "length of the ramp in examples (over all ranks)");
+    o.add("steps", steps_, "deprecated: [batch] accumulation").moved_to("batch.accumulation");
+    o.add("effective_batch", effective_, "deprecated: [batch] effective_batch").moved_to("batch.effective_batch");
+    o.add("memory_budget", memory_budget_, "deprecated: [batch] memory_budget").moved_to("batch.memory_budget");
+    o.add("ramp_from", ramp_from_, "deprecated: [batch] ramp_from").moved_to("batch.ramp_from");
+    o.add("ramp_steps", ramp_steps_, "deprecated: [batch] ramp_steps").moved_to("batch.ramp_steps");
+    o.add("ramp_samples", ramp_samples_, "deprecated: [batch] ramp_samples").moved_to("batch.ramp_samples");
     o.choice("normalize", normalize_,
              "mean: divide by the window's micro-batches (mean losses); samples / tokens: divide by the window's examples "
              "/ counted tokens (sum losses)",
              {{"mean", Normalize::Mean}, {"samples", Normalize::Samples}, {"tokens", Normalize::Tokens}});
-    o.choice("last_window", last_window_,
-             "short window at the end of an epoch: step (normalized by its size), drop, or carry into the next epoch",
-             {{"step", tk::LastWindow::Step}, {"drop", tk::LastWindow::Drop}, {"carry", tk::LastWindow::Carry}});
+    o.choice("last_window", last_window_, "deprecated: [batch] last_window",
+             {{"step", tk::LastWindow::Step}, {"drop", tk::LastWindow::Drop}, {"carry", tk::LastWindow::Carry}})
+        .moved_to("batch.last_window");
   }
 
   void init() override {
@@ -65,8 +62,9 @@ class GradAccum final : public tk::Plugin {
     if (plan.reduction() != want)
       fail_option(normalize_, "\"" + what(normalize_) + "\" needs a loss with reduction = \"" + tk::to_string(want) +
                                   "\", but the recipe's loss uses \"" + tk::to_string(plan.reduction()) + "\"");
+    if (!shapes_window()) return;  // the batch's shape is [batch]'s
     if (budget_ > 0 && !plan.micro_batch_auto())
-      fail_option(memory_budget_, "applies to a micro-batch picked by memory: set [data] micro_batch = \"auto\"");
+      fail_option(memory_budget_, "applies to a micro-batch picked by memory: set [batch] micro_batch = \"auto\"");
     tk::WindowRequest w;
     w.steps = infer_steps_ ? 0 : steps_;
     w.last_window = last_window_;
@@ -106,6 +104,13 @@ class GradAccum final : public tk::Plugin {
   }
 
  private:
+  /// Whether the recipe shaped the window in this plugin's options (deprecated).
+  bool shapes_window() const {
+    return option_given(steps_) || option_given(effective_) || option_given(memory_budget_) ||
+           option_given(last_window_) || option_given(ramp_from_) || option_given(ramp_steps_) ||
+           option_given(ramp_samples_);
+  }
+
   static std::string what(Normalize n) { return n == Normalize::Mean ? "mean" : n == Normalize::Samples ? "samples" : "tokens"; }
 
   void init_ramp() {

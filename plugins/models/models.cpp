@@ -375,7 +375,7 @@ class Gpt : public Model, public ModelWithBlocks, public ModelWithFlops {
 /// A module exported from Python (torch.jit.script / torch.jit.trace + save). Its parameters and
 /// buffers are registered, under the same dotted names, in a mirror of its submodule tree, so the
 /// optimizer, checkpoints and weights.pt see exactly the tensors the scripted code uses.
-class ScriptedModel : public Model {
+class ScriptedModel : public Model, public CompiledModel {
  public:
   ScriptedModel(torch::jit::Module module, std::string file) : module_(std::move(module)), file_(std::move(file)) {
     // The profiling executor would hand hot graphs to the TensorExpr fuser, whose LLVM compile
@@ -395,6 +395,8 @@ class ScriptedModel : public Model {
     torch::nn::Module::train(on);
     module_.train(on);
   }
+
+  std::string compiled_as() const override { return "TorchScript module " + file_; }
 
  private:
   static void mirror(torch::nn::Module& into, const torch::jit::Module& from) {
@@ -519,7 +521,9 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
 }
 
 OptionSpecs torchscript_specs() {
-  return {opt_path("torchscript", "", "file written by torch.jit.save")};
+  OptionSpec file = opt_path("torchscript", "", "file written by torch.jit.save");
+  file.selects = true;  // [model] torchscript = "file.pt" needs no name
+  return {file};
 }
 
 ModelPtr make_torchscript(const Options& o, const DataInfo&) {

@@ -12,6 +12,7 @@
 #include "multi_tensor.h"
 
 #include <tk/compat.h>
+#include <tk/components.h>
 
 #include <cmath>
 #include <stdexcept>
@@ -20,6 +21,36 @@ namespace tk::optim {
 namespace {
 
 using torch::optim::Optimizer;
+
+int64_t bytes_of(std::initializer_list<const at::Tensor*> tensors) {
+  int64_t n = 0;
+  for (const at::Tensor* t : tensors)
+    if (t->defined()) n += static_cast<int64_t>(t->numel()) * static_cast<int64_t>(t->element_size());
+  return n;
+}
+int64_t state_bytes_of(const torch::optim::AdamParamState& s) {
+  return bytes_of({&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq()});
+}
+int64_t state_bytes_of(const torch::optim::AdamWParamState& s) {
+  return bytes_of({&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq()});
+}
+int64_t state_bytes_of(const torch::optim::SGDParamState& s) { return bytes_of({&s.momentum_buffer()}); }
+
+/// LibTorch's optimizer `Base`, telling the core the bytes of the per-parameter state (of type
+/// `State`) it holds (tk::StateSize: metrics.jsonl's optimizer_state_mib, the memory planner).
+template <class Base, class State>
+class Sized : public Base, public tk::StateSize {
+ public:
+  using Base::Base;
+  int64_t state_bytes() const override {
+    int64_t n = 0;
+    for (const auto& entry : this->state()) n += state_bytes_of(static_cast<const State&>(*entry.second));
+    return n;
+  }
+};
+using SizedAdam = Sized<torch::optim::Adam, torch::optim::AdamParamState>;
+using SizedAdamW = Sized<torch::optim::AdamW, torch::optim::AdamWParamState>;
+using SizedSgd = Sized<torch::optim::SGD, torch::optim::SGDParamState>;
 
 template <class State, class Base>
 State* find_state(Base& opt, const at::Tensor& p) {
@@ -141,9 +172,9 @@ at::Tensor step_groups(Base& opt, const Optimizer::LossClosure& closure, Fn&& ea
   return loss;
 }
 
-class ForeachAdam final : public torch::optim::Adam {
+class ForeachAdam final : public SizedAdam {
  public:
-  using Adam::Adam;
+  using SizedAdam::SizedAdam;
   at::Tensor step(LossClosure closure = nullptr) override {
     return step_groups(*this, closure, [this](auto& g) {
       foreach_adam_group<torch::optim::AdamOptions, torch::optim::AdamParamState, false>(*this, g, "Adam");
@@ -151,10 +182,10 @@ class ForeachAdam final : public torch::optim::Adam {
   }
 };
 
-class ForeachAdamW final : public torch::optim::AdamW {
+class ForeachAdamW final : public SizedAdamW {
  public:
   ForeachAdamW(std::vector<at::Tensor> params, const torch::optim::AdamWOptions& o, bool fused)
-      : AdamW(std::move(params), o), fused_(fused) {}
+      : SizedAdamW(std::move(params), o), fused_(fused) {}
   at::Tensor step(LossClosure closure = nullptr) override {
     return step_groups(*this, closure, [this](auto& g) {
       if (fused_) fused_adamw_group(*this, g);
@@ -168,9 +199,9 @@ class ForeachAdamW final : public torch::optim::AdamW {
 
 /// LibTorch's SGD step over a group at once: weight decay added to the gradient, the momentum
 /// buffer started as a copy of it and then decayed and added to, Nesterov's look-ahead.
-class ForeachSgd final : public torch::optim::SGD {
+class ForeachSgd final : public SizedSgd {
  public:
-  using SGD::SGD;
+  using SizedSgd::SizedSgd;
   at::Tensor step(LossClosure closure = nullptr) override {
     return step_groups(*this, closure, [this](auto& g) { step_group(g); });
   }
@@ -228,19 +259,19 @@ StepForm step_form(const std::string& name, const std::vector<torch::Tensor>& pa
 
 std::unique_ptr<Optimizer> make_adam(std::vector<torch::Tensor> params, const torch::optim::AdamOptions& o,
                                      StepForm form) {
-  if (form == StepForm::PerTensor) return std::make_unique<torch::optim::Adam>(std::move(params), o);
+  if (form == StepForm::PerTensor) return std::make_unique<SizedAdam>(std::move(params), o);
   return std::make_unique<ForeachAdam>(std::move(params), o);
 }
 
 std::unique_ptr<Optimizer> make_adamw(std::vector<torch::Tensor> params, const torch::optim::AdamWOptions& o,
                                       StepForm form) {
-  if (form == StepForm::PerTensor) return std::make_unique<torch::optim::AdamW>(std::move(params), o);
+  if (form == StepForm::PerTensor) return std::make_unique<SizedAdamW>(std::move(params), o);
   return std::make_unique<ForeachAdamW>(std::move(params), o, form == StepForm::Fused);
 }
 
 std::unique_ptr<Optimizer> make_sgd(std::vector<torch::Tensor> params, const torch::optim::SGDOptions& o,
                                     StepForm form) {
-  if (form == StepForm::PerTensor) return std::make_unique<torch::optim::SGD>(std::move(params), o);
+  if (form == StepForm::PerTensor) return std::make_unique<SizedSgd>(std::move(params), o);
   return std::make_unique<ForeachSgd>(std::move(params), o);
 }
 

@@ -85,12 +85,14 @@ std::tuple<double, double> betas_of(const Options& o) {
 OptionSpec implementation_spec(bool fused) {
   std::vector<std::string> forms = {"auto", "per_tensor", "foreach"};
   if (fused) forms.push_back("fused");
-  return opt_string("implementation", "auto",
+  OptionSpec spec = opt_string("implementation", "auto",
                     std::string("per_tensor (LibTorch's step), foreach (the same arithmetic over all parameters at "
                                 "once: bit-identical on the CPU, equal to rounding on CUDA), ") +
                         (fused ? "fused (one kernel, LibTorch 2.4+, equal to rounding), " : "") +
                         "or auto (foreach on a GPU, per_tensor on a CPU)",
                     forms);
+  spec.same_on_cpu = {"auto", "per_tensor", "foreach"};  // the same arithmetic to the bit there; fused rounds its own way
+  return spec;
 }
 
 OptionSpecs adam_specs(double weight_decay, bool fused) {
@@ -193,6 +195,7 @@ void register_optim(Registry& r) {
          return std::make_unique<WarmupCosine>(base, o.get_int("warmup_steps"), o.get_float("min_lr"));
        }},
   });
+  r.set_default(Kind::Schedule, "constant");  // a recipe without [schedule] keeps the optimizer's lr
 }
 
 }  // namespace

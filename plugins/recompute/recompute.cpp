@@ -270,8 +270,8 @@ class RecomputePlugin final : public tk::Plugin {
     if (auto_) {
       if (!s.plan().micro_batch_auto())
         fail_option(modules_, "\"auto\" leaves the number of recomputed blocks to the memory planner, which runs with "
-                              "[data] micro_batch = \"auto\" (and effective_batch and memory_budget in the grad_accum "
-                              "entry); set micro_batch = \"auto\", or name the blocks");
+                              "[batch] micro_batch = \"auto\" (with effective_batch and memory_budget); set "
+                              "micro_batch = \"auto\", or name the blocks");
       tk::MemoryLever lever;
       lever.what = "recomputed blocks";
       lever.levels = static_cast<int64_t>(blocks->size());
@@ -354,11 +354,10 @@ class RecomputePlugin final : public tk::Plugin {
   }
 
   static std::string no_blocks_reason(tk::Model& model) {
-    bool scripted = model.name().find("ScriptedModel") != std::string::npos;  // the built-in torchscript model
-    for (const auto& m : model.modules(/*include_self=*/false)) scripted = scripted || m->name().rfind("TorchScript", 0) == 0;
-    if (scripted)
-        return "a TorchScript model runs as one compiled graph, whose submodules trainkit cannot run one at a time "
-               "(recompute it whole and nothing is saved); write the model in C++ with tk::Blocks (tk/blocks.h)";
+    if (const tk::CompiledModel* compiled = tk::compiled_of(model))
+      return "it runs as one compiled graph (" + compiled->compiled_as() +
+             "), whose submodules cannot run one at a time (recompute it whole and nothing is saved); write the model "
+             "in C++ with tk::Blocks (tk/blocks.h)";
     return "it does not implement tk::ModelWithBlocks (tk/blocks.h), as the built-in gpt, mlp and cnn do";
   }
 

@@ -46,7 +46,7 @@ class Shard final : public tk::Plugin {
 
   void on_fit_start(tk::Context& ctx) override {
     sharded_ = dynamic_cast<const tk::shard::ShardedOptimizer*>(&ctx.optimizer());
-    if (!sharded_) return;
+    if (!sharded_ || ctx.trial()) return;
     const int size = ctx.world_size(), rank = ctx.rank();
     int64_t total = 0;
     for (int r = 0; r < size; ++r) total += sharded_->owned_bytes(r);
@@ -62,6 +62,9 @@ class Shard final : public tk::Plugin {
     if (!sharded_ || ctx.world_size() == 1) return decline(tk::Event::StepEnd);
     if (!ctx.step_vetoed()) ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
   }
+
+  // The optimizer is the core's: made anew after trial steps, released with the run.
+  void on_fit_end(tk::Context&) override { sharded_ = nullptr; }
 
  private:
   int64_t stage_ = 0;

@@ -27,8 +27,7 @@ struct Run {
 
 /// trainkit on kAccumRecipe + overrides, optionally with grad_accum given as TOML lines.
 Run train(const std::vector<std::string>& sets, const std::string& accum = "", const char* base = kAccumRecipe) {
-  std::string text = base;
-  if (!accum.empty()) text += "[[plugins]]\nname = \"grad_accum\"\n" + accum + "\n";
+  const std::string text = accum.empty() ? std::string(base) : with_grad_accum(accum, base);
   auto r = tkt::recipe(sets, text.c_str());
   tk::Trainer t(r, tkt::quiet());
   auto cap = std::make_shared<tkt::Capture>();
@@ -149,8 +148,8 @@ TEST_SUITE("accumulation") {
         CAPTURE(oc.name);
         CAPTURE(dtype);
         auto sets = oc.sets + std::vector<std::string>{std::string("run.dtype=") + dtype};
-        Run accum = train(sets + std::vector<std::string>{"data.micro_batch=8"}, "steps = 4");
-        Run big = train(sets + std::vector<std::string>{"data.micro_batch=32"});
+        Run accum = train(sets + std::vector<std::string>{"batch.micro_batch=8"}, "steps = 4");
+        Run big = train(sets + std::vector<std::string>{"batch.micro_batch=32"});
         Run ref = reference(sets, windows_for(256, 8, 4, tk::LastWindow::Step, 1, 11), oc.make);
         check_same_steps(accum, big, tol);
         check_same_steps(accum, ref, tol);
@@ -167,7 +166,7 @@ TEST_SUITE("accumulation") {
     // 250 examples, micro-batches of 8: the last one has 2, so the last window has 26 examples.
     std::vector<std::string> sets = {"data.samples=250", "run.steps=0", "run.epochs=1"};
     Run accum = train(sets + std::vector<std::string>{"loss.reduction=sum"}, "steps = 4\nnormalize = \"samples\"");
-    Run big = train(sets + std::vector<std::string>{"data.micro_batch=32"});
+    Run big = train(sets + std::vector<std::string>{"batch.micro_batch=32"});
     REQUIRE(accum.capture->window_sizes.back() == 4);
     check_same_steps(accum, big, kF64);
     auto ref = reference(sets, windows_for(250, 8, 4, tk::LastWindow::Step, 1, 11), [](std::vector<Tensor> p) {
@@ -178,9 +177,9 @@ TEST_SUITE("accumulation") {
 
   TEST_CASE("normalize = tokens is exact for variable-length sequences; the mean of means is not") {
     const std::vector<std::string> tok = {"data.name=synthetic-tokens", "data.seq_len=12", "data.min_len=1",
-                                          "data.samples=128", "data.micro_batch=4"};
+                                          "data.samples=128", "batch.micro_batch=4"};
     Run accum = train(tok + std::vector<std::string>{"loss.reduction=sum"}, "steps = 4\nnormalize = \"tokens\"");
-    Run big = train(tok + std::vector<std::string>{"data.micro_batch=16"});
+    Run big = train(tok + std::vector<std::string>{"batch.micro_batch=16"});
     check_same_steps(accum, big, kF64);
     auto ref = reference(tok, windows_for(128, 4, 4, tk::LastWindow::Step, 1, 11), [](std::vector<Tensor> p) {
       return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
@@ -201,7 +200,7 @@ TEST_SUITE("accumulation") {
     const std::vector<std::string> reg = {"data.name=synthetic-regression", "data.samples=200", "loss.name=mse"};
     Run accum = train(reg + std::vector<std::string>{"loss.reduction=sum"}, "steps = 4\nnormalize = \"samples\"",
                       base.c_str());
-    Run big = train(reg + std::vector<std::string>{"data.micro_batch=32"}, "", base.c_str());
+    Run big = train(reg + std::vector<std::string>{"batch.micro_batch=32"}, "", base.c_str());
     check_same_steps(accum, big, kF64);
     for (size_t i = 0; i < big.result.window_losses.size(); ++i)
       CHECK(std::abs(accum.result.window_losses[i] - big.result.window_losses[i]) < 1e-12);
@@ -210,8 +209,8 @@ TEST_SUITE("accumulation") {
   TEST_CASE("the short last window is normalized by its actual size (last_window = step)") {
     // 80 examples in micro-batches of 4: 20 per epoch, windows of 6 -> 6, 6, 6, 2.
     std::vector<std::string> sets = {"data.samples=80", "run.steps=0", "run.epochs=2"};
-    Run accum = train(sets + std::vector<std::string>{"data.micro_batch=4"}, "steps = 6");
-    Run big = train(sets + std::vector<std::string>{"data.micro_batch=24"});
+    Run accum = train(sets + std::vector<std::string>{"batch.micro_batch=4"}, "steps = 6");
+    Run big = train(sets + std::vector<std::string>{"batch.micro_batch=24"});
     CHECK(accum.capture->window_sizes == std::vector<int64_t>{6, 6, 6, 2, 6, 6, 6, 2});
     check_same_steps(accum, big, kF64);
     // The window is known before each forward pass: the short one says so from its first micro-batch.
@@ -224,9 +223,9 @@ TEST_SUITE("accumulation") {
   }
 
   TEST_CASE("last_window = drop skips the tail; carry continues the window into the next epoch") {
-    std::vector<std::string> sets = {"data.samples=80", "run.steps=0", "run.epochs=2", "data.micro_batch=4"};
+    std::vector<std::string> sets = {"data.samples=80", "run.steps=0", "run.epochs=2", "batch.micro_batch=4"};
     Run drop = train(sets, "steps = 6\nlast_window = \"drop\"");
-    Run big = train({"data.samples=80", "run.steps=0", "run.epochs=2", "data.micro_batch=24", "data.drop_last=true"});
+    Run big = train({"data.samples=80", "run.steps=0", "run.epochs=2", "batch.micro_batch=24", "data.drop_last=true"});
     CHECK(drop.capture->window_sizes == std::vector<int64_t>{6, 6, 6, 6, 6, 6});
     check_same_steps(drop, big, kF64);
 
@@ -261,7 +260,7 @@ TEST_SUITE("accumulation") {
 
   TEST_CASE("the logged loss is the true window loss, not a 1/k piece") {
     Run accum = train({}, "steps = 4");
-    Run big = train({"data.micro_batch=32"});
+    Run big = train({"batch.micro_batch=32"});
     REQUIRE(accum.result.window_losses.size() == 5);
     for (size_t i = 0; i < 5; ++i) {
       CAPTURE(i);

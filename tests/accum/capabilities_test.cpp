@@ -24,10 +24,6 @@ std::string without_micro_batch() {
   return s;
 }
 
-std::string with_accum(const std::string& accum, const std::string& base = kAccumRecipe) {
-  return base + "[[plugins]]\nname = \"grad_accum\"\n" + accum + "\n";
-}
-
 /// What a test reads of a run's plan (tk::RunPlan is a view of the run; this is a copy).
 struct PlanSeen {
   int64_t micro_batch = 0, accumulation = 0, effective = 0;
@@ -126,8 +122,8 @@ double budget_between(const PlanSeen& measured, int64_t lo) {
 
 /// The plan of an auto micro-batch run of effective batch 64 under `budget` bytes.
 PlanSeen auto_plan(double budget, const std::vector<std::string>& sets = {}) {
-  tk::Trainer t(tkt::recipe(sets + std::vector<std::string>{"data.micro_batch=\"auto\""},
-                            with_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\"").c_str()),
+  tk::Trainer t(tkt::recipe(sets + std::vector<std::string>{"batch.micro_batch=\"auto\""},
+                            with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\"").c_str()),
                 tkt::quiet());
   return seen(t.plan());
 }
@@ -136,55 +132,82 @@ PlanSeen auto_plan(double budget, const std::vector<std::string>& sets = {}) {
 
 TEST_SUITE("accumulation capabilities") {
   TEST_CASE("any two of steps, micro_batch and effective_batch give the third") {
-    const Trained by_steps = train({}, with_accum("steps = 4"));
+    const Trained by_steps = train({}, with_grad_accum("steps = 4"));
     // effective batch + micro-batch: k = 32 / 8.
-    const Trained by_effective = train({}, with_accum("effective_batch = 32"));
+    const Trained by_effective = train({}, with_grad_accum("effective_batch = 32"));
     CHECK(by_effective.plan.accumulation == 4);
     CHECK(torch::equal(by_effective.params, by_steps.params));
     // effective batch + steps: the micro-batch is 32 / 4 (the recipe leaves it unset).
-    const Trained by_two = train({}, with_accum("steps = 4\neffective_batch = 32", without_micro_batch()));
+    const Trained by_two = train({}, with_grad_accum("steps = 4\neffective_batch = 32", without_micro_batch()));
     CHECK(by_two.plan.micro_batch == 8);
     CHECK(torch::equal(by_two.params, by_steps.params));
     // All three, consistent: accepted as they are.
-    CHECK(train({}, with_accum("steps = 4\neffective_batch = 32")).plan.effective_batch() == 32);
+    CHECK(train({}, with_grad_accum("steps = 4\neffective_batch = 32")).plan.effective_batch() == 32);
 
     // The dry run shows the resolved numbers.
-    tk::Trainer t(tkt::recipe({}, with_accum("effective_batch = 32").c_str()), tkt::quiet());
+    tk::Trainer t(tkt::recipe({}, with_grad_accum("effective_batch = 32").c_str()), tkt::quiet());
     CHECK(t.describe().find("effective     32 examples per optimizer step (8 x 4 x 1); as asked") != std::string::npos);
   }
 
   TEST_CASE("an effective batch that does not add up is refused, naming all three values and the world size") {
-    std::string e = plan_error({}, with_accum("steps = 4\neffective_batch = 40"));
+    std::string e = plan_error({}, with_grad_accum("steps = 4\neffective_batch = 40"));
     CHECK(e.find("test.toml:") == 0);
-    CHECK(e.find("effective_batch = 40, micro_batch = 8, steps = 4, world size 1") != std::string::npos);
+    CHECK(e.find("effective_batch = 40, micro_batch = 8, accumulation = 4, world size 1") != std::string::npos);
     CHECK(e.find("8 x 4 x 1 = 32, not 40") != std::string::npos);
-    e = plan_error({}, with_accum("effective_batch = 36"));
+    e = plan_error({}, with_grad_accum("effective_batch = 36"));
     CHECK(e.find("36 examples per rank are not a whole number of micro-batches of 8") != std::string::npos);
-    e = plan_error({}, with_accum("steps = 5\neffective_batch = 32", without_micro_batch()));
+    e = plan_error({}, with_grad_accum("steps = 5\neffective_batch = 32", without_micro_batch()));
     CHECK(e.find("do not split into 5 equal micro-batches") != std::string::npos);
-    e = plan_error({"data.micro_batch=\"auto\""}, with_accum("steps = 2\neffective_batch = 32\nmemory_budget = \"1GiB\""));
-    CHECK(e.find("with micro_batch = \"auto\" the steps follow from the micro-batch picked") != std::string::npos);
-    e = plan_error({"data.micro_batch=\"auto\""}, with_accum("steps = 2"));
+    e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("steps = 2\neffective_batch = 32\nmemory_budget = \"1GiB\""));
+    CHECK(e.find("with micro_batch = \"auto\" the accumulation follows from the micro-batch picked") != std::string::npos);
+    e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("steps = 2"));
     CHECK(e.find("\"auto\" picks the micro-batch for an effective batch") != std::string::npos);
-    e = plan_error({"data.micro_batch=\"big\""}, with_accum("steps = 2"));
-    CHECK(e.find("data.micro_batch: expected an integer or one of auto, got \"big\"") != std::string::npos);
-    e = plan_error({}, with_accum("effective_batch = 32\nmemory_budget = \"1GiB\""));
+    e = plan_error({"batch.micro_batch=\"big\""}, with_grad_accum("steps = 2"));
+    CHECK(e.find("batch.micro_batch: expected an integer or one of auto, got \"big\"") != std::string::npos);
+    e = plan_error({}, with_grad_accum("effective_batch = 32\nmemory_budget = \"1GiB\""));
     CHECK(e.find("memory_budget: applies to a micro-batch picked by memory") != std::string::npos);
+  }
+
+  TEST_CASE("the batch's shape given the old way ([data] micro_batch, grad_accum's own options) trains the same, with "
+            "a warning that says what to write; given both ways it is refused") {
+    const Trained now = train({"batch.accumulation=4"}, with_grad_accum(""));
+    std::string old = kAccumRecipe;
+    old.replace(old.find("[batch]\nmicro_batch = 8\n"), 24, "");
+    old.replace(old.find("classes = 5\n"), 12, "classes = 5\nmicro_batch = 8\n");
+    const Trained then = train({}, old + "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\n");
+    CHECK(then.plan.accumulation == 4);
+    CHECK(then.plan.micro_batch == 8);
+    CHECK(torch::equal(then.params, now.params));
+    REQUIRE(then.warnings.size() == 2);
+    CHECK(then.warnings[0].find("[data] micro_batch is deprecated") != std::string::npos);
+    CHECK(then.warnings[0].find("write [batch] micro_batch = 8") != std::string::npos);
+    CHECK(then.warnings[1].find("plugin 'grad_accum' gave the batch's shape in its own options, which is deprecated") !=
+          std::string::npos);
+    CHECK(then.warnings[1].find("write [batch] accumulation = 4 and remove those options") != std::string::npos);
+    CHECK(now.warnings.empty());
+
+    // Both ways at once: refused where the second one stands.
+    std::string e = plan_error({}, old + "\n[batch]\nmicro_batch = 8\naccumulation = 4\n");
+    CHECK(e.find("test.toml:18:15: ") == 0);
+    CHECK(e.find("data.micro_batch: the micro-batch is [batch] micro_batch now, which this recipe sets too") !=
+          std::string::npos);
+    e = plan_error({"batch.accumulation=4"}, with_grad_accum("") + "steps = 4\n");
+    CHECK(e.find("batch.accumulation: plugin 'grad_accum' shapes the window too") != std::string::npos);
   }
 
   TEST_CASE("the world size divides the effective batch (two ranks, planned)") {
     const tkt::EnvGuard world("WORLD_SIZE", "2"), rank("RANK", "1");
     const std::string ddp = "[[plugins]]\nname = \"ddp\"\n";
     // Listed before or after grad_accum: the world is known when the window is inferred.
-    tk::Trainer a(tkt::recipe({}, (with_accum("effective_batch = 64") + ddp).c_str()), tkt::quiet());
+    tk::Trainer a(tkt::recipe({}, (with_grad_accum("effective_batch = 64") + ddp).c_str()), tkt::quiet());
     CHECK(a.plan().accumulation() == 4);  // 64 / (8 x 2)
     CHECK(a.plan().effective_batch() == 64);
-    tk::Trainer b(tkt::recipe({}, (std::string(kAccumRecipe) + ddp + "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 64\n").c_str()),
+    tk::Trainer b(tkt::recipe({}, with_grad_accum("effective_batch = 64", kAccumRecipe + ddp).c_str()),
                   tkt::quiet());
     CHECK(b.plan().accumulation() == 4);
-    std::string e = plan_error({}, with_accum("effective_batch = 33") + ddp);
+    std::string e = plan_error({}, with_grad_accum("effective_batch = 33") + ddp);
     CHECK(e.find("world size 2: the effective batch does not divide evenly over the 2 ranks") != std::string::npos);
-    e = plan_error({}, with_accum("effective_batch = 24") + ddp);
+    e = plan_error({}, with_grad_accum("effective_batch = 24") + ddp);
     CHECK(e.find("12 examples per rank are not a whole number of micro-batches of 8") != std::string::npos);
   }
 
@@ -200,19 +223,19 @@ TEST_SUITE("accumulation capabilities") {
     const PlanSeen picked = auto_plan(budget);
     CHECK(picked.micro_batch == 16);
     CHECK(picked.accumulation == 4);
-    const Trained automatic = train({"data.micro_batch=\"auto\""},
-                                    with_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\""));
-    const Trained by_hand = train({"data.micro_batch=16"}, with_accum("steps = 4"));
+    const Trained automatic = train({"batch.micro_batch=\"auto\""},
+                                    with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\""));
+    const Trained by_hand = train({"batch.micro_batch=16"}, with_grad_accum("steps = 4"));
     CHECK(automatic.plan.micro_batch == 16);
     CHECK(torch::equal(automatic.params, by_hand.params));  // the trials left nothing behind
 
     // Too small a budget, and no budget on the CPU, are refused with the figures.
-    std::string e = plan_error({"data.micro_batch=\"auto\""}, with_accum("effective_batch = 64\nmemory_budget = \"1kB\""));
+    std::string e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("effective_batch = 64\nmemory_budget = \"1kB\""));
     CHECK(e.find("a training step of one micro-batch of 1 takes") != std::string::npos);
     CHECK(e.find("more than the budget of") != std::string::npos);
-    e = plan_error({"data.micro_batch=\"auto\""}, with_accum("effective_batch = 64"));
+    e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("effective_batch = 64"));
     CHECK(e.find("on the CPU needs a memory budget") != std::string::npos);
-    e = plan_error({"data.micro_batch=\"auto\""}, with_accum("effective_batch = 64\nmemory_budget = \"lots\""));
+    e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("effective_batch = 64\nmemory_budget = \"lots\""));
     CHECK(e.find("memory_budget: expected a size > 0 like \"1.5GiB\"") != std::string::npos);
   }
 
@@ -221,11 +244,11 @@ TEST_SUITE("accumulation capabilities") {
   TEST_CASE("an out-of-memory error halves the micro-batch and redoes the window" * doctest::skip()) {
     REQUIRE(std::string(std::getenv("TK_FAULT") ? std::getenv("TK_FAULT") : "") == "oom:3");
     const double budget = budget_between(auto_plan(1e9), 16);
-    const std::string accum = with_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\"");
+    const std::string accum = with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\"");
     auto opts = tkt::quiet();
     opts.write_outputs = true;
     const fs::path dir = tkt::temp_dir("backoff");
-    const std::vector<std::string> sets = {"data.micro_batch=\"auto\"", "run.steps=6", "run.checkpoint_every=2",
+    const std::vector<std::string> sets = {"batch.micro_batch=\"auto\"", "run.steps=6", "run.checkpoint_every=2",
                                            "run.output=\"" + dir.string() + "\""};
     // 16 x 4 fails in its third micro-batch; the window is redone as 8 x 8 from its first.
     const Trained backed = train(sets, accum, opts);
@@ -238,7 +261,7 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(backed.warnings.back().find("out of memory at step 1 with micro-batches of 16") != std::string::npos);
     CHECK(backed.warnings.back().find("backing off to 8 x 8 micro-batches") != std::string::npos);
     // Nothing of the failed window stayed: the run is the one configured as 8 x 8 from the start.
-    const Trained by_hand = train({"run.steps=6"}, with_accum("steps = 8"));
+    const Trained by_hand = train({"run.steps=6"}, with_grad_accum("steps = 8"));
     CHECK(torch::equal(backed.params, by_hand.params));
     const auto records = tkt::metric(dir / "metrics.jsonl", "micro_batch");
     CHECK(records == std::vector<double>(6, 8.0));
@@ -256,7 +279,7 @@ TEST_SUITE("accumulation capabilities") {
     for (int64_t j = 0; j < 10; ++j) sizes.push_back(ramp_effective(16, 64, 4, j, 8) / 8);
     CHECK(sizes == std::vector<int64_t>{2, 3, 5, 6, 8, 8, 8, 8, 8, 8});
     const std::vector<std::string> sets = {"run.steps=0", "run.epochs=2"};
-    const std::string accum = with_accum("effective_batch = 64\nramp_from = 16\nramp_steps = 4");
+    const std::string accum = with_grad_accum("effective_batch = 64\nramp_from = 16\nramp_steps = 4");
     const Trained ramp = train(sets, accum);
     // 32 micro-batches per epoch: 2 + 3 + 5 + 6 + 8 + 8, then 4 x 8.
     CHECK(ramp.capture->window_sizes == sizes);
@@ -284,7 +307,7 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(sizes == std::vector<int64_t>{2, 2, 3, 4, 5, 6, 8, 2, 8, 8, 8, 8});
     auto opts = tkt::quiet();
     opts.write_outputs = true;
-    const std::string accum = with_accum("effective_batch = 64\nramp_from = 16\nramp_samples = 160");
+    const std::string accum = with_grad_accum("effective_batch = 64\nramp_from = 16\nramp_samples = 160");
     const fs::path one = tkt::temp_dir("ramp-one"), two = tkt::temp_dir("ramp-two");
     const Trained whole = train({"run.steps=12", "run.output=\"" + one.string() + "\""}, accum, opts);
     CHECK(whole.capture->window_sizes == sizes);
@@ -311,29 +334,29 @@ TEST_SUITE("accumulation capabilities") {
     const std::string mp = "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\n";
     const std::string clip = "[[plugins]]\nname = \"clip\"\nmax_norm = 0.5\n";
     const std::vector<std::string> f32 = {"run.dtype=\"float32\""};
-    const Trained by_steps = train(f32, with_accum("steps = 4") + mp + clip);
+    const Trained by_steps = train(f32, with_grad_accum("steps = 4") + mp + clip);
     const Trained by_effective = train(f32, std::string(kAccumRecipe) + clip + mp + "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 32\n");
     CHECK(by_effective.plan.accumulation == 4);
     CHECK(torch::equal(by_effective.params, by_steps.params));
   }
 
   TEST_CASE("a ramp is refused without what it needs") {
-    std::string e = plan_error({}, with_accum("steps = 4\nramp_from = 8\nramp_steps = 3"));
+    std::string e = plan_error({}, with_grad_accum("steps = 4\nramp_from = 8\nramp_steps = 3"));
     CHECK(e.find("ramp_from: a ramp goes up to effective_batch: set effective_batch too") != std::string::npos);
-    e = plan_error({}, with_accum("effective_batch = 32\nramp_from = 32\nramp_steps = 3"));
+    e = plan_error({}, with_grad_accum("effective_batch = 32\nramp_from = 32\nramp_steps = 3"));
     CHECK(e.find("not below effective_batch = 32") != std::string::npos);
-    e = plan_error({}, with_accum("effective_batch = 32\nramp_from = 8"));
+    e = plan_error({}, with_grad_accum("effective_batch = 32\nramp_from = 8"));
     CHECK(e.find("give the ramp's length") != std::string::npos);
-    e = plan_error({}, with_accum("effective_batch = 32\nramp_from = 8\nramp_steps = 2\nramp_samples = 10"));
+    e = plan_error({}, with_grad_accum("effective_batch = 32\nramp_from = 8\nramp_steps = 2\nramp_samples = 10"));
     CHECK(e.find("not both") != std::string::npos);
-    e = plan_error({}, with_accum("effective_batch = 32\nramp_steps = 2"));
+    e = plan_error({}, with_grad_accum("effective_batch = 32\nramp_steps = 2"));
     CHECK(e.find("a ramp needs ramp_from") != std::string::npos);
   }
 
   TEST_CASE("the verifier: exact for an MLP; BatchNorm named; a mean over unequal token counts explained") {
     // A float32 run: the verifier computes in float64 whatever the run's dtype, and puts the model
     // back as it found it, float32 and unchanged.
-    tk::Trainer mlp(tkt::recipe({"run.dtype=\"float32\""}, with_accum("steps = 4").c_str()), tkt::quiet());
+    tk::Trainer mlp(tkt::recipe({"run.dtype=\"float32\""}, with_grad_accum("steps = 4").c_str()), tkt::quiet());
     REQUIRE((mlp.model().parameters()[0].scalar_type() == torch::kFloat));
     const Tensor before = tkt::flat_params(mlp.model());
     const tk::AccumulationCheck exact = mlp.verify_accumulation();
@@ -346,7 +369,7 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(torch::equal(tkt::flat_params(mlp.model()), before));  // the model is left as it was
     CHECK((mlp.model().parameters()[0].scalar_type() == torch::kFloat));
 
-    tk::Trainer bn(tkt::recipe({"model.batchnorm=true", "run.dtype=\"float32\""}, with_accum("steps = 4").c_str()),
+    tk::Trainer bn(tkt::recipe({"model.batchnorm=true", "run.dtype=\"float32\""}, with_grad_accum("steps = 4").c_str()),
                    tkt::quiet());
     const tk::AccumulationCheck flagged = bn.verify_accumulation();
     CHECK_FALSE(flagged.exact());
@@ -360,11 +383,11 @@ TEST_SUITE("accumulation capabilities") {
     // Sequences of different lengths with a mean loss: a mean of micro-batch means is not the
     // window's token mean, and the verifier says what to use instead.
     const std::vector<std::string> tokens = {"data.name=synthetic-tokens", "data.seq_len=12", "data.min_len=1",
-                                             "data.samples=128", "data.micro_batch=4"};
-    tk::Trainer seq(tkt::recipe(tokens, with_accum("steps = 4").c_str()), tkt::quiet());
+                                             "data.samples=128", "batch.micro_batch=4"};
+    tk::Trainer seq(tkt::recipe(tokens, with_grad_accum("steps = 4").c_str()), tkt::quiet());
     const tk::AccumulationCheck uneven = seq.verify_accumulation();
     CHECK_FALSE(uneven.exact());
     REQUIRE(uneven.findings.size() == 1);
-    CHECK(uneven.findings[0].find("use reduction = \"sum\" with grad_accum normalize = \"tokens\"") != std::string::npos);
+    CHECK(uneven.findings[0].find("use reduction = \"sum\" with normalization by the window's tokens") != std::string::npos);
   }
 }

@@ -21,7 +21,7 @@ def main():
     quick = os.path.join(src, "recipes", "quickstart.toml")
     gpt = os.path.join(src, "recipes", "gpt-tiny.toml")
     base = ('[run]\nsteps = 4\n[model]\nname = "mlp"\nhidden = [8]\n[data]\nname = "tensors"\npath = "%s"\n'
-            'classes = 10\nmicro_batch = 8\n[optimizer]\nname = "sgd"\n')
+            'classes = 10\n[batch]\nmicro_batch = 8\n[optimizer]\nname = "sgd"\n')
 
     def write(name, data):
         path = os.path.join(work, name)
@@ -81,7 +81,7 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
             ("a TorchScript model with every parameter frozen", [ts("frozen"), "--dry-run"], 2, "ts_frozen.toml:3:1: model 'torchscript' has no trainable parameter"),
         ]
         t = lambda f: write(f + ".toml", base % os.path.join(work, f + ".pt"))
-        late = [t("late_nan"), "--set", "data.shuffle=false", "--set", "data.micro_batch=200002", "--set",
+        late = [t("late_nan"), "--set", "data.shuffle=false", "--set", "batch.micro_batch=200002", "--set",
                 "data.classes=2", "--set", "run.steps=5", "--set", "run.output=\"%s\"" % os.path.join(work, "late-run"),
                 "--overwrite", "--progress", "none"]
         tensor_cases += [
@@ -121,7 +121,7 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
         ("threads without bound", [quick, "--dry-run", "--set", "run.threads=100000"], 2, "run.threads: is 100000"),
         ("epochs beyond any machine", [quick, "--dry-run", "--set", "run.epochs=288230376151711745"], 2, "run.epochs: is 288230376151711745, beyond"),
         ("epochs that overflow", [quick, "--dry-run", "--set", "run.epochs=1099511627776"], 2, "beyond what any machine can train"),
-        ("accumulation that overflows", [quick, "--dry-run", "--set", "plugins.grad_accum.steps=9223372036854775807"], 2, "effective batch"),
+        ("accumulation that overflows", [quick, "--dry-run", "--set", "batch.accumulation=9223372036854775807"], 2, "effective batch"),
         ("a model larger than memory", [quick, "--dry-run", "--set", "model.hidden=[100000000,100000000]"], 2, "model.hidden: a model of 1e+16 parameters"),
         ("data larger than memory", [quick, "--dry-run", "--set", "data.samples=4000000000"], 2,
          "data.samples: 4000000000 training and 2048 validation examples"),
@@ -136,18 +136,18 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
          2, "run.name: contains a NUL character"),
         ("a text path that is a folder", [gpt, "--dry-run", "--set", 'data.path="%s"' % os.path.join(work, "folder")], 2, "is a folder, not a file"),
         ("a zero-filled plugin library", [plugin_recipe(zeros), "--dry-run"], 2, "zeros.so: damaged ("),
-        ("an effective batch larger than an epoch", [quick, "--dry-run", "--set", "plugins.grad_accum.steps=0", "--set",
-         "plugins.grad_accum.effective_batch=16384"], 2,
-         "plugins.grad_accum.effective_batch: an optimizer step of 512 micro-batches of 32 (16384 examples) is more "
+        ("an effective batch larger than an epoch", [quick, "--dry-run", "--set", "batch.accumulation=0", "--set",
+         "batch.effective_batch=16384"], 2,
+         "batch.effective_batch: an optimizer step of 512 micro-batches of 32 (16384 examples) is more "
          "than an epoch holds (256 micro-batches, 8192 examples)"),
         ("a ramp longer than the run", [quick, "--dry-run", "--set", "run.epochs=0", "--set", "run.steps=20", "--set",
-         "plugins.grad_accum.steps=0", "--set", "plugins.grad_accum.effective_batch=128", "--set",
-         "plugins.grad_accum.ramp_from=32", "--set", "plugins.grad_accum.ramp_steps=100000000"], 2,
-         "plugins.grad_accum.ramp_steps: the batch ramp lasts 100000000 optimizer steps, longer than the run's 20"),
+         "batch.accumulation=0", "--set", "batch.effective_batch=128", "--set",
+         "batch.ramp_from=32", "--set", "batch.ramp_steps=100000000"], 2,
+         "batch.ramp_steps: the batch ramp lasts 100000000 optimizer steps, longer than the run's 20"),
         ("a ramp of more examples than the run takes", [quick, "--dry-run", "--set", "run.epochs=0", "--set", "run.steps=20",
-         "--set", "plugins.grad_accum.steps=0", "--set", "plugins.grad_accum.effective_batch=128", "--set",
-         "plugins.grad_accum.ramp_from=32", "--set", "plugins.grad_accum.ramp_samples=100000000"], 2,
-         "plugins.grad_accum.ramp_samples: the batch ramp lasts 100000000 examples, longer than the run's 20 optimizer "
+         "--set", "batch.accumulation=0", "--set", "batch.effective_batch=128", "--set",
+         "batch.ramp_from=32", "--set", "batch.ramp_samples=100000000"], 2,
+         "batch.ramp_samples: the batch ramp lasts 100000000 examples, longer than the run's 20 optimizer "
          "steps take"),
     ] + tensor_cases
     failed = 0

@@ -94,6 +94,7 @@ name = "tokens"
 train = "{work}/bpe/train_*.bin"
 validation = "{work}/bpe/val_*.bin"
 seq_len = 32
+[batch]
 micro_batch = 8
 [optimizer]
 name = "adamw"

@@ -15,6 +15,7 @@ hidden = [32]
 [data]
 name = "synthetic-classification"
 samples = 512
+[batch]
 micro_batch = 16
 [optimizer]
 name = "sgd"

@@ -35,6 +35,8 @@ hidden = 12
 [data]
 name = "toy_sine"
 samples = 200
+
+[batch]
 micro_batch = 16
 
 [optimizer]
@@ -131,6 +133,28 @@ TEST_SUITE("extension") {
                    " and by " + fs::weakly_canonical(kFixtures / "tk_twin_b.so").string()) != std::string::npos);
       CHECK(m.find("test.toml:") == 0);  // the [[plugins]] entry that brought in the second one
     }
+  }
+
+  TEST_CASE("a section that names no component gets the default a library declared; one default per kind") {
+    tk::Registry reg;
+    CHECK(reg.default_of(tk::Kind::Schedule).empty());
+    reg.set_default(tk::Kind::Schedule, "halving").set_default(tk::Kind::Schedule, "halving");  // the same again
+    CHECK(reg.default_of(tk::Kind::Schedule) == "halving");
+    CHECK_THROWS_WITH_AS(reg.set_default(tk::Kind::Schedule, "steady"),
+                         "the default schedule is set twice: to 'halving' by (in-process) and to 'steady' by "
+                         "(in-process); remove one of the libraries from the run",
+                         tk::PluginLoadError);
+    // A default no library registers is named, with what a recipe may name instead.
+    const tk::Recipe recipe = tk::Recipe::from_string("[run]\nseed = 1\n", "r.toml");
+    CHECK_THROWS_WITH_AS(recipe.component("schedule", "halving", {"constant", "warmup_cosine"}),
+                         "r.toml: [schedule] names no schedule, and its default 'halving' is registered by no library "
+                         "loaded; name one of: constant, warmup_cosine",
+                         tk::RecipeError);
+    CHECK(recipe.component("schedule", "constant", {"constant", "warmup_cosine"}) == "constant");
+    // trainkit's optim library declares "constant": a recipe without [schedule] trains with it.
+    tk::Trainer t(tkt::recipe(), tkt::quiet());
+    CHECK(t.registry().default_of(tk::Kind::Schedule) == "constant");
+    CHECK(t.resolved_recipe().find("[schedule]\nname = \"constant\"\n") != std::string::npos);
   }
 
   TEST_CASE("setup may freeze parameters: they stay bit-identical and the optimizer never holds them") {

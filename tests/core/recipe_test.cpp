@@ -88,7 +88,7 @@ TEST_SUITE("recipe") {
     CHECK(build_error(kMinimal + "lr = -1.0\n") == "test.toml:8:6: optimizer.lr: must be > 0, got -1.0");
     CHECK(build_error(kMinimal, {"run.epochs=2", "run.steps=5"}).find("run.steps: give either epochs or steps") !=
           std::string::npos);
-    CHECK(build_error(kMinimal, {"data.micro_batch=0"}).find("data.micro_batch: must be >= 1") != std::string::npos);
+    CHECK(build_error(kMinimal, {"batch.micro_batch=0"}).find("batch.micro_batch: must be >= 1") != std::string::npos);
   }
 
   TEST_CASE("--set overrides values, creates sections and addresses plugins") {
@@ -113,20 +113,20 @@ TEST_SUITE("recipe") {
   TEST_CASE("plugin options are validated against the plugin's declaration") {
     auto text = std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nstep = 2\n";
     std::string e = build_error(text);
-    CHECK(e.find("test.toml:26:1: unknown key 'step' in [plugins.grad_accum]; valid keys: name, path, steps, "
+    CHECK(e.find("test.toml:28:1: unknown key 'step' in [plugins.grad_accum]; valid keys: name, path, steps, "
                  "effective_batch, memory_budget, ramp_from, ramp_steps, ramp_samples, normalize, last_window") == 0);
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = \"four\"\n");
     CHECK(e.find("plugins.grad_accum.steps: expected integer, got string") != std::string::npos);
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 0\n");
-    CHECK(e.find("test.toml:26:9: plugins.grad_accum.steps: must be >= 1 (or 0 with effective_batch: inferred), got 0") == 0);
+    CHECK(e.find("test.toml:28:9: plugins.grad_accum.steps: must be >= 1 (or 0 with effective_batch: inferred), got 0") == 0);
     e = build_error(std::string(tkt::kTinyRecipe) + "[[plugins]]\nsteps = 2\n");
-    CHECK(e.find("test.toml:24:1: a [[plugins]] entry needs a name") == 0);
+    CHECK(e.find("test.toml:26:1: a [[plugins]] entry needs a name") == 0);
   }
 
   TEST_CASE("normalize modes are checked against the loss reduction before training") {
     auto text = std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nnormalize = \"tokens\"\n";
     std::string e = build_error(text);
-    CHECK(e.find("test.toml:26:13: plugins.grad_accum.normalize: \"tokens\" needs a loss with reduction = \"sum\", but the recipe's "
+    CHECK(e.find("test.toml:28:13: plugins.grad_accum.normalize: \"tokens\" needs a loss with reduction = \"sum\", but the recipe's "
                  "loss uses \"mean\"") == 0);
   }
 

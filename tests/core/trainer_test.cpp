@@ -131,8 +131,8 @@ name = "fake_sync"
   }
 
   TEST_CASE("BatchNorm with accumulation is warned about") {
-    auto text = with_plugins("[[plugins]]\nname = \"grad_accum\"\nsteps = 4\n");
-    auto r = tkt::recipe({"model.batchnorm=true"}, text.c_str());
+    auto text = with_plugins("[[plugins]]\nname = \"grad_accum\"\n");
+    auto r = tkt::recipe({"model.batchnorm=true", "batch.accumulation=4"}, text.c_str());
     tk::Trainer t(r, tkt::quiet());
     t.describe();
     REQUIRE(t.warnings().size() == 1);
@@ -171,7 +171,10 @@ name = "fake_sync"
     }
 
     auto recipe_text = lines_of(out / "recipe.toml");
-    CHECK(std::find(recipe_text.begin(), recipe_text.end(), "steps = 3") != recipe_text.end());
+    // grad_accum's deprecated steps = 3 is written where it moved: [batch] accumulation.
+    CHECK(std::find(recipe_text.begin(), recipe_text.end(), "accumulation = 3") != recipe_text.end());
+    CHECK(std::count(recipe_text.begin(), recipe_text.end(), "steps = 5") == 1);  // [run] steps alone
+    CHECK(std::find(recipe_text.begin(), recipe_text.end(), "steps = 3") == recipe_text.end());
     CHECK(lines_of(out / "trace.jsonl").size() == t.trace().size());
     CHECK(res.output_dir == out);
     fs::remove_all(out);
@@ -245,8 +248,8 @@ name = "fake_sync"
   TEST_CASE("a run resumed from a checkpoint is bit-identical to an uninterrupted one") {
     // 80 examples in micro-batches of 8, windows of 3: 3, 3, 3, 1 per epoch; 10 steps span 3 epochs,
     // and the checkpoint at step 5 sits inside epoch 2, after a short last window.
-    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
-    const std::vector<std::string> sets = {"data.samples=80", "run.steps=10", "optimizer.name=sgd"};
+    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\n";
+    const std::vector<std::string> sets = {"data.samples=80", "run.steps=10", "optimizer.name=sgd", "batch.accumulation=3"};
     auto opts = tkt::quiet();
     opts.write_outputs = true;
 
@@ -361,6 +364,7 @@ name = "tensors"
 inputs = "x"
 targets = "y"
 mask = "keep"
+[batch]
 micro_batch = 8
 [loss]
 name = "cross_entropy"

@@ -277,8 +277,8 @@ TEST_SUITE("workloads") {
 
     // The GPT takes its vocabulary from the shards and trains on them.
     const std::string recipe = std::string("[run]\nseed = 1\nsteps = 4\n[model]\nname = \"gpt\"\nlayers = 1\n"
-                                           "heads = 2\nwidth = 16\n[data]\nname = \"tokens\"\nmicro_batch = 2\n") +
-                               files + "[optimizer]\nname = \"adamw\"\nlr = 0.01\n";
+                                           "heads = 2\nwidth = 16\n[data]\nname = \"tokens\"\n") +
+                               files + "[batch]\nmicro_batch = 2\n[optimizer]\nname = \"adamw\"\nlr = 0.01\n";
     tk::Trainer t(tkt::recipe({}, recipe.c_str()), tkt::quiet());
     auto r = t.fit();
     CHECK(r.window_losses.size() == 4);
@@ -582,14 +582,14 @@ TEST_SUITE("workloads") {
       auto res = t.fit();
       return std::make_pair(tkt::flat_params(t.model()), res.window_losses);
     };
-    auto [big, big_losses] = run(kGptRecipe, {"data.micro_batch=8"});
-    auto [acc, acc_losses] = run(accum, {"data.micro_batch=2", "loss.reduction=\"sum\"",
+    auto [big, big_losses] = run(kGptRecipe, {"batch.micro_batch=8"});
+    auto [acc, acc_losses] = run(accum, {"batch.micro_batch=2", "loss.reduction=\"sum\"",
                                          "plugins.grad_accum.normalize=\"tokens\""});
     CHECK(tkt::excess(acc, big, tkt::tol_for(torch::kDouble)) <= 1.0);
     REQUIRE(acc_losses.size() == 3);
     for (size_t i = 0; i < 3; ++i) CHECK(acc_losses[i] == doctest::Approx(big_losses[i]).epsilon(1e-10));
     // The mean of per-micro-batch means weighs the padded micro-batches wrongly: visibly different.
-    auto [means, means_losses] = run(accum, {"data.micro_batch=2"});
+    auto [means, means_losses] = run(accum, {"batch.micro_batch=2"});
     CHECK(tkt::distance(means, big) > 1e-4);
     fs::remove_all(dir);
   }
@@ -599,7 +599,7 @@ TEST_SUITE("workloads") {
     const fs::path dir = fake_corpus("gpt-resume");
     const std::string text = std::string(kGptRecipe) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
     const std::vector<std::string> sets = {"data.path=\"" + (dir / "corpus.txt").string() + "\"", "model.dropout=0.2",
-                                           "run.steps=6", "data.micro_batch=4"};
+                                           "run.steps=6", "batch.micro_batch=4"};
     auto opts = tkt::quiet();
     opts.write_outputs = true;
     auto r1 = tkt::recipe(sets + std::vector<std::string>{"run.output=\"" + (dir / "one").string() + "\""}, text.c_str());
@@ -653,7 +653,7 @@ TEST_SUITE("workloads") {
     std::string text = kGptRecipe;
     text.replace(text.find("name = \"text\""), 13, "name = \"tensors\"\ntoken_inputs = true");
     text.replace(text.find("seq_len = 12\ndocument_separator = \"\\n%\\n\"\n"), 42, "");
-    auto r = tkt::recipe({"data.path=\"" + (dir / "tokens.pt").string() + "\"", "data.micro_batch=8"}, text.c_str());
+    auto r = tkt::recipe({"data.path=\"" + (dir / "tokens.pt").string() + "\"", "batch.micro_batch=8"}, text.c_str());
     tk::Trainer t(r, tkt::quiet());
     CHECK(t.data().info.vocab == 20);
     CHECK(t.data().info.next_token);
@@ -686,6 +686,7 @@ hidden = [4]
 name = "tensors"
 validation_fraction = 0.0
 shuffle = false
+[batch]
 micro_batch = 48
 [optimizer]
 name = "sgd"

@@ -30,6 +30,8 @@ samples = 256
 validation_samples = 0
 features = 8
 classes = 4
+
+[batch]
 micro_batch = 4
 
 [optimizer]

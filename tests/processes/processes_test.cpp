@@ -57,10 +57,10 @@ TEST_SUITE("ddp") {
                                    int m, int ranks = 2) {
     const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
     auto two = tk_run(root / "two", recipe + "[[plugins]]\nname = \"ddp\"\n" + ddp_options + accum,
-                      "--nproc " + std::to_string(ranks) + " --set data.micro_batch=" + std::to_string(m));
+                      "--nproc " + std::to_string(ranks) + " --set batch.micro_batch=" + std::to_string(m));
     INFO(two.out);
     REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", recipe + accum, "--set data.micro_batch=" + std::to_string(ranks * m));
+    auto one = tk_run(root / "one", recipe + accum, "--set batch.micro_batch=" + std::to_string(ranks * m));
     REQUIRE(one.rc == 0);
     CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
     return two;
@@ -69,11 +69,11 @@ TEST_SUITE("ddp") {
   TEST_CASE("2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window") {
     const fs::path root = tkt::temp_dir("ddp-equal");
     auto two = two_ranks_equal_one_process(root, kBase, "check_every = 1\n[world]\ntimeout_s = 60.0\n", 4);
-    auto big = tk_run(root / "big", kBase, "--set data.micro_batch=16");
+    auto big = tk_run(root / "big", kBase, "--set batch.micro_batch=16");
     REQUIRE(big.rc == 0);
     CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
     // Not the equality of runs that did nothing: the last three steps moved the weights.
-    auto half = tk_run(root / "half", kBase, "--set data.micro_batch=16 --set run.steps=3");
+    auto half = tk_run(root / "half", kBase, "--set batch.micro_batch=16 --set run.steps=3");
     REQUIRE(half.rc == 0);
     CHECK(tkt::distance(weights(root / "two"), weights(root / "half")) > 1e-4);
     // The logged loss is the global window's.
@@ -100,7 +100,7 @@ TEST_SUITE("ddp") {
       const fs::path root = tkt::temp_dir("ddp-unused");
       const std::string base = experts_recipe(varied);
       two_ranks_equal_one_process(root, base, "check_every = 1\n", 2, ranks);
-      auto big = tk_run(root / "big", base, "--set data.micro_batch=" + std::to_string(4 * ranks));
+      auto big = tk_run(root / "big", base, "--set batch.micro_batch=" + std::to_string(4 * ranks));
       REQUIRE(big.rc == 0);
       CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
       // The case happened: in some window's last backward rank 0 left parameters without a gradient.
@@ -108,7 +108,7 @@ TEST_SUITE("ddp") {
       REQUIRE(unused.size() == 6);
       CHECK(*std::max_element(unused.begin(), unused.end()) >= 2);
       // And the run moved the weights.
-      auto half = tk_run(root / "half", base, "--set data.micro_batch=8 --set run.steps=3");
+      auto half = tk_run(root / "half", base, "--set batch.micro_batch=8 --set run.steps=3");
       REQUIRE(half.rc == 0);
       CHECK(tkt::distance(weights(root / "two"), weights(root / "half")) > 1e-4);
       fs::remove_all(root);
@@ -125,7 +125,7 @@ TEST_SUITE("ddp") {
     auto bad = tk_run(root / "bad",
                       experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\nfind_unused_parameters = false\n" +
                           kLongTimeout + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n",
-                      "--nproc 2 --set data.micro_batch=2");
+                      "--nproc 2 --set batch.micro_batch=2");
     CHECK(bad.rc == 1);
     CHECK(bad.out.find("got no gradient in the last backward of step 1 on rank") != std::string::npos);
     CHECK(bad.out.find("parameters 'expert") != std::string::npos);
@@ -138,7 +138,7 @@ TEST_SUITE("ddp") {
     const fs::path root = tkt::temp_dir("ddp-resume");
     const std::string recipe =
         experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
-    const std::string sets = "--nproc 2 --set data.micro_batch=2 --set run.steps=12 --set run.checkpoint_every=4 ";
+    const std::string sets = "--nproc 2 --set batch.micro_batch=2 --set run.steps=12 --set run.checkpoint_every=4 ";
     // Rank 0 killed right after the record of step 9 (the checkpoint is at 8): the world stops.
     auto killed = kill_and_resume(root, recipe, sets);
     CHECK(killed.rc == 1);
@@ -178,7 +178,7 @@ TEST_SUITE("ddp") {
                       "--nproc 2");
     INFO(two.out);
     REQUIRE(two.rc == 0);
-    auto big = tk_run(root / "big", kBase, "--set data.micro_batch=8");
+    auto big = tk_run(root / "big", kBase, "--set batch.micro_batch=8");
     REQUIRE(big.rc == 0);
     CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
     fs::remove_all(root);
@@ -197,7 +197,7 @@ TEST_SUITE("ddp") {
     auto two = tk_run(root / "two", base + "[[plugins]]\nname = \"ddp\"\n" + accum, common + "--nproc 2");
     INFO(two.out);
     REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", base + accum, common + "--set data.micro_batch=8");
+    auto one = tk_run(root / "one", base + accum, common + "--set batch.micro_batch=8");
     REQUIRE(one.rc == 0);
     CHECK(tkt::metric(root / "one/out/metrics.jsonl", "micro_batches") ==
           std::vector<double>{4, 4, 4, 2, 4, 4, 4, 2});
@@ -216,7 +216,7 @@ TEST_SUITE("ddp") {
     const std::string recipe = "[run]\nseed = 9\nsteps = 6\ndtype = \"float64\"\n[model]\nname = \"gpt\"\nlayers = 1\n"
                                "heads = 2\nwidth = 16\n[data]\nname = \"tokens\"\ntrain = \"" +
                                (root / "data/train_*.bin").string() +
-                               "\"\nseq_len = 8\nmicro_batch = 2\n[optimizer]\nname = \"adamw\"\nlr = 0.01\n";
+                               "\"\nseq_len = 8\n[batch]\nmicro_batch = 2\n[optimizer]\nname = \"adamw\"\nlr = 0.01\n";
     two_ranks_equal_one_process(root / "equal", recipe, "check_every = 1\n", 2);
     kill_and_resume(root / "resume",
                     recipe + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n",
@@ -232,7 +232,7 @@ TEST_SUITE("ddp") {
                       "--nproc 2");
     INFO(two.out);
     REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", std::string(kBase) + ramp, "--set data.micro_batch=8");
+    auto one = tk_run(root / "one", std::string(kBase) + ramp, "--set batch.micro_batch=8");
     REQUIRE(one.rc == 0);
     CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
     // The ramp happened: k grew from the first step to the last, on both.
@@ -344,7 +344,7 @@ TEST_SUITE("ddp") {
     CHECK(node1.find("[rank 3] ") != std::string::npos);
     CHECK(four.out.find("world         rank 0 of 4 (RANK/WORLD_SIZE, gloo, rendezvous 127.0.0.1:") != std::string::npos);
     CHECK(node1.find("world: rank 3 of 4 (RANK/WORLD_SIZE, gloo, rendezvous 127.0.0.1:") != std::string::npos);
-    auto one = tk_run(root / "one", std::string(kBase) + accum, "--set data.micro_batch=16");
+    auto one = tk_run(root / "one", std::string(kBase) + accum, "--set batch.micro_batch=16");
     REQUIRE(one.rc == 0);
     CHECK(tkt::excess(weights(root / "four"), weights(root / "one"), kF64) <= 1.0);
     CHECK(tkt::metric(root / "four/out/metrics.jsonl", "micro_batches").back() == 8);  // 4 ranks x k = 2
@@ -613,7 +613,7 @@ TEST_SUITE("recompute") {
     return "[run]\nseed = 3\nsteps = 6\ndtype = \"float32\"\n"
            "[model]\nname = \"gpt\"\nlayers = 3\nwidth = 32\nheads = 2\ndropout = 0.1\n"
            "[data]\nname = \"text\"\npath = \"" + (root / "corpus.txt").string() +
-           "\"\nseq_len = 24\ndocument_separator = \"\\n%\\n\"\nvalidation_fraction = 0.0\nmicro_batch = 2\n"
+           "\"\nseq_len = 24\ndocument_separator = \"\\n%\\n\"\nvalidation_fraction = 0.0\n[batch]\nmicro_batch = 2\n"
            "[loss]\nname = \"cross_entropy\"\nreduction = \"sum\"\n"
            "[optimizer]\nname = \"adamw\"\nlr = 0.01\n"
            "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\nnormalize = \"tokens\"\n";

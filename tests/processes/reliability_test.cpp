@@ -218,10 +218,10 @@ TEST_SUITE("reliability") {
     CHECK(has(seed, "run.seed: 9 -> 3"));
     CHECK(has(seed, "optimizer.lr: 0.1 -> 0.2"));
     auto split = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 6\n",
-                        sets + "--set data.micro_batch=2 --resume latest");
+                        sets + "--set batch.micro_batch=2 --resume latest");
     CHECK(split.rc == 2);
-    CHECK(has(split, "data.micro_batch: 4 -> 2"));
-    CHECK(has(split, "plugins.grad_accum.steps: 3 -> 6"));
+    CHECK(has(split, "batch.micro_batch: 4 -> 2"));
+    CHECK(has(split, "batch.accumulation: 3 -> 6"));  // grad_accum's steps moved there
     std::string with_adam = kAccum;
     with_adam.replace(with_adam.find("name = \"sgd\""), 12, "name = \"adam\"");
     with_adam.replace(with_adam.find("momentum = 0.9"), 14, "");
@@ -245,7 +245,7 @@ TEST_SUITE("reliability") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("a checkpoint that predates an option resumes with its default, bit-identically - set otherwise, it is refused") {
+  TEST_CASE("a checkpoint that predates an option (or its move) resumes with its default, bit-identically - set otherwise, it is refused") {
     const fs::path root = tkt::temp_dir("older-options"), reference = root / "reference", run = root / "run";
     const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 ";
     REQUIRE(tk_run(reference, kAccum, sets).rc == 0);
@@ -258,6 +258,13 @@ TEST_SUITE("reliability") {
       if (!fs::exists(ck.path() / "run.json")) continue;
       auto info = nlohmann::json::parse(tkt::read_text(ck.path() / "run.json"));
       for (const auto& key : newer) REQUIRE(info["recipe"].erase(key) == 1);
+      // and with the batch where it stood before [batch]: [data] micro_batch, grad_accum's steps.
+      for (const auto& [now, then] : {std::pair<std::string, std::string>{"batch.micro_batch", "data.micro_batch"},
+                                      {"batch.accumulation", "plugins.grad_accum.steps"}}) {
+        REQUIRE(info["recipe"].contains(now));
+        info["recipe"][then] = info["recipe"][now];
+        info["recipe"].erase(now);
+      }
       std::ofstream(ck.path() / "run.json") << info.dump(1);
       ++edited;
     }

@@ -93,7 +93,7 @@ def check_pages(a):
     r = Runs(a)
     probe = '\n[[plugins]]\nname = "probe"\n'
     accum, _ = r.run("accum-4x32", probe + "veto_at_step = 3\n", sets=["run.phase_times=true"])
-    big, _ = r.run("batch-128", sets=["plugins.grad_accum.steps=1", "data.micro_batch=128"])
+    big, _ = r.run("batch-128", sets=["batch.accumulation=1", "batch.micro_batch=128"])
     failed, p = r.run("failed", probe + "throw_at_step = 5\n", expect_rc=1)
     expect("report: " in p.stdout, "failed run: tk-run --report did not say it wrote the report\n" + p.stdout + p.stderr)
     killed, _ = r.run("killed", env={"TK_FAULT": "metrics-written:6"}, expect_rc=-9, report=False)
@@ -170,9 +170,9 @@ def check_pages(a):
     expect(any(e["key"] == "skipped" and e["step"] == 4 for e in by["accum-4x32"]["events"]),
            "the vetoed step's note: %s" % by["accum-4x32"]["events"])
     ra, rb = by["accum-4x32"]["recipe"], by["batch-128"]["recipe"]
-    expect(ra.get("plugins.grad_accum.steps") == "4" and rb.get("plugins.grad_accum.steps") == "1" and
-           ra.get("data.micro_batch") == "32" and rb.get("data.micro_batch") == "128",
-           "the recipes' values: %s / %s" % ({k: v for k, v in ra.items() if "grad_accum" in k}, rb.get("data.micro_batch")))
+    expect(ra.get("batch.accumulation") == "4" and rb.get("batch.accumulation") == "1" and
+           ra.get("batch.micro_batch") == "32" and rb.get("batch.micro_batch") == "128",
+           "the recipes' values: %s / %s" % ({k: v for k, v in ra.items() if "grad_accum" in k}, rb.get("batch.micro_batch")))
     print("pages: %d runs read, statuses %s" % (len(by), status))
     return pages, {"accum-4x32": accum, "batch-128": big, "failed": failed, "killed": killed, "live": live,
                    "damaged": damaged}

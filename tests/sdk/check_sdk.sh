@@ -73,7 +73,7 @@ mkdir -p "$own/tests"
 cp "$src/plugins/clip/clip.cpp" "$own/own_clip.cpp"
 sed -i 's/TK_PLUGIN(Clip, "clip",/TK_PLUGIN(Clip, "own_clip",/' "$own/own_clip.cpp"
 printf '%s\n' 'cmake_minimum_required(VERSION 3.18)' 'project(own_main LANGUAGES CXX)' \
-  'find_package(trainkit 0.3 REQUIRED)' 'tk_add_plugin(own_clip SOURCES own_clip.cpp)' 'enable_testing()' \
+  'find_package(trainkit 0.4 REQUIRED)' 'tk_add_plugin(own_clip SOURCES own_clip.cpp)' 'enable_testing()' \
   'tk_add_plugin_test(own_clip NEUTRAL "max_norm = 1e30" TESTS tests/own_main_test.cpp OWN_MAIN)' > "$own/CMakeLists.txt"
 printf '%s\n' '#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN' '#include <tk/doctest.h>' \
   'TEST_CASE("a test file with doctest'"'"'s main of its own builds and runs") {' \

@@ -33,6 +33,8 @@ name = "text"
 seq_len = 24
 document_separator = "\n%\n"
 validation_fraction = 0.0
+
+[batch]
 micro_batch = 4
 
 [loss]
@@ -107,7 +109,7 @@ struct Plan {
   std::vector<std::pair<int64_t, double>> peaks;
 };
 std::vector<std::string> auto_sets(int64_t effective, double budget) {
-  return gpt_sets({"data.micro_batch=\"auto\"", "plugins.grad_accum.effective_batch=" + std::to_string(effective),
+  return gpt_sets({"batch.micro_batch=\"auto\"", "plugins.grad_accum.effective_batch=" + std::to_string(effective),
                    "plugins.grad_accum.memory_budget=\"" + std::to_string(static_cast<int64_t>(budget)) + "\""});
 }
 const std::string kAutoAccum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 0\nnormalize = \"tokens\"\n";
@@ -170,7 +172,7 @@ TEST_SUITE("recompute") {
                                 .replace(std::string(tk::testing::kTinyRecipe).find("[model]"), std::string::npos,
                                          "[model]\nname = \"cnn\"\nchannels = [4, 6]\nhidden = 8\nbatchnorm = true\ndropout = 0.2\n"
                                          "[data]\nname = \"tensors\"\npath = \"" + (dir / "images.pt").string() +
-                                         "\"\nmicro_batch = 8\n[optimizer]\nname = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n");
+                                         "\"\n[batch]\nmicro_batch = 8\n[optimizer]\nname = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n");
     const Run plain = train(cnn.c_str(), "");
     CHECK(plain.buffers.numel() > 0);
     const Run with = train(cnn.c_str(), recompute("modules = \"convs.*\"\n"));
@@ -198,7 +200,7 @@ TEST_SUITE("recompute") {
                                            "implement tk::ModelWithBlocks (tk/blocks.h)"),
                          tk::RecipeError);
     CHECK_THROWS_WITH_AS(train(kGpt, recompute("modules = [\"blocks.*\", \"ln_f\"]\n"), gpt_sets()),
-                         doctest::Contains("test.toml:30:11: plugins.recompute.modules: \"ln_f\" selects no block of the "
+                         doctest::Contains("test.toml:32:11: plugins.recompute.modules: \"ln_f\" selects no block of the "
                                            "model (it names modules inside or outside blocks: ln_f); its blocks are "
                                            "blocks.0, blocks.1, blocks.2, blocks.3; its modules: wte, wpe, blocks,"),
                          tk::RecipeError);
@@ -206,7 +208,7 @@ TEST_SUITE("recompute") {
                          doctest::Contains("plugins.recompute.every: must be >= 1, got 0"), tk::RecipeError);
     CHECK_THROWS_WITH_AS(train(kGpt, recompute("modules = \"auto\"\n"), gpt_sets()),
                          doctest::Contains("plugins.recompute.modules: \"auto\" leaves the number of recomputed blocks to "
-                                           "the memory planner, which runs with [data] micro_batch = \"auto\""),
+                                           "the memory planner, which runs with [batch] micro_batch = \"auto\""),
                          tk::RecipeError);
   }
 
@@ -268,7 +270,7 @@ TEST_SUITE("recompute") {
     for (int64_t i = 0; i < picked.level; ++i) first += (i ? ", \"blocks." : "\"blocks.") + std::to_string(i) + "\"";
     const Run by_hand = train(kGpt, "[[plugins]]\nname = \"grad_accum\"\nsteps = 1\nnormalize = \"tokens\"\n" +
                                         recompute("modules = [" + first + "]\n"),
-                              gpt_sets({"data.micro_batch=16"}));
+                              gpt_sets({"batch.micro_batch=16"}));
     CHECK(torch::equal(params, by_hand.params));
     CHECK(fit.window_losses == by_hand.fit.window_losses);
   }

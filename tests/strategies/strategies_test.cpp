@@ -74,6 +74,8 @@ samples = 512
 validation_samples = 0
 features = 8
 classes = 4
+
+[batch]
 micro_batch = 8
 
 [optimizer]
@@ -248,12 +250,12 @@ TEST_SUITE("clip") {
     CHECK_THROWS_WITH(tk::Trainer(r, tkt::quiet()), doctest::Contains("plugins.clip.max_value: give max_norm or max_value, not both"));
     text = std::string(kRecipe) + "[[plugins]]\nname = \"clip\"\nnorm_type = -1.0\n";
     auto r2 = tkt::recipe({}, text.c_str());
-    CHECK_THROWS_WITH(tk::Trainer(r2, tkt::quiet()), doctest::Contains("test.toml:25:13: plugins.clip.norm_type: must be > 0"));
+    CHECK_THROWS_WITH(tk::Trainer(r2, tkt::quiet()), doctest::Contains("test.toml:27:13: plugins.clip.norm_type: must be > 0"));
   }
 
   TEST_CASE("with accumulation it clips once per step, on the whole window's gradient") {
     auto accum = run(kAccum4 + kClip, {"run.trace=true"}, {}, "clip-accum");
-    auto big = run(kClip, {"data.micro_batch=32"}, {}, "clip-big");
+    auto big = run(kClip, {"batch.micro_batch=32"}, {}, "clip-big");
     CHECK(tkt::excess(accum.params, big.params, tkt::tol_for(torch::kFloat)) <= 1.0);
     auto na = tkt::metric(accum.dir / "metrics.jsonl", "grad_norm"), nb = tkt::metric(big.dir / "metrics.jsonl", "grad_norm");
     REQUIRE(na.size() == 6);
@@ -402,7 +404,7 @@ TEST_SUITE("composition") {
     auto ia = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}});
     auto ib = std::make_shared<Inject>(std::map<int64_t, double>{{2, INFINITY}});
     auto a = run(kAccum4 + scaler(dt) + kClip, {"run.steps=8"}, {{ia, "inject"}}, "mix-accum-" + dt);
-    auto b = run(scaler(dt) + kClip, {"run.steps=8", "data.micro_batch=32"}, {{ib, "inject"}}, "mix-big-" + dt);
+    auto b = run(scaler(dt) + kClip, {"run.steps=8", "batch.micro_batch=32"}, {{ib, "inject"}}, "mix-big-" + dt);
     CHECK(tkt::skipped(a.dir / "metrics.jsonl") == tkt::skipped(b.dir / "metrics.jsonl"));
     CHECK(tkt::metric(a.dir / "metrics.jsonl", "loss_scale") == tkt::metric(b.dir / "metrics.jsonl", "loss_scale"));
     auto na = tkt::metric(a.dir / "metrics.jsonl", "grad_norm"), nb = tkt::metric(b.dir / "metrics.jsonl", "grad_norm");
@@ -475,7 +477,7 @@ TEST_SUITE("composition") {
     auto text = std::string(kRecipe) + "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"fp16\"\n";
     auto r = tkt::recipe({}, text.c_str());
     tk::Trainer t(r, tkt::quiet());
-    CHECK_THROWS_WITH(t.describe(), doctest::Contains("test.toml:25:9: plugins.mixed_precision.dtype: fp16 needs Half "
+    CHECK_THROWS_WITH(t.describe(), doctest::Contains("test.toml:27:9: plugins.mixed_precision.dtype: fp16 needs Half "
                                                       "kernels on cpu"));
   }
 }

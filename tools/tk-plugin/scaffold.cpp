@@ -1,6 +1,8 @@
 // tk-plugin new: a plugin project that configures, builds and passes its tests as it is.
 #include "scaffold.h"
 
+#include <tk/version.h>
+
 #include <cctype>
 #include <cstdio>
 #include <filesystem>
@@ -18,7 +20,7 @@ project(@NAME@ VERSION 0.1.0 LANGUAGES CXX)
 
 # trainkit's package: trainkit::core, trainkit::testing, tk_add_plugin(), tk_add_plugin_test().
 # Point CMake at an installed trainkit with -DCMAKE_PREFIX_PATH=<prefix> if it is not in /usr.
-find_package(trainkit 0.3 REQUIRED)
+find_package(trainkit @TK_SERIES@ REQUIRED)
 
 # Builds tk_@NAME@.so: the file a recipe loads.
 tk_add_plugin(@NAME@ SOURCES src/@NAME@.cpp)
@@ -103,8 +105,9 @@ const char* kTest = R"(// Unit tests of @NAME@, run in process with trainkit::te
 TEST_CASE("@NAME@ records the micro-batches of every optimizer step") {
   tk::testing::RunOptions opts;
   opts.libraries = {{TK_PLUGIN_FILE, ""}};
-  // k = 4 micro-batches per step through trainkit's own accumulation plugin.
-  opts.libraries.push_back({TK_PLUGIN_DIR "/tk_grad_accum.so", "steps = 4"});
+  // k = 4 micro-batches per step ([batch]), normalized by trainkit's own accumulation plugin.
+  opts.libraries.push_back({TK_PLUGIN_DIR "/tk_grad_accum.so", ""});
+  opts.overrides = {"batch.accumulation=4"};
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   REQUIRE(run.fit.step_metrics.size() == 6);
   for (const auto& step : run.fit.step_metrics) CHECK(step.at("@NAME@_micro_batches") == 4.0);
@@ -143,6 +146,8 @@ hidden = [64]
 [data]
 name = "synthetic-classification"
 samples = 2048
+
+[batch]
 micro_batch = 32
 
 [optimizer]
@@ -179,7 +184,10 @@ See trainkit's docs/plugins.md for the loop, the context, contracts and the rule
 )";
 
 std::string fill(std::string text, const std::string& name, const std::string& cls) {
-  for (const auto& [key, value] : {std::pair<std::string, std::string>{"@NAME@", name}, {"@CLASS@", cls}})
+  // The trainkit these headers belong to: a plugin project asks for its series (major.minor).
+  const std::string series = std::to_string(TK_VERSION_MAJOR) + "." + std::to_string(TK_VERSION_MINOR);
+  for (const auto& [key, value] :
+       {std::pair<std::string, std::string>{"@NAME@", name}, {"@CLASS@", cls}, {"@TK_SERIES@", series}})
     for (size_t pos; (pos = text.find(key)) != std::string::npos;) text.replace(pos, key.size(), value);
   return text;
 }

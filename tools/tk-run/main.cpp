@@ -210,7 +210,7 @@ void add_options(CLI::App& app, Cli& c) {
   app.add_option("recipe", c.recipe_path, "the recipe (TOML) to train");
   app.add_option("--set", c.overrides,
                  "override a recipe value (repeatable), e.g. --set optimizer.lr=0.01, --set "
-                 "plugins.grad_accum.steps=8; VALUE is TOML (strings may be bare)")
+                 "batch.accumulation=8; VALUE is TOML (strings may be bare)")
       ->type_name("KEY=VALUE")
       ->allow_extra_args(false);
   app.add_flag("--dry-run", c.dry_run, "validate the recipe, load the plugins, print the resolved plan; no training");

@@ -15,8 +15,8 @@
 #include "tk/version.h"
 
 /// Bumped whenever the entry point, tk::Plugin's hooks or an interface type changes
-/// incompatibly. Also the SOVERSION of libtrainkit (libtrainkit.so.4).
-#define TK_PLUGIN_ABI_VERSION 4u
+/// incompatibly. Also the SOVERSION of libtrainkit (libtrainkit.so.5).
+#define TK_PLUGIN_ABI_VERSION 5u
 /// The symbol the loader looks up in a plugin library.
 #define TK_PLUGIN_ENTRY_SYMBOL "tk_plugin_entry"
 

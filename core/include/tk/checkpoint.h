@@ -33,6 +33,10 @@ struct RunIdentity {
   /// The keys of `recipe` at their option's default, not set by the recipe (this run's own view;
   /// run.json does not record it): a key a checkpoint lacks is no difference when it is one of them.
   std::set<std::string> defaults;
+  /// Keys of retired options (OptionSpec::retired), this run's view, each with the key it moved to
+  /// ("" when it went): a checkpoint that records one is compared at its new key, or differs in
+  /// nothing by it.
+  std::map<std::string, std::string> retired;
 };
 
 /// What load_checkpoint() hands back beyond the model and optimizer it restores.

@@ -67,9 +67,9 @@ class StateSize {
   /// Bytes of the tensors this optimizer keeps as state, on this rank.
   virtual int64_t state_bytes() const = 0;
 };
-/// Bytes of the tensors `opt` keeps as state on this rank (metrics.jsonl: optimizer_state_mib):
-/// the per-parameter state of LibTorch's SGD, Adam, AdamW, Adagrad and RMSprop, what a StateSize
-/// reports, else -1 (not known).
+/// Bytes of the tensors `opt` keeps as state on this rank (metrics.jsonl: optimizer_state_mib,
+/// the memory planner): what it reports as a StateSize (trainkit's sgd, adam and adamw do), else
+/// -1 (not known).
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
 
 }  // namespace tk

@@ -186,7 +186,7 @@ class SetupContext : public PluginLog {
   /// on every rank at each checkpoint (rank 0's archive is the one written), so one that holds a
   /// part of the state may gather the rest there; and its load() on every rank on a resume.
   void wrap_optimizer(OptimizerWrap wrap);
-  /// Leaves the level of `lever` to the memory planner ([data] micro_batch = "auto" only): it picks
+  /// Leaves the level of `lever` to the memory planner ([batch] micro_batch = "auto" only): it picks
   /// the largest micro-batch that fits the memory budget at some level, then the lowest level at
   /// which that micro-batch fits, and leaves that level set. RunPlan::memory_level() says which.
   /// One plugin of a run may offer a lever.

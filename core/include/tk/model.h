@@ -3,6 +3,7 @@
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <string>
 
 namespace tk {
 
@@ -35,6 +36,24 @@ class ModelWithFlops {
   ModelWithFlops& operator=(const ModelWithFlops&) = default;
   virtual ~ModelWithFlops();
 };
+
+/// A model that runs as one compiled graph (the torchscript model): its submodules hold its
+/// parameters but cannot be run one at a time, which is what recomputation needs. Implement it
+/// next to tk::Model; what acts on submodules asks compiled_of.
+class CompiledModel {
+ public:
+  /// What runs it, for messages: "TorchScript module model.pt".
+  virtual std::string compiled_as() const = 0;
+
+ protected:
+  CompiledModel() = default;
+  CompiledModel(const CompiledModel&) = default;
+  CompiledModel& operator=(const CompiledModel&) = default;
+  virtual ~CompiledModel();
+};
+
+/// `model` as a CompiledModel, or null when its submodules run one at a time.
+const CompiledModel* compiled_of(const Model& model);
 
 /// `model` as a ModelWithFlops, or null when it does not count its FLOPs.
 const ModelWithFlops* flops_of(const Model& model);

@@ -35,6 +35,19 @@ struct OptionSpec {
   /// number (micro_batch = "auto").
   std::vector<std::string> choices = {};
   bool required = false;
+  /// An option of an earlier version that moved or went: a recipe may still name it, so that the
+  /// plugin refuses it saying where it went; it is not written to recipe.toml nor part of a run's
+  /// identity (a checkpoint that records it differs in nothing by it).
+  bool retired = false;
+  /// Where a retired option went, as a flat recipe key ("batch.accumulation"): a checkpoint that
+  /// records the option is compared there on a resume.
+  std::string moved_to = {};
+  /// Values of a string option that train bit-identically on the CPU (an optimizer's step forms):
+  /// a resume on the CPU may change between them; on a GPU they are different runs.
+  std::vector<std::string> same_on_cpu = {};
+  /// A section that names no component but sets this option selects the component that declares
+  /// it ([model] torchscript = "file.pt" is the torchscript model).
+  bool selects = false;
 };
 
 using OptionSpecs = std::vector<OptionSpec>;
@@ -108,12 +121,18 @@ class Options {
   void set_section_loc(SourceLoc l) { section_loc_ = std::move(l); }
 
   const std::map<std::string, OptionValue>& values() const noexcept { return values_; }
+  /// The declarations these values were read against (empty for options built by hand).
+  const OptionSpecs& specs() const noexcept { return specs_; }
+  void set_specs(OptionSpecs specs) { specs_ = std::move(specs); }
+  /// The declaration of `name`, or null.
+  const OptionSpec* spec(const std::string& name) const;
 
  private:
   const OptionValue& at(const std::string& name, OptionType t) const;
 
   std::map<std::string, OptionValue> values_;
   std::map<std::string, SourceLoc> where_;
+  OptionSpecs specs_;
   std::string context_;
   SourceLoc section_loc_;
 };
@@ -168,6 +187,12 @@ class OptionBinder {
   }
   /// Makes the option declared last one that a recipe must set.
   OptionBinder& required();
+  /// Makes the option declared last a retired one (OptionSpec::retired): refuse it in init() when
+  /// option_given(), saying where its setting went.
+  OptionBinder& retired();
+  /// Makes the option declared last a retired one that moved to recipe key `key`
+  /// (OptionSpec::moved_to), such as "batch.accumulation".
+  OptionBinder& moved_to(std::string key);
 
   /// Every option declared so far, in order.
   const OptionSpecs& specs() const;

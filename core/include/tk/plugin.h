@@ -1,5 +1,5 @@
 #pragma once
-/// The plugin interface (API 4): options bound to members, a declared contract, the plan, setup,
+/// The plugin interface (API 5): options bound to members, a declared contract, the plan, setup,
 /// one hook per event, files, state.
 #include <cstdint>
 #include <memory>

@@ -37,7 +37,8 @@ class Recipe {
   /// Refuses top-level sections other than `known`, listing the known ones.
   void check_sections(const std::vector<std::string>& known) const;
 
-  /// The `name` key of a component section, checked against `known` (error lists them).
+  /// The `name` key of a component section, else `fallback` (when not empty), checked against
+  /// `known` (an error lists them).
   std::string component(const std::string& section, const std::string& fallback,
                         const std::vector<std::string>& known) const;
 

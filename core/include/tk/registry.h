@@ -65,6 +65,13 @@ class Registry {
     });
   }
 
+  /// Makes `name` the component a recipe's section of `kind` gets when it names none ([schedule]
+  /// left out is trainkit's "constant"). One default per kind: a second library's is refused,
+  /// naming both files. The component may be registered before or after.
+  Registry& set_default(Kind kind, std::string name);
+  /// The default component of `kind` (set_default), or "" when no library set one.
+  std::string default_of(Kind kind) const;
+
   const std::vector<Component<ModelMaker>>& models() const noexcept;
   const std::vector<Component<DataMaker>>& data() const noexcept;
   const std::vector<Component<LossMaker>>& losses() const noexcept;

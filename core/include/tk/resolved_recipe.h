@@ -1,5 +1,6 @@
 #pragma once
 /// What a run was made of: its recipe resolved, section by section (recipe.toml, the run's identity).
+#include <map>
 #include <string>
 #include <vector>
 
@@ -20,15 +21,20 @@ class ResolvedRecipe {
 
   /// As TOML: what the output folder's recipe.toml holds; it runs as it is.
   std::string toml(const std::string& source) const;
-  /// One value of values(): its flat key, its TOML text, and whether it is its option's default
-  /// (given neither by the recipe nor by an override).
+  /// One value of values(): its flat key, its TOML text, whether it is its option's default
+  /// (given neither by the recipe nor by an override), and whether it is one of the values its
+  /// option declares the same on the CPU (OptionSpec::same_on_cpu).
   struct Value {
     std::string key, toml;
     bool is_default = false;
+    bool same_on_cpu = false;
   };
   /// Every value as a flat "section.key", in order; a plugin's keys are "plugins.<label>.<key>"
   /// (its file "plugins.<label>.path"), and "plugins" lists the labels.
   std::vector<Value> values() const;
+  /// The retired options of every section, as flat keys, each with where it moved (its
+  /// OptionSpec::moved_to, "" when it went). Neither recipe.toml nor values() holds them.
+  std::map<std::string, std::string> retired() const;
 
  private:
   struct Entry {

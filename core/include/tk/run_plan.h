@@ -85,9 +85,9 @@ struct WindowRequest {
   int64_t steps = 1;
   LastWindow last_window = LastWindow::Step;
   /// Examples per optimizer step over all ranks (0: steps x micro_batch x world size). With it, an
-  /// unset [data] micro_batch is inferred from `steps`, and a set one is checked against it.
+  /// unset micro-batch is inferred from `steps`, and a set one is checked against it.
   int64_t effective_batch = 0;
-  /// With [data] micro_batch = "auto": the bytes one training step may take (0: the device's free
+  /// With [batch] micro_batch = "auto": the bytes one training step may take (0: the device's free
   /// memory, CUDA only); the core picks the largest micro-batch that fits.
   double memory_budget = 0;
   BatchRamp ramp;  ///< the effective batch's ramp, if any
@@ -113,7 +113,7 @@ class RunPlan {
   int64_t effective_batch() const noexcept;
   /// Examples per optimizer step over all ranks that the window plugin asked for (0: none).
   int64_t effective_batch_goal() const noexcept;
-  /// Whether the recipe asked for [data] micro_batch = "auto" (picked by memory).
+  /// Whether the recipe asked for [batch] micro_batch = "auto" (picked by memory).
   bool micro_batch_auto() const noexcept;
   /// The memory budget of a step when the micro-batch is picked by memory, in bytes.
   double memory_budget() const noexcept;

@@ -39,7 +39,8 @@ class World {
   /// The collective backend: "gloo" (CPU), "nccl" (CUDA); "none" in a world of one.
   virtual const std::string& backend() const noexcept = 0;
   /// Whether the processes are connected: false in a world of one, and in a dry run, which plans
-  /// rank 0 alone (its collectives then combine this rank's values alone).
+  /// rank 0 alone. Unjoined, the collectives combine this rank's values alone (all_gather gives
+  /// size() copies of its own).
   virtual bool joined() const noexcept = 0;
   /// How long a collective may wait for the other ranks before the run fails.
   virtual std::chrono::milliseconds timeout() const noexcept = 0;

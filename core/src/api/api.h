@@ -55,6 +55,7 @@ struct PlanValues {
   c10::DeviceType device = c10::kCPU;
   std::set<std::string> capabilities;
   std::string window_owner;
+  std::optional<WindowRequest> requested;  ///< a plugin's set_window (deprecated: [batch] gives the shape)
   World* world = nullptr;  ///< the run's (set before the plugins configure)
 
   int64_t effective_batch() const noexcept { return micro_batch * accumulation * world_size; }

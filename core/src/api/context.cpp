@@ -263,8 +263,8 @@ void SetupContext::offer_memory_lever(MemoryLever lever) {
                 "' both leave a memory lever to the planner; it can weigh one: set one of them by hand");
   if (!s_->plan->micro_batch_auto)
     throw Error("plugin '" + me + "' leaves its " + (lever.what.empty() ? "setting" : lever.what) +
-                " to the memory planner, which runs only with [data] micro_batch = \"auto\" (and an effective_batch "
-                "and memory_budget in the grad_accum entry); set micro_batch = \"auto\", or choose the setting by hand");
+                " to the memory planner, which runs only with [batch] micro_batch = \"auto\" (and effective_batch "
+                "and memory_budget); set micro_batch = \"auto\", or choose the setting by hand");
   *s_->lever = {me, std::move(lever)};
 }
 

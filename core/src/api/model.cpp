@@ -1,9 +1,13 @@
-// The questions the core asks of any model (tk/model.h): its FLOPs, whether it has BatchNorm.
+// The questions asked of any model (tk/model.h): its FLOPs, whether it runs as one compiled graph,
+// whether it has BatchNorm.
 #include "tk/model.h"
 
 namespace tk {
 
 ModelWithFlops::~ModelWithFlops() = default;
+CompiledModel::~CompiledModel() = default;
+
+const CompiledModel* compiled_of(const Model& model) { return dynamic_cast<const CompiledModel*>(&model); }
 
 const ModelWithFlops* flops_of(const Model& model) { return dynamic_cast<const ModelWithFlops*>(&model); }
 

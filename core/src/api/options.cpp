@@ -222,7 +222,14 @@ std::string to_toml(const OptionValue& v) {
 Options defaults_of(const OptionSpecs& specs) {
   Options o;
   for (const auto& s : specs) o.set(s.name, s.default_value);
+  o.set_specs(specs);
   return o;
+}
+
+const OptionSpec* Options::spec(const std::string& name) const {
+  for (const auto& s : specs_)
+    if (s.name == name) return &s;
+  return nullptr;
 }
 
 }  // namespace tk

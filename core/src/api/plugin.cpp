@@ -115,6 +115,18 @@ OptionBinder& OptionBinder::add_word(const std::string& name, const void* member
                          [assign = std::move(assign)](const OptionValue& v) { assign(std::get<std::string>(v)); });
 }
 
+OptionBinder& OptionBinder::retired() {
+  if (state_->specs.empty()) throw Error("retired() before any option");
+  state_->specs.back().retired = true;
+  return *this;
+}
+
+OptionBinder& OptionBinder::moved_to(std::string key) {
+  retired();
+  state_->specs.back().moved_to = std::move(key);
+  return *this;
+}
+
 OptionBinder& OptionBinder::required() {
   if (state_->specs.empty()) throw Error("required() before any option");
   state_->specs.back().required = true;

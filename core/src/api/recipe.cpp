@@ -154,6 +154,7 @@ Options resolve_table(const toml::table* table, const OptionSpecs& specs, const 
   out.set_context(context);
   out.set_section_loc(section_loc);
   for (const auto& spec : specs) out.set(spec.name, spec.default_value);
+  out.set_specs(specs);
   if (table) {
     for (const auto& [k, node] : *table) {
       std::string key(k.str());
@@ -358,10 +359,13 @@ std::string Recipe::component(const std::string& section, const std::string& fal
   const toml::table* t = impl_->section(section);
   const toml::node* n = t ? t->get("name") : nullptr;
   if (!n) {
-    if (!fallback.empty()) return fallback;
+    const bool known_fallback = std::find(known.begin(), known.end(), fallback) != known.end();
+    if (known_fallback) return fallback;
     throw RecipeError(impl_->section_loc(section),
-                      t ? "[" + section + "] needs a name; one of: " + list(known)
-                        : "missing section [" + section + "] (its name is one of: " + list(known) + ")");
+                      !fallback.empty() ? "[" + section + "] names no " + section + ", and its default '" + fallback +
+                                              "' is registered by no library loaded; name one of: " + list(known)
+                      : t ? "[" + section + "] needs a name; one of: " + list(known)
+                          : "missing section [" + section + "] (its name is one of: " + list(known) + ")");
   }
   SourceLoc where = loc_of(n->source(), impl_->source);
   auto s = n->value<std::string>();
@@ -372,8 +376,7 @@ std::string Recipe::component(const std::string& section, const std::string& fal
 }
 
 bool Recipe::sets(const std::string& section, const std::string& key) const {
-  const toml::table* t = impl_->section(section);
-  return t && t->get(key) != nullptr;
+  return impl_->section(section) && impl_->section(section)->get(key) != nullptr;
 }
 
 Options Recipe::options(const std::string& section, const OptionSpecs& specs, bool named) const {

@@ -1,6 +1,7 @@
 #include "tk/registry.h"
 
 #include <algorithm>
+#include <map>
 
 #include "api/api.h"
 #include "tk/error.h"
@@ -27,6 +28,7 @@ struct Registry::Impl {
   std::vector<Component<ScheduleMaker>> schedules;
   std::vector<Component<PluginMaker>> plugins;
   std::vector<std::string> libraries;
+  std::map<Kind, std::pair<std::string, std::string>> defaults;  ///< kind -> (component, library)
   std::vector<std::pair<std::string, std::pair<Kind, std::string>>> origins;
   std::string origin = "(in-process)";
   std::shared_ptr<const void> keep;
@@ -85,6 +87,22 @@ Registry& Registry::add_plugin_maker(std::string name, std::string doc, PluginMa
     throw PluginLoadError(origin + ": " + what + ": " + message_of(e));
   }
   return *this;
+}
+
+Registry& Registry::set_default(Kind kind, std::string name) {
+  const std::string what = std::string("the default ") + to_string(kind);
+  if (name.empty()) throw PluginLoadError(impl_->origin + ": sets " + what + " to an empty name");
+  auto it = impl_->defaults.find(kind);
+  if (it != impl_->defaults.end() && it->second.first != name)
+    throw PluginLoadError(what + " is set twice: to '" + it->second.first + "' by " + it->second.second + " and to '" +
+                          name + "' by " + impl_->origin + "; remove one of the libraries from the run");
+  impl_->defaults[kind] = {std::move(name), impl_->origin};
+  return *this;
+}
+
+std::string Registry::default_of(Kind kind) const {
+  auto it = impl_->defaults.find(kind);
+  return it == impl_->defaults.end() ? std::string() : it->second.first;
 }
 
 const std::vector<Component<ModelMaker>>& Registry::models() const noexcept { return impl_->models; }

@@ -1,9 +1,22 @@
 // The recipe as a run resolved it (tk/resolved_recipe.h): as TOML, and as flat values.
 #include "tk/resolved_recipe.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace tk {
+
+namespace {
+bool is_retired(const Options& o, const std::string& key) {
+  const OptionSpec* s = o.spec(key);
+  return s && s->retired;
+}
+bool same_on_cpu(const Options& o, const std::string& key) {
+  const OptionSpec* s = o.spec(key);
+  return s && s->type == OptionType::String &&
+         std::find(s->same_on_cpu.begin(), s->same_on_cpu.end(), o.get_string(key)) != s->same_on_cpu.end();
+}
+}  // namespace
 
 void ResolvedRecipe::add_section(const std::string& section, const std::string& name, const Options& values) {
   for (auto& e : entries_)
@@ -26,7 +39,8 @@ std::string ResolvedRecipe::toml(const std::string& source) const {
     out << "\n" << (e.array ? "[[" + e.header + "]]" : "[" + e.header + "]") << "\n";
     if (!e.name.empty()) out << "name = " << to_toml(e.name) << "\n";
     if (!e.path.empty()) out << "path = " << to_toml(e.path) << "\n";
-    for (const auto& [k, v] : e.options.values()) out << k << " = " << to_toml(v) << "\n";
+    for (const auto& [k, v] : e.options.values())
+      if (!is_retired(e.options, k)) out << k << " = " << to_toml(v) << "\n";
   }
   return out.str();
 }
@@ -43,9 +57,18 @@ std::vector<ResolvedRecipe::Value> ResolvedRecipe::values() const {
       out.push_back({e.header + ".name", to_toml(e.name)});
     }
     if (!e.path.empty()) out.push_back({prefix + "path", to_toml(e.path)});
-    for (const auto& [k, v] : e.options.values()) out.push_back({prefix + k, to_toml(v), !e.options.is_set(k)});
+    for (const auto& [k, v] : e.options.values())
+      if (!is_retired(e.options, k)) out.push_back({prefix + k, to_toml(v), !e.options.is_set(k), same_on_cpu(e.options, k)});
   }
   out.push_back({"plugins", to_toml(plugins)});
+  return out;
+}
+
+std::map<std::string, std::string> ResolvedRecipe::retired() const {
+  std::map<std::string, std::string> out;
+  for (const auto& e : entries_)
+    for (const auto& s : e.options.specs())
+      if (s.retired) out[e.header + "." + (e.array ? e.label + "." : "") + s.name] = s.moved_to;
   return out;
 }
 

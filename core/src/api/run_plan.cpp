@@ -59,11 +59,7 @@ void RunPlan::set_window(const WindowRequest& w) {
   if (w.steps < 0 || (w.steps == 0 && w.effective_batch < 1))
     throw Error("plugin '" + by + "' set an accumulation window of " + std::to_string(w.steps) +
                 " (must be >= 1, or 0 with an effective batch to infer it from)");
-  s_->accumulation = w.steps;
-  s_->last_window = w.last_window;
-  s_->effective_batch_goal = w.effective_batch;
-  s_->memory_budget = w.memory_budget;
-  s_->ramp = w.ramp;
+  s_->requested = w;
   s_->window_owner = by;
 }
 

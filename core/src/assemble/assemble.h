@@ -27,7 +27,9 @@ std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerO
 
 // ---- components.cpp: [run] and the components of the recipe's sections -----------------------------
 
-/// The settings of [run]: bound, dtype, device, time limit.
+/// The recipe's [batch] section: its option specs (planning/geometry.cpp reads it).
+OptionSpecs batch_specs();
+/// The settings of [run]: bound, dtype, device, time limit; [world] and [batch] read.
 void read_run_section(Run& run, const Recipe& recipe);
 /// Data, model, loss, optimizer (checked now, made after setup) and schedule.
 void build_components(Run& run, const Recipe& recipe);

@@ -12,7 +12,7 @@ namespace fs = std::filesystem;
 namespace tk::detail {
 namespace {
 
-const std::vector<std::string> kSections = {"run", "world", "model", "data", "loss", "optimizer", "schedule", "plugins"};
+const std::vector<std::string> kSections = {"run", "world", "batch", "model", "data", "loss", "optimizer", "schedule", "plugins"};
 
 /// What a `[[plugins]]` entry resolves to: the library it loaded and the plugin it names ("" for
 /// a library that only registers components).
@@ -103,6 +103,7 @@ Slot make_entry_plugin(Run& r, const Recipe& recipe, size_t i, const PluginEntry
                             ") rejected its options: " + message_of(err));
     }
   }
+  // Retired options are neither the run's recipe nor its identity (ResolvedRecipe leaves them out).
   r.resolved.add_plugin(recipe.plugin_label(i), e.name, e.path.string(), options);
   return {plugin, plugin ? res.plugin : res.library, res.version, res.file};
 }

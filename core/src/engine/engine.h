@@ -94,8 +94,9 @@ class StepEngine {
   void boundary();
   /// The window's optimizer step: boundary(), then the step (or its veto), zero_grad, the
   /// counters, StepEnd. Returns whether a plugin vetoed it. With `diagnose`, a non-finite window
-  /// loss stops the run before the step with its account of it.
-  bool step(const std::function<std::string()>& diagnose);
+  /// loss stops the run before the step with its account of it. With `step_vetoed`, the optimizer
+  /// steps even when vetoed (a trial measures the step's memory: the optimizer's state included).
+  bool step(const std::function<std::string()>& diagnose, bool step_vetoed = false);
 
  private:
   Run& r_;
@@ -126,8 +127,9 @@ class TrialRun {
   void micro_batch(const Batch& batch);
   /// The window's boundary, without the optimizer step.
   void boundary() { engine_.boundary(); }
-  /// The window's whole step (a non-finite loss is no error here: the trial measures memory).
-  void step() { engine_.step({}); }
+  /// The window's whole step: the optimizer steps even when a plugin vetoes (an overflow of the
+  /// loss scaler's first scale, say), and a non-finite loss is no error: the trial measures memory.
+  void step() { engine_.step({}, /*step_vetoed=*/true); }
   /// on_fit_end (status Trial); its errors propagate.
   void finish();
   const LoopState& state() const noexcept { return s_; }

@@ -104,14 +104,14 @@ void StepEngine::boundary() {
   phases_.add(PhaseTimes::kBoundary);
 }
 
-bool StepEngine::step(const std::function<std::string()>& diagnose) {
+bool StepEngine::step(const std::function<std::string()>& diagnose, bool step_vetoed) {
   boundary();
   const WindowTotals& t = s_.totals;
   s_.window_loss = t.tokens > 0 ? t.loss_sum / static_cast<double>(t.tokens) : 0.0;
   const bool skipped = !s_.step.veto_reason.empty();
   if (!skipped && diagnose && !std::isfinite(s_.window_loss)) throw Error(diagnose());
-  if (!skipped) r_.optimizer->step();
-  else ++s_.counters.skipped_steps;
+  if (!skipped || step_vetoed) r_.optimizer->step();
+  if (skipped) ++s_.counters.skipped_steps;
   zero_grads(r_);
   ++s_.counters.step;
   if (!skipped || s_.step.veto_advances_schedule) ++s_.counters.schedule_step;

@@ -19,14 +19,12 @@ RunIdentity run_identity(const Run& r) {
       "run.checkpoint_keep", "run.prefetch", "world.backend", "world.timeout_s", "world.rendezvous_timeout_s"};
   RunIdentity id;
   id.world_size = r.plan.world_size;
-  for (auto& [k, v, is_default] : r.resolved.values()) {
+  id.retired = r.resolved.retired();
+  for (auto& [k, v, is_default, same_on_cpu] : r.resolved.values()) {
     if (kMayChange.count(k)) continue;
-    // On the CPU an optimizer's per_tensor and foreach steps are the same arithmetic to the bit
-    // (auto is one of them): only the fused one, which rounds differently, is part of what a run
-    // is. On CUDA the foreach kernels round differently too.
-    static const std::set<std::string> kBuiltIn = {"sgd", "adam", "adamw"};
-    if (k == "optimizer.implementation" && kBuiltIn.count(r.opt_name) && v != "\"fused\"" && !r.device.is_cuda())
-      continue;
+    // Values its component declares bit-identical on the CPU (an optimizer's per_tensor and
+    // foreach steps) are not part of what a run is there.
+    if (same_on_cpu && r.device.is_cpu()) continue;
     id.recipe.emplace_back(k, v);
     if (is_default) id.defaults.insert(k);
   }
@@ -66,7 +64,12 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
       if (a == "all" || a == key || key.rfind(a + ".", 0) == 0) return true;
     return false;
   };
-  std::map<std::string, std::string> before(saved.recipe.begin(), saved.recipe.end());
+  std::map<std::string, std::string> before;
+  for (const auto& [k, v] : saved.recipe) {  // an option that moved since is compared where it is now
+    auto moved = now.retired.find(k);
+    const bool elsewhere = moved != now.retired.end() && !moved->second.empty();
+    before[elsewhere ? moved->second : k] = v;
+  }
   Differences out;
   auto show = [](const std::string* v) { return v ? *v : std::string("(not set)"); };
   for (const auto& [k, v] : now.recipe) {
@@ -79,7 +82,7 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
     if (it != before.end()) before.erase(it);
   }
   for (const auto& [k, v] : before)
-    if (!is_allowed(k)) out.refused.push_back(k + ": " + v + " -> (not set)");
+    if (!is_allowed(k) && !now.retired.count(k)) out.refused.push_back(k + ": " + v + " -> (not set)");
   if (saved.world_size != now.world_size && !is_allowed("world_size"))
     out.refused.push_back("world_size: " + std::to_string(saved.world_size) + " -> " + std::to_string(now.world_size));
   return out;

@@ -40,9 +40,12 @@ std::string describe(Run& d, const Recipe& recipe) {
     if (p.memory_level >= 0)
       out << "              with " << p.memory_level << " " << p.memory_lever_what << ", picked with it by plugin '"
           << p.memory_lever_owner << "'\n";
+    if (p.world_size > 1 && !d.world->joined())
+      out << "              (measured by this rank alone, without the other ranks' collectives: the run itself "
+             "measures with every rank and may pick less)\n";
   }
   out << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
-      << (p.window_owner.empty() ? "" : ", set by " + p.window_owner) << ")"
+      << (p.window_owner.empty() ? "" : ", set by plugin " + p.window_owner + " (deprecated: [batch])") << ")"
       << (p.accumulation > d.batches_per_epoch ? "; a window spans epochs (" + std::to_string(d.batches_per_epoch) +
                                                      " micro-batches per epoch)"
                                                : std::string())

@@ -107,6 +107,7 @@ double bytes_of(const std::vector<at::Tensor>& ts) {
 /// first's, through a temporary per parameter).
 double measure_step(Run& r, int64_t m, int64_t k) {
   TrialGuard guard(r);
+  const TrialShape shape(r, m, k, 2);  // the plugins see the trial's micro-batch, window and two steps
   double peak = 0;
   {
     MemoryMeter meter(r);
@@ -186,13 +187,10 @@ TrialGuard::TrialGuard(Run& r) : r_(r), rng_(save_rng()) {
 
 TrialGuard::~TrialGuard() {
   if (restored_) return;
-  restore_tensors();
-  for (auto& [p, bits] : declined_) PluginAccess::state(*p).declined = bits;
-  for (auto& [slot, state] : states_)
-    if (!state.empty()) try {
-        slot->plugin->load_state(state);
-      } catch (...) {
-      }
+  try {
+    restore();
+  } catch (...) {  // another error is on its way: it is the one to report
+  }
 }
 
 void TrialGuard::restore() {
@@ -203,7 +201,7 @@ void TrialGuard::restore() {
     if (!state.empty()) r_.call_plugin(*slot, "load_state", [&, &st = state] { slot->plugin->load_state(st); });
 }
 
-void TrialGuard::restore_tensors() noexcept {
+void TrialGuard::restore_tensors() {
   torch::NoGradGuard no_grad;
   r_.model->to(r_.dtype);  // a trial may have run in another dtype
   auto params = r_.model->parameters();
@@ -214,10 +212,7 @@ void TrialGuard::restore_tensors() noexcept {
   auto buffers = r_.model->buffers();
   for (size_t i = 0; i < buffers.size() && i < buffers_.size(); ++i) buffers[i].copy_(buffers_[i]);
   restore_rng(rng_);
-  try {
-    make_optimizer(r_);
-  } catch (...) {  // it was made from these parameters before: cannot fail now
-  }
+  make_optimizer(r_);  // it was made from these parameters before
 }
 
 namespace {
@@ -284,8 +279,8 @@ void pick_micro_batch(Run& r) {
   std::string source = "memory_budget";
   if (budget <= 0) {
     if (!r.device.is_cuda())
-      refuse_window(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set memory_budget "
-                                 "(e.g. \"2GiB\") in the grad_accum entry");
+      refuse_window(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set [batch] "
+                                        "memory_budget (e.g. \"2GiB\")");
     // The smallest any rank has: every rank steps with the micro-batch picked.
     budget = p.memory_budget = -r.world->max(-compat::cuda_free_bytes(r.device));
     source = "free memory of " + r.device.str();
@@ -336,8 +331,7 @@ void pick_micro_batch(Run& r) {
     p.memory_lever_what = l.what;
     p.memory_lever_owner = r.memory_lever.first;
   }
-  p.micro_batch = chosen;
-  p.accumulation = search.per_rank / chosen;
+  set_picked_micro_batch(r, chosen);
   p.measured_peaks.assign(peaks[level].begin(), peaks[level].end());
   std::string with, others;
   if (lever) {

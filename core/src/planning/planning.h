@@ -13,13 +13,37 @@
 
 namespace tk::detail {
 
-// ---- configure.cpp: the plan, the plugins' configure and setup, the windows ----------------------------
+// ---- configure.cpp: the plan, the plugins' configure and setup ---------------------------------
 
 /// Lets the plugins shape the plan and the model, orders them, makes the optimizer (idempotent).
 void plan_run(Run& run);
-/// After the plugins' configure: infers the window size or the micro-batch from an effective
-/// batch a plugin asked for, refusing a combination that does not add up.
+
+// ---- geometry.cpp: the batch's shape, its one owner ------------------------------------------------
+
+/// The batch's shape from [batch] (and the deprecated [data] micro_batch, with a warning), into
+/// the plan, before the plugins configure it.
+void read_batch(Run& run);
+/// Whether the recipe gave the micro-batch ([batch], or the deprecated [data]).
+bool micro_batch_given(const Run& run);
+/// After the plugins' configure: a plugin's set_window taken (deprecated, with a warning), then
+/// the window size or the micro-batch inferred from the effective batch, refusing a combination
+/// that does not add up.
 void settle_window(Run& run);
+/// The micro-batch the memory planner picked; the window size follows from the effective batch.
+void set_picked_micro_batch(Run& run, int64_t m);
+/// The plan's shape for trial steps (micro-batch `m`, window `k`, a run of `steps`) while it lives,
+/// the plan's own (still open before the memory pick) put back after.
+class TrialShape {
+ public:
+  TrialShape(Run& run, int64_t m, int64_t k, int64_t steps);
+  ~TrialShape();
+  TrialShape(const TrialShape&) = delete;
+  TrialShape& operator=(const TrialShape&) = delete;
+
+ private:
+  Run& r_;
+  int64_t m_, k_, steps_;
+};
 /// Micro-batches per epoch, the window schedule and the run's length, from the plan.
 void shape_windows(Run& run);
 /// Changes the micro-batch to `m`, keeping the examples per optimizer step (k grows to match).
@@ -27,8 +51,8 @@ void rebatch(Run& run, int64_t m);
 /// The micro-batch to fall back to after an out-of-memory error: the largest that divides the
 /// examples per step and is at most half the current one (0: none).
 int64_t backed_off_micro_batch(const Run& run);
-/// An error about the effective batch, at the recipe line of the window plugin's option `key`
-/// when it has one (planning and the memory pick refuse with it).
+/// An error about the batch's shape at the recipe line of [batch] `key` (or where a deprecated
+/// setting gave it: [batch], the deprecated [data] micro_batch, the option of the plugin that set the window).
 [[noreturn]] void refuse_window(const Run& run, const std::string& key, const std::string& what);
 
 // ---- data_check.cpp: the data and the model checked before training ---------------------------------
@@ -54,7 +78,7 @@ class TrialGuard {
   void restore();
 
  private:
-  void restore_tensors() noexcept;
+  void restore_tensors();
 
   Run& r_;
   std::vector<at::Tensor> params_, buffers_;
@@ -82,7 +106,7 @@ class MemoryMeter {
   double resident_ = 0;
   c10::Allocator* previous_ = nullptr;
 };
-/// With [data] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
+/// With [batch] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
 /// micro-batch that fits the budget; every trial is undone.
 void pick_micro_batch(Run& run);
 /// The divisors of n, ascending.

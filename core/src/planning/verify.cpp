@@ -52,7 +52,7 @@ void explain(const Run& r, AccumulationCheck& check, int64_t used, const std::se
   if (r.loss->reduction() == Reduction::Mean && r.data.info.ignore_index) {
     check.findings.push_back("the loss is a mean over counted tokens, and micro-batches count different numbers of "
                              "them: a mean of their means is not the window's mean; use reduction = \"sum\" with "
-                             "grad_accum normalize = \"tokens\"");
+                             "normalization by the window's tokens (by a plugin that provides grads.normalized)");
   } else if (!explained) {
     std::string list;
     for (const auto& d : differing) list += (list.empty() ? "" : ", ") + d;

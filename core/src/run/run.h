@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,7 +44,7 @@ struct Run {
   std::unique_ptr<ProcessWorld> world;  ///< from the environment at assembly; joined when first needed
   bool may_join_world = true;           ///< false for a dry run, which plans rank 0 alone
 
-  Options run, world_opts, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
+  Options run, world_opts, batch_opts, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
   std::string model_name, data_name, loss_name, opt_name, sched_name;
   ResolvedRecipe resolved;  // what the run was made of, section by section
   at::ScalarType dtype = at::kFloat;

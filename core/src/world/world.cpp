@@ -114,6 +114,13 @@ std::chrono::milliseconds millis(double seconds) {
 
 }  // namespace
 
+int local_rank_from_environment() {
+  if (env("LOCAL_RANK")) return env_int("LOCAL_RANK", 0);
+  if (env("WORLD_SIZE")) return env_int("RANK", 0);
+  if (env("SLURM_LOCALID") && (env("SLURM_STEP_ID") || env("SLURM_STEPID"))) return env_int("SLURM_LOCALID", 0);
+  return -1;
+}
+
 OptionSpecs world_specs() {
   return {opt_string("backend", "auto", "collective backend: gloo (CPU), nccl (CUDA), auto (nccl on CUDA, else gloo)",
                      {"auto", "gloo", "nccl"}),
@@ -128,7 +135,9 @@ Placement placement_from_environment() {
     p.rank = env_int("RANK", 0);
     p.local_rank = env_int("LOCAL_RANK", p.rank);
     p.source = "RANK/WORLD_SIZE";
-  } else if (env("SLURM_NTASKS")) {
+  } else if (env("SLURM_NTASKS") && (env("SLURM_STEP_ID") || env("SLURM_STEPID"))) {
+    // A task of an srun step; a batch script's own shell (no step) is one process, whatever the
+    // job's task count.
     p.size = env_int("SLURM_NTASKS", 1);
     p.rank = env_int("SLURM_PROCID", 0);
     p.local_rank = env_int("SLURM_LOCALID", 0);
@@ -241,7 +250,7 @@ void ProcessWorld::broadcast(at::Tensor& t, int root) {
 
 at::Tensor ProcessWorld::all_gather(const at::Tensor& t) {
   join();
-  if (!joined()) return t.clone();
+  if (!joined()) return at::cat(std::vector<at::Tensor>(static_cast<size_t>(p_.size), t));  // its own, size() times
   std::vector<at::Tensor> in{t.to(device_).contiguous()};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int r = 0; r < p_.size; ++r) out[0].push_back(at::empty_like(in[0]));

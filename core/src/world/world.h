@@ -27,10 +27,14 @@ struct Placement {
   int port = 29500;
   std::string source = "single process";  ///< which variables said so
 };
-/// The placement from RANK/WORLD_SIZE/LOCAL_RANK (torchrun, tk-run --nproc) or SLURM_PROCID/
-/// SLURM_NTASKS/SLURM_LOCALID, with MASTER_ADDR and MASTER_PORT; a world of one without them.
-/// Refuses values that are not a world (a rank outside it, a port that is no port).
+/// The placement from RANK/WORLD_SIZE/LOCAL_RANK (torchrun, tk-run --nproc) or, in a task of an
+/// srun step, SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, with MASTER_ADDR and MASTER_PORT; a world
+/// of one without them. Refuses values that are not a world (a rank outside it, a port that is no
+/// port).
 Placement placement_from_environment();
+/// This process's rank on its machine as the launcher's environment says (the placement's rule),
+/// or -1 when it says none: the GPU a process of a launch takes.
+int local_rank_from_environment();
 
 /// The world of a run: described from the environment when the run is assembled, joined when it
 /// is planned.

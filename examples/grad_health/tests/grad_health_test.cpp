@@ -165,7 +165,8 @@ TEST_CASE("metrics every step, equal to norms recomputed after normalization") {
   auto recorder = std::make_shared<NormRecorder>();
   tk::testing::RunOptions opts;
   // 4 micro-batches per step: the gradients are only right once grad_accum has normalized them.
-  opts.libraries = {{TK_PLUGIN_FILE, ""}, {TK_PLUGIN_DIR "/tk_grad_accum.so", "steps = 4"}};
+  opts.libraries = {{TK_PLUGIN_FILE, ""}, {TK_PLUGIN_DIR "/tk_grad_accum.so", ""}};
+  opts.overrides = {"batch.accumulation=4"};
   opts.plugins = {{recorder, "norm_recorder"}};
   const auto run = tk::testing::run(tk::testing::kTinyRecipe, opts);
   REQUIRE(run.fit.step_metrics.size() == 6);
