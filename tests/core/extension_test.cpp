@@ -94,6 +94,29 @@ class WrapsOptimizer : public tk::Plugin {
   bool drop_last_, fail_;
 };
 
+/// Opens a region in each event that starts one and closes it in its closing event, logging
+/// "open tag event" and "close tag event".
+class Region : public tk::Plugin {
+ public:
+  Region(std::vector<std::string>* log, std::string tag) : log_(log), tag_(std::move(tag)) {}
+  void on_fit_start(tk::Context&) override { open("fit"); }
+  void on_epoch_start(tk::Context&) override { open("epoch"); }
+  void on_micro_batch(tk::Context&) override { open("forward"); }
+  void on_loss(tk::Context&) override { close("forward"); }
+  void on_boundary(tk::Context&) override { open("step"); }
+  void on_step_end(tk::Context&) override { close("step"); }
+  void on_epoch_end(tk::Context&) override { close("epoch"); }
+  void on_validation_start(tk::Context&) override { open("validation"); }
+  void on_validation_end(tk::Context&) override { close("validation"); }
+  void on_fit_end(tk::Context&) override { close("fit"); }
+
+ private:
+  void open(const std::string& what) { log_->push_back("open " + tag_ + " " + what); }
+  void close(const std::string& what) { log_->push_back("close " + tag_ + " " + what); }
+  std::vector<std::string>* log_;
+  std::string tag_;
+};
+
 }  // namespace
 
 TEST_SUITE("extension") {
@@ -133,6 +156,34 @@ TEST_SUITE("extension") {
                    " and by " + fs::weakly_canonical(kFixtures / "tk_twin_b.so").string()) != std::string::npos);
       CHECK(m.find("test.toml:") == 0);  // the [[plugins]] entry that brought in the second one
     }
+  }
+
+  TEST_CASE("an event that closes a region goes to the plugins in reverse order: regions nest, inner first") {
+    std::vector<std::string> log;
+    tk::Trainer t(tkt::recipe({"run.steps=0", "run.epochs=1", "data.validation_samples=8", "run.validate_every=2"}),
+                  tkt::quiet());
+    t.add_plugin(std::make_shared<Region>(&log, "outer"), "outer");
+    t.add_plugin(std::make_shared<Region>(&log, "inner"), "inner");
+    t.fit();
+    REQUIRE(t.plugin_order() == std::vector<std::string>{"outer", "inner"});
+    // Every region opened by outer then inner is closed by inner then outer.
+    std::vector<std::string> open;
+    size_t closes = 0;
+    for (const auto& line : log) {
+      const std::string what = line.substr(line.rfind(' ') + 1);
+      if (line.rfind("open ", 0) == 0) {
+        open.push_back(line.substr(5));
+        continue;
+      }
+      INFO(line);
+      REQUIRE_FALSE(open.empty());
+      CHECK(open.back() == line.substr(6));  // the innermost open region is the one closed
+      open.pop_back();
+      ++closes;
+    }
+    CHECK(open.empty());
+    CHECK(closes >= 10);  // fit, epoch, forward, step and validation, for both plugins
+    CHECK(std::find(log.begin(), log.end(), "close inner validation") < std::find(log.begin(), log.end(), "close outer validation"));
   }
 
   TEST_CASE("a section that names no component gets the default a library declared; one default per kind") {

@@ -48,11 +48,10 @@ TEST_SUITE("trainer") {
 name = "fake_clip"
 [[plugins]]
 name = "grad_accum"
-steps = 2
 [[plugins]]
 name = "fake_sync"
 )");
-    auto r = tkt::recipe({"run.steps=1", "run.trace=true"}, text.c_str());
+    auto r = tkt::recipe({"run.steps=1", "run.trace=true", "batch.accumulation=2"}, text.c_str());
     tk::Trainer t(r, tkt::quiet());
     CHECK(t.plugin_order() == std::vector<std::string>{"fake_sync", "grad_accum", "fake_clip"});
     t.fit();
@@ -60,16 +59,20 @@ name = "fake_sync"
     for (const auto& e : t.trace())
       got.push_back(e.plugin + "@" + tk::to_string(e.event) + ":" + std::to_string(e.step) + "/" +
                     std::to_string(e.micro_step));
+    // In dispatch order; an event that closes a region (loss, step_end, epoch_end, fit_end) in reverse.
     auto both = [](const char* ev, const char* at) {
       return std::vector<std::string>{std::string("fake_sync@") + ev + ":" + at, std::string("fake_clip@") + ev + ":" + at};
     };
+    auto reversed = [](const char* ev, const char* at) {
+      return std::vector<std::string>{std::string("fake_clip@") + ev + ":" + at, std::string("fake_sync@") + ev + ":" + at};
+    };
     std::vector<std::string> expect;
     for (auto part : {both("fit_start", "0/0"), both("epoch_start", "0/0"), both("micro_batch", "0/0"),
-                      both("loss", "0/0"), both("backward", "0/1"), both("micro_batch", "0/1"), both("loss", "0/1"),
-                      both("backward", "0/2")})
+                      reversed("loss", "0/0"), both("backward", "0/1"), both("micro_batch", "0/1"),
+                      reversed("loss", "0/1"), both("backward", "0/2")})
       expect.insert(expect.end(), part.begin(), part.end());
     expect.insert(expect.end(), {"fake_sync@boundary:0/2", "grad_accum@boundary:0/2", "fake_clip@boundary:0/2"});
-    for (auto part : {both("step_end", "1/2"), both("epoch_end", "1/2"), both("fit_end", "1/2")})
+    for (auto part : {reversed("step_end", "1/2"), reversed("epoch_end", "1/2"), reversed("fit_end", "1/2")})
       expect.insert(expect.end(), part.begin(), part.end());
     CHECK(got == expect);
   }

@@ -25,5 +25,9 @@ inline constexpr int kEventCount = 11;
 const char* to_string(Event e) noexcept;
 /// The name of the event's hook on tk::Plugin ("on_micro_batch", "on_boundary", ...).
 const char* hook_name(Event e) noexcept;
+/// Whether `e` closes what an earlier event opened (Loss closes MicroBatch, StepEnd closes
+/// Boundary, EpochEnd, ValidationEnd and FitEnd close their starts): such an event goes to the
+/// plugins in reverse dispatch order, so that regions they open nest (inner closed first).
+bool closes(Event e) noexcept;
 
 }  // namespace tk

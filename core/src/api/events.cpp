@@ -32,6 +32,11 @@ const char* hook_name(Event e) noexcept {
   return "?";
 }
 
+bool closes(Event e) noexcept {
+  return e == Event::Loss || e == Event::StepEnd || e == Event::EpochEnd || e == Event::ValidationEnd ||
+         e == Event::FitEnd;
+}
+
 void dispatch(Plugin& p, Event e, Context& ctx) {
   switch (e) {
 #define TK_DISPATCH(hook, event) \

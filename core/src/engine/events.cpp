@@ -5,9 +5,15 @@ namespace tk::detail {
 
 Events::Events(Run& run, LoopState& state, std::vector<TraceEntry>& trace)
     : r_(run), s_(state), trace_(trace), ctx_(&state) {
-  for (int e = 0; e < kEventCount; ++e)
-    for (size_t i : run.order)
+  // An event that closes what another opened goes to the plugins in reverse order: the one that
+  // opened its region last (innermost) closes it first.
+  for (int e = 0; e < kEventCount; ++e) {
+    const bool reverse = closes(static_cast<Event>(e));
+    for (size_t k = 0; k < run.order.size(); ++k) {
+      const size_t i = run.order[reverse ? run.order.size() - 1 - k : k];
       if (run.slots[i].plugin->handles(static_cast<Event>(e))) handlers_[e].push_back(&run.slots[i]);
+    }
+  }
   for (const Slot* s : handlers_[static_cast<size_t>(Event::FitStart)]) not_started_.insert(s);
 }
 

@@ -60,8 +60,10 @@ struct Differences {
 /// one trained, and is no difference.
 Differences differences(const RunIdentity& saved, const RunIdentity& now, const std::vector<std::string>& allowed) {
   auto is_allowed = [&](const std::string& key) {
-    for (const auto& a : allowed)
+    for (std::string a : allowed) {
+      if (auto moved = now.retired.find(a); moved != now.retired.end() && !moved->second.empty()) a = moved->second;
       if (a == "all" || a == key || key.rfind(a + ".", 0) == 0) return true;
+    }
     return false;
   };
   std::map<std::string, std::string> before;
