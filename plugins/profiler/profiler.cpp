@@ -9,7 +9,8 @@
 // the traced steps, and they appear under those ranges on the thread that ran them.
 //
 // The plugin measures from its own hooks: other plugins' work in an event falls inside the phase
-// when they run after it (list the profiler first). The trace goes to <output>/trace.json at the
+// when they are nested inside it (list the profiler first: it then opens each phase first and, as
+// the events that close a region go in reverse order, closes it last). The trace goes to <output>/trace.json at the
 // end of a completed run with an output folder (Plugin::write_files), on rank 0. Training is not
 // changed: the plugin reads clocks and nothing else of the run.
 #include <nlohmann/json.hpp>

@@ -253,7 +253,7 @@ class RecomputePlugin final : public tk::Plugin {
 
   tk::Contract contract() const override {
     tk::Contract c;
-    c.provides = {"model.blocks.runner"};  // one plugin decides how the blocks run
+    c.provides = {tk::Capability{"model.blocks.runner"}};  // one plugin decides how the blocks run
     return c;
   }
 

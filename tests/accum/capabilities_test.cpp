@@ -185,6 +185,14 @@ TEST_SUITE("accumulation capabilities") {
           std::string::npos);
     CHECK(then.warnings[1].find("write [batch] accumulation = 4 and remove those options") != std::string::npos);
     CHECK(now.warnings.empty());
+    // The recipe as resolved (before planning too) gives the batch where it is now.
+    tk::Trainer fresh(tkt::recipe({}, (old + "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\n").c_str()), tkt::quiet());
+    const std::string resolved = fresh.resolved_recipe();
+    INFO(resolved);
+    CHECK(resolved.find("[batch]\naccumulation = 4\n") != std::string::npos);
+    CHECK(resolved.find("micro_batch = 8\n") != std::string::npos);
+    CHECK(resolved.find("micro_batch") == resolved.rfind("micro_batch"));  // once: in [batch]
+    CHECK(resolved.find("steps = 4") == std::string::npos);
 
     // Both ways at once: refused where the second one stands.
     std::string e = plan_error({}, old + "\n[batch]\nmicro_batch = 8\naccumulation = 4\n");

@@ -61,7 +61,7 @@ class StatusProbe : public tk::Plugin {
 /// Declares an ordering on a capability name; `requires_` too when asked.
 class Orders : public tk::Plugin {
  public:
-  Orders(std::string after, bool require) {
+  Orders(tk::Capability after, bool require) {
     contract_.after = {std::move(after)};
     if (require) contract_.requires_ = contract_.after;
   }
@@ -314,7 +314,7 @@ TEST_SUITE("extension") {
 
   TEST_CASE("a capability name that nothing provides and nobody knows is reported") {
     tk::Trainer t(tkt::recipe(), tkt::quiet());
-    t.add_plugin(std::make_shared<Orders>("grads.normalised", false), "orders");
+    t.add_plugin(std::make_shared<Orders>(tk::Capability{"grads.normalised"}, false), "orders");
     t.plan();
     REQUIRE(t.warnings().size() == 1);
     CHECK(t.warnings()[0] == "plugin 'orders' orders itself after 'grads.normalised', which no plugin of this run "
@@ -326,7 +326,7 @@ TEST_SUITE("extension") {
     quiet_one.plan();
     CHECK(quiet_one.warnings().empty());
     tk::Trainer strict(tkt::recipe(), tkt::quiet());
-    strict.add_plugin(std::make_shared<Orders>("grads.cliped", true), "orders");
+    strict.add_plugin(std::make_shared<Orders>(tk::Capability{"grads.cliped"}, true), "orders");
     CHECK_THROWS_WITH(strict.plan(), "plugin 'orders' requires 'grads.cliped', which no plugin in this run provides "
                                      "(not a known capability name; did you mean 'grads.clipped'?)");
   }

@@ -148,7 +148,8 @@ TEST_SUITE("loader") {
       plugin = loader.load_plugin(file).plugin;
     }
     CHECK(is_loaded(file));
-    CHECK(plugin->contract().provides == std::vector<std::string>{"grads.clipped"});  // its code still runs
+    REQUIRE(plugin->contract().provides.size() == 1);  // its code still runs
+    CHECK(plugin->contract().provides.front().name() == "grads.clipped");
     auto copy = plugin;
     plugin.reset();
     CHECK(is_loaded(file));

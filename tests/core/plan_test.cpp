@@ -19,7 +19,7 @@ std::vector<std::pair<int64_t, int64_t>> layout(const WindowSchedule& s, int64_t
   return out;
 }
 
-tk::PluginDecl decl(std::string name, std::vector<std::string> provides, std::vector<std::string> after = {}) {
+tk::PluginDecl decl(std::string name, std::vector<tk::Capability> provides, std::vector<tk::Capability> after = {}) {
   tk::PluginDecl d;
   d.name = std::move(name);
   d.contract.provides = std::move(provides);
@@ -95,21 +95,22 @@ TEST_SUITE("plan") {
   }
 
   TEST_CASE("unrelated plugins keep their recipe order") {
-    auto order = tk::order_plugins({decl("b", {}), decl("a", {}), decl("c", {"x"}, {})});
+    auto order = tk::order_plugins({decl("b", {}), decl("a", {}), decl("c", {tk::Capability{"x"}}, {})});
     CHECK(order == std::vector<size_t>{0, 1, 2});
   }
 
   TEST_CASE("impossible combinations are refused, naming both plugins") {
-    CHECK_THROWS_WITH(tk::order_plugins({decl("clip", {"grads.clipped"}), decl("clip_value", {"grads.clipped"})}),
+    CHECK_THROWS_WITH(tk::order_plugins({decl("clip", {tk::cap::kGradsClipped}), decl("clip_value", {tk::cap::kGradsClipped})}),
                       "plugins 'clip' and 'clip_value' both provide 'grads.clipped'; a run can have only one of them");
-    CHECK_THROWS_WITH(tk::order_plugins({decl("a", {"x"}, {"y"}), decl("b", {"y"}, {"x"})}),
+    CHECK_THROWS_WITH(tk::order_plugins({decl("a", {tk::Capability{"x"}}, {tk::Capability{"y"}}),
+                                        decl("b", {tk::Capability{"y"}}, {tk::Capability{"x"}})}),
                       doctest::Contains("each need to run after the other"));
     tk::PluginDecl needs = decl("ddp_hook", {});
-    needs.contract.requires_ = {"grads.synced"};
+    needs.contract.requires_ = {tk::cap::kGradsSynced};
     CHECK_THROWS_WITH(tk::order_plugins({needs}), doctest::Contains("'ddp_hook' requires 'grads.synced'"));
     tk::PluginDecl conflict = decl("fp8", {});
-    conflict.contract.conflicts = {"autocast"};
-    CHECK_THROWS_WITH(tk::order_plugins({decl("amp", {"autocast"}), conflict}),
+    conflict.contract.conflicts = {tk::cap::kAutocast};
+    CHECK_THROWS_WITH(tk::order_plugins({decl("amp", {tk::cap::kAutocast}), conflict}),
                       "plugins 'fp8' and 'amp' cannot be combined: 'fp8' conflicts with 'autocast'");
   }
 

@@ -264,13 +264,14 @@ TEST_SUITE("ddp") {
   }
 
   TEST_CASE("ranks that diverge are caught") {
-    // Rank 1 nudges a parameter after step 3; the check after step 4 (ddp is listed first) sees it.
+    // Rank 1 nudges a parameter after step 3. step_end closes the step, so it goes to the plugins in
+    // reverse order: the probe (listed after ddp) nudges first, and ddp's check after step 3 sees it.
     const fs::path root = tkt::temp_dir("ddp-diverge");
     auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n" +
                               "[[plugins]]\nname = \"probe\"\nperturb_at_step = 2\nonly_rank = 1\n",
                     "--nproc 2");
     CHECK(p.rc == 1);
-    CHECK(p.out.find("ranks diverged after step 4") != std::string::npos);
+    CHECK(p.out.find("ranks diverged after step 3") != std::string::npos);
     fs::remove_all(root);
   }
 

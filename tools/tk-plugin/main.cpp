@@ -20,6 +20,11 @@
 namespace {
 
 std::string list(const std::vector<std::string>& v) { return v.empty() ? "(none)" : tk::join(v.data(), v.data() + v.size()); }
+std::string list(const std::vector<tk::Capability>& caps) {
+  std::vector<std::string> v;
+  for (const auto& c : caps) v.push_back(c.name());
+  return list(v);
+}
 
 void print_specs(const tk::OptionSpecs& specs) {
   if (specs.empty()) std::printf("    (no options)\n");

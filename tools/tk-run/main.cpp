@@ -314,9 +314,9 @@ int print_dry_run(const std::string& plan) {
 /// rank 0 of that world prints its plan).
 int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
   const auto caps = tk::plugin_capabilities(recipe, c.topts);
-  if (!caps.count(tk::cap::kGradsSynced))
+  if (!caps.count(tk::cap::kGradsSynced.name()))
     return die_usage("--nproc " + std::to_string(c.launch.nproc) + " needs a plugin that sums the gradients across "
-                     "the processes (" + tk::cap::kGradsSynced + "), such as ddp: add [[plugins]] name = \"ddp\" to "
+                     "the processes (" + tk::cap::kGradsSynced.name() + "), such as ddp: add [[plugins]] name = \"ddp\" to "
                      "the recipe; this one would train " + std::to_string(c.launch.nproc) + " independent copies of "
                      "the run");
   setenv("TK_WORKER", "1", 1);

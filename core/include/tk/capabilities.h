@@ -1,23 +1,47 @@
 #pragma once
-/// Names plugins use in their Contract to say what they provide and what must run before them.
+/// Capabilities: what plugins say in their Contract they provide and what must run before them.
 /// At most one plugin may provide each capability; the core orders dispatch so that the providers
-/// of everything in a plugin's `after` list run first. The boundary order this encodes is
+/// of everything in a plugin's `after` list run first (last in the events that close a region,
+/// tk::closes: a plugin after another is nested inside it). The boundary order this encodes is
 /// sync -> normalize -> unscale -> clip -> step.
-namespace tk::cap {
+#include <string>
+#include <utility>
 
-inline constexpr const char* kWindow = "window";                   ///< shapes the accumulation window
-inline constexpr const char* kGradsSynced = "grads.synced";        ///< gradients summed across ranks
-inline constexpr const char* kGradsNormalized = "grads.normalized";///< gradients divided by the window's items
-inline constexpr const char* kGradsUnscaled = "grads.unscaled";    ///< loss scale removed, overflow checked
-inline constexpr const char* kGradsClipped = "grads.clipped";      ///< norm or value clipped
-inline constexpr const char* kLossScale = "loss.scale";            ///< multiplies the loss before backward
-inline constexpr const char* kAutocast = "autocast";               ///< runs forward under autocast
-inline constexpr const char* kOptimizerSharded = "optimizer.sharded"; ///< the optimizer's state split across the ranks
+namespace tk {
+
+/// A capability's name, typed: a Contract lists these and RunPlan::has asks for one. trainkit's
+/// are the constants of tk::cap; a plugin's own is made explicitly, `tk::Capability{"my.name"}`,
+/// so that a bare string (a misspelled "grads.synced", say) does not compile where a capability
+/// is expected.
+class Capability {
+ public:
+  explicit Capability(const char* name) : name_(name) {}
+  explicit Capability(std::string name) : name_(std::move(name)) {}
+  const std::string& name() const noexcept { return name_; }
+  bool operator==(const Capability& other) const noexcept { return name_ == other.name_; }
+  bool operator!=(const Capability& other) const noexcept { return name_ != other.name_; }
+  bool operator<(const Capability& other) const noexcept { return name_ < other.name_; }
+
+ private:
+  std::string name_;
+};
+
+namespace cap {
+
+inline const Capability kWindow{"window"};                        ///< shapes the accumulation window
+inline const Capability kGradsSynced{"grads.synced"};             ///< gradients summed across ranks
+inline const Capability kGradsNormalized{"grads.normalized"};     ///< gradients divided by the window's items
+inline const Capability kGradsUnscaled{"grads.unscaled"};         ///< loss scale removed, overflow checked
+inline const Capability kGradsClipped{"grads.clipped"};           ///< norm or value clipped
+inline const Capability kLossScale{"loss.scale"};                 ///< multiplies the loss before backward
+inline const Capability kAutocast{"autocast"};                    ///< runs forward under autocast
+inline const Capability kOptimizerSharded{"optimizer.sharded"};   ///< the optimizer's state split across the ranks
 
 /// Every name above. A name in `after` or `requires_` that is neither one of these nor provided
 /// by a plugin of the run is reported (a warning for `after`, part of the error for `requires_`):
-/// it is most likely a typo that would silently drop an ordering.
-inline constexpr const char* kKnown[] = {kWindow,     kGradsSynced, kGradsNormalized, kGradsUnscaled,
-                                         kGradsClipped, kLossScale, kAutocast,        kOptimizerSharded};
+/// most likely a typo in a plugin's own name, which would silently drop an ordering.
+inline const Capability kKnown[] = {kWindow,       kGradsSynced, kGradsNormalized, kGradsUnscaled,
+                                    kGradsClipped, kLossScale,   kAutocast,        kOptimizerSharded};
 
-}  // namespace tk::cap
+}  // namespace cap
+}  // namespace tk

@@ -17,10 +17,11 @@ namespace tk {
 
 /// Ordering and compatibility a plugin declares (names from tk/capabilities.h or its own).
 struct Contract {
-  std::vector<std::string> provides;  ///< at most one plugin of a run may provide each
-  std::vector<std::string> after;     ///< providers of these (if present) run before this plugin
-  std::vector<std::string> requires_; ///< refuse the run unless some plugin provides these
-  std::vector<std::string> conflicts; ///< refuse the run if some plugin provides these
+  std::vector<Capability> provides;   ///< at most one plugin of a run may provide each
+  std::vector<Capability> after;      ///< providers of these (if present) run before this plugin (after
+                                      ///< it in the events that close a region: tk::closes)
+  std::vector<Capability> requires_;  ///< refuse the run unless some plugin provides these
+  std::vector<Capability> conflicts;  ///< refuse the run if some plugin provides these
 };
 
 namespace detail {

@@ -19,7 +19,8 @@ class ResolvedRecipe {
   /// gave them (either may be empty) and its values.
   void add_plugin(const std::string& label, const std::string& name, const std::string& path, const Options& values);
 
-  /// As TOML: what the output folder's recipe.toml holds; it runs as it is.
+  /// As TOML: what the output folder's recipe.toml holds; it runs as it is. An option that moved
+  /// (OptionSpec::moved_to: [data] micro_batch is [batch] micro_batch) is written where it is now.
   std::string toml(const std::string& source) const;
   /// One value of values(): its flat key, its TOML text, whether it is its option's default
   /// (given neither by the recipe nor by an override), and whether it is one of the values its
@@ -44,6 +45,12 @@ class ResolvedRecipe {
     Options options;
   };
   std::vector<Entry> entries_;
+
+  /// What the recipe gave in options that moved (OptionSpec::moved_to), by the key they moved to.
+  std::map<std::string, OptionValue> moved_values() const;
+  /// The values of `e` by their keys in it, retired ones left out; a value given in an option
+  /// that moved here stands for one left at its default.
+  std::vector<Value> entry_values(const Entry& e, const std::map<std::string, OptionValue>& moved) const;
 };
 
 }  // namespace tk

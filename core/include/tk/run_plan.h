@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "tk/capabilities.h"
+
 namespace tk {
 
 class World;
@@ -134,7 +136,7 @@ class RunPlan {
   /// Where the model and the batches live.
   c10::DeviceType device() const noexcept;
   /// Whether some plugin of the run provides `cap` (tk/capabilities.h).
-  bool has(const std::string& cap) const;
+  bool has(const Capability& cap) const;
   /// Everything the run's plugins provide.
   const std::set<std::string>& capabilities() const noexcept;
   /// The plugin that set the window ("" when none did).

@@ -60,6 +60,7 @@ struct PlanValues {
 
   int64_t effective_batch() const noexcept { return micro_batch * accumulation * world_size; }
   bool has(const std::string& cap) const { return capabilities.count(cap) != 0; }
+  bool has(const Capability& cap) const { return has(cap.name()); }
 };
 
 /// The plan and its view. Not copyable: the view points at it.

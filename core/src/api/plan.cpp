@@ -12,8 +12,8 @@ namespace tk {
 namespace {
 
 bool known_capability(const std::string& name) {
-  for (const char* k : cap::kKnown)
-    if (name == k) return true;
+  for (const Capability& k : cap::kKnown)
+    if (name == k.name()) return true;
   return false;
 }
 
@@ -42,7 +42,7 @@ std::string unknown_note(const std::string& name, const std::map<std::string, si
     const size_t d = distance(name, c);
     if (d < best_d) best_d = d, best = c;
   };
-  for (const char* k : cap::kKnown) consider(k);
+  for (const Capability& k : cap::kKnown) consider(k.name());
   for (const auto& [c, i] : provided) consider(c);
   return " (not a known capability name" + (best.empty() ? std::string(")") : "; did you mean '" + best + "'?)");
 }
@@ -171,33 +171,33 @@ std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins, std::v
   std::map<std::string, size_t> provider;
   for (size_t i = 0; i < n; ++i) {
     for (const auto& cap : plugins[i].contract.provides) {
-      auto [it, fresh] = provider.emplace(cap, i);
+      auto [it, fresh] = provider.emplace(cap.name(), i);
       if (!fresh)
         throw Error("plugins '" + plugins[it->second].name + "' and '" + plugins[i].name +
-                    "' both provide '" + cap + "'; a run can have only one of them");
+                    "' both provide '" + cap.name() + "'; a run can have only one of them");
     }
   }
   for (size_t i = 0; i < n; ++i) {
     for (const auto& need : plugins[i].contract.requires_)
-      if (!provider.count(need))
-        throw Error("plugin '" + plugins[i].name + "' requires '" + need + "', which no plugin in this run provides" +
-                    unknown_note(need, provider));
+      if (!provider.count(need.name()))
+        throw Error("plugin '" + plugins[i].name + "' requires '" + need.name() +
+                    "', which no plugin in this run provides" + unknown_note(need.name(), provider));
     for (const auto& c : plugins[i].contract.conflicts) {
-      auto it = provider.find(c);
+      auto it = provider.find(c.name());
       if (it != provider.end() && it->second != i)
         throw Error("plugins '" + plugins[i].name + "' and '" + plugins[it->second].name +
-                    "' cannot be combined: '" + plugins[i].name + "' conflicts with '" + c + "'");
+                    "' cannot be combined: '" + plugins[i].name + "' conflicts with '" + c.name() + "'");
     }
   }
   // deps[i]: plugins that must run before i.
   std::vector<std::vector<size_t>> deps(n);
   for (size_t i = 0; i < n; ++i)
     for (const auto& cap : plugins[i].contract.after) {
-      auto it = provider.find(cap);
+      auto it = provider.find(cap.name());
       if (it != provider.end() && it->second != i) deps[i].push_back(it->second);
-      const std::string note = it == provider.end() ? unknown_note(cap, provider) : "";
+      const std::string note = it == provider.end() ? unknown_note(cap.name(), provider) : "";
       if (!note.empty() && warnings)
-        warnings->push_back("plugin '" + plugins[i].name + "' orders itself after '" + cap +
+        warnings->push_back("plugin '" + plugins[i].name + "' orders itself after '" + cap.name() +
                             "', which no plugin of this run provides" + note + ": that ordering has no effect");
     }
   // Stable topological order: repeatedly take the first plugin (in recipe order) that is ready.

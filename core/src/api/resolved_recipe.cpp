@@ -32,15 +32,38 @@ void ResolvedRecipe::add_plugin(const std::string& label, const std::string& nam
   entries_.push_back({"plugins", true, label, name, path, values});
 }
 
+std::map<std::string, OptionValue> ResolvedRecipe::moved_values() const {
+  std::map<std::string, OptionValue> out;
+  for (const auto& e : entries_)
+    for (const auto& s : e.options.specs())
+      if (s.retired && !s.moved_to.empty() && e.options.is_set(s.name)) out[s.moved_to] = e.options.values().at(s.name);
+  return out;
+}
+
+std::vector<ResolvedRecipe::Value> ResolvedRecipe::entry_values(const Entry& e,
+                                                                const std::map<std::string, OptionValue>& moved) const {
+  std::vector<Value> out;
+  const std::string prefix = e.header + "." + (e.array ? e.label + "." : "");
+  for (const auto& [k, v] : e.options.values()) {
+    if (is_retired(e.options, k)) continue;
+    auto given = moved.find(prefix + k);
+    if (given != moved.end() && !e.options.is_set(k))
+      out.push_back({k, to_toml(given->second), false, false});
+    else
+      out.push_back({k, to_toml(v), !e.options.is_set(k), same_on_cpu(e.options, k)});
+  }
+  return out;
+}
+
 std::string ResolvedRecipe::toml(const std::string& source) const {
   std::ostringstream out;
   out << "# resolved from " << source << " (defaults filled in, overrides applied)\n";
+  const auto moved = moved_values();
   for (const auto& e : entries_) {
     out << "\n" << (e.array ? "[[" + e.header + "]]" : "[" + e.header + "]") << "\n";
     if (!e.name.empty()) out << "name = " << to_toml(e.name) << "\n";
     if (!e.path.empty()) out << "path = " << to_toml(e.path) << "\n";
-    for (const auto& [k, v] : e.options.values())
-      if (!is_retired(e.options, k)) out << k << " = " << to_toml(v) << "\n";
+    for (const auto& v : entry_values(e, moved)) out << v.key << " = " << v.toml << "\n";
   }
   return out.str();
 }
@@ -48,6 +71,7 @@ std::string ResolvedRecipe::toml(const std::string& source) const {
 std::vector<ResolvedRecipe::Value> ResolvedRecipe::values() const {
   std::vector<Value> out;
   std::string plugins;
+  const auto moved = moved_values();
   for (const auto& e : entries_) {
     std::string prefix = e.header + ".";
     if (e.array) {
@@ -57,8 +81,10 @@ std::vector<ResolvedRecipe::Value> ResolvedRecipe::values() const {
       out.push_back({e.header + ".name", to_toml(e.name)});
     }
     if (!e.path.empty()) out.push_back({prefix + "path", to_toml(e.path)});
-    for (const auto& [k, v] : e.options.values())
-      if (!is_retired(e.options, k)) out.push_back({prefix + k, to_toml(v), !e.options.is_set(k), same_on_cpu(e.options, k)});
+    for (auto v : entry_values(e, moved)) {
+      v.key = prefix + v.key;
+      out.push_back(std::move(v));
+    }
   }
   out.push_back({"plugins", to_toml(plugins)});
   return out;

@@ -25,7 +25,7 @@ int RunPlan::rank() const noexcept { return s_->rank; }
 World& RunPlan::world() const noexcept { return *s_->world; }
 Reduction RunPlan::reduction() const noexcept { return s_->reduction; }
 c10::DeviceType RunPlan::device() const noexcept { return s_->device; }
-bool RunPlan::has(const std::string& cap) const { return s_->has(cap); }
+bool RunPlan::has(const Capability& cap) const { return s_->has(cap.name()); }
 const std::set<std::string>& RunPlan::capabilities() const noexcept { return s_->capabilities; }
 const std::string& RunPlan::window_owner() const noexcept { return s_->window_owner; }
 

@@ -141,7 +141,7 @@ std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerO
     check_component_sections(r, recipe);
     for (const auto& s : r.slots)
       if (s.plugin) r.call_plugin(s, "contract", [&] {
-          for (const auto& cap : s.plugin->contract().provides) out.insert(cap);
+          for (const auto& cap : s.plugin->contract().provides) out.insert(cap.name());
         });
   } catch (const RecipeError& e) {
     throw RecipeError(e);

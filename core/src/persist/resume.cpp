@@ -59,10 +59,14 @@ struct Differences {
 /// the trainkit (or plugin) that wrote it did not have yet: left at its default, it trains what that
 /// one trained, and is no difference.
 Differences differences(const RunIdentity& saved, const RunIdentity& now, const std::vector<std::string>& allowed) {
+  auto covers = [](const std::string& a, const std::string& key) {
+    return a == "all" || a == key || key.rfind(a + ".", 0) == 0;
+  };
   auto is_allowed = [&](const std::string& key) {
-    for (std::string a : allowed) {
-      if (auto moved = now.retired.find(a); moved != now.retired.end() && !moved->second.empty()) a = moved->second;
-      if (a == "all" || a == key || key.rfind(a + ".", 0) == 0) return true;
+    for (const auto& a : allowed) {
+      if (covers(a, key)) return true;
+      for (const auto& [old, moved] : now.retired)  // an old key (or its section) allows where it moved
+        if (moved == key && covers(a, old)) return true;
     }
     return false;
   };

@@ -16,7 +16,7 @@ void configure_plugins(Run& r) {
   for (size_t i = 0; i < r.slots.size(); ++i)
     if (r.slots[i].plugin) with_plugin.push_back(i);
   for (size_t i : with_plugin)
-    for (const auto& cap : r.slots[i].plugin->contract().provides) r.plan.capabilities.insert(cap);
+    for (const auto& cap : r.slots[i].plugin->contract().provides) r.plan.capabilities.insert(cap.name());
   std::vector<PluginDecl> decls;
   for (size_t i : with_plugin) {
     const Slot& s = r.slots[i];
@@ -61,7 +61,7 @@ void check_normalized(const Run& r) {
   if ((p.accumulation > 1 || p.ramp.active()) && p.reduction == Reduction::Mean && !p.has(cap::kGradsNormalized))
     refuse_window(r, p.effective_batch_goal > 0 ? "effective_batch" : "accumulation",
                   std::to_string(p.accumulation) + " micro-batches per step of a mean loss need a plugin that "
-                  "normalizes the window's gradient (one that provides " + cap::kGradsNormalized + "; tk-run --list "
+                  "normalizes the window's gradient (one that provides " + cap::kGradsNormalized.name() + "; tk-run --list "
                   "shows the plugins): without one the step would take the sum of " + std::to_string(p.accumulation) +
                   " means");
 }
@@ -82,7 +82,7 @@ void plan_once(Run& r) {
   if (r.plan.world_size > 1 && !r.plan.has(cap::kGradsSynced))
     throw Error("this process is rank " + std::to_string(r.plan.rank) + " of a world of " +
                 std::to_string(r.plan.world_size) + " (" + r.world->describe() + "), and no plugin sums the gradients "
-                "across it (" + cap::kGradsSynced + "): each rank would train its own run; add a data-parallel plugin "
+                "across it (" + cap::kGradsSynced.name() + "): each rank would train its own run; add a data-parallel plugin "
                 "to [[plugins]] (tk-run --list shows those found)");
   settle_window(r);
   check_effective_batch(r);

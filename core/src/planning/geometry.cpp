@@ -81,21 +81,6 @@ void take_plugin_request(Run& r) {
          " and remove those options from the plugin");
 }
 
-/// [batch] as recipe.toml and the run's identity hold it: with what the recipe gave in options that
-/// moved there (OptionSpec::moved_to: [data] micro_batch, a plugin's window options), so that
-/// recipe.toml runs as it is and a resume compares the batch in one place.
-void record_batch(Run& r) {
-  Options recorded = r.batch_opts;
-  auto take = [&](const Options& from) {
-    for (const auto& s : from.specs())
-      if (s.moved_to.rfind("batch.", 0) == 0 && from.is_set(s.name))
-        recorded.set(s.moved_to.substr(6), from.values().at(s.name), from.where(s.name));
-  };
-  take(r.data_opts);
-  if (const Slot* s = window_plugin(r)) take(s->plugin->options());
-  r.resolved.add_section("batch", "", recorded);
-}
-
 }  // namespace
 
 bool micro_batch_given(const Run& r) { return r.batch_opts.is_set("micro_batch") || r.data_opts.is_set("micro_batch"); }
@@ -167,7 +152,6 @@ void set_picked_micro_batch(Run& r, int64_t m) {
 void settle_window(Run& r) {
   PlanValues& p = r.plan;
   if (p.requested) take_plugin_request(r);
-  record_batch(r);
   const int64_t goal = p.effective_batch_goal, world = p.world_size;
   const bool m_given = micro_batch_given(r) && !p.micro_batch_auto;
   if (goal < 0 || goal > kMaxCount)
