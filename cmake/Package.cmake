@@ -31,4 +31,14 @@ configure_file(${PROJECT_SOURCE_DIR}/cmake/trainkit.pc.in ${PROJECT_BINARY_DIR}/
 install(FILES ${PROJECT_BINARY_DIR}/trainkit.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 
 # The example plugins, as an outside project builds them (tests/sdk/check_sdk.sh builds them from here).
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/examples/ DESTINATION ${CMAKE_INSTALL_DATADIR}/trainkit/examples)
+set(TK_EXAMPLES_INSTALL_DIR "${CMAKE_INSTALL_DATADIR}/trainkit/examples")
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/examples/ DESTINATION ${TK_EXAMPLES_INSTALL_DIR})
+# The guides (docs/, README.md) into share/doc/trainkit, linked to the installed examples and back.
+file(RELATIVE_PATH tk_doc_to_examples "/${CMAKE_INSTALL_DOCDIR}" "/${TK_EXAMPLES_INSTALL_DIR}")
+file(RELATIVE_PATH tk_examples_to_doc "/${TK_EXAMPLES_INSTALL_DIR}" "/${CMAKE_INSTALL_DOCDIR}")
+install(CODE "set(TK_SOURCE_DIR \"${PROJECT_SOURCE_DIR}\")
+set(TK_DOC_DIR \"${CMAKE_INSTALL_DOCDIR}\")
+set(TK_EXAMPLES_DIR \"${TK_EXAMPLES_INSTALL_DIR}\")
+set(TK_DOC_TO_EXAMPLES \"${tk_doc_to_examples}\")
+set(TK_EXAMPLES_TO_DOC \"${tk_examples_to_doc}\")")
+install(SCRIPT ${PROJECT_SOURCE_DIR}/cmake/InstallDocs.cmake)

@@ -94,6 +94,7 @@ int check(const std::string& file, const std::string& options, const std::string
 int main(int argc, char** argv) {
   CLI::App app{"tk-plugin: write, check and describe trainkit plugins"};
   app.require_subcommand(1);
+  app.footer("The plugin guide (writing, building, testing and porting plugins): " + tk::plugin_guide());
   app.set_version_flag("--version", std::string("tk-plugin ") + TK_VERSION + " (LibTorch " + TORCH_VERSION + ")");
 
   std::string name, dir, file, options, neutral;

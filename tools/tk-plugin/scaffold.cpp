@@ -22,12 +22,18 @@ project(@NAME@ VERSION 0.1.0 LANGUAGES CXX)
 # Point CMake at an installed trainkit with -DCMAKE_PREFIX_PATH=<prefix> if it is not in /usr.
 find_package(trainkit @TK_SERIES@ REQUIRED)
 
-# Builds tk_@NAME@.so: the file a recipe loads.
+# Builds tk_@NAME@.so, the file a recipe loads, as the target tk_plugin_@NAME@.
 tk_add_plugin(@NAME@ SOURCES src/@NAME@.cpp)
 
 enable_testing()
-# Registers the plugin contract (tk-plugin check) and the unit tests with ctest.
+# Registers the plugin contract (tk-plugin check, ctest @NAME@.contract) and the unit tests
+# (ctest @NAME@.tests), built as the target @NAME@_tests.
 tk_add_plugin_test(@NAME@ TESTS tests/@NAME@_test.cpp)
+
+# Flags of your own go on those targets, for example:
+#   target_compile_options(tk_plugin_@NAME@ PRIVATE -march=native)
+#   target_link_libraries(@NAME@_tests PRIVATE my_test_helpers)
+# The plugin guide (@GUIDE@) describes both functions.
 )";
 
 const char* kSource = R"(// @NAME@: a trainkit plugin. It counts the micro-batches of every optimizer step, writes the
@@ -180,19 +186,30 @@ tk-plugin info build/tk_@NAME@.so     # what the library declares
   process, parameter comparison, capture and veto fixtures.
 - `recipe.toml`: a run that loads the plugin by path.
 
-See trainkit's docs/plugins.md for the loop, the context, contracts and the rules of the ABI.
+The plugin guide, @GUIDE@, describes the loop, the context, contracts, the CMake functions and
+targets, testing and the rules of the ABI (`tk-plugin --help` prints where it is).
 )";
 
 std::string fill(std::string text, const std::string& name, const std::string& cls) {
   // The trainkit these headers belong to: a plugin project asks for its series (major.minor).
   const std::string series = std::to_string(TK_VERSION_MAJOR) + "." + std::to_string(TK_VERSION_MINOR);
   for (const auto& [key, value] :
-       {std::pair<std::string, std::string>{"@NAME@", name}, {"@CLASS@", cls}, {"@TK_SERIES@", series}})
+       {std::pair<std::string, std::string>{"@NAME@", name}, {"@CLASS@", cls}, {"@TK_SERIES@", series}, {"@GUIDE@", plugin_guide()}})
     for (size_t pos; (pos = text.find(key)) != std::string::npos;) text.replace(pos, key.size(), value);
   return text;
 }
 
 }  // namespace
+
+std::string plugin_guide() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path guide = (self.parent_path() / TK_BIN_TO_DOC / "plugins.md").lexically_normal();
+    if (fs::is_regular_file(guide, ec)) return guide.string();
+  }
+  return "docs/plugins.md in trainkit's source (installed: <prefix>/share/doc/trainkit/plugins.md)";
+}
 
 int scaffold(const std::string& name, const std::string& dir) {
   if (name.empty() || !std::isalpha(static_cast<unsigned char>(name[0])))

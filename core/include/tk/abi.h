@@ -104,8 +104,23 @@ typedef const tk_plugin_info* (*tk_plugin_entry_fn)();
 
 /// Defines the entry point of a library that holds one strategy plugin, class `Class`
 /// (default-constructible), registered as `plugin_name` with a one-line `description` (what
-/// `tk-run --list` and `tk-plugin info` show).
-#define TK_PLUGIN(Class, plugin_name, plugin_version, description)                                     \
+/// `tk-run --list` and `tk-plugin info` show): TK_PLUGIN(Class, plugin_name, plugin_version,
+/// description). Another number of arguments is refused with a message that says where the
+/// porting notes are (plugin APIs 1 to 3 took three).
+#define TK_PLUGIN(...)                                                                                  \
+  TK_PLUGIN_PICK_(__VA_ARGS__, TK_PLUGIN_ARGS_, TK_PLUGIN_ARGS_, TK_PLUGIN_4_, TK_PLUGIN_API3_,          \
+                  TK_PLUGIN_ARGS_, TK_PLUGIN_ARGS_, ~)(__VA_ARGS__)
+#define TK_PLUGIN_PICK_(a1, a2, a3, a4, a5, a6, which, ...) which
+#define TK_PLUGIN_4_(Class, plugin_name, plugin_version, description)                                  \
   TK_LIBRARY(plugin_name, plugin_version, [](tk::Registry& r) {                                        \
     r.add_plugin(plugin_name, description, [] { return std::make_unique<Class>(); });                  \
   })
+#define TK_PLUGIN_API3_(Class, plugin_name, plugin_version)                                            \
+  static_assert(!::tk::detail::is_api1_plugin_v<Class>, TK_API1_PLUGIN_MESSAGE);                        \
+  static_assert(sizeof(Class) == 0, "TK_PLUGIN(" #Class ", name, version) is the form of plugin APIs 1 " \
+                                    "to 3: since API 4 it is TK_PLUGIN(" #Class ", name, version, "      \
+                                    "description), the description one line that tk-run --list shows. " \
+                                    TK_PORTING_NOTES);
+#define TK_PLUGIN_ARGS_(...)                                                                            \
+  static_assert(false, "TK_PLUGIN takes four arguments: TK_PLUGIN(Class, \"name\", \"version\", "       \
+                       "\"one-line description\")");

@@ -218,6 +218,14 @@ class OutputFiles : public PluginLog {
   void save_tensors(const std::string& file, const NamedTensors& tensors);
   /// Writes `text` to `<dir>/<file>`, atomically; the same rules for `file`.
   void write_text(const std::string& file, const std::string& text);
+  /// Why `file` cannot be a plugin's file (a folder in it, hidden, one of the core's names, a
+  /// .tmp), or "" when it can. save_tensors and write_text refuse such a name when they are
+  /// called, at the end of the run; a plugin whose file names come from its options checks them
+  /// in init(), so that the recipe is refused at its line before any training (and by
+  /// `tk-run --dry-run`):
+  /// `if (auto why = tk::OutputFiles::name_error(file_); !why.empty()) fail_option(file_, why);`
+  /// (Another plugin's file is refused when written: it depends on the run's folder.)
+  static std::string name_error(const std::string& file);
 
   OutputFiles(const OutputFiles&) = delete;
   OutputFiles& operator=(const OutputFiles&) = delete;

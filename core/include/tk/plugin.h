@@ -2,6 +2,7 @@
 /// The plugin interface (API 5): options bound to members, a declared contract, the plan, setup,
 /// one hook per event, files, state.
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -165,7 +166,50 @@ class Plugin {
   X(StateDict, state, (), const)                        \
   X(void, load_state, (const StateDict&), )
 
+/// Where the changes between plugin APIs are written down, for the messages that refuse a source
+/// written for an older one.
+#define TK_PORTING_NOTES                                                                              \
+  "The changes from older plugin APIs are the tables 'Porting a plugin to API 4' and 'Porting a "    \
+  "plugin to API 5' in trainkit's plugin guide: <prefix>/share/doc/trainkit/plugins.md where "       \
+  "trainkit is installed (tk-plugin --help prints it), docs/plugins.md in its source."
+#define TK_API1_PLUGIN_MESSAGE                                                                        \
+  "this plugin is written for plugin API 1 (events(), on_event(), option_specs() or "               \
+  "init(const tk::Options&)): a plugin now overrides one hook per event (on_boundary(tk::Context&), " \
+  "...), binds its options to members in bind(tk::OptionBinder&) and checks them in init(). "        \
+  TK_PORTING_NOTES
+
+/// Plugin API 1's set of subscribed events. Gone since API 3 (a plugin overrides the hooks of the
+/// events it takes); kept so that a source written for API 1 is told where to look.
+struct [[deprecated("tk::EventSet is plugin API 1: a plugin now overrides the hook of each event it takes. " TK_PORTING_NOTES)]]
+EventSet {
+  EventSet(std::initializer_list<Event>) {}
+};
+
 namespace detail {
+/// Whether `T` declares a member of plugin API 1 (events(), on_event(), option_specs(),
+/// init(const Options&)): TK_PLUGIN and Registry::add_plugin refuse such a class, pointing to the
+/// porting notes.
+template <class T, class = void>
+inline constexpr bool has_api1_events_v = false;
+template <class T>
+inline constexpr bool has_api1_events_v<T, std::void_t<decltype(&T::events)>> = true;
+template <class T, class = void>
+inline constexpr bool has_api1_on_event_v = false;
+template <class T>
+inline constexpr bool has_api1_on_event_v<T, std::void_t<decltype(&T::on_event)>> = true;
+template <class T, class = void>
+inline constexpr bool has_api1_option_specs_v = false;
+template <class T>
+inline constexpr bool has_api1_option_specs_v<T, std::void_t<decltype(&T::option_specs)>> = true;
+template <class T, class = void>
+inline constexpr bool has_api1_init_v = false;
+template <class T>
+inline constexpr bool has_api1_init_v<T, std::void_t<decltype(std::declval<T&>().init(std::declval<const Options&>()))>> =
+    true;
+template <class T>
+inline constexpr bool is_api1_plugin_v =
+    has_api1_events_v<T> || has_api1_on_event_v<T> || has_api1_option_specs_v<T> || has_api1_init_v<T>;
+
 #define TK_CHECK_VIRTUAL(R, N, A, Q) \
   static_assert(std::is_same_v<decltype(&Plugin::N), R(Plugin::*) A Q>, "TK_PLUGIN_VIRTUALS: " #N " differs from Plugin");
 TK_PLUGIN_VIRTUALS(TK_CHECK_VIRTUAL)
@@ -175,6 +219,7 @@ TK_PLUGIN_VIRTUALS(TK_CHECK_VIRTUAL)
 template <class T>
 constexpr uint32_t hooks_of() noexcept {
   static_assert(std::is_base_of_v<Plugin, T>, "a plugin derives from tk::Plugin");
+  static_assert(!is_api1_plugin_v<T>, TK_API1_PLUGIN_MESSAGE);
   uint32_t hooks = 0;
 #define TK_HOOK_BIT(hook, event) \
   if (!std::is_same_v<decltype(&T::hook), void (Plugin::*)(Context&)>) hooks |= 1u << static_cast<unsigned>(Event::event);

@@ -123,7 +123,12 @@ struct RunOptions {
   std::optional<std::string> resume;  ///< as tk-run --resume (needs `output`)
   bool overwrite = false;  ///< as tk-run --overwrite: start over in a folder that holds another run
   std::vector<std::string> allow_changes;  ///< as tk-run --allow-change, with `resume`
-  std::function<bool()> stop_requested;  ///< checked at each boundary (a stop with a checkpoint)
+  /// A stop as SIGINT/SIGTERM makes one: called after each optimizer step but the last. True keeps
+  /// the step just taken (recorded, counted, checkpointed when outputs are on) and trains nothing
+  /// more: `fit.status` StoppedBySignal, `fit.stopped` "signal", `fit.steps` the steps taken,
+  /// `fit.checkpoint` the checkpoint; no validation at the stop and no plugin files (those are a
+  /// completed run's). `[&n] { return ++n == 3; }` stops after step 3.
+  std::function<bool()> stop_requested;
 };
 
 /// What run() hands back.

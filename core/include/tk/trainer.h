@@ -38,7 +38,8 @@ struct TrainerOptions {
   /// Called the moment training fails, before plugins clean up (a launcher uses it to tell the
   /// first failing rank from the ones that fail after losing it).
   std::function<void()> on_failure;
-  /// Checked at every boundary: true stops the run there, with a checkpoint (SIGINT/SIGTERM).
+  /// Called after each optimizer step but the last: true stops the run there, with that step kept
+  /// and checkpointed (SIGINT/SIGTERM); FitResult::stopped is then "signal".
   std::function<bool()> stop_requested;
   /// Continue from a checkpoint: its folder, a checkpoints folder, or "latest" (of the run's output).
   std::optional<std::string> resume;

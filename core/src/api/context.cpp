@@ -281,6 +281,11 @@ void OutputFiles::save_tensors(const std::string& file, const NamedTensors& tens
   save_tensor_dict(s_->dir / file, tensors);
 }
 
+std::string OutputFiles::name_error(const std::string& file) {
+  const std::string why = detail::bad_plugin_file_name(file);
+  return why.empty() ? why : "the file name '" + file + "' " + why;
+}
+
 void OutputFiles::write_text(const std::string& file, const std::string& text) {
   s_->record(s_->d->plugin, file);
   detail::write_file_atomic(s_->dir / file, text);

@@ -251,13 +251,22 @@ std::optional<Checkpoint> Loop::resume(RunOutputs& outputs) {
 /// The final checkpoint: the run is complete. Nothing is trained, recorded or rewritten but what a
 /// run killed right after its last checkpoint did not write (weights.pt, the plugins' files).
 FitResult Loop::already_complete(RunOutputs& outputs, const Checkpoint& resumed) {
-  outputs.complete_again(r_);
+  const int64_t step = resumed.position.counters.step;
+  try {
+    outputs.complete_again(r_);
+  } catch (...) {
+    record_failure(outputs, step);
+    throw;
+  }
+  // A run whose end failed (a plugin's file) is complete once what was missing is written.
+  const char* completed = to_string(FitStatus::Completed);
+  if (outputs.active() && outputs.recorded_status() != completed) outputs.status(completed, step);
   FitResult result;
   result.already_complete = true;
   result.status = FitStatus::Completed;
   result.output_dir = result_.output_dir;
   result.checkpoint = resumed.dir;
-  result.steps = resumed.position.counters.step;
+  result.steps = step;
   result.micro_steps = resumed.position.counters.micro_step;
   result.skipped_steps = resumed.position.counters.skipped_steps;
   result.files = outputs.written();

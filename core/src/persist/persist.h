@@ -63,6 +63,8 @@ class RunOutputs {
   /// its step, and for a failure the error. Replaced atomically; a run killed outright leaves
   /// "running" behind, with the PID that held the folder.
   void status(const char* state, int64_t step, const std::string& detail = {}) const;
+  /// The state status.json holds ("" when there is none, or it cannot be read).
+  std::string recorded_status() const;
   /// The files written or rewritten so far, by name.
   const std::vector<std::string>& written() const noexcept { return written_; }
 

@@ -143,8 +143,8 @@ void RunOutputs::write_weights(const Run& run) {
 }
 
 void RunOutputs::record_plugin_file(const std::string& plugin, const std::string& file) {
-  const std::string why = bad_plugin_file_name(file);
-  if (!why.empty()) throw Error("the file name '" + file + "' " + why);
+  const std::string why = OutputFiles::name_error(file);
+  if (!why.empty()) throw Error(why);
   manifest();
   for (const auto& [other, list] : manifest_.plugins)
     if (other != plugin && std::find(list.begin(), list.end(), file) != list.end())
@@ -198,6 +198,12 @@ void RunOutputs::status(const char* state, int64_t step, const std::string& deta
   if (!detail.empty()) s["detail"] = detail;
   own("status.json");
   write_atomic(dir_ / "status.json", s.dump() + "\n");
+}
+
+std::string RunOutputs::recorded_status() const {
+  std::ifstream in(dir_ / "status.json");
+  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return j.is_object() && j.contains("status") && j["status"].is_string() ? j["status"].get<std::string>() : "";
 }
 
 void RunOutputs::finish(Run& run, const std::vector<TraceEntry>& trace, bool completed) {

@@ -5,7 +5,7 @@
 // weights, so that averaging starts from the weights of that moment; a vetoed step changes no
 // weight and is not averaged. The average lives in the parameters' own dtype and device, is part
 // of the plugin's state (it survives checkpoints and resumes), and at the end of a completed run
-// goes to <output>/ema_weights.pt (Plugin::write_files), named like the parameters: a dict that
+// goes to <output>/ema_weights.pt (option `file`; Plugin::write_files), named like the parameters: a dict that
 // Python reads with torch.load. The model itself is never touched: training is bit-identical with
 // or without it.
 #include <tk/abi.h>
@@ -27,12 +27,15 @@ class Ema final : public tk::Plugin {
   void bind(tk::OptionBinder& o) override {
     o.add("decay", decay_, "weight of the old average at each update, in [0, 1)");
     o.add("start_step", start_step_, "first optimizer step (0-based) whose weights enter the average");
+    o.add("file", file_, "the file the average goes to, in the run's output folder");
   }
 
-  /// Checks the options.
+  /// Checks the options: the file's name too, so that a bad one is refused at its recipe line
+  /// before training, not when the run writes it at its end.
   void init() override {
     if (!(decay_ >= 0.0 && decay_ < 1.0)) fail_option(decay_, "must be in [0, 1)");
     if (start_step_ < 0) fail_option(start_step_, "must be >= 0");
+    if (const std::string why = tk::OutputFiles::name_error(file_); !why.empty()) fail_option(file_, why);
   }
 
   /// Starts the average at the current weights, or checks the one restored from a checkpoint
@@ -80,7 +83,7 @@ class Ema final : public tk::Plugin {
     ctx.metric("ema_updates", static_cast<double>(updates_));
   }
 
-  /// Writes ema_weights.pt: the core calls it on rank 0 at the end of a completed run with an
+  /// Writes the average (ema_weights.pt unless `file` says otherwise): the core calls it on rank 0 at the end of a completed run with an
   /// output folder, and again on a resume of that run if the file went missing.
   void write_files(tk::OutputFiles& files) override {
     tk::NamedTensors weights;
@@ -89,8 +92,8 @@ class Ema final : public tk::Plugin {
       if (it == avg_.end()) throw std::runtime_error("the average has no parameter '" + p.key() + "'");
       weights.emplace_back(p.key(), it->second);
     }
-    files.save_tensors("ema_weights.pt", weights);
-    files.info("wrote " + (files.dir() / "ema_weights.pt").string() + " (" + std::to_string(updates_) + " updates)");
+    files.save_tensors(file_, weights);
+    files.info("wrote " + (files.dir() / file_).string() + " (" + std::to_string(updates_) + " updates)");
   }
 
   /// The average ("avg.<parameter name>") and the number of updates ("updates").
@@ -119,6 +122,7 @@ class Ema final : public tk::Plugin {
  private:
   double decay_ = 0.999;
   int64_t start_step_ = 0;
+  std::string file_ = "ema_weights.pt";
   int64_t updates_ = 0;                        ///< steps averaged so far
   std::map<std::string, torch::Tensor> avg_;   ///< the average, by parameter name
   bool restored_ = false;                      ///< avg_ came from load_state, not yet checked

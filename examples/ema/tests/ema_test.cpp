@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
 #include <memory>
 #include <set>
 #include <string>
@@ -141,6 +144,32 @@ TEST_CASE("a decay outside [0, 1) is refused at its recipe position") {
   }
 }
 
+TEST_CASE("a file name that is no plain file name is refused when the plugin is made, before training") {
+  for (const char* bad : {"file = \"sub/x.pt\"", "file = \"weights.pt\"", "file = \".hidden\""}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(tk::testing::load_plugin(TK_PLUGIN_FILE, bad), doctest::Contains("plugins.ema.file"),
+                         tk::RecipeError);
+    const fs::path dir = temp_dir("badname");
+    tk::testing::RunOptions opts;
+    opts.libraries = {{TK_PLUGIN_FILE, bad}};
+    opts.output = dir;
+    CHECK_THROWS_AS(tk::testing::run(tk::testing::kTinyRecipe, opts), tk::RecipeError);
+    CHECK_FALSE(fs::exists(dir / "metrics.jsonl"));  // nothing trained
+    fs::remove_all(dir);
+  }
+  CHECK(tk::OutputFiles::name_error("average.pt").empty());
+  CHECK(tk::OutputFiles::name_error("sub/x.pt").find("not a plain file name") != std::string::npos);
+  auto ema = make_ema("file = \"average.pt\"");
+  const fs::path dir = temp_dir("named");
+  tk::testing::RunOptions opts;
+  opts.plugins = {ema};
+  opts.output = dir;
+  tk::testing::run(tk::testing::kTinyRecipe, opts);
+  CHECK(fs::exists(dir / "average.pt"));
+  CHECK_FALSE(fs::exists(dir / "ema_weights.pt"));
+  fs::remove_all(dir);
+}
+
 TEST_CASE("a completed run with outputs writes ema_weights.pt, named like the parameters") {
   const fs::path dir = temp_dir("weights");
   tk::testing::RunOptions opts;
@@ -208,7 +237,14 @@ TEST_CASE("the average survives a stop at a checkpoint and a resume") {
   int boundaries = 0;
   first.stop_requested = [&boundaries] { return ++boundaries == 3; };
   const auto stopped = tk::testing::run(tk::testing::kTinyRecipe, first);
+  // The stop comes after the third optimizer step: that step is taken, recorded and checkpointed.
   CHECK(stopped.fit.status == tk::FitStatus::StoppedBySignal);
+  CHECK(stopped.fit.stopped == "signal");
+  CHECK(stopped.fit.steps == 3);
+  CHECK(boundaries == 3);
+  REQUIRE(stopped.fit.step_metrics.size() == 3);
+  CHECK(stopped.fit.step_metrics.back().at("ema_updates") == 3.0);
+  CHECK(stopped.fit.checkpoint.filename() == "step-00000003");
   CHECK_FALSE(fs::exists(split_dir / "ema_weights.pt"));  // written by completed runs only
 
   tk::testing::RunOptions second = first;
@@ -222,4 +258,42 @@ TEST_CASE("the average survives a stop at a checkpoint and a resume") {
   CHECK(tk::testing::identical(read_weights(whole_dir / "ema_weights.pt"), read_weights(split_dir / "ema_weights.pt")));
   fs::remove_all(whole_dir);
   fs::remove_all(split_dir);
+}
+
+namespace {
+/// Fails in write_files while `fail` is set: a run whose end goes wrong after its last checkpoint.
+class FailingFiles final : public tk::Plugin {
+ public:
+  void write_files(tk::OutputFiles&) override {
+    if (fail) throw std::runtime_error("the disk is gone");
+  }
+  bool fail = true;
+};
+
+std::string status_of(const fs::path& dir) {
+  std::ifstream in(dir / "status.json");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto at = text.find("\"status\":\"");
+  return at == std::string::npos ? text : text.substr(at + 10, text.find('"', at + 10) - at - 10);
+}
+}  // namespace
+
+TEST_CASE("a run whose files failed at its end is completed by the resume that writes them") {
+  const fs::path dir = temp_dir("failed-end");
+  auto failing = std::make_shared<FailingFiles>();
+  tk::testing::RunOptions opts;
+  opts.libraries = {{TK_PLUGIN_FILE, "decay = 0.9"}};
+  opts.plugins = {{failing, "failing_files"}};
+  opts.output = dir;
+  CHECK_THROWS_WITH(tk::testing::run(tk::testing::kTinyRecipe, opts), doctest::Contains("the disk is gone"));
+  CHECK(status_of(dir) == "failed");
+  failing->fail = false;
+  fs::remove(dir / "ema_weights.pt");
+  tk::testing::RunOptions resume = opts;
+  resume.resume = "latest";
+  const auto again = tk::testing::run(tk::testing::kTinyRecipe, resume);
+  CHECK(again.fit.already_complete);
+  CHECK(fs::exists(dir / "ema_weights.pt"));
+  CHECK(status_of(dir) == "completed");
+  fs::remove_all(dir);
 }
