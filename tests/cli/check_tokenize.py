@@ -77,6 +77,81 @@ p = run(corpus, "--bytes", "--vocab", 300, "--out", work / "both", ok=False)
 assert "give one of" in p.stderr, p.stderr
 p = run(work / "absent.txt", "--bytes", "--out", work / "x", ok=False)
 assert p.returncode == 2 and "absent.txt" in p.stderr, p.stderr
+# The output folder is tk-tokenize's alone: tokenize.json lists what it wrote, a folder holding
+# anything else is refused untouched, a new tokenization replaces exactly the earlier one's files
+# (no stale shard stays to join a glob), and an input is never written over.
+import json
+import os
+import resource
+import signal
+
+
+def listed(folder):
+    m = json.loads((folder / "tokenize.json").read_text())
+    assert m["written_by"] == "tk-tokenize" and m["complete"] is True, m
+    return sorted(m["files"])
+
+
+def files_of(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+assert listed(work / "given") == sorted(["tokenizer.model", "val_000.bin", "val_001.bin"] + [f.name for f in given])
+assert files_of(work / "given") == sorted(listed(work / "given") + ["tokenize.json"])
+# the model the shards were made with is beside them, byte for byte
+assert (work / "given/tokenizer.model").read_bytes() == (work / "bpe/tokenizer.model").read_bytes()
+run(corpus, "--model", work / "bpe/tokenizer.model", "--separator", "\\n%\\n", "--out", work / "given")
+assert files_of(work / "given") == ["tokenize.json", "tokenizer.model", "train_000.bin", "val_000.bin"], \
+    files_of(work / "given")
+assert shard(work / "given/train_000.bin") == train
+# its own tokenizer.model, given back to it, stays
+run(corpus, "--model", work / "given/tokenizer.model", "--separator", "\\n%\\n", "--out", work / "given")
+assert shard(work / "given/train_000.bin") == train and listed(work / "given")[0] == "tokenizer.model"
+
+mine = work / "mine"
+mine.mkdir()
+(mine / "tokenizer.model").write_text("the user's")
+(mine / "train_000.bin").write_text("the user's too")
+p = run(corpus, "--bytes", "--out", mine, ok=False)
+assert "holds files tk-tokenize did not write (tokenizer.model, train_000.bin)" in p.stderr, p.stderr
+assert files_of(mine) == ["tokenizer.model", "train_000.bin"]
+assert (mine / "tokenizer.model").read_text() == "the user's"
+
+p = run(work / "bytes/train_000.bin", "--bytes", "--validation", 0, "--out", work / "bytes", ok=False)
+assert "is a file of the tokenization in" in p.stderr and "never writes over its input" in p.stderr, p.stderr
+assert shard(work / "bytes/train_000.bin") == list(corpus.read_bytes()), "the input was written over"
+p = run(corpus, "--bytes", "--prefix", "../../x_", "--out", work / "pre", ok=False)
+assert "--prefix '../../x_' holds a '/'" in p.stderr, p.stderr
+assert not list(work.parent.glob("x_*")) and not list(work.parent.parent.glob("x_*"))
+
+# No input is read forever: a FIFO or a device is refused at once.
+os.mkfifo(work / "fifo")
+for path in (work / "fifo", "/dev/zero"):
+    q = subprocess.run([tokenize, str(path), "--bytes", "--out", str(work / "dev")], capture_output=True, text=True,
+                       timeout=60)
+    assert q.returncode == 1 and "not a regular file" in q.stderr, (path, q.stderr)
+
+# A write that fails (here: the file-size limit, as a full disk would) says why and leaves the
+# earlier tokenization whole, no half shard under a shard's name.
+before = {f: (work / "bytes" / f).read_bytes() for f in files_of(work / "bytes") if f != "tokenize.json"}
+
+
+def small_files():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+
+q = subprocess.run([tokenize, str(corpus), "--bytes", "--validation", "0", "--out", str(work / "bytes")],
+                   capture_output=True, text=True, preexec_fn=small_files)
+assert q.returncode == 1 and "cannot write it: File too large" in q.stderr, q.stderr
+assert {f: (work / "bytes" / f).read_bytes() for f in before} == before, "a failed tokenization changed the earlier one"
+run(corpus, "--bytes", "--validation", 0, "--out", work / "bytes")  # the next one cleans up after it
+assert files_of(work / "bytes") == ["tokenize.json", "train_000.bin"], files_of(work / "bytes")
+
+# Text with no line SentencePiece can train on is told so, in tk-tokenize's words.
+(work / "long.txt").write_text(("word " * 1000 + "\n") * 20)
+p = run(work / "long.txt", "--vocab", 50, "--out", work / "long", ok=False)
+assert "no line of the inputs is shorter than 4192 bytes" in p.stderr, p.stderr
 
 # The GPT trains on the shards, its vocabulary read from them.
 recipe = work / "gpt.toml"

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -17,10 +18,14 @@
 #include <vector>
 
 #include "../cli_parse.h"
+#include "output_folder.h"
 
 namespace fs = std::filesystem;
 
 namespace {
+
+using tk::tokenize::Failure;
+using tk::tokenize::OutputFolder;
 
 struct Options {
   std::vector<std::string> inputs;
@@ -32,16 +37,53 @@ struct Options {
   int64_t shard_tokens = 100'000'000;
 };
 
-/// What went wrong, for the one-line error tk-tokenize exits with.
-struct Failure : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
+/// An input file: a regular file (not a FIFO or a device, which could be read forever), read
+/// whole, its size known before.
 std::string read_file(const std::string& path) {
+  std::error_code ec;
+  const auto st = fs::status(path, ec);
+  if (!fs::is_regular_file(st))
+    throw Failure(path + ": not a regular file (tk-tokenize reads files whose size it knows: no FIFO, device or folder)");
+  const auto size = fs::file_size(path, ec);
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Failure(path + ": cannot read it");
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (ec || !in) throw Failure(path + ": cannot read it" + (ec ? ": " + ec.message() : ""));
+  std::string text(static_cast<size_t>(size), '\0');
+  in.read(text.data(), static_cast<std::streamsize>(size));
+  if (static_cast<uintmax_t>(in.gcount()) != size) throw Failure(path + ": changed while it was read");
+  return text;
 }
+
+/// A file being written, whose every failure (a full disk) throws with the system's reason.
+class OutFile {
+ public:
+  explicit OutFile(const fs::path& file) : file_(file), f_(std::fopen(file.c_str(), "wb")) {
+    if (f_ == nullptr) fail();
+  }
+  OutFile(const OutFile&) = delete;
+  OutFile& operator=(const OutFile&) = delete;
+  ~OutFile() {
+    if (f_ != nullptr) std::fclose(f_);
+  }
+  void write(const void* data, size_t n) {
+    if (std::fwrite(data, 1, n, f_) != n) fail();
+  }
+  void close() {
+    const bool ok = std::fflush(f_) == 0;
+    const int err = errno;
+    const bool closed = std::fclose(f_) == 0;
+    f_ = nullptr;
+    if (!ok || !closed) fail(ok ? errno : err);
+  }
+
+ private:
+  [[noreturn]] void fail(int err = errno) {
+    if (f_ != nullptr) std::fclose(f_);
+    f_ = nullptr;
+    throw Failure(file_.string() + ": cannot write it: " + std::strerror(err));
+  }
+  fs::path file_;
+  std::FILE* f_;
+};
 
 /// Every input's documents, in order: each file split at `separator` (whole when it is empty);
 /// empty documents are left out.
@@ -64,25 +106,37 @@ std::vector<std::string> documents(const Options& o, int64_t& bytes) {
   return docs;
 }
 
-/// Trains a SentencePiece model on the inputs into OUT/tokenizer.model; returns its path.
+/// The longest line SentencePiece's trainer reads (its max_sentence_length); longer ones it skips.
+constexpr int64_t kTrainLine = 4192;
+
+/// Trains a SentencePiece model on the inputs; returns it serialized.
 std::string train_model(const Options& o) {
-  const std::string prefix = (fs::path(o.out) / "tokenizer").string();
   std::string inputs;
   for (const auto& f : o.inputs) inputs += (inputs.empty() ? "" : ",") + f;
-  // One thread and no sampling of the input: the same text trains the same model.
-  const std::string args = "--input=" + inputs + " --model_prefix=" + prefix + " --vocab_size=" + std::to_string(o.vocab) +
-                           " --model_type=" + o.type + " --character_coverage=1.0 --num_threads=1" +
+  // One thread and no sampling of the input: the same text trains the same model. The model comes
+  // back in memory (no model_prefix: the trainer writes no file).
+  const std::string args = "--input=" + inputs + " --vocab_size=" + std::to_string(o.vocab) + " --model_type=" + o.type +
+                           " --character_coverage=1.0 --num_threads=1 --max_sentence_length=" + std::to_string(kTrainLine) +
                            " --input_sentence_size=0 --shuffle_input_sentence=false --minloglevel=2";
-  const auto status = sentencepiece::SentencePieceTrainer::Train(args);
-  if (!status.ok()) throw Failure("training the SentencePiece model failed: " + status.ToString());
-  return prefix + ".model";
+  std::string model;
+  const auto status = sentencepiece::SentencePieceTrainer::Train(args, nullptr, &model);
+  if (status.ok()) return model;
+  const std::string why = status.ToString();
+  if (why.find("sentences_.empty()") != std::string::npos)
+    throw Failure("no line of the inputs is shorter than " + std::to_string(kTrainLine) +
+                  " bytes: SentencePiece trains on lines up to that length and skips longer ones; break the "
+                  "text into lines, or tokenize with --model FILE or --bytes");
+  if (why.find("Vocabulary size is too high") != std::string::npos || why.find("vocab_size") != std::string::npos)
+    throw Failure("--vocab " + std::to_string(o.vocab) + " is more pieces than the inputs hold (" + why + "); give a smaller --vocab");
+  throw Failure("training the SentencePiece model failed: " + why);
 }
 
-/// Shards of one split: OUT/PREFIX<split>_NNN.bin, at most `limit` tokens each.
+/// Shards of one split: OUT/PREFIX<split>_NNN.bin, at most `limit` tokens each, each staged in the
+/// output folder.
 class ShardWriter {
  public:
-  ShardWriter(fs::path dir, std::string name, int64_t limit, int width)
-      : dir_(std::move(dir)), name_(std::move(name)), limit_(limit), width_(width) {}
+  ShardWriter(OutputFolder& out, std::string name, int64_t limit, int width)
+      : out_(out), name_(std::move(name)), limit_(limit), width_(width) {}
   void add(const std::vector<int>& ids) {
     for (int id : ids) {
       if (static_cast<int64_t>(pending_.size()) == limit_) flush();
@@ -92,29 +146,30 @@ class ShardWriter {
   }
   void flush() {
     if (pending_.empty()) return;
-    char name[32];
-    std::snprintf(name, sizeof name, "_%03d.bin", static_cast<int>(files_.size()));
-    const fs::path file = dir_ / (name_ + name);
+    char number[32];
+    std::snprintf(number, sizeof number, "_%03d.bin", static_cast<int>(files_.size()));
+    const std::string name = name_ + number;
     std::vector<int32_t> head(256, 0);
     head[0] = 20240520;
     head[1] = width_ == 2 ? 1 : 2;
     head[2] = static_cast<int32_t>(pending_.size());
-    std::ofstream out(file, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(head.data()), 1024);
-    for (uint32_t v : pending_) {
-      const unsigned char b[4] = {static_cast<unsigned char>(v), static_cast<unsigned char>(v >> 8),
-                                  static_cast<unsigned char>(v >> 16), static_cast<unsigned char>(v >> 24)};
-      out.write(reinterpret_cast<const char*>(b), width_);
-    }
-    if (!out) throw Failure(file.string() + ": cannot write it");
-    files_.push_back(file.string());
+    std::vector<unsigned char> body;
+    body.reserve(pending_.size() * static_cast<size_t>(width_));
+    for (uint32_t v : pending_)
+      for (int b = 0; b < width_; ++b) body.push_back(static_cast<unsigned char>(v >> (8 * b)));  // little-endian
+    OutFile file(out_.stage(name));
+    file.write(head.data(), 1024);
+    file.write(body.data(), body.size());
+    file.close();
+    out_.staged(name);
+    files_.push_back((out_.dir() / name).string());
     pending_.clear();
   }
   int64_t total() const noexcept { return total_; }
   const std::vector<std::string>& files() const noexcept { return files_; }
 
  private:
-  fs::path dir_;
+  OutputFolder& out_;
   std::string name_;
   int64_t limit_;
   int width_;
@@ -168,22 +223,41 @@ int run(Options& o) {
     throw Failure("give one of --bytes, --model FILE or --vocab N (train a model)");
   if (!(o.validation >= 0.0 && o.validation < 1.0)) throw Failure("--validation must be in [0, 1)");
   if (o.shard_tokens < 1 || o.shard_tokens > INT32_MAX) throw Failure("--shard-tokens must be in [1, 2^31)");
-  fs::create_directories(o.out);
+  if (const auto why = OutputFolder::prefix_error(o.prefix); !why.empty()) throw Failure("--prefix '" + o.prefix + "' " + why);
+  OutputFolder out(o.out);
+  std::vector<std::string> inputs = o.inputs;
+  if (!o.model.empty()) inputs.push_back(o.model);
+  const bool model_in_place = !o.model.empty() && out.holds(o.model) &&
+                              fs::path(o.model).filename() == "tokenizer.model";  // the folder's own: kept
+  for (const auto& f : inputs)
+    if (out.holds(f) && !(model_in_place && f == o.model))
+      throw Failure(f + " is a file of the tokenization in " + o.out + ", which this one replaces: tk-tokenize never "
+                    "writes over its input; copy it out of the folder first, or give --out another folder");
   int64_t bytes = 0;
   const auto docs = documents(o, bytes);
   sentencepiece::SentencePieceProcessor sp;
   int vocab = 256, eos = -1;
   if (!o.bytes) {
-    if (o.model.empty()) o.model = train_model(o);
-    const auto status = sp.Load(o.model);
-    if (!status.ok()) throw Failure(o.model + ": not a SentencePiece model: " + status.ToString());
+    // The model the shards are made with goes beside them, as tokenizer.model (tk-sample finds it there).
+    const std::string model = o.model.empty() ? train_model(o) : read_file(o.model);
+    const auto status = sp.LoadFromSerializedProto(model);
+    if (!status.ok()) throw Failure((o.model.empty() ? "the trained model" : o.model) + ": not a SentencePiece model: " + status.ToString());
+    if (model_in_place) {
+      out.keep("tokenizer.model");
+    } else {
+      OutFile file(out.stage("tokenizer.model"));
+      file.write(model.data(), model.size());
+      file.close();
+      out.staged("tokenizer.model");
+    }
+    if (o.model.empty()) o.model = (out.dir() / "tokenizer.model").string();
     vocab = sp.GetPieceSize();
     eos = sp.eos_id();
   }
   const int width = vocab <= 65536 ? 2 : 4;
   const size_t n_val = static_cast<size_t>(std::floor(o.validation * static_cast<double>(docs.size())));
   if (o.validation > 0.0 && n_val == 0) throw Failure("--validation holds out no document of " + std::to_string(docs.size()));
-  ShardWriter train(o.out, o.prefix + "train", o.shard_tokens, width), val(o.out, o.prefix + "val", o.shard_tokens, width);
+  ShardWriter train(out, o.prefix + "train", o.shard_tokens, width), val(out, o.prefix + "val", o.shard_tokens, width);
   for (size_t i = 0; i < docs.size(); ++i) {
     std::vector<int> ids;
     if (o.bytes) {
@@ -200,6 +274,7 @@ int run(Options& o) {
   }
   train.flush();
   val.flush();
+  out.commit();
   const int64_t tokens = train.total() + val.total();
   std::printf("tokenized %zu documents (%lld bytes) into %lld tokens, %.3f tokens per byte; vocabulary %d (%s)\n",
               docs.size(), static_cast<long long>(bytes), static_cast<long long>(tokens),
