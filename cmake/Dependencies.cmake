@@ -26,7 +26,9 @@ if(TK_HEADER_ONLY_DEPS)
   # Boost.DLL and Gloo: headers only, for every target.
   include_directories(SYSTEM "${deps_include}")
   set(ZLIB_INCLUDE_DIR "${deps_include}" CACHE PATH "zlib.h")
-  find_library(ZLIB_LIBRARY NAMES z)
+  # The machine's own libz, never one from the folder (Debian's libz.a there is no PIC: it cannot go
+  # into a plugin).
+  find_library(ZLIB_LIBRARY NAMES z NO_CMAKE_PATH NO_CMAKE_ENVIRONMENT_PATH)
   if(NOT ZLIB_LIBRARY)  # no -dev symlink on this machine: its runtime library itself
     find_file(ZLIB_LIBRARY NAMES libz.so.1 PATHS /lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu /lib64 /usr/lib64 REQUIRED)
   endif()

@@ -14,21 +14,22 @@
 #                                              that no header came from outside DEPS, and train a
 #                                              few CPU steps; no GPU needed
 #
-# The checks on CUDA: accumulation exact in float64 (the verifier), fp16 with the dynamic loss
-# scaler and a forced overflow, bf16 autocast with clipping, resume bit-identical, prefetch on and
-# off bit-identical, the plugin contract suite, DDP over NCCL on two GPUs (skipped with one), the
-# sharded optimizer on the GPT (a world of one; over NCCL with two GPUs), recomputation on the GPT
-# (bit-identical, its memory and time), the optimizers' foreach and fused forms against the
-# per-tensor one (their time and drift, with phase times), the speedrun recipe's model (rotary,
-# RMSNorm) with its phase times, and the GPT
-# recipe's throughput and peak memory next to the same training written by hand in PyTorch.
+# The checks on CUDA: accumulation exact in float64 (the verifier), the run's weights files read by
+# PyTorch, fp16 with the dynamic loss scaler and a forced overflow, bf16 autocast with clipping,
+# resume bit-identical, prefetch on and off bit-identical, the plugin contract suite, DDP over NCCL
+# on two GPUs (skipped with one), the sharded optimizer on the GPT (a world of one; over NCCL with
+# two GPUs), recomputation on the GPT (against the run without it and that run's own run-to-run
+# difference; its memory and time), the optimizers' foreach and fused forms against the per-tensor
+# one (their time and drift, with phase times), the speedrun recipe's model (rotary, RMSNorm) with
+# its phase times, and the GPT recipe's throughput and peak memory next to the same training
+# written by hand in PyTorch. docs/gpu.md has what it measured on an H200.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 mode=check
 case "${1:-}" in
   --prepare) mode=prepare; shift ;;
   --cpu-dry-run) mode=dry; shift ;;
-  -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
 esac
 deps="$(realpath -m "${1:-$root/.gpu-deps}")"
 build="${BUILD_DIR:-$root/build-gpu}"
@@ -64,6 +65,9 @@ prepare() {
     cp "${f/$inc\/boost\//$inc/boost.all/}" "$f"
   done < "$keep"
   rm -rf "$inc/boost.all" "$deps/usr/share/doc" "$deps/usr/share/man" "$dl" "$keep"
+  # Headers only: the libraries of the -dev packages (zlib's static, non-PIC libz.a among them) stay
+  # out; the build links the machine's own libz.so.1.
+  find "$deps/usr/lib" \( -name '*.a' -o -name '*.so' -o -name '*.so.*' \) -delete 2>/dev/null || true
   say "prepared $deps ($(du -sh "$deps" | cut -f1), $(wc -l < "$deps/PACKAGES") packages; carry this folder)"
 }
 
@@ -78,12 +82,22 @@ configure() {
   else say "configured $build (CPU only: this LibTorch has no c10_cuda)"; fi
 }
 
+# Builds every target it can (ninja -k 0: one file that fails does not stop the others), so that one
+# run shows every error. Where tk-run itself was built the checks still run, and the build's
+# failure is the first FAIL of the summary (build_failed names the targets that did not build).
+build_failed=""
 build_targets() {
   local args=()
   for t in "${targets[@]}"; do args+=(--target "$t"); done
-  cmake --build "$build" --parallel "$(nproc)" "${args[@]}" > "$build/gpu-check.build.log" 2>&1 ||
-    { grep -m20 -B2 -A8 "error" "$build/gpu-check.build.log" || tail -40 "$build/gpu-check.build.log"; say "build failed"; exit 1; }
-  say "built ${targets[*]}"
+  if cmake --build "$build" --parallel "$(nproc)" "${args[@]}" -- -k 0 > "$build/gpu-check.build.log" 2>&1; then
+    say "built ${targets[*]}"
+    return
+  fi
+  grep -E -A12 '^FAILED:' "$build/gpu-check.build.log" | grep -E '^FAILED:|error' | head -60 || tail -40 "$build/gpu-check.build.log"
+  build_failed="$(grep -oE '^FAILED: (\[code=[0-9]+\] )?[^ ]+' "$build/gpu-check.build.log" | sed -E 's/^FAILED: (\[code=[0-9]+\] )?//' | paste -sd' ')"
+  say "build failed: $build_failed"
+  [ "$mode" != dry ] && [ -x "$build/bin/tk-run" ] || exit 1
+  say "tk-run was built: the checks run without what failed"
 }
 
 # Every header the build read from trainkit's dependencies came from DEPS, none from the system.
@@ -132,20 +146,25 @@ bin="$build/bin"
 work="$(mktemp -d)"
 export TK_PLUGIN_PATH="$build/test-plugins"
 results=()
+[ -n "$build_failed" ] && results+=("FAIL  the build: $build_failed (see $build/gpu-check.build.log)")
 pass() { results+=("PASS  $1"); say "PASS $1"; }
 fail() { results+=("FAIL  $1"); say "FAIL $1"; }
 skip() { results+=("SKIP  $1"); say "SKIP $1"; }
 cuda=(--set run.device=cuda --progress none --log-level warn)
+# Every training run is stopped after TK_GPU_CHECK_RUN_S seconds (default 180): a hang (a collective
+# that waits, a kernel that never returns) fails its check and the others still run.
+run_s="${TK_GPU_CHECK_RUN_S:-180}"
 # run NAME RECIPE [tk-run args...]: trains into $work/NAME; its output in $work/NAME.log
 run() {
   local name="$1" recipe="$2"; shift 2
-  "$bin/tk-run" "$recipe" "${cuda[@]}" --set run.output="$work/$name" "$@" > "$work/$name.log" 2>&1
+  timeout "$run_s" "$bin/tk-run" "$recipe" "${cuda[@]}" --set run.output="$work/$name" "$@" > "$work/$name.log" 2>&1
 }
-# same A B: weights.pt of runs A and B bit-identical
-same() { "$py" - "$work/$1/weights.pt" "$work/$2/weights.pt" <<'PY'
+# same A B: the weights of runs A and B bit-identical (weights.safetensors, read by Python's safetensors)
+same() { "$py" - "$work/$1/weights.safetensors" "$work/$2/weights.safetensors" <<'PY'
 import sys, torch
-a, b = (torch.load(f, weights_only=True) for f in sys.argv[1:3])
-sys.exit(0 if a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a) else 1)
+from safetensors.torch import load_file
+a, b = (load_file(f) for f in sys.argv[1:3])
+sys.exit(0 if a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) else 1)
 PY
 }
 recipe_with() {  # recipe_with NAME BASE EXTRA_TOML: a recipe file of BASE with EXTRA_TOML appended
@@ -154,9 +173,25 @@ recipe_with() {  # recipe_with NAME BASE EXTRA_TOML: a recipe file of BASE with 
 quick=(--set run.epochs=0 --set run.steps=60)
 
 # 1. Accumulation exact in float64 on CUDA.
-"$bin/tk-run" "$root/recipes/quickstart.toml" --verify-accumulation --set run.device=cuda > "$work/verify.log" 2>&1 &&
+timeout "$run_s" "$bin/tk-run" "$root/recipes/quickstart.toml" --verify-accumulation --set run.device=cuda > "$work/verify.log" 2>&1 &&
   pass "accumulation exact in float64 on CUDA ($(grep -o 'largest difference [^,]*' "$work/verify.log" | head -1))" ||
   fail "accumulation exact in float64 on CUDA (see $work/verify.log)"
+
+# 1b. The files a run writes read in PyTorch: weights.pt by torch.load (weights_only) and
+# weights.safetensors by safetensors, the same tensors; a checkpoint's model state by torch.load.
+if run files "$root/recipes/quickstart.toml" --set run.epochs=0 --set run.steps=10 --set run.checkpoint_every=10 &&
+   line=$("$py" - "$work/files" <<'PY'
+import glob, os, sys, torch
+from safetensors.torch import load_file
+d = sys.argv[1]
+pt = torch.load(os.path.join(d, "weights.pt"), weights_only=True)
+st = load_file(os.path.join(d, "weights.safetensors"))
+assert pt.keys() == st.keys() and all(torch.equal(pt[k].cpu(), st[k]) for k in pt), "weights.pt and weights.safetensors differ"
+print(f"{len(pt)} tensors, {sum(t.numel() for t in pt.values())} numbers, equal in both files")
+PY
+)
+then pass "weights.pt (torch.load) and weights.safetensors (safetensors) read in PyTorch $("$py" -c 'import torch; print(torch.__version__)'): $line"
+else fail "the run's weights files read in PyTorch (see $work/files.log)"; fi
 
 # 2. fp16 with the dynamic loss scaler, a gradient made inf at step 10: that step skipped, scale halved.
 r=$(recipe_with fp16 "$root/recipes/quickstart.toml" '\n[[plugins]]\nname = "mixed_precision"\ndtype = "fp16"\n\n[[plugins]]\nname = "probe"\ninf_grad_at_step = 10\n')
@@ -181,9 +216,9 @@ else fail "bf16 autocast (see $work/bf16.log)"; fi
 # 4. Resume on CUDA: killed at step 25 (0-based 24), resumed from the checkpoint at 20: bit-identical.
 r=$(recipe_with killed "$root/recipes/quickstart.toml" '\n[[plugins]]\nname = "probe"\nkill_at_step = 24\n')
 run whole "$root/recipes/quickstart.toml" "${quick[@]}" --set run.checkpoint_every=20 || true
-"$bin/tk-run" "$r" "${cuda[@]}" "${quick[@]}" --set run.checkpoint_every=20 --set run.output="$work/resumed" > "$work/resumed.log" 2>&1 || true
+timeout "$run_s" "$bin/tk-run" "$r" "${cuda[@]}" "${quick[@]}" --set run.checkpoint_every=20 --set run.output="$work/resumed" > "$work/resumed.log" 2>&1 || true
 r2=$(recipe_with resume "$root/recipes/quickstart.toml" '\n[[plugins]]\nname = "probe"\n')
-if "$bin/tk-run" "$r2" "${cuda[@]}" "${quick[@]}" --set run.checkpoint_every=20 --set run.output="$work/resumed" \
+if timeout "$run_s" "$bin/tk-run" "$r2" "${cuda[@]}" "${quick[@]}" --set run.checkpoint_every=20 --set run.output="$work/resumed" \
      --resume latest --allow-change plugins.probe >> "$work/resumed.log" 2>&1 && same whole resumed
 then pass "resume on CUDA is bit-identical"
 else fail "resume on CUDA (see $work/resumed.log)"; fi
@@ -226,24 +261,35 @@ then pass "GPT with the sharded optimizer over NCCL, two ranks, equals ddp alone
 else fail "GPT with the sharded optimizer over NCCL (see $work/zero1n.log)"; fi
 
 # 7c. Recomputation on CUDA: the GPT of bench/recompute.sh (4 x 256, 256-token sequences, dropout)
-# with every block recomputed equals the run without it, bit for bit (the CUDA generator replayed);
-# its GPU peak and time per step next to those without it.
+# with every block recomputed, against the run without it (the CUDA generator replayed), and its GPU
+# peak and time per step next to those without it. On CUDA the run without recomputation is itself
+# not bit-reproducible at this size (measured on an H200 with PyTorch 2.11: two identical runs end
+# up to 2.2e-4 apart; attention's and the embedding's backward kernels add with atomics), so the
+# check runs it twice: the recomputed run must be as close to it as it is to itself (within 2x),
+# or equal.
 rc_model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set model.dropout=0.1 --set data.seq_len=256
           --set batch.micro_batch=16 --set batch.accumulation=1)
 r=$(recipe_with gpt_rc "$root/recipes/gpt-tiny.toml" '\n[[plugins]]\nname = "recompute"\n')
 if run rc_on "$r" "${gpt_quick[@]}" "${rc_model[@]}" && run rc_off "$root/recipes/gpt-tiny.toml" "${gpt_quick[@]}" "${rc_model[@]}" &&
-   same rc_on rc_off; then
-  line=$("$py" - "$work/rc_off/metrics.jsonl" "$work/rc_on/metrics.jsonl" <<'PY'
-import json, sys
+   run rc_off2 "$root/recipes/gpt-tiny.toml" "${gpt_quick[@]}" "${rc_model[@]}" &&
+   line=$("$py" - "$work" <<'PY'
+import json, sys, torch
+from safetensors.torch import load_file
+w = sys.argv[1]
 def stats(f):
     r = [json.loads(l) for l in open(f) if '"loss"' in l]
     return max(x["step_peak_mib"] for x in r), 1000 * (r[-1]["wall_time"] - r[4]["wall_time"]) / (len(r) - 5)
-(p0, t0), (p1, t1) = stats(sys.argv[1]), stats(sys.argv[2])
-print(f"GPT 4x256, 16 x 256 tokens: every block recomputed {p1:.0f} MiB peak vs {p0:.0f} MiB ({p1 / p0:.2f}x), {t1:.1f} vs {t0:.1f} ms/step ({t1 / t0:.2f}x)")
+def diff(a, b):
+    x, y = (load_file(f"{w}/{n}/weights.safetensors") for n in (a, b))
+    return max(float((x[k].double() - y[k].double()).abs().max()) for k in x)
+(p0, t0), (p1, t1) = stats(f"{w}/rc_off/metrics.jsonl"), stats(f"{w}/rc_on/metrics.jsonl")
+on, base = diff("rc_on", "rc_off"), diff("rc_off2", "rc_off")
+print(f"weights {on:.1e} from the run without it, which is {base:.1e} from itself; GPT 4x256, 16 x 256 tokens: "
+      f"every block recomputed {p1:.0f} MiB peak vs {p0:.0f} MiB ({p1 / p0:.2f}x), {t1:.1f} vs {t0:.1f} ms/step ({t1 / t0:.2f}x)")
+sys.exit(0 if on == 0.0 or on <= 2 * base else 1)
 PY
-) || line="GPT with recomputation on CUDA (figures unreadable)"
-  pass "recomputation on CUDA is bit-identical: $line"
-else fail "recomputation on CUDA (see $work/rc_on.log, $work/rc_off.log)"; fi
+); then pass "recomputation on CUDA: $line"
+else fail "recomputation on CUDA ${line:-} (see $work/rc_on.log, $work/rc_off.log)"; fi
 
 # 7d. The optimizers' step forms on CUDA: foreach (and fused AdamW) against per_tensor on the GPT,
 # with each step's phase times: the optimizer's milliseconds and how far the weights drift apart

@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <tk/abi.h>
+#include <tk/compat.h>
 #include <tk/world.h>
 
 #include <algorithm>
@@ -332,8 +333,8 @@ class Ddp final : public tk::Plugin {
     auto& buckets = std::get<0>(assigned);
     buckets_ = static_cast<int64_t>(buckets.size());
     const auto group = world_->process_group();
-    reducer_ = std::make_unique<WindowReducer>(params_, buckets, std::get<1>(assigned), group, sparse, bucket_bytes_,
-                                               find_unused_, /*gradient_as_bucket_view=*/true, names, first_bucket_bytes_);
+    reducer_ = tk::compat::make_reducer<WindowReducer>(params_, buckets, std::get<1>(assigned), group, sparse, bucket_bytes_,
+                                                       find_unused_, /*bucket_view=*/true, names, first_bucket_bytes_);
     reducer_->register_comm_hook(std::make_unique<SumHook>(group, launches_));
     // Which parameters got a gradient in the last backward: counted in the step's record, and
     // named when the search is off and one did not.

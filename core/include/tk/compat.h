@@ -10,11 +10,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <torch/version.h>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "tk/version.h"
@@ -55,6 +57,37 @@ c10::intrusive_ptr<Group> process_group(c10::intrusive_ptr<Backend> backend, con
   (void)store, (void)rank, (void)size, (void)nccl;
   return backend;
 #endif
+}
+
+/// A c10d Reducer (`R`: c10d::Reducer or a class that inherits its constructors) over `params` in
+/// `buckets`. Its constructor changed over LibTorch's versions: 1.x to 2.6 take the buckets' size
+/// limits third; later ones drop them and add trailing arguments (skip_all_reduce_unused_params,
+/// use_python_reducer, bucket_bytes_cap_list), given here as what keeps the earlier behaviour
+/// (false, false, none: the rebuilt buckets use `first` and `cap`). The form is chosen by what `R`
+/// can be constructed from, not by version numbers.
+template <class R, class Group>
+std::unique_ptr<R> make_reducer(const std::vector<at::Tensor>& params, const std::vector<std::vector<size_t>>& buckets,
+                                const std::vector<size_t>& limits, const c10::intrusive_ptr<Group>& group,
+                                const std::vector<bool>& sparse, int64_t cap, bool unused, bool view,
+                                const std::unordered_map<size_t, std::string>& names, int64_t first) {
+  using T = std::vector<at::Tensor>;
+  using B = std::vector<std::vector<size_t>>;
+  using P = c10::intrusive_ptr<Group>;
+  using S = std::vector<bool>;
+  using N = std::unordered_map<size_t, std::string>;
+  using L = std::vector<int64_t>;
+  const L none;
+  if constexpr (std::is_constructible_v<R, T, B, std::vector<size_t>, P, S, int64_t, bool, bool, N, int64_t>) {
+    return std::make_unique<R>(params, buckets, limits, group, sparse, cap, unused, view, names, first);
+  } else if constexpr (std::is_constructible_v<R, T, B, P, S, int64_t, bool, bool, N, int64_t, bool, bool, L>) {
+    return std::make_unique<R>(params, buckets, group, sparse, cap, unused, view, names, first, false, false, none);
+  } else if constexpr (std::is_constructible_v<R, T, B, P, S, int64_t, bool, bool, N, int64_t, bool, bool>) {
+    return std::make_unique<R>(params, buckets, group, sparse, cap, unused, view, names, first, false, false);
+  } else if constexpr (std::is_constructible_v<R, T, B, P, S, int64_t, bool, bool, N, int64_t, bool>) {
+    return std::make_unique<R>(params, buckets, group, sparse, cap, unused, view, names, first, false);
+  } else {
+    return std::make_unique<R>(params, buckets, group, sparse, cap, unused, view, names, first);
+  }
 }
 
 /// Sends LibTorch's warnings (TORCH_WARN, e.g. the DDP reducer's) to `sink` rather than to glog's
