@@ -14,7 +14,12 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <optional>
+#include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "data_sets.h"
 
@@ -26,15 +31,29 @@ namespace {
 constexpr int32_t kMagic = 20240520;
 constexpr int64_t kHeaderInts = 256, kHeaderBytes = kHeaderInts * 4;
 
+/// What a file that is not a regular one is, for a message.
+std::string file_kind(mode_t m) {
+  if (S_ISDIR(m)) return "a folder";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a file";
+}
+
 /// One shard, mapped read-only. Pages a batch read are handed back afterwards (MADV_DONTNEED):
 /// the page cache keeps them, this process's resident memory does not grow with the corpus.
 class Shard {
  public:
   Shard(const fs::path& file, const Options& o, const std::string& key) : file_(file) {
-    fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    // Non-blocking: opening a FIFO would wait for a writer; it is refused below instead.
+    fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd_ < 0) o.fail(key, file.string() + ": cannot open: " + std::strerror(errno));
     struct stat st {};
     ::fstat(fd_, &st);
+    if (!S_ISREG(st.st_mode))
+      o.fail(key, file.string() + ": not a regular file (" + file_kind(st.st_mode) +
+                      "): a token shard is a file of known size, read in place");
     bytes_ = static_cast<int64_t>(st.st_size);
     if (bytes_ < kHeaderBytes)
       o.fail(key, file.string() + ": " + std::to_string(bytes_) + " bytes, shorter than the 1024-byte header of a token shard");
@@ -151,6 +170,34 @@ class TokenShards final : public Dataset {
   int64_t t_, size_ = 0;
 };
 
+/// Shards in a folder that tk-tokenize wrote: its tokenize.json lists each of them, and says the
+/// tokenization finished. A shard it does not list (left by an earlier tokenization, or put there
+/// by hand) would train examples of another tokenizer beside these.
+void check_tokenizations(const Options& o, const std::string& key, const std::vector<fs::path>& shards) {
+  std::map<fs::path, std::set<std::string>> folders;
+  for (const auto& f : shards) folders[f.parent_path()].insert(f.filename().string());
+  for (const auto& [dir, names] : folders) {
+    const fs::path manifest = (dir.empty() ? fs::path(".") : dir) / "tokenize.json";
+    std::ifstream in(manifest);
+    if (!in) continue;  // shards from elsewhere: nothing to check them against
+    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("files") || !j["files"].is_array() || !j.contains("complete") ||
+        !j["complete"].is_boolean())
+      o.fail(key, manifest.string() + " is damaged (it lists the files tk-tokenize wrote there): tokenize again");
+    if (!j["complete"].get<bool>())
+      o.fail(key, "the tokenization in " + dir.string() + " did not finish (" + manifest.string() +
+                      " says so): run tk-tokenize again");
+    std::set<std::string> listed;
+    for (const auto& f : j["files"])
+      if (f.is_string()) listed.insert(f.get<std::string>());
+    for (const auto& n : names)
+      if (!listed.count(n))
+        o.fail(key, (dir / n).string() + " is not a shard of the tokenization in " + dir.string() + " (" +
+                        manifest.string() + " does not list it): a file of an earlier tokenization or of another "
+                        "tokenizer; move it out of the folder, or name the shards you mean");
+  }
+}
+
 /// The files a pattern names, sorted: a glob, or a list separated by commas.
 std::vector<fs::path> files_of(const Options& o, const std::string& key) {
   const std::string spec = o.get_path(key);
@@ -162,19 +209,22 @@ std::vector<fs::path> files_of(const Options& o, const std::string& key) {
     from = comma == std::string::npos ? spec.size() + 1 : comma + 1;
     if (one.empty()) continue;
     glob_t g{};
-    const int rc = ::glob(one.c_str(), GLOB_NOCHECK, nullptr, &g);
+    const int rc = ::glob(one.c_str(), 0, nullptr, &g);
     std::vector<fs::path> found;
     for (size_t i = 0; rc == 0 && i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
     ::globfree(&g);
+    if (found.empty())
+      o.fail(key, one.find_first_of("*?[") == std::string::npos ? one + ": no such file" : "'" + one + "' matches no file");
     std::sort(found.begin(), found.end());
     for (const auto& f : found) {
-      if (!fs::exists(f))
-        o.fail(key, one.find_first_of("*?[") == std::string::npos ? f.string() + ": no such file"
-                                                                  : "'" + one + "' matches no file");
+      std::error_code ec;
+      if (!fs::exists(f, ec))  // what glob found and stat cannot: a link to nothing
+        o.fail(key, f.string() + ": a symbolic link to " + fs::read_symlink(f, ec).string() + ", which does not exist");
       out.push_back(f);
     }
   }
   if (out.empty()) o.fail(key, "names no shard");
+  check_tokenizations(o, key, out);
   return out;
 }
 

@@ -180,6 +180,33 @@ p = subprocess.run([tk_run, str(recipe), "--progress", "plain", "--set", f'run.o
 assert p.returncode == 0, p.stdout + p.stderr
 assert "unigram baseline" in p.stdout + p.stderr, p.stdout + p.stderr
 
+
+
+def refused(train, expect):
+    """tk-run --dry-run with data.train = train fails at once, saying `expect`."""
+    q = subprocess.run([tk_run, str(recipe), "--dry-run", "--set", f'data.train="{train}"'], capture_output=True,
+                       text=True, timeout=60)
+    assert q.returncode != 0 and expect in q.stderr, (train, q.returncode, q.stderr)
+
+
+# A shard the folder's tokenize.json does not list (another tokenization's) does not join the glob;
+# nor does a tokenization that did not finish; a FIFO or a device is no shard; a link to nothing
+# is named as one.
+shutil.copy(work / "bpe/train_000.bin", work / "bpe/train_007.bin")
+refused(f"{work}/bpe/train_*.bin", "train_007.bin is not a shard of the tokenization in")
+(work / "bpe/train_007.bin").unlink()
+m = json.loads((work / "bpe/tokenize.json").read_text())
+(work / "bpe/tokenize.json").write_text(json.dumps(dict(m, complete=False)))
+refused(f"{work}/bpe/train_*.bin", "did not finish")
+(work / "bpe/tokenize.json").write_text(json.dumps(m))
+refused(work / "fifo", "not a regular file (a FIFO)")
+refused("/dev/zero", "not a regular file (a character device)")
+(work / "links").mkdir()
+shutil.copy(work / "bpe/train_000.bin", work / "links/train_000.bin")
+(work / "links/train_001.bin").symlink_to(work / "gone.bin")
+refused(f"{work}/links/train_*.bin", "train_001.bin: a symbolic link to")
+
+
 def sample(*args, ok=True):
     p = subprocess.run([tk_sample, str(work / "run"), *map(str, args)], capture_output=True, text=True)
     assert (p.returncode == 0) == ok, (args, p.returncode, p.stdout, p.stderr)

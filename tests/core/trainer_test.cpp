@@ -1,6 +1,8 @@
 // The loop: training without plugins, event order and tracing, failures, vetoes, outputs.
 #include <tk/tensor_io.h>
 
+#include <sys/stat.h>
+
 #include <fstream>
 #include <sstream>
 
@@ -221,6 +223,32 @@ name = "fake_sync"
     CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.init=\"" + (out / "junk.safetensors").string() + "\""}), tkt::quiet())
                           .describe(),
                       doctest::Contains("junk.safetensors: not a safetensors file"));
+    // A header whose tensors share bytes, or whose shape overflows, is refused naming the tensor; a
+    // FIFO is refused before it is opened (it would wait for a writer).
+    auto hand_made = [&](const char* name, const std::string& header, size_t data) {
+      std::ofstream f(out / name, std::ios::binary);
+      const uint64_t n = header.size();
+      f.write(reinterpret_cast<const char*>(&n), 8);
+      f << header << std::string(data, '\0');
+      return out / name;
+    };
+    CHECK_THROWS_WITH(tk::load_safetensors(hand_made("overlap.safetensors",
+                                                     R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                                                     R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+                                                     12)),
+                      doctest::Contains("tensor 'b': its bytes [4, 12) overlap those of tensor 'w' [0, 8)"));
+    CHECK_THROWS_WITH(tk::load_safetensors(hand_made("huge.safetensors",
+                                                     R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296],)"
+                                                     R"( "data_offsets": [0, 0]}})", 0)),
+                      doctest::Contains("tensor 'w': its shape [4294967296, 4294967296] holds more bytes than any file can"));
+    const auto empty = tk::load_safetensors(hand_made("empty.safetensors",
+                                                      R"({"w": {"dtype": "F32", "shape": [4096, 0],)"
+                                                      R"( "data_offsets": [0, 0]}})", 0));
+    CHECK(empty.at(0).second.sizes() == at::IntArrayRef({4096, 0}));
+    REQUIRE(::mkfifo((out / "fifo.safetensors").c_str(), 0600) == 0);
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.init=\"" + (out / "fifo.safetensors").string() + "\""}), tkt::quiet())
+                          .describe(),
+                      doctest::Contains("fifo.safetensors is not a regular file"));
     fs::remove_all(out);
   }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <map>
 
 #include <nlohmann/json.hpp>
@@ -203,6 +204,25 @@ TEST_SUITE("profiler") {
     for (const auto& e : t2["traceEvents"]) CHECK(e.value("cat", "") != "operator");
     CHECK_THROWS_WITH(run("[[plugins]]\nname = \"profiler\"\nsteps = [0]\n"), doctest::Contains("steps count from 1"));
     for (const auto& d : {plain.dir, traced.dir, phases.dir}) fs::remove_all(d);
+  }
+}
+
+TEST_SUITE("profiler") {
+  TEST_CASE("profiler: a trace.json in the output folder that trainkit did not write is never written over") {
+    const fs::path dir = tkt::temp_dir("foreign-trace");
+    fs::create_directories(dir);
+    const std::string mine = "{\"mine\": 1}";
+    std::ofstream(dir / "trace.json") << mine;
+    auto recipe = tkt::recipe({"run.output=\"" + dir.string() + "\""},
+                              (std::string(kRecipe) + "[[plugins]]\nname = \"profiler\"\nsteps = [1]\n").c_str());
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    tk::Trainer t(recipe, opts);
+    CHECK_THROWS_WITH(t.fit(), doctest::Contains("trace.json' is a file trainkit did not write"));
+    std::ifstream in(dir / "trace.json");
+    CHECK(std::string(std::istreambuf_iterator<char>(in), {}) == mine);
+    CHECK(fs::exists(dir / "weights.safetensors"));  // what the run wrote before is kept
+    fs::remove_all(dir);
   }
 }
 

@@ -151,6 +151,11 @@ void RunOutputs::record_plugin_file(const std::string& plugin, const std::string
       throw Error("'" + file + "' is plugin '" + other + "''s file in " + dir_.string());
   auto& mine = manifest_.plugins[plugin];
   if (std::find(mine.begin(), mine.end(), file) == mine.end()) {
+    std::error_code ec;
+    if (fs::exists(fs::symlink_status(dir_ / file, ec)))  // there before this run, and no run's
+      throw RunRefused("'" + (dir_ / file).string() + "' is a file trainkit did not write (files.json does not list "
+                       "it), where plugin '" + plugin + "' writes its '" + file + "': trainkit never writes over "
+                       "it; move it away and run again with --resume latest, which writes what is missing");
     mine.push_back(file);
     write_manifest(dir_, manifest_);  // listed before it exists: never a file of nobody's
   }

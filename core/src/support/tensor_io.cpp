@@ -44,10 +44,29 @@ void save_tensor_dict(const std::filesystem::path& file, const NamedTensors& ten
   write_atomic(file, save_tensor_dict(tensors));
 }
 
-NamedTensors load_tensor_dict(const std::filesystem::path& file) {
+namespace {
+
+/// The whole of `file`, a regular file (never a FIFO or a device, which could wait for a writer or
+/// never end), read as the size it had when opened.
+std::string read_whole(const std::filesystem::path& file) {
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec)) throw Error("cannot read '" + file.string() + "': no such file");
+  if (!std::filesystem::is_regular_file(file, ec))
+    throw Error(file.string() + " is not a regular file (a device, a pipe or a folder): a tensor file has a known size");
+  const auto size = std::filesystem::file_size(file, ec);
   std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error("cannot read '" + file.string() + "'");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (ec || !in) throw Error("cannot read '" + file.string() + "'" + (ec ? ": " + ec.message() : ""));
+  std::string bytes(static_cast<size_t>(size), '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(size));
+  if (static_cast<uintmax_t>(in.gcount()) != size) throw Error(file.string() + ": changed while it was read");
+  return bytes;
+}
+
+}  // namespace
+
+NamedTensors load_tensor_dict(const std::filesystem::path& file) {
+  const std::string whole = read_whole(file);
+  std::vector<char> bytes(whole.begin(), whole.end());
   c10::IValue v;
   try {
     v = torch::jit::pickle_load(bytes);
@@ -127,9 +146,7 @@ void save_safetensors(const std::filesystem::path& file, const NamedTensors& ten
 
 NamedTensors load_safetensors(const std::filesystem::path& file) {
   const std::string where = file.string() + ": ";
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error("cannot read '" + file.string() + "'");
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string bytes = read_whole(file);
   if (!little_endian()) throw Error(where + "safetensors are little-endian; this machine is not");
   if (bytes.size() < 8) throw Error(where + "not a safetensors file (shorter than its 8-byte header length)");
   uint64_t len = 0;
@@ -147,6 +164,7 @@ NamedTensors load_safetensors(const std::filesystem::path& file) {
   const size_t base = 8 + static_cast<size_t>(len);
   const size_t data_bytes = bytes.size() - base;
   NamedTensors out;
+  std::map<uint64_t, std::pair<uint64_t, std::string>> spans;  // begin -> (end, tensor): no two may overlap
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") continue;
     const std::string at_entry = where + "tensor '" + name + "': ";
@@ -159,15 +177,33 @@ NamedTensors load_safetensors(const std::filesystem::path& file) {
       if (!known) throw Error(at_entry + "dtype " + dtype + " is not one trainkit reads");
       const auto shape = entry.at("shape").get<std::vector<int64_t>>();
       const auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
-      int64_t numel = 1;
+      // The bytes of its shape, whose product (zeros aside, as LibTorch counts it) must fit 64 bits.
+      uint64_t need = static_cast<uint64_t>(c10::elementSize(type)), extent = need;
+      bool overflow = false, empty = false;
       for (int64_t d : shape) {
         if (d < 0) throw Error(at_entry + "a negative dimension");
-        numel *= d;
+        empty = empty || d == 0;
+        if (d > 0) overflow = __builtin_mul_overflow(extent, static_cast<uint64_t>(d), &extent) || overflow;
       }
-      const uint64_t need = static_cast<uint64_t>(numel) * static_cast<uint64_t>(c10::elementSize(type));
+      need = empty ? 0 : extent;
+      if (overflow) {
+        std::string dims;
+        for (int64_t e : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(e);
+        throw Error(at_entry + "its shape [" + dims + "] holds more bytes than any file can");
+      }
       if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] > data_bytes || offsets[1] - offsets[0] != need)
         throw Error(at_entry + "data_offsets do not hold its " + std::to_string(need) + " bytes within the file's " +
                     std::to_string(data_bytes) + " bytes of data");
+      if (need > 0) {  // its bytes are no other tensor's
+        const auto next = spans.lower_bound(offsets[0]);
+        const auto overlaps = [&](const auto& it) { return it->first < offsets[1] && offsets[0] < it->second.first; };
+        for (auto it : {next, next == spans.begin() ? spans.end() : std::prev(next)})
+          if (it != spans.end() && overlaps(it))
+            throw Error(at_entry + "its bytes [" + std::to_string(offsets[0]) + ", " + std::to_string(offsets[1]) +
+                        ") overlap those of tensor '" + it->second.second + "' [" + std::to_string(it->first) + ", " +
+                        std::to_string(it->second.first) + "): a damaged or hand-made file");
+        spans[offsets[0]] = {offsets[1], name};
+      }
       at::Tensor t = at::empty(shape, at::TensorOptions(type));
       std::memcpy(t.data_ptr(), bytes.data() + base + offsets[0], need);
       out.emplace_back(name, std::move(t));

@@ -158,8 +158,13 @@ ProcessWorld::ProcessWorld(Placement placement) : p_(std::move(placement)) {}
 ProcessWorld::~ProcessWorld() { leave(); }
 
 void ProcessWorld::configure(const Options& o, at::Device device, bool may_join) {
-  if (!(o.get_float("timeout_s") > 0)) o.fail("timeout_s", "must be > 0");
-  if (!(o.get_float("rendezvous_timeout_s") > 0)) o.fail("rendezvous_timeout_s", "must be > 0");
+  // A bounded wait: more than a week is a typo, and inf would overflow the milliseconds c10d takes.
+  constexpr double kWeek = 7 * 24 * 3600.0;
+  for (const char* key : {"timeout_s", "rendezvous_timeout_s"}) {
+    const double v = o.get_float(key);
+    if (!(v > 0 && v <= kWeek))
+      o.fail(key, "must be > 0 and at most a week (604800 seconds), got " + std::to_string(v));
+  }
   std::string backend = o.get_string("backend");
   if (backend == "auto") backend = device.is_cuda() ? "nccl" : "gloo";
   if (backend == "nccl" && !device.is_cuda()) o.fail("backend", "nccl needs the run on CUDA (run.device)");
