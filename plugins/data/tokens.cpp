@@ -30,6 +30,10 @@ namespace {
 
 constexpr int32_t kMagic = 20240520;
 constexpr int64_t kHeaderInts = 256, kHeaderBytes = kHeaderInts * 4;
+/// The largest vocabulary taken: 2^24 ids, far beyond any published tokenizer's (a few 100k). An id
+/// beyond it is a damaged shard or another format, not a vocabulary (its embedding alone would
+/// hold 2^24 x width parameters, and counting its ids would take memory to match).
+constexpr int64_t kMaxVocab = int64_t{1} << 24;
 
 /// What a file that is not a regular one is, for a message.
 std::string file_kind(mode_t m) {
@@ -55,6 +59,7 @@ class Shard {
       o.fail(key, file.string() + ": not a regular file (" + file_kind(st.st_mode) +
                       "): a token shard is a file of known size, read in place");
     bytes_ = static_cast<int64_t>(st.st_size);
+    modified_ = st.st_mtim;
     if (bytes_ < kHeaderBytes)
       o.fail(key, file.string() + ": " + std::to_string(bytes_) + " bytes, shorter than the 1024-byte header of a token shard");
     int32_t head[kHeaderInts];
@@ -88,8 +93,24 @@ class Shard {
   const fs::path& file() const noexcept { return file_; }
   int64_t count() const noexcept { return count_; }
   int width() const noexcept { return width_; }
-  /// Tokens [first, first + n) as int64, into `out`.
-  void read(int64_t first, int64_t n, int64_t* out) const { decode(map_ + kHeaderBytes + first * width_, n, out); }
+  /// Tokens [first, first + n) as int64, into `out`. The file must be as it was when the run opened
+  /// it: a shard cut short under the mapping would end the process with SIGBUS, one rewritten in
+  /// place would give other tokens; either is a located error here, before the mapping is read.
+  void read(int64_t first, int64_t n, int64_t* out) const {
+    check_unchanged();
+    decode(map_ + kHeaderBytes + first * width_, n, out);
+  }
+  /// Throws when the file's size or modification time is not what it was when it was opened.
+  void check_unchanged() const {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) throw Error(file_.string() + ": cannot stat it: " + std::strerror(errno));
+    if (st.st_size == bytes_ && st.st_mtim.tv_sec == modified_.tv_sec && st.st_mtim.tv_nsec == modified_.tv_nsec) return;
+    throw Error(file_.string() + ": the shard changed while the run reads it (" + std::to_string(bytes_) +
+                " bytes when the run opened it, " + std::to_string(static_cast<int64_t>(st.st_size)) +
+                " now" + (st.st_size == bytes_ ? ", rewritten in place" : "") +
+                "): a run's shards must stay as they are; put them back and resume from the last checkpoint, or "
+                "write new shards to new files");
+  }
   /// `n` tokens of this shard's width at `p`, as int64, into `out`.
   void decode(const unsigned char* p, int64_t n, int64_t* out) const {
     if (width_ == 2) {
@@ -125,6 +146,7 @@ class Shard {
   fs::path file_;
   int fd_ = -1;
   int64_t bytes_ = 0, count_ = 0;
+  struct timespec modified_ {};
   int width_ = 2;
   const unsigned char* map_ = nullptr;
 };
@@ -231,7 +253,7 @@ std::vector<fs::path> files_of(const Options& o, const std::string& key) {
 /// The largest token id of a shard, and how often each id occurs added into `counts` (grown as
 /// needed): one pass in chunks of 1M tokens through one buffer, read with pread, so that a corpus
 /// larger than memory is checked at the memory of one chunk.
-int64_t scan(const Shard& s, std::vector<int64_t>& counts) {
+int64_t scan(const Shard& s, std::vector<int64_t>& counts, const Options& o, const std::string& key) {
   constexpr int64_t kChunk = 1 << 20;
   std::vector<unsigned char> raw(static_cast<size_t>(std::min(kChunk, s.count()) * s.width()));
   std::vector<int64_t> ids(static_cast<size_t>(std::min(kChunk, s.count())));
@@ -242,6 +264,10 @@ int64_t scan(const Shard& s, std::vector<int64_t>& counts) {
     s.decode(raw.data(), n, ids.data());
     for (int64_t i = 0; i < n; ++i) {
       const int64_t id = ids[static_cast<size_t>(i)];
+      if (id >= kMaxVocab)
+        o.fail(key, s.file().string() + ": token " + std::to_string(id) + " (at token " + std::to_string(first + i) +
+                        ") is beyond " + std::to_string(kMaxVocab) +
+                        ", the largest vocabulary the tokens data set takes: a damaged shard, or one of another format");
       if (id >= static_cast<int64_t>(counts.size())) counts.resize(static_cast<size_t>(id) + 1, 0);
       ++counts[static_cast<size_t>(id)];
       top = std::max(top, id);
@@ -265,7 +291,7 @@ Split open_split(const Options& o, const std::string& key, int64_t t, std::vecto
     if (s->count() < t + 1)
       o.fail(key, f.string() + ": " + std::to_string(s->count()) + " tokens, fewer than one sequence of seq_len " +
                       std::to_string(t) + " needs (" + std::to_string(t + 1) + ")");
-    largest.push_back(scan(*s, counts));
+    largest.push_back(scan(*s, counts, o, key));
     shards.push_back(std::move(s));
   }
   return {std::make_unique<TokenShards>(std::move(shards), t), std::move(largest)};
@@ -295,6 +321,9 @@ DataSplits make_tokens(const Options& o, uint64_t) {
   if (*reinterpret_cast<const unsigned char*>(&one) != 1)
     o.fail("train", "token shards are little-endian; this machine is not");
   if (o.get_int("vocab") < 0) o.fail("vocab", "must be >= 0");
+  if (o.get_int("vocab") > kMaxVocab)
+    o.fail("vocab", "is " + std::to_string(o.get_int("vocab")) + ", beyond " + std::to_string(kMaxVocab) +
+                        ", the largest vocabulary the tokens data set takes (a published tokenizer has a few 100k)");
   if (o.get_path("train").empty()) o.fail("train", "give the training shards (a file, a glob or a list)");
   std::vector<int64_t> train_counts, val_counts;
   Split train = open_split(o, "train", t, train_counts);

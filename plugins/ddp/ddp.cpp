@@ -190,7 +190,12 @@ class Ddp final : public tk::Plugin {
     launches_->reset();
     std::fill(got_grad_->begin(), got_grad_->end(), 0);
     const auto t0 = Clock::now();
-    reducer_->prepare_for_backward({ctx.loss()});
+    {
+      // LibTorch notes on every rank when its search found every parameter used; the first
+      // boundary says it once for the world, in this plugin's words (search_note).
+      tk::compat::WarningFilter quiet("did not find any unused parameters");
+      reducer_->prepare_for_backward({ctx.loss()});
+    }
     reducer_->mark_used(used);
     backward_start_ = Clock::now();
     prepare_ms_ = ms_between(t0, backward_start_);
@@ -215,20 +220,22 @@ class Ddp final : public tk::Plugin {
     if (average_)
       for (auto& p : params_)
         if (p.grad().defined()) p.mutable_grad().div_(world_->size());
-    // The window's counts and its loss (still on the device) in one all-reduce; the counts come
-    // back to the host (normalization needs them there), the loss stays for the core's read.
+    // The window's counts, the parameters each rank left without a gradient and the loss (still on
+    // the device) in one all-reduce; the counts come back to the host (normalization needs them
+    // there), the loss stays for the core's read.
     tk::WindowTotals& t = ctx.mutable_totals();
     auto totals = torch::tensor({static_cast<double>(t.micro_batches), static_cast<double>(t.samples),
-                                 static_cast<double>(t.tokens), 0.0},
+                                 static_cast<double>(t.tokens), static_cast<double>(unused_), 0.0},
                                 torch::kDouble)
                       .to(params_.front().device());
-    if (t.loss.defined()) totals.select(0, 3).copy_(t.loss);
+    if (t.loss.defined()) totals.select(0, 4).copy_(t.loss);
     world_->all_reduce(totals);
-    const std::vector<double> counts = ctx.read(totals.slice(0, 0, 3));
+    const std::vector<double> counts = ctx.read(totals.slice(0, 0, 4));
     t.micro_batches = std::llround(counts[0]);
     t.samples = std::llround(counts[1]);
     t.tokens = std::llround(counts[2]);
-    t.loss = totals.select(0, 3);
+    t.loss = totals.select(0, 4);
+    search_note(ctx, std::llround(counts[3]));
     ++syncs_;
     // The buckets, the used-map the unused-parameter search sums, and the totals.
     allreduces_ += buckets_ + (find_unused_ ? 1 : 0) + 1;
@@ -348,6 +355,18 @@ class Ddp final : public tk::Plugin {
     ctx.info(m.str());
   }
 
+  /// After the run's first step: where the unused-parameter search found every parameter used on
+  /// every rank, says once (rank 0) what it costs and how to turn it off.
+  void search_note(tk::Context& ctx, int64_t unused_in_world) {
+    if (noted_ || ctx.trial()) return;
+    noted_ = true;
+    if (!find_unused_ || unused_in_world > 0 || world_->rank() != 0) return;
+    ctx.info("every rank used every parameter in step " + std::to_string(ctx.counters().step + 1) +
+             ": the unused-parameter search (find_unused_parameters, on by default) walks the autograd graph in "
+             "every backward and sums one more tensor a step; for a model that always uses all its parameters, "
+             "set plugins.ddp.find_unused_parameters = false");
+  }
+
   std::string unused_message(const tk::Context& ctx) const {
     std::string missing;
     int64_t count = 0;
@@ -391,6 +410,7 @@ class Ddp final : public tk::Plugin {
   // Options, with their defaults.
   double bucket_mb_ = 25.0, first_bucket_mb_ = 1.0;
   bool find_unused_ = true;
+  bool noted_ = false;  // the search's cost was judged (after the first step)
   int64_t check_every_ = 0;
   std::string moved_backend_;
   double moved_timeout_s_ = 0, moved_rendezvous_timeout_s_ = 0;

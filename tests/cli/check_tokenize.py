@@ -226,5 +226,20 @@ assert greedy == sample("--prompt", "You will", "--tokens", 20, "--temperature",
 assert all(0 <= i < 500 for i in sp.encode(a)), a
 p = sample("--tokenizer", work / "absent.model", ok=False)
 assert "absent.model" in p.stderr, p.stderr
+# Bad options say what is wrong in tk-sample's words.
+p = sample("--temperature", "nan", ok=False)
+assert p.returncode == 2 and "--temperature: is nan, not a number in [0, 100]" in p.stderr, p.stderr
+p = sample("--top-k", -1, ok=False)
+assert p.returncode == 2 and "16777216" in p.stderr and len(p.stderr) < 300, p.stderr
+p = sample("--device", "bogus", ok=False)
+assert "tk-sample: --device bogus: expected one of" in p.stderr and "--set" not in p.stderr, p.stderr
+mlp = work / "mlp.toml"
+mlp.write_text('[run]\nsteps = 2\n[model]\nname = "mlp"\n[data]\nname = "synthetic-classification"\n'
+               '[optimizer]\nname = "sgd"\n')
+q = subprocess.run([tk_run, str(mlp), "--progress", "none", "--set", f'run.output="{work}/mlp"'], capture_output=True,
+                   text=True)
+assert q.returncode == 0, q.stdout + q.stderr
+q = subprocess.run([tk_sample, str(work / "mlp")], capture_output=True, text=True)
+assert q.returncode == 1 and "is no language model" in q.stderr, q.stderr
 print(f"tk-sample: {a.strip()!r}")
 print(f"tk-tokenize: {len(docs)} documents, {len(train)} + {len(val)} tokens equal to python3-sentencepiece's")

@@ -3,6 +3,7 @@
 
 #include <sys/stat.h>
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -245,6 +246,14 @@ name = "fake_sync"
                                                       R"({"w": {"dtype": "F32", "shape": [4096, 0],)"
                                                       R"( "data_offsets": [0, 0]}})", 0));
     CHECK(empty.at(0).second.sizes() == at::IntArrayRef({4096, 0}));
+    // A NaN in the file is named at its tensor, not left to surface as a non-finite loss.
+    auto poisoned = tk::load_safetensors(out / "weights.safetensors");
+    poisoned.at(1).second.view(-1)[3] = std::nan("");
+    tk::save_safetensors(out / "nan.safetensors", poisoned);
+    const std::string nan_named = "nan.safetensors: tensor '" + poisoned.at(1).first + "' holds NaN or infinite values (1 of";
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.init=\"" + (out / "nan.safetensors").string() + "\""}), tkt::quiet())
+                          .describe(),
+                      doctest::Contains(nan_named.c_str()));
     REQUIRE(::mkfifo((out / "fifo.safetensors").c_str(), 0600) == 0);
     CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.init=\"" + (out / "fifo.safetensors").string() + "\""}), tkt::quiet())
                           .describe(),

@@ -4,7 +4,9 @@
 #include <tk/tensor_io.h>
 #include <zlib.h>
 
+#include <chrono>
 #include <fstream>
+#include <thread>
 
 #include "support.h"
 
@@ -268,6 +270,11 @@ TEST_SUITE("workloads") {
     refused("train = " + toml_string(dir / "count.bin"),
             "count.bin: the header says 30 tokens of 2 bytes (1084 bytes with the header), the file has 1074 bytes");
     refused(files + "vocab = 1000", "train_001.bin: token 60009 is beyond the vocabulary of 1000");
+    // An id no vocabulary has is refused before anything is counted or allocated for it.
+    tkt::write_shard(dir / "huge_id.bin", {1, 2, 2147483648, 3, 4}, 2);
+    refused("train = " + toml_string(dir / "huge_id.bin") + "\nseq_len = 2",
+            "huge_id.bin: token 2147483648 (at token 2) is beyond 16777216, the largest vocabulary");
+    refused(files + "vocab = 100000000", "vocab: is 100000000, beyond 16777216, the largest vocabulary");
     refused("train = " + toml_string(dir / "nothing_*.bin"), "matches no file");
     refused("train = " + toml_string(dir / "absent.bin"), "absent.bin: no such file");
     tkt::write_shard(dir / "short.bin", {1, 2, 3});
@@ -283,6 +290,20 @@ TEST_SUITE("workloads") {
     auto r = t.fit();
     CHECK(r.window_losses.size() == 4);
     CHECK(t.model().named_parameters()["wte.weight"].size(0) == 60010);
+
+    // A shard that changes under the run is an error naming it before its mapping is read (cut
+    // short, the mapping would end the process with SIGBUS; rewritten, it would give other tokens).
+    tkt::write_shard(dir / "cut.bin", a);
+    auto cut = make_data("tokens", "train = " + toml_string(dir / "cut.bin") + "\nseq_len = 8\n");
+    fs::resize_file(dir / "cut.bin", 1024 + 2 * 10);
+    CHECK_THROWS_WITH(cut.train->get(torch::tensor({2}, torch::kLong)),
+                      doctest::Contains("cut.bin: the shard changed while the run reads it (1074 bytes when the run "
+                                        "opened it, 1044 now)"));
+    tkt::write_shard(dir / "again.bin", a);
+    auto again = make_data("tokens", "train = " + toml_string(dir / "again.bin") + "\nseq_len = 8\n");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a later modification time
+    tkt::write_shard(dir / "again.bin", std::vector<int64_t>(a.size(), 1));
+    CHECK_THROWS_WITH(again.train->get(torch::tensor({0}, torch::kLong)), doctest::Contains("rewritten in place"));
     fs::remove_all(dir);
   }
 

@@ -89,6 +89,13 @@ TEST_SUITE("ddp") {
     CHECK(tkt::metric(root / "two/out/metrics.jsonl", "micro_batches").back() == 4);  // 2 ranks x k = 2
     // Only rank 0 wrote; every line of the launcher's output carries its rank.
     CHECK(two.out.find("[rank 1] ") != std::string::npos);
+    // LibTorch's note that the unused-parameter search found nothing (one per rank) is said once,
+    // for the world, with what it costs and how to turn it off.
+    CHECK(two.out.find("did not find any unused parameters") == std::string::npos);
+    const std::string note = "every rank used every parameter in step 1: the unused-parameter search";
+    CHECK(two.out.find(note) != std::string::npos);
+    CHECK(two.out.find(note) == two.out.rfind(note));
+    CHECK(two.out.find("set plugins.ddp.find_unused_parameters = false") != std::string::npos);
     fs::remove_all(root);
   }
 
@@ -324,10 +331,12 @@ TEST_SUITE("ddp") {
 
   /// Two launchers on 127.0.0.1 as node 0 and node 1 of one world, 2 workers each: node 0's
   /// output in out, node 1's in DIR/node1.log (its exit status on the last line of out).
-  Proc two_nodes(const fs::path& dir, const std::string& recipe, const std::string& args, int nproc1 = 2) {
+  Proc two_nodes(const fs::path& dir, const std::string& recipe, const std::string& args, int nproc1 = 2,
+                 const std::string& args1 = "") {
     const std::string nodes = " --nnodes 2 --master-addr 127.0.0.1 --master-port " + std::to_string(free_port_pair()) +
                               " " + args;
-    const std::string node1 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 1 --nproc " + std::to_string(nproc1));
+    const std::string node1 =
+        tkt::tk_run_command(dir, recipe, nodes + " --node-rank 1 --nproc " + std::to_string(nproc1) + args1);
     const std::string node0 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 0 --nproc 2");
     return tkt::shell("{ " + node1 + " > " + (dir / "node1.log").string() + " 2>&1; echo \"node 1 exited $?\" >> " +
                       (dir / "node1.log").string() + "; } & n1=$!; " + node0 + " 2>&1; rc=$?; wait $n1; exit $rc");
@@ -349,6 +358,26 @@ TEST_SUITE("ddp") {
     REQUIRE(one.rc == 0);
     CHECK(tkt::excess(weights(root / "four"), weights(root / "one"), kF64) <= 1.0);
     CHECK(tkt::metric(root / "four/out/metrics.jsonl", "micro_batches").back() == 8);  // 4 ranks x k = 2
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("launchers given different recipes are refused before training, each differing rank naming its keys") {
+    const fs::path root = tkt::temp_dir("ddp-nodes-recipe");
+    auto p = two_nodes(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n" + kLongTimeout, "", 2,
+                       " --set optimizer.lr=0.5 --set run.seed=10");
+    const std::string node1 = tkt::read_text(root / "node1.log");
+    INFO(p.out);
+    INFO(node1);
+    CHECK(p.rc != 0);
+    CHECK(node1.find("rank 2 trains another recipe than rank 0: ") != std::string::npos);
+    CHECK(node1.find("optimizer.lr = 0.5") != std::string::npos);
+    CHECK(node1.find("run.seed = 10") != std::string::npos);
+    CHECK(node1.find("every launcher of a run must be given the same recipe and the same --set options") !=
+          std::string::npos);
+    CHECK(p.out.find("another rank trains another recipe than rank 0 (that rank's error names the keys)") !=
+          std::string::npos);
+    CHECK(p.out.find("step 1/") == std::string::npos);  // no step was trained
+    CHECK_FALSE(reports_timeout(p.out));
     fs::remove_all(root);
   }
 

@@ -14,12 +14,14 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <glob.h>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -134,13 +136,27 @@ int64_t next_token(at::Tensor logits, const Options& o, at::Generator& gen) {
 int sample(const Options& o) {
   const fs::path dir(o.run);
   auto recipe = tk::Recipe::from_file(dir / "recipe.toml");
-  recipe.apply_override("run.device=\"" + o.device + "\"");
+  const std::string device_set = "run.device=\"" + o.device + "\"";
+  recipe.apply_override(device_set);
   tk::TrainerOptions topts;
   topts.write_outputs = false;
   topts.progress = tk::ProgressMode::None;
   spdlog::set_level(spdlog::level::warn);
-  tk::Trainer trainer(recipe, topts);
-  trainer.describe();  // builds and plans the run: the model as trained, after every plugin's setup
+  std::optional<tk::Trainer> built;
+  try {
+    built.emplace(recipe, topts);
+    built->describe();  // builds and plans the run: the model as trained, after every plugin's setup
+  } catch (const std::exception& e) {
+    // The device is this tool's --device, not a --set the user typed.
+    std::string why = tk::message_of(e);
+    for (const std::string said : {"--set " + device_set + ": run.device: ", "--set " + device_set + ": "})
+      if (why.rfind(said, 0) == 0) throw std::runtime_error("--device " + o.device + ": " + why.substr(said.size()));
+    throw;
+  }
+  tk::Trainer& trainer = *built;
+  if (!trainer.data().info.next_token)
+    throw std::runtime_error("the run in " + dir.string() + " is no language model (its data set's targets are not "
+                             "the next tokens): tk-sample continues text with runs of data 'text' or 'tokens'");
   tk::Model& model = trainer.model();
   const fs::path weights = o.weights.empty() ? dir / "weights.safetensors" : fs::path(o.weights);
   auto params = model.named_parameters();
@@ -187,9 +203,15 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   app.add_option("-p,--prompt", o.prompt, "text to continue (\"\": start a new document)");
   app.add_option("-n,--tokens", o.tokens, "tokens to write")->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-  app.add_option("-t,--temperature", o.temperature, "softmax temperature; 0 takes the likeliest token")
-      ->check(CLI::Range(0.0, 100.0));
-  app.add_option("-k,--top-k", o.top_k, "sample among the k likeliest tokens (0: all)")->check(CLI::NonNegativeNumber);
+  app.add_option("-t,--temperature", o.temperature, "softmax temperature in [0, 100]; 0 takes the likeliest token")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            const double t = std::strtod(v.c_str(), nullptr);  // CLI11's Range lets a NaN through
+            return t >= 0.0 && t <= 100.0 ? std::string() : "is " + v + ", not a number in [0, 100]";
+          },
+          "in [0, 100]"));
+  app.add_option("-k,--top-k", o.top_k, "sample among the k likeliest tokens (0: all)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   app.add_option("-s,--seed", o.seed, "seed of the sampling: the same seed writes the same text");
   app.add_option("--tokenizer", o.tokenizer, "a SentencePiece .model, or \"bytes\" (default: the run's)");
   app.add_option("--weights", o.weights, "weights to load (default: RUN/weights.safetensors)");

@@ -79,6 +79,7 @@ OutputFolder::OutputFolder(fs::path dir) : dir_(std::move(dir)) {
   }
   const Manifest m = read_manifest(dir_);
   listed_ = m.files;
+  complete_ = !m.present || m.complete;
   std::vector<std::string> foreign;
   for (const auto& e : fs::directory_iterator(dir_, ec)) {
     const std::string name = e.path().filename().string();
@@ -100,7 +101,7 @@ bool OutputFolder::holds(const fs::path& file) const {
 }
 
 fs::path OutputFolder::stage(const std::string& name) {
-  if (listed_.insert(temporary(name)).second) save(/*complete=*/true);  // listed before it exists
+  if (listed_.insert(temporary(name)).second) save(complete_);  // listed before it exists
   return dir_ / temporary(name);
 }
 
@@ -110,7 +111,8 @@ void OutputFolder::keep(const std::string& name) { files_.push_back(name); }
 
 void OutputFolder::commit() {
   for (const auto& f : files_) listed_.insert(f);
-  save(/*complete=*/false);  // a mix of two tokenizations until the last rename
+  complete_ = false;
+  save(complete_);  // a mix of two tokenizations until the last rename
   std::error_code ec;
   for (const auto& f : files_) {
     if (!fs::exists(dir_ / temporary(f), ec)) continue;  // kept, not staged
@@ -121,7 +123,8 @@ void OutputFolder::commit() {
   for (const auto& f : listed_)
     if (!now.count(f)) fs::remove(dir_ / f, ec);  // the earlier tokenization's other files
   listed_ = now;
-  save(/*complete=*/true);
+  complete_ = true;
+  save(complete_);
 }
 
 void OutputFolder::save(bool complete) const {

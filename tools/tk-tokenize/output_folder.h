@@ -52,6 +52,7 @@ class OutputFolder {
   std::filesystem::path dir_;
   std::set<std::string> listed_;    // what tokenize.json lists: earlier files and temporary ones
   std::vector<std::string> files_;  // this tokenization's files, in the order written
+  bool complete_ = true;             // the files in place are one whole tokenization
 };
 
 /// Reads tokenize.json in `dir`: whether it is there, and then the files it lists and whether the

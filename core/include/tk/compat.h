@@ -108,6 +108,36 @@ class WarningForwarder final : public c10::WarningHandler {
   void (*sink_)(const std::string&);
 };
 
+/// While alive, drops LibTorch's warnings whose text holds `drop` and passes the others on to the
+/// handler that was in place: for a warning that trainkit says in its own words instead. The
+/// handler is per thread on LibTorch 2.x and for the process on 1.x: make and drop it on one thread.
+class WarningFilter final : public c10::WarningHandler {
+ public:
+  explicit WarningFilter(std::string drop) : drop_(std::move(drop)), previous_(get()) { set(this); }
+  ~WarningFilter() override { set(previous_); }
+  WarningFilter(const WarningFilter&) = delete;
+  WarningFilter& operator=(const WarningFilter&) = delete;
+#if TK_TORCH_AT_LEAST(2, 0)
+  void process(const c10::Warning& w) override {
+    if (w.msg().find(drop_) == std::string::npos) previous_->process(w);
+  }
+
+ private:
+  static c10::WarningHandler* get() { return c10::WarningUtils::get_warning_handler(); }
+  static void set(c10::WarningHandler* h) { c10::WarningUtils::set_warning_handler(h); }
+#else
+  void process(const c10::SourceLocation& where, const std::string& msg, const bool verbatim) override {
+    if (msg.find(drop_) == std::string::npos) previous_->process(where, msg, verbatim);
+  }
+
+ private:
+  static c10::WarningHandler* get() { return c10::Warning::get_warning_handler(); }
+  static void set(c10::WarningHandler* h) { c10::Warning::set_warning_handler(h); }
+#endif
+  std::string drop_;
+  c10::WarningHandler* previous_;
+};
+
 /// CPU threads for LibTorch and for the BLAS under its matrix products. LibTorch's thread count
 /// does not reach the BLAS it was built on: OpenBLAS (Debian's libopenblas0-pthread) keeps a thread
 /// per core of its own, so one LibTorch thread would still multiply on every core. The BLAS is told

@@ -109,10 +109,16 @@ void load_init(Run& r) {
   auto take = [&](const std::string& name, at::Tensor& dst) {
     auto it = by_name.find(name);
     if (it == by_name.end()) return missing.push_back("'" + name + "'");
-    if (it->second.sizes() != dst.sizes())
+    if (it->second.sizes() != dst.sizes()) {
       misshapen.push_back("'" + name + "' (" + c10::str(it->second.sizes()) + " there, " + c10::str(dst.sizes()) + " here)");
-    else
+    } else {
+      // A NaN or an infinity would surface as a non-finite loss, blamed on the learning rate.
+      if (it->second.is_floating_point() && !it->second.isfinite().all().item<bool>())
+        r.model_opts.fail("init", file + ": tensor '" + name + "' holds NaN or infinite values (" +
+                                      std::to_string(it->second.isfinite().logical_not().sum().item<int64_t>()) +
+                                      " of " + std::to_string(it->second.numel()) + "): a damaged or diverged checkpoint");
       dst.copy_(it->second);
+    }
     by_name.erase(it);
   };
   for (auto& p : r.model->named_parameters()) take(p.key(), p.value());

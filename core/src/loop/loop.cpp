@@ -307,6 +307,7 @@ FitResult Loop::summary() {
 FitResult Loop::fit(const Recipe& recipe) {
   RunOutputs outputs(r_, recipe, opts_);
   outputs_ = &outputs;
+  agree_on_identity(*r_.world, outputs.identity());  // before any rank touches the folder
   outputs.claim();  // the folder is this run's until it ends
   const std::optional<Checkpoint> resumed = resume(outputs);
   if (resumed && resumed->position.counters.step >= r_.total_steps) return already_complete(outputs, *resumed);

@@ -20,6 +20,10 @@ namespace tk::detail {
 /// What determines `run`: its resolved recipe without the keys that may change on resume, and its
 /// world size.
 RunIdentity run_identity(const Run& run);
+/// Every rank of a world trains the same recipe: each compares `identity` (hashed, key by key) with
+/// rank 0's and the world refuses the run when one differs, that rank naming its keys and values
+/// (launchers given different recipes or --set options). Nothing to compare in a world of one.
+void agree_on_identity(World& world, const RunIdentity& identity);
 /// Restores model, optimizer, RNG and plugin states from the checkpoint `which` names (a folder or
 /// "latest" of `output_dir`); refuses, listing each difference, a checkpoint whose run differs from
 /// `identity` in anything but the keys `allowed` names.

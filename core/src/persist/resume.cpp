@@ -33,6 +33,52 @@ RunIdentity run_identity(const Run& r) {
 
 namespace {
 
+/// 64-bit FNV-1a of `s`, to compare texts across ranks as numbers.
+int64_t text_hash(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 1);
+}
+
+}  // namespace
+
+void agree_on_identity(World& world, const RunIdentity& identity) {
+  if (world.size() < 2) return;
+  std::vector<int64_t> mine;  // key hash, value hash, ...
+  for (const auto& [k, v] : identity.recipe) {
+    mine.push_back(text_hash(k));
+    mine.push_back(text_hash(v));
+  }
+  at::Tensor count = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
+  world.broadcast(count, 0);
+  at::Tensor zero = world.rank() == 0 ? at::tensor(mine, at::kLong) : at::zeros({count.item<int64_t>()}, at::kLong);
+  world.broadcast(zero, 0);
+  std::map<int64_t, int64_t> theirs;
+  const int64_t* z = zero.data_ptr<int64_t>();
+  for (int64_t i = 0; i + 1 < zero.numel(); i += 2) theirs[z[i]] = z[i + 1];
+  std::vector<std::string> differ;
+  for (const auto& [k, v] : identity.recipe) {
+    const auto it = theirs.find(text_hash(k));
+    if (it == theirs.end()) differ.push_back(k + " = " + v + " (rank 0 has no " + k + ")");
+    else if (it->second != text_hash(v)) differ.push_back(k + " = " + v);
+    if (it != theirs.end()) theirs.erase(it);
+  }
+  if (!theirs.empty())
+    differ.push_back(std::to_string(theirs.size()) + " key" + (theirs.size() == 1 ? "" : "s") +
+                     " of rank 0's recipe that this rank's lacks");
+  at::Tensor bad = at::tensor({differ.empty() ? int64_t{0} : int64_t{1}}, at::kLong);
+  world.all_reduce(bad, ReduceOp::Max);
+  if (!differ.empty())
+    throw RunRefused("rank " + std::to_string(world.rank()) + " trains another recipe than rank 0: " +
+                     join(differ.data(), differ.data() + differ.size()) + " here, other values on rank 0; every "
+                     "launcher of a run must be given the same recipe and the same --set options");
+  if (bad.item<int64_t>() > 0)
+    throw RunRefused("another rank trains another recipe than rank 0 (that rank's error names the keys); every "
+                     "launcher of a run must be given the same recipe and the same --set options");
+}
+
+namespace {
+
 /// Hands each plugin its state from a checkpoint (before fit_start); warns about states nobody loads.
 void restore_plugin_states(Run& r, Checkpoint& resumed) {
   for (const auto& slot : r.slots) {

@@ -2,6 +2,8 @@
 // process group, and the collectives every plugin may use.
 #include "world/world.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_NCCL
@@ -180,15 +182,24 @@ void ProcessWorld::configure(const Options& o, at::Device device, bool may_join)
 
 void ProcessWorld::join() {
   if (joined() || !may_join_) return;
+  // Under torchrun's static rendezvous its agent already serves a store at MASTER_PORT and says so
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank joins it as a client, under a prefix of this
+  // restart's own, as PyTorch's workers do.
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const bool agent_store = agent != nullptr && std::string(agent) == "True";
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(p_.port);
-  so.isServer = p_.rank == 0;
+  so.isServer = p_.rank == 0 && !agent_store;
   so.numWorkers = static_cast<std::size_t>(p_.size);
   so.waitWorkers = true;
   so.timeout = rendezvous_timeout_;
   compat::use_classic_tcpstore(so, 0);
   try {
     store_ = c10::make_intrusive<c10d::TCPStore>(p_.addr, so);
+    if (agent_store) {
+      const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      store_ = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::string(attempt ? attempt : "0"), store_);
+    }
   } catch (const std::exception& err) {
     throw Error("rendezvous at " + p_.addr + ":" + std::to_string(p_.port) + " failed for rank " +
                 std::to_string(p_.rank) + " of " + std::to_string(p_.size) + ": " + err.what());
