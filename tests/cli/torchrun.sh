@@ -17,6 +17,12 @@ timeout 300 /usr/bin/python3 -m torch.distributed.run --nnodes 1 --nproc_per_nod
 rc=$?
 set -e
 fail() { cat "$work/log"; echo "torchrun: $*"; exit 1; }
+# Debian 13's PyTorch 2.6 is built without libuv, which its torchrun's own store asks for: torchrun
+# cannot start there, whatever it launches.
+if [ $rc != 0 ] && grep -q 'use_libuv was requested but PyTorch was build without libuv support' "$work/log"; then
+  echo "SKIPPED: this PyTorch's torchrun cannot start its own store (built without libuv)"
+  exit 77
+fi
 [ $rc = 0 ] || fail "exit code $rc"
 grep -q 'rank 1 of 2 (RANK/WORLD_SIZE, gloo' "$work/log" || fail "rank 1 did not join a world of 2"
 [ "$(grep -c '"step"' "$work/out/metrics.jsonl")" -ge 4 ] || fail "rank 0 recorded fewer than 4 steps"
