@@ -203,6 +203,11 @@ void settle_window(Run& r) {
 void shape_windows(Run& r) {
   const int64_t n = r.shard_size(), m = r.plan.micro_batch;
   r.batches_per_epoch = r.data_opts.get_bool("drop_last") ? n / m : (n + m - 1) / m;
+  if (n == 0)  // the examples, split evenly over the ranks (the remainder dropped), leave none here
+    refuse_window(r, "micro_batch", "has no example to take: " +
+                                        (r.plan.world_size > 1 ? "the data set split over " + std::to_string(r.plan.world_size) +
+                                                                     " ranks leaves none to each; give more data or fewer ranks"
+                                                               : std::string("the data set is empty")));
   if (r.batches_per_epoch < 1)
     refuse_window(r, "micro_batch", "is larger than the " + std::string(r.plan.world_size > 1 ? "rank's share of the " : "") +
                                         "data set (" + std::to_string(n) + " examples) and drop_last is on: an epoch "
