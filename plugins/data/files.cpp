@@ -103,9 +103,13 @@ class ImageDataset : public Dataset {
   double mean_, std_;
 };
 
-std::pair<torch::Tensor, torch::Tensor> fashion_split(const Options& o, const std::string& prefix, int64_t limit) {
+/// One split's images and labels; their files are added to `files`.
+std::pair<torch::Tensor, torch::Tensor> fashion_split(const Options& o, const std::string& prefix, int64_t limit,
+                                                      std::vector<std::string>& files) {
   const fs::path images_file = find_idx(o, prefix + "-images-idx3-ubyte");
   const fs::path labels_file = find_idx(o, prefix + "-labels-idx1-ubyte");
+  files.push_back(images_file.string());
+  files.push_back(labels_file.string());
   IdxArray images = read_idx(images_file), labels = read_idx(labels_file);
   if (images.dims.size() != 3) throw Error(images_file.string() + ": expected images [N, H, W], got rank " +
                                            std::to_string(images.dims.size()));
@@ -211,11 +215,12 @@ DataSplits make_fashion_mnist(const Options& o, uint64_t) {
   // Mean and standard deviation of the 60000 training images' pixels, in [0, 1].
   const double mean = norm ? 0.2860 : 0.0, stddev = norm ? 0.3530 : 1.0;
   DataSplits d;
-  auto [x, y] = fashion_split(o, "train", o.get_int("train_samples"));
+  std::vector<std::string> files;
+  auto [x, y] = fashion_split(o, "train", o.get_int("train_samples"), files);
   d.train = std::make_shared<ImageDataset>(x, y, mean, stddev);
   const int64_t nv = o.get_int("validation_samples");
   if (nv != 0) {
-    auto [vx, vy] = fashion_split(o, "t10k", nv);
+    auto [vx, vy] = fashion_split(o, "t10k", nv, files);
     if (vx.sizes().slice(1) != x.sizes().slice(1))
       o.fail("dir", "the test images are " + c10::str(vx.sizes().slice(1)) + ", the training images " +
                         c10::str(x.sizes().slice(1)) + ": they must have one size");
@@ -224,6 +229,7 @@ DataSplits make_fashion_mnist(const Options& o, uint64_t) {
   d.info.input_dim = x.size(2) * x.size(3);
   d.info.output_dim = 10;
   d.info.input_shape = {1, x.size(2), x.size(3)};
+  d.info.fingerprint = "dir: " + files_fingerprint(files);
   return d;
 }
 
@@ -312,6 +318,7 @@ DataSplits make_text(const Options& o, uint64_t) {
   d.info.input_shape = {t};
   d.info.ignore_index = ignore;
   d.info.next_token = true;
+  d.info.fingerprint = "path: " + files_fingerprint({path});
   if (d.validation) {
     d.info.baseline_name = "unigram";
     d.info.baseline_loss = unigram_loss(y, vy, vocab, ignore);

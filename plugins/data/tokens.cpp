@@ -281,11 +281,13 @@ int64_t scan(const Shard& s, std::vector<int64_t>& counts, const Options& o, con
 struct Split {
   std::unique_ptr<TokenShards> set;
   std::vector<int64_t> largest;
+  std::string fingerprint;  ///< files_fingerprint() of its shards
 };
 
 Split open_split(const Options& o, const std::string& key, int64_t t, std::vector<int64_t>& counts) {
   std::vector<std::unique_ptr<Shard>> shards;
   std::vector<int64_t> largest;
+  std::vector<std::string> names;
   for (const auto& f : files_of(o, key)) {
     auto s = std::make_unique<Shard>(f, o, key);
     if (s->count() < t + 1)
@@ -293,8 +295,9 @@ Split open_split(const Options& o, const std::string& key, int64_t t, std::vecto
                       std::to_string(t) + " needs (" + std::to_string(t + 1) + ")");
     largest.push_back(scan(*s, counts, o, key));
     shards.push_back(std::move(s));
+    names.push_back(f.string());
   }
-  return {std::make_unique<TokenShards>(std::move(shards), t), std::move(largest)};
+  return {std::make_unique<TokenShards>(std::move(shards), t), std::move(largest), files_fingerprint(names)};
 }
 
 /// Refuses the first shard of `split` with a token at or beyond `vocab`, naming it.
@@ -342,6 +345,7 @@ DataSplits make_tokens(const Options& o, uint64_t) {
   d.info.vocab = vocab;
   d.info.input_shape = {t};
   d.info.next_token = true;
+  d.info.fingerprint = "train: " + train.fingerprint + (val ? "; validation: " + val->fingerprint : "");
   if (val) {
     // The unigram baseline: the training tokens' frequencies (add-one smoothed), scored on the
     // validation tokens.

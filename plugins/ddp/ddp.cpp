@@ -90,12 +90,8 @@ class WindowReducer final : public c10d::Reducer {
   }
 };
 
-/// 64-bit FNV-1a of a name, to compare names across ranks as numbers.
-int64_t name_hash(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return static_cast<int64_t>(h >> 1);
-}
+/// A name hashed, to compare names across ranks as numbers.
+int64_t name_hash(const std::string& s) { return static_cast<int64_t>(tk::abi::text_hash(s.c_str()) >> 1); }
 
 /// One parameter's or buffer's description, the same width for every tensor: its name's hash,
 /// dtype, dimensions (up to kDims; more are folded into the last) and trainability.

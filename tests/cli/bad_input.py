@@ -58,6 +58,8 @@ torch.save({"inputs": nan, "targets": y}, d + "/nan.pt")
 torch.save({"inputs": torch.randn(64, 2, 2, 2, 2), "targets": y}, d + "/five_d.pt")
 torch.save(collections.OrderedDict(inputs=x, targets=y), d + "/ordered.pt")
 torch.save({"inputs": x}, d + "/one_key.pt")
+torch.save({"model": {"inputs": x, "targets": y}, "iter_num": torch.tensor(3)}, d + "/nested.pt")
+torch.save({"model": {"inputs": x, "targets": y}}, d + "/nested_one.pt")
 torch.save({"inputs": x, "labels": y}, d + "/no_targets.pt")
 torch.save({"inputs": torch.zeros(64, 0), "targets": y}, d + "/no_features.pt")
 # A NaN past the first million examples (which the check before training reads), in the first
@@ -101,6 +103,11 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
             ("NaN in the data", [t("nan"), "--dry-run"], 2, "example 7 has NaN or infinite inputs"),
             ("5-D inputs for an MLP", [t("five_d"), "--dry-run"], 2, "does not go through the model"),
             ("an OrderedDict", [t("ordered"), "--dry-run"], 2, "ordered.pt"),
+            ("a checkpoint with the tensors under a key", [t("nested"), "--dry-run"], 2,
+             "nested.pt: its entry 'model' is a dict, not a tensor: a checkpoint that keeps the weights under a key"),
+            # LibTorch 1.13 cannot unpickle a dict of one entry; 2.x reads it and finds the dict inside.
+            ("a checkpoint with one key", [t("nested_one"), "--dry-run"], 2,
+             ("be it one tensor or one dict under one key", "nested_one.pt: its entry 'model' is a dict, not a tensor")),
             ("a file without targets", [t("no_targets"), "--dry-run"], 2, "data.targets: the file has no tensor 'targets'"),
             ("inputs of no features", [t("no_features"), "--dry-run"], 2, "data.inputs: the inputs [64, 0] and targets [64] hold no values"),
             # LibTorch 1.13 cannot unpickle a dict of one entry; 2.x reads it and finds no targets.

@@ -6,11 +6,14 @@ Trains a BPE model on the fortunes `cookie` file (documents split at "\\n%\\n"),
 the shards hold, document by document, what Python's SentencePiece encodes with that same model
 (each document followed by the model's end-of-sequence id), that a tenth of the documents, spread
 evenly, are the validation shards, that the same text trains the same model again, that --bytes writes
-the bytes, that bad input is refused, that tk-run trains the GPT on the shards, and that tk-sample
-writes the same text for the same seed from that run, decoded with the run's tokenizer.
+the bytes, that bad input is refused, that a long line is encoded in bounded memory into exactly
+the tokens of the whole line, that tk-run trains the GPT on the shards, and that tk-sample writes
+the same text for the same seed from that run, decoded with the run's tokenizer.
 """
+import io
 import math
 import pathlib
+import random
 import shutil
 import struct
 import subprocess
@@ -153,6 +156,61 @@ assert files_of(work / "bytes") == ["tokenize.json", "train_000.bin"], files_of(
 p = run(work / "long.txt", "--vocab", 50, "--out", work / "long", ok=False)
 assert "no line of the inputs is shorter than 4192 bytes" in p.stderr, p.stderr
 
+# A document longer than 64 KiB is encoded in pieces of about 64 KiB cut at whitespace, not at once
+# (SentencePiece takes about 100 bytes of memory for each byte it encodes): a line of 1 MB fits in
+# 64 MB of address space (encoded whole it takes 150), and its tokens are those Python's
+# SentencePiece gives the whole line; so are those of documents just under, at and over the piece
+# size, and of a long stretch without whitespace, which is encoded whole.
+rng = random.Random(0)
+words = text.split()
+line = " ".join(rng.choice(words) for _ in range(200_000))
+assert len(line.encode()) > 1_000_000
+piece = 64 << 10
+long_docs = [line, line[:piece - 1], line[:piece], line[:piece + 1], "y" * piece + " z", "y" * (piece - 1) + " z",
+             "x" * 100_000 + " tail"]
+(work / "long_line.txt").write_text("\n%\n".join(long_docs))
+
+
+def small_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (64 << 20, 64 << 20))
+
+
+def tokenize_long(model, out):
+    q = subprocess.run([tokenize, str(work / "long_line.txt"), "--model", str(model), "--separator", "\\n%\\n",
+                        "--validation", "0", "--out", str(work / out)], capture_output=True, text=True,
+                       preexec_fn=small_memory)
+    assert q.returncode == 0, (q.returncode, q.stderr)
+    return q
+
+
+tokenize_long(work / "bpe/tokenizer.model", "long_line")
+assert shard(work / "long_line/train_000.bin") == [t for d in long_docs for t in sp.encode(d) + [sp.eos_id()]], \
+    "a long line's tokens differ from Python's SentencePiece's for the whole line"
+# A model with pieces across whitespace (trained with split_by_whitespace=false) cannot be cut
+# there: each document is encoded whole, and tk-tokenize says so.
+model = io.BytesIO()
+spm.SentencePieceTrainer.train(input=str(corpus), model_writer=model, vocab_size=500, model_type="bpe",
+                               split_by_whitespace=False, minloglevel=2)
+(work / "across.model").write_bytes(model.getvalue())
+across = spm.SentencePieceProcessor(model_proto=model.getvalue())
+assert any("\u2581" in across.id_to_piece(i)[1:] for i in range(500))
+long_docs = long_docs[1:]  # the 1 MB line encoded whole would not fit in the memory limit
+(work / "long_line.txt").write_text("\n%\n".join(long_docs))
+q = tokenize_long(work / "across.model", "across")
+assert "reaches across whitespace" in q.stderr and "each document is encoded whole" in q.stderr, q.stderr
+assert shard(work / "across/train_000.bin") == [t for d in long_docs for t in across.encode(d) + [across.eos_id()]]
+# A normalization that keeps U+2581 in the text (nfkc: nmt_nfkc makes it a space) would drop it at
+# the end of a piece: a long document is never cut after one.
+model = io.BytesIO()
+spm.SentencePieceTrainer.train(input=str(corpus), model_writer=model, vocab_size=500, model_type="bpe",
+                               normalization_rule_name="nfkc", minloglevel=2)
+(work / "nfkc.model").write_bytes(model.getvalue())
+nfkc = spm.SentencePieceProcessor(model_proto=model.getvalue())
+long_docs = [" ".join(rng.choice(words) + rng.choice(["", "", "\u2581"]) for _ in range(40_000))]
+(work / "long_line.txt").write_text("\n%\n".join(long_docs))
+tokenize_long(work / "nfkc.model", "nfkc")
+assert shard(work / "nfkc/train_000.bin") == nfkc.encode(long_docs[0]) + [nfkc.eos_id()]
+
 # The GPT trains on the shards, its vocabulary read from them.
 recipe = work / "gpt.toml"
 recipe.write_text(f"""[run]
@@ -226,6 +284,17 @@ assert greedy == sample("--prompt", "You will", "--tokens", 20, "--temperature",
 assert all(0 <= i < 500 for i in sp.encode(a)), a
 p = sample("--tokenizer", work / "absent.model", ok=False)
 assert "absent.model" in p.stderr, p.stderr
+# With the shards moved away (their tokenizer.model with them), the model is built from what the
+# run's weights.safetensors records, and the same seed writes the same text.
+(work / "bpe").rename(work / "bpe-moved")
+p = sample("--prompt", "You will", "--tokens", 40, "--seed", 3, "--top-k", 20, ok=False)
+assert "no tokenizer.model beside the run's shards: give --tokenizer" in p.stderr, p.stderr
+p = sample("--prompt", "You will", "--tokens", 40, "--seed", 3, "--top-k", 20, "--tokenizer",
+           work / "bpe-moved/tokenizer.model")
+assert p.stdout == a, (p.stdout, a)
+assert "the run's data cannot be read" in p.stderr and "a vocabulary of 500 tokens and a context of 32" in p.stderr, \
+    p.stderr
+(work / "bpe-moved").rename(work / "bpe")
 # Bad options say what is wrong in tk-sample's words.
 p = sample("--temperature", "nan", ok=False)
 assert p.returncode == 2 and "--temperature: is nan, not a number in [0, 100]" in p.stderr, p.stderr

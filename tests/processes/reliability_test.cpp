@@ -238,8 +238,45 @@ TEST_SUITE("reliability") {
     CHECK(no_accum.rc == 2);
     CHECK(has(no_accum, "plugins: \"grad_accum\" -> \"\""));
     // Keys that do not change what is trained may change; others only when allowed.
+    // A change let through that what was saved cannot follow is named with the load's error.
+    auto unreadable = tk_run(root, with_adam, sets + "--allow-change optimizer --resume latest");
+    INFO(unreadable.out);
+    CHECK(unreadable.rc == 2);
+    CHECK(has(unreadable, "optimizer.pt: damaged, or saved for another optimizer"));
+    CHECK(has(unreadable, "this resume changes the run that wrote the checkpoint (let through with --allow-change):"));
+    CHECK(has(unreadable, "  optimizer.name: \"sgd\" -> \"adam\""));
     auto allowed = tk_run(root, kAccum, "--set run.steps=12 --set run.checkpoint_every=6 --set optimizer.lr=0.05 "
                                         "--allow-change optimizer.lr --resume latest");
+    INFO(allowed.out);
+    CHECK(allowed.rc == 0);
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("a resume on other data files is refused, naming data - --allow-change data lets it through") {
+    const fs::path root = tkt::temp_dir("strict-data");
+    fs::create_directories(root / "data");
+    auto shards = [&](int64_t shift) {
+      for (int s = 0; s < 2; ++s) {
+        std::vector<int64_t> tokens;
+        for (int64_t i = 0; i < 700; ++i) tokens.push_back((i * 13 + s * 7 + (s == 1 ? shift : 0)) % 97);
+        tkt::write_shard(root / "data" / ("train_00" + std::to_string(s) + ".bin"), tokens);
+      }
+    };
+    shards(0);
+    const std::string recipe = "[run]\nseed = 9\ndtype = \"float64\"\n[model]\nname = \"gpt\"\nlayers = 1\nheads = 2\n"
+                               "width = 16\n[data]\nname = \"tokens\"\ntrain = \"" + (root / "data/train_*.bin").string() +
+                               "\"\nseq_len = 8\nvocab = 97\n[batch]\nmicro_batch = 2\n[optimizer]\nname = \"adamw\"\nlr = 0.01\n";
+    const std::string sets = "--set run.steps=12 --set run.checkpoint_every=4 --set run.max_time=\\\"0s\\\" ";
+    REQUIRE(tk_run(root / "run", recipe, sets).rc == 0);  // stops after step 1, with a checkpoint
+    shards(1);  // the second shard now holds other tokens, of the same count
+    auto other = tk_run(root / "run", recipe, sets + "--resume latest");
+    INFO(other.out);
+    CHECK(other.rc == 2);
+    CHECK(has(other, "this run differs from the one that wrote it"));
+    CHECK(has(other, "  data: train: 2 files, 4848 bytes, digest "));
+    CHECK(has(other, " -> train: 2 files, 4848 bytes, digest "));
+    CHECK(!has(other, "data.train:"));  // the same recipe: the files are what changed
+    auto allowed = tk_run(root / "run", recipe, sets + "--allow-change data --resume latest");
     INFO(allowed.out);
     CHECK(allowed.rc == 0);
     fs::remove_all(root);

@@ -98,13 +98,25 @@ std::pair<int64_t, std::string> failure_record(const std::string& dir, int r) {
   return {-1, ""};
 }
 
+/// A worker that stopped at a checkpoint on a signal sent to it alone: tk-run exits 128 + the
+/// signal then, and the world stopped with it at the same boundary (a stop, not a failure).
+bool stopped_on_signal(const Worker& w) {
+  if (w.running || !WIFEXITED(w.status)) return false;
+  const int code = WEXITSTATUS(w.status);
+  return code == 128 + SIGINT || code == 128 + SIGTERM || code == 128 + SIGHUP;
+}
+
+/// Whether a worker that ended did so as it should: done, or stopped on a signal.
+bool ended_well(const Worker& w) {
+  return !w.running && ((WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0) || stopped_on_signal(w));
+}
+
 /// When rank `r` failed: the time it recorded, or when it ended (killed by a signal, say);
 /// -1 while it has neither failed nor ended badly.
 int64_t failure_time(const std::string& dir, int r, const Worker& w) {
   const int64_t t = failure_record(dir, r).first;  // r: the worker's rank in the world
   if (t >= 0) return t;
-  const bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
-  if (w.running || ok) return -1;
+  if (w.running || ended_well(w)) return -1;
   return std::chrono::duration_cast<std::chrono::nanoseconds>(w.ended_at.time_since_epoch()).count();
 }
 
@@ -335,7 +347,7 @@ class Launch {
   void notice_failure() {
     if (failed_rank_ >= 0 || forwarded_ || (stopping_ && !link_)) return;
     bool someone_failed = false;
-    for (const auto& w : workers_) someone_failed |= !w.running && !(WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
+    for (const auto& w : workers_) someone_failed |= !w.running && !ended_well(w);
     if (someone_failed) failed_rank_ = first_failure(failure_dir_, workers_, base_, stop_sent_);
     if (failed_rank_ < 0) return;
     failure_real_ns_ = realtime_ns();
@@ -475,7 +487,15 @@ class Launch {
       // A worker that refused the run before training (exit 2) makes the launch a refusal too.
       return WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2 ? 2 : 1;
     }
-    return g_signal ? 128 + g_signal : 0;
+    if (g_signal) return 128 + g_signal;
+    // A signal sent to one worker stopped the world at a checkpoint: the launch ends as that worker did.
+    for (int r = 0; r < n_; ++r)
+      if (stopped_on_signal(worker(r))) {
+        std::fprintf(stderr, "tk-run: rank %d got signal %d and the world stopped with it at a checkpoint\n", rank(r),
+                     WEXITSTATUS(worker(r).status) - 128);
+        return WEXITSTATUS(worker(r).status);
+      }
+    return 0;
   }
 
   const std::vector<std::string>& argv_;

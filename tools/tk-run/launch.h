@@ -11,7 +11,7 @@ struct LaunchOptions {
   int node_rank = 0;          ///< this node: its workers are ranks node_rank * nproc ...
   std::string master_addr = "127.0.0.1";  ///< where rank 0's rendezvous (and node 0's launcher) listens
   int master_port = 0;        ///< 0: pick a free port on loopback (one node only); nodes use the next port
-  double node_timeout_s = 300.0;  ///< seconds the launchers wait for every node to join
+  double node_timeout_s = 300.0;  ///< seconds the launchers wait for every node to join ([world] rendezvous_timeout_s)
   double stop_grace_s = 10.0; ///< after a rank fails, seconds the others get to stop before SIGKILL
   int only_rank = -1;         ///< >= 0: start only this rank of the world (a dry run prints its plan)
 };

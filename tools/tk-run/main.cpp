@@ -319,6 +319,8 @@ int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
                      "the processes (" + tk::cap::kGradsSynced.name() + "), such as ddp: add [[plugins]] name = \"ddp\" to "
                      "the recipe; this one would train " + std::to_string(c.launch.nproc) + " independent copies of "
                      "the run");
+  // The launchers of several nodes wait for one another as long as the ranks would.
+  c.launch.node_timeout_s = tk::rendezvous_timeout_s(recipe);
   setenv("TK_WORKER", "1", 1);
   std::vector<std::string> worker_argv = {argv[0]};
   for (auto& a : args_without(argc, argv, kLaunchOptions, {})) worker_argv.push_back(a);
@@ -394,7 +396,8 @@ int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, 
   std::printf("stopped early (%s) after step %lld%s; continue with: %s --resume latest\n",
               r.stopped == "signal" ? "signal" : "max_time", static_cast<long long>(r.steps), where.c_str(),
               cmd.c_str());
-  return r.stopped == "signal" ? 128 + static_cast<int>(g_stop_signal) : 0;
+  // A rank the world stopped for another rank's signal ends well: the launcher tells the stop by that rank.
+  return r.stopped == "signal" && g_stop_signal ? 128 + static_cast<int>(g_stop_signal) : 0;
 }
 
 /// This process trains (or verifies, or plans) the run.

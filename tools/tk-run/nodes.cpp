@@ -106,11 +106,31 @@ NodeLink::NodeLink(const std::string& addr, int port, int nnodes, int node_rank,
   so.port = static_cast<std::uint16_t>(port);
   so.isServer = node_rank == 0;
   so.numWorkers = static_cast<std::size_t>(nnodes);
-  so.waitWorkers = true;
+  so.waitWorkers = false;  // the barrier below waits, and names the nodes that do not come
   so.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   compat::use_classic_tcpstore(so, 0);
+  std::ostringstream waited_text;
+  waited_text << "[world] rendezvous_timeout_s = " << timeout_s << " s";
+  const std::string waited = waited_text.str();
   try {
-    i.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    try {
+      i.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    } catch (const std::exception& e) {
+      const std::string why = e.what();
+      if (node_rank == 0 && why.find("in use") != std::string::npos)
+        throw std::runtime_error("port " + std::to_string(port) + " is taken on this machine: another launcher was "
+                                 "given --node-rank 0 (each launcher of a run needs its own), or another program "
+                                 "holds the port (give another --master-port; the launchers use it and the next one)");
+      if (node_rank != 0)
+        throw std::runtime_error("node 0's launcher did not answer within " + waited + " (" + why +
+                                 "): start it with --node-rank 0 and --master-addr this address");
+      throw;
+    }
+    // Each node claims its rank: two launchers given one --node-rank would make a world with a
+    // rank twice and another missing.
+    if (i.store->add(key("claimed", node_rank), 1) > 1)
+      throw std::runtime_error("another launcher was given --node-rank " + std::to_string(node_rank) +
+                               " too: each launcher of a run needs its own node rank, 0 to " + std::to_string(nnodes - 1));
     // Every node in before any heartbeat counts (a client's constructor does not wait for the
     // others), and every node with as many workers.
     i.store->set(key("nproc", node_rank), bytes(std::to_string(nproc)));
@@ -118,7 +138,16 @@ NodeLink::NodeLink(const std::string& addr, int port, int nnodes, int node_rank,
     const auto barrier = [&](const char* name) {
       i.store->add(name, 1);
       while (i.store->add(name, 0) < nnodes) {
-        if (Clock::now() >= until) throw std::runtime_error("not every node joined within the rendezvous timeout");
+        if (Clock::now() >= until) {
+          std::string missing;
+          for (int n = 0; n < nnodes; ++n)
+            if (!i.store->check({key("claimed", n)})) missing += (missing.empty() ? "" : ", ") + std::to_string(n);
+          throw std::runtime_error(
+              missing.empty() ? "not every node went on within " + waited
+                              : "node " + missing + " did not join within " + waited +
+                                    ": start a launcher with that --node-rank, the same --nnodes, --master-addr and "
+                                    "--master-port, or raise the timeout");
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     };

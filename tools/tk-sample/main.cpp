@@ -21,6 +21,7 @@
 #include <glob.h>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -133,32 +134,123 @@ int64_t next_token(at::Tensor logits, const Options& o, at::Generator& gen) {
   return at::multinomial(logits.softmax(0), 1, false, gen).item<int64_t>();
 }
 
-int sample(const Options& o) {
-  const fs::path dir(o.run);
-  auto recipe = tk::Recipe::from_file(dir / "recipe.toml");
+/// A run's model built from its recipe (and run.device = --device), planned as it was trained.
+std::unique_ptr<tk::Trainer> build(tk::Recipe recipe, const Options& o) {
   const std::string device_set = "run.device=\"" + o.device + "\"";
   recipe.apply_override(device_set);
   tk::TrainerOptions topts;
   topts.write_outputs = false;
   topts.progress = tk::ProgressMode::None;
-  spdlog::set_level(spdlog::level::warn);
-  std::optional<tk::Trainer> built;
   try {
-    built.emplace(recipe, topts);
-    built->describe();  // builds and plans the run: the model as trained, after every plugin's setup
+    auto trainer = std::make_unique<tk::Trainer>(recipe, topts);
+    trainer->describe();  // builds and plans the run: the model as trained, after every plugin's setup
+    return trainer;
   } catch (const std::exception& e) {
     // The device is this tool's --device, not a --set the user typed.
     std::string why = tk::message_of(e);
     for (const std::string said : {"--set " + device_set + ": run.device: ", "--set " + device_set + ": "})
       if (why.rfind(said, 0) == 0) throw std::runtime_error("--device " + o.device + ": " + why.substr(said.size()));
-    throw;
+    throw std::runtime_error(why);
+  }
+}
+
+/// A one-sequence token shard in its own temporary folder, removed with it: what a run of data
+/// 'tokens' whose shards are gone is built from (its model needs the vocabulary and the context,
+/// not the examples).
+class StandInShard {
+ public:
+  StandInShard(int64_t vocab, int64_t seq_len) : vocab_(vocab) {
+    char dir[] = "/tmp/tk-sample-XXXXXX";
+    if (!::mkdtemp(dir)) throw std::runtime_error("cannot make a temporary folder");
+    dir_ = dir;
+    const int32_t version = vocab > 65536 ? 2 : 1;
+    std::vector<int32_t> header(256, 0);
+    header[0] = 20240520;
+    header[1] = version;
+    header[2] = static_cast<int32_t>(seq_len + 1);
+    std::ofstream out(file(), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), 1024);
+    for (int64_t i = 0; i <= seq_len; ++i) {
+      const uint32_t id = static_cast<uint32_t>(i % vocab);
+      out.write(reinterpret_cast<const char*>(&id), version == 1 ? 2 : 4);  // little-endian (the shards' order)
+    }
+    if (!out.flush()) throw std::runtime_error("cannot write " + file().string());
+  }
+  ~StandInShard() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  StandInShard(const StandInShard&) = delete;
+  StandInShard& operator=(const StandInShard&) = delete;
+  fs::path file() const { return dir_ / "stand_in.bin"; }
+  /// The recipe's [data] pointed at this shard.
+  tk::Recipe recipe(tk::Recipe r) const {
+    r.apply_override("data.train=\"" + file().string() + "\"");
+    r.apply_override("data.validation=\"\"");
+    r.apply_override("data.vocab=" + std::to_string(vocab_));
+    return r;
+  }
+
+ private:
+  fs::path dir_;
+  int64_t vocab_;
+};
+
+/// Whether every pattern of the recipe's [data] `key` (a file, a glob, or a list of them) matches a file.
+bool names_files(const tk::Recipe& recipe, const std::string& spec) {
+  size_t from = 0;
+  while (from <= spec.size()) {
+    const size_t comma = spec.find(',', from);
+    const std::string one = spec.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+    from = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    if (one.empty()) continue;
+    glob_t g{};
+    const bool found = ::glob(recipe.resolve_path(one).c_str(), 0, nullptr, &g) == 0 && g.gl_pathc > 0;
+    ::globfree(&g);
+    if (!found) return false;
+  }
+  return true;
+}
+
+/// For a run of data 'tokens' whose data set cannot be made (its shards moved or deleted): the
+/// stand-in shard its model is built from, with the vocabulary and context its weights file
+/// records; null for other runs. `why` is what making the data set said.
+std::unique_ptr<StandInShard> stand_in_for(const tk::Recipe& recipe, const fs::path& weights, const std::string& why) {
+  const auto table = toml::parse_file(recipe.source());
+  auto data = [&](const char* key) { return std::string(table["data"][key].value_or("")); };
+  if (data("name") != "tokens" || (names_files(recipe, data("train")) && names_files(recipe, data("validation"))))
+    return nullptr;  // the shards are there: what failed is something else
+  const tk::Metadata meta = tk::load_safetensors_metadata(weights);
+  const auto vocab = meta.find("trainkit.vocab"), shape = meta.find("trainkit.input_shape");
+  if (vocab == meta.end() || shape == meta.end() || std::atoll(vocab->second.c_str()) < 1 || shape->second.empty())
+    throw std::runtime_error(why + "\n" + weights.string() + " does not record the vocabulary and context its model was "
+                             "built for (an older trainkit wrote it): put the run's shards back where its recipe.toml "
+                             "names them");
+  std::fprintf(stderr, "tk-sample: the run's data cannot be read (%s); its model is built from what %s records: a "
+               "vocabulary of %s tokens and a context of %s\n", why.c_str(), weights.c_str(), vocab->second.c_str(),
+               shape->second.c_str());
+  return std::make_unique<StandInShard>(std::atoll(vocab->second.c_str()), std::atoll(shape->second.c_str()));
+}
+
+int sample(const Options& o) {
+  const fs::path dir(o.run);
+  auto recipe = tk::Recipe::from_file(dir / "recipe.toml");
+  const fs::path weights = o.weights.empty() ? dir / "weights.safetensors" : fs::path(o.weights);
+  spdlog::set_level(spdlog::level::warn);
+  std::unique_ptr<tk::Trainer> built;
+  std::unique_ptr<StandInShard> stand_in;
+  try {
+    built = build(recipe, o);
+  } catch (const std::exception& e) {
+    stand_in = stand_in_for(recipe, weights, e.what());
+    if (!stand_in) throw;
+    built = build(stand_in->recipe(recipe), o);
   }
   tk::Trainer& trainer = *built;
   if (!trainer.data().info.next_token)
     throw std::runtime_error("the run in " + dir.string() + " is no language model (its data set's targets are not "
                              "the next tokens): tk-sample continues text with runs of data 'text' or 'tokens'");
   tk::Model& model = trainer.model();
-  const fs::path weights = o.weights.empty() ? dir / "weights.safetensors" : fs::path(o.weights);
   auto params = model.named_parameters();
   auto buffers = model.named_buffers();
   torch::NoGradGuard no_grad;

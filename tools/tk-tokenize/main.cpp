@@ -13,8 +13,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../cli_parse.h"
@@ -85,26 +87,160 @@ class OutFile {
   std::FILE* f_;
 };
 
+/// The inputs, each read once, and their documents: views into them.
+struct Documents {
+  std::vector<std::string> texts;
+  std::vector<std::string_view> docs;
+  int64_t bytes = 0;
+};
+
 /// Every input's documents, in order: each file split at `separator` (whole when it is empty);
 /// empty documents are left out.
-std::vector<std::string> documents(const Options& o, int64_t& bytes) {
-  std::vector<std::string> docs;
-  bytes = 0;
-  for (const auto& f : o.inputs) {
-    const std::string text = read_file(f);
-    bytes += static_cast<int64_t>(text.size());
+Documents documents(const Options& o) {
+  Documents d;
+  d.texts.reserve(o.inputs.size());  // the views below point into these strings: they never move
+  for (const auto& f : o.inputs) d.texts.push_back(read_file(f));
+  for (const std::string_view text : d.texts) {
+    d.bytes += static_cast<int64_t>(text.size());
     size_t from = 0;
     while (from <= text.size()) {
-      size_t at = o.separator.empty() ? std::string::npos : text.find(o.separator, from);
-      std::string doc = text.substr(from, at == std::string::npos ? std::string::npos : at - from);
-      if (!doc.empty()) docs.push_back(std::move(doc));
-      if (at == std::string::npos) break;
+      const size_t at = o.separator.empty() ? std::string_view::npos : text.find(o.separator, from);
+      const std::string_view doc = text.substr(from, at == std::string_view::npos ? std::string_view::npos : at - from);
+      if (!doc.empty()) d.docs.push_back(doc);
+      if (at == std::string_view::npos) break;
       from = at + o.separator.size();
     }
   }
-  if (docs.empty()) throw Failure("the inputs hold no text");
-  return docs;
+  if (d.docs.empty()) throw Failure("the inputs hold no text");
+  return d;
 }
+
+/// One field of a serialized protobuf message: its number and its value, a varint or bytes.
+struct ProtoField {
+  uint64_t number = 0, varint = 0;
+  std::string_view bytes;
+};
+
+/// The fields of the serialized protobuf message `m`, in order; nullopt when it is malformed.
+std::optional<std::vector<ProtoField>> proto_fields(std::string_view m) {
+  size_t at = 0;
+  const auto varint = [&](uint64_t& v) {
+    v = 0;
+    for (int shift = 0; at < m.size() && shift < 64; shift += 7) {
+      const auto b = static_cast<unsigned char>(m[at++]);
+      v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if (b < 0x80) return true;
+    }
+    return false;
+  };
+  std::vector<ProtoField> fields;
+  while (at < m.size()) {
+    ProtoField f;
+    uint64_t key = 0;
+    if (!varint(key)) return std::nullopt;
+    f.number = key >> 3;
+    const uint64_t type = key & 7;
+    uint64_t size = type == 1 ? 8 : type == 5 ? 4 : 0;  // 1: fixed64, 5: fixed32, 2: length-delimited
+    if (type == 0 && !varint(f.varint)) return std::nullopt;
+    if (type == 2 && !varint(size)) return std::nullopt;
+    if ((type != 0 && type != 1 && type != 2 && type != 5) || size > m.size() - at) return std::nullopt;
+    f.bytes = m.substr(at, size);
+    at += size;
+    fields.push_back(f);
+  }
+  return fields;
+}
+
+/// The longest document encoded in one call; a longer one is encoded in pieces of this size and
+/// up to the next whitespace. SentencePiece's Encode takes about 100 bytes of memory per byte.
+constexpr size_t kPiece = 64 << 10;
+
+/// Tokens of documents by a SentencePiece model. A document longer than kPiece bytes is encoded
+/// in pieces cut before whitespace, in memory bounded by kPiece and the longest stretch without
+/// whitespace: the pieces' tokens are the whole document's (a BPE model's exactly; a unigram
+/// model's up to float rounding: its Viterbi sums scores in float from the start of the text, so
+/// where two segmentations score the same within rounding, which one wins depends on where the
+/// text starts). A model that may make a piece across whitespace gets each document whole
+/// (why_whole() says why).
+class Encoder {
+ public:
+  /// Loads the serialized model `model`; `name` names it in errors.
+  Encoder(const std::string& model, const std::string& name) {
+    if (const auto status = sp_.LoadFromSerializedProto(model); !status.ok())
+      throw Failure(name + ": not a SentencePiece model: " + status.ToString());
+    why_whole_ = choose_cuts(model);
+  }
+  const sentencepiece::SentencePieceProcessor& processor() const noexcept { return sp_; }
+  /// Why documents are encoded whole ("" when long ones are cut at whitespace).
+  const std::string& why_whole() const noexcept { return why_whole_; }
+
+  /// Calls `take(ids)` with the tokens of `doc`, in order, a piece at a time.
+  template <class Take>
+  void encode(std::string_view doc, Take&& take) const {
+    while (!doc.empty()) {
+      const size_t cut = doc.size() > kPiece ? next_cut(doc, kPiece) : std::string_view::npos;
+      take(sp_.EncodeAsIds(doc.substr(0, cut)));
+      doc.remove_prefix(cut == std::string_view::npos ? doc.size() : cut);
+    }
+  }
+
+ private:
+  /// The first place at or after `from` where `doc` may be cut (npos: none): before whitespace
+  /// that follows a printable ASCII character. (After whitespace, or U+2581 that a normalization
+  /// other than nmt_ keeps, the piece before the cut would lose its trailing U+2581.)
+  size_t next_cut(std::string_view doc, size_t from) const {
+    if (cuts_.empty()) return std::string_view::npos;
+    size_t at = doc.find_first_of(cuts_, from);
+    while (at != std::string_view::npos && !(doc[at - 1] > ' ' && doc[at - 1] < 0x7f)) at = doc.find_first_of(cuts_, at + 1);
+    return at;
+  }
+
+  /// Sets cuts_, the bytes a long document may be cut before, from the model's normalizer spec
+  /// and its pieces; returns why there are none. A cut before a space S keeps the whole's tokens
+  /// when the normalizer maps S to a space in a rule of its own (the built-in ones: their rules
+  /// hold no space; the nmt_ ones map \n, \t and \r to a space), writes spaces as U+2581, drops
+  /// extra ones and adds one before the text (the piece after the cut then starts with the U+2581
+  /// the whole has there), and when no piece holds U+2581 but at its start while U+2581 alone is a
+  /// piece: no token spans the cut, nor do two unknown ones merge across it.
+  std::string choose_cuts(std::string_view model) {
+    std::string name;
+    bool dummy_prefix = true, remove_extra = true, escape = true, suffix = false;
+    const auto top = proto_fields(model);
+    if (!top) return "its model file could not be read";
+    for (const auto& f : *top) {
+      if (f.number != 2 && f.number != 3) continue;  // ModelProto: 2 trainer_spec, 3 normalizer_spec
+      const auto spec = proto_fields(f.bytes);
+      if (!spec) return "its model file could not be read";
+      for (const auto& g : *spec) {
+        if (f.number == 2 && g.number == 24) suffix = g.varint != 0;  // treat_whitespace_as_suffix
+        if (f.number == 3 && g.number == 1) name = std::string(g.bytes);
+        if (f.number == 3 && g.number == 3) dummy_prefix = g.varint != 0;
+        if (f.number == 3 && g.number == 4) remove_extra = g.varint != 0;
+        if (f.number == 3 && g.number == 5) escape = g.varint != 0;
+      }
+    }
+    const bool nmt = name == "nmt_nfkc" || name == "nmt_nfkc_cf";
+    if (!nmt && name != "nfkc" && name != "nfkc_cf" && name != "identity")
+      return "its normalization '" + name + "' is not one of SentencePiece's built-in ones";
+    if (!dummy_prefix || !remove_extra || !escape || suffix)
+      return "its normalizer does not treat whitespace as SentencePiece's default does (add_dummy_prefix, "
+             "remove_extra_whitespaces, escape_whitespaces, whitespace before words)";
+    const std::string_view mark = "\xe2\x96\x81";  // U+2581, SentencePiece's whitespace
+    const int space = sp_.PieceToId(mark);
+    if (sp_.IsUnknown(space) || sp_.IsControl(space) || sp_.IsUnused(space) || sp_.IsByte(space))
+      return "U+2581 (whitespace) is no piece of it";
+    for (int id = 0; id < sp_.GetPieceSize(); ++id)
+      if (sp_.IdToPiece(id).find(mark, 1) != std::string::npos)
+        return "its piece '" + sp_.IdToPiece(id) +
+               "' reaches across whitespace (a model trained with split_by_whitespace=false)";
+    cuts_ = nmt ? " \n\t\r" : " ";
+    return "";
+  }
+
+  sentencepiece::SentencePieceProcessor sp_;
+  std::string cuts_;
+  std::string why_whole_;
+};
 
 /// The longest line SentencePiece's trainer reads (its max_sentence_length); longer ones it skips.
 constexpr int64_t kTrainLine = 4192;
@@ -137,33 +273,32 @@ class ShardWriter {
  public:
   ShardWriter(OutputFolder& out, std::string name, int64_t limit, int width)
       : out_(out), name_(std::move(name)), limit_(limit), width_(width) {}
+  void add(uint32_t token) {
+    if (pending_ == limit_) flush();
+    for (int b = 0; b < width_; ++b) body_.push_back(static_cast<unsigned char>(token >> (8 * b)));  // little-endian
+    ++pending_;
+    ++total_;
+  }
   void add(const std::vector<int>& ids) {
-    for (int id : ids) {
-      if (static_cast<int64_t>(pending_.size()) == limit_) flush();
-      pending_.push_back(static_cast<uint32_t>(id));
-    }
-    total_ += static_cast<int64_t>(ids.size());
+    for (int id : ids) add(static_cast<uint32_t>(id));
   }
   void flush() {
-    if (pending_.empty()) return;
+    if (pending_ == 0) return;
     char number[32];
     std::snprintf(number, sizeof number, "_%03d.bin", static_cast<int>(files_.size()));
     const std::string name = name_ + number;
     std::vector<int32_t> head(256, 0);
     head[0] = 20240520;
     head[1] = width_ == 2 ? 1 : 2;
-    head[2] = static_cast<int32_t>(pending_.size());
-    std::vector<unsigned char> body;
-    body.reserve(pending_.size() * static_cast<size_t>(width_));
-    for (uint32_t v : pending_)
-      for (int b = 0; b < width_; ++b) body.push_back(static_cast<unsigned char>(v >> (8 * b)));  // little-endian
+    head[2] = static_cast<int32_t>(pending_);
     OutFile file(out_.stage(name));
     file.write(head.data(), 1024);
-    file.write(body.data(), body.size());
+    file.write(body_.data(), body_.size());
     file.close();
     out_.staged(name);
     files_.push_back((out_.dir() / name).string());
-    pending_.clear();
+    body_.clear();
+    pending_ = 0;
   }
   int64_t total() const noexcept { return total_; }
   const std::vector<std::string>& files() const noexcept { return files_; }
@@ -173,7 +308,8 @@ class ShardWriter {
   std::string name_;
   int64_t limit_;
   int width_;
-  std::vector<uint32_t> pending_;
+  std::vector<unsigned char> body_;  // the pending tokens, as the shard holds them
+  int64_t pending_ = 0;
   std::vector<std::string> files_;
   int64_t total_ = 0;
 };
@@ -233,15 +369,14 @@ int run(Options& o) {
     if (out.holds(f) && !(model_in_place && f == o.model))
       throw Failure(f + " is a file of the tokenization in " + o.out + ", which this one replaces: tk-tokenize never "
                     "writes over its input; copy it out of the folder first, or give --out another folder");
-  int64_t bytes = 0;
-  const auto docs = documents(o, bytes);
-  sentencepiece::SentencePieceProcessor sp;
+  const Documents input = documents(o);
+  const auto& docs = input.docs;
+  std::optional<Encoder> encoder;
   int vocab = 256, eos = -1;
   if (!o.bytes) {
     // The model the shards are made with goes beside them, as tokenizer.model (tk-sample finds it there).
     const std::string model = o.model.empty() ? train_model(o) : read_file(o.model);
-    const auto status = sp.LoadFromSerializedProto(model);
-    if (!status.ok()) throw Failure((o.model.empty() ? "the trained model" : o.model) + ": not a SentencePiece model: " + status.ToString());
+    encoder.emplace(model, o.model.empty() ? "the trained model" : o.model);
     if (model_in_place) {
       out.keep("tokenizer.model");
     } else {
@@ -251,25 +386,28 @@ int run(Options& o) {
       out.staged("tokenizer.model");
     }
     if (o.model.empty()) o.model = (out.dir() / "tokenizer.model").string();
-    vocab = sp.GetPieceSize();
-    eos = sp.eos_id();
+    vocab = encoder->processor().GetPieceSize();
+    eos = encoder->processor().eos_id();
+    const bool long_doc = std::any_of(docs.begin(), docs.end(), [](std::string_view d) { return d.size() > kPiece; });
+    if (long_doc && !encoder->why_whole().empty())
+      std::fprintf(stderr, "tk-tokenize: note: %s: %s, so each document is encoded whole, in memory about 100 times "
+                   "its size\n", o.model.c_str(), encoder->why_whole().c_str());
   }
   const int width = vocab <= 65536 ? 2 : 4;
   const size_t n_val = static_cast<size_t>(std::floor(o.validation * static_cast<double>(docs.size())));
   if (o.validation > 0.0 && n_val == 0) throw Failure("--validation holds out no document of " + std::to_string(docs.size()));
   ShardWriter train(out, o.prefix + "train", o.shard_tokens, width), val(out, o.prefix + "val", o.shard_tokens, width);
   for (size_t i = 0; i < docs.size(); ++i) {
-    std::vector<int> ids;
-    if (o.bytes) {
-      for (unsigned char c : docs[i]) ids.push_back(c);
-    } else {
-      ids = sp.EncodeAsIds(docs[i]);
-      if (eos >= 0) ids.push_back(eos);  // each document ends with the model's end-of-sequence
-    }
     // Held out evenly through the documents (every 1/fraction-th), not from the end, which for
     // several files would be the last files only.
     const bool held = std::floor(static_cast<double>(i + 1) * o.validation) > std::floor(static_cast<double>(i) * o.validation);
-    (held ? val : train).add(ids);
+    ShardWriter& split = held ? val : train;
+    if (o.bytes) {
+      for (unsigned char c : docs[i]) split.add(c);
+    } else {
+      encoder->encode(docs[i], [&split](const std::vector<int>& ids) { split.add(ids); });
+      if (eos >= 0) split.add(static_cast<uint32_t>(eos));  // each document ends with the model's end-of-sequence
+    }
     progress(i + 1, docs.size());
   }
   train.flush();
@@ -277,8 +415,8 @@ int run(Options& o) {
   out.commit();
   const int64_t tokens = train.total() + val.total();
   std::printf("tokenized %zu documents (%lld bytes) into %lld tokens, %.3f tokens per byte; vocabulary %d (%s)\n",
-              docs.size(), static_cast<long long>(bytes), static_cast<long long>(tokens),
-              static_cast<double>(tokens) / static_cast<double>(std::max<int64_t>(bytes, 1)), vocab,
+              docs.size(), static_cast<long long>(input.bytes), static_cast<long long>(tokens),
+              static_cast<double>(tokens) / static_cast<double>(std::max<int64_t>(input.bytes, 1)), vocab,
               o.bytes ? "bytes" : o.model.c_str());
   std::printf("train: %lld tokens in %zu shard(s); validation: %lld tokens in %zu shard(s) (%zu documents)\n",
               static_cast<long long>(train.total()), train.files().size(), static_cast<long long>(val.total()),

@@ -24,6 +24,11 @@ struct DataInfo {
   std::string baseline_name;  ///< a reference the validation loss is shown against ("unigram"), if any
   double baseline_loss = 0.0; ///< that reference's validation loss
   std::string default_loss;   ///< the loss a recipe without a [loss] section gets ("" : it must name one)
+  /// What the files behind the examples are, for the run's identity: "" for a data set its options
+  /// say everything of (the synthetic ones); for one read from files, each split's
+  /// files_fingerprint() ("train: 3 files, ..."). A resume on other files is refused, naming
+  /// `data` (`--allow-change data` lets it through), and so are ranks that read other files.
+  std::string fingerprint;
 
   /// "image [1, 28, 28]", "tokens [128] of 256", "features [32]": for error messages.
   std::string describe() const;
@@ -61,6 +66,13 @@ struct DataSplits {
   DatasetPtr validation;  ///< may be null
   DataInfo info;
 };
+
+/// "3 files, 3145728 bytes, digest 5f1e2d3c4b5a6978": the files' names (without their folders), their
+/// sizes and 16 blocks of 4 KiB read evenly through each (all of a file up to 64 KiB), hashed. Other
+/// files, other sizes or other contents give another text, but a change confined to the bytes
+/// between the blocks does not: it tells data sets apart, it does not checksum them. Each file must
+/// be a regular one (tk::Error naming it otherwise).
+std::string files_fingerprint(const std::vector<std::string>& files);
 
 /// The order examples are visited in an epoch: a pure function of (seed, epoch).
 at::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch, bool shuffle);

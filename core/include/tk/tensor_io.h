@@ -3,6 +3,7 @@
 #include <torch/types.h>
 
 #include <filesystem>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,12 +20,19 @@ void save_tensor_dict(const std::filesystem::path& file, const NamedTensors& ten
 /// Reads a file written by save_tensor_dict() or by Python's torch.save of a dict of tensors.
 NamedTensors load_tensor_dict(const std::filesystem::path& file);
 
+/// The text entries of a safetensors file's "__metadata__".
+using Metadata = std::map<std::string, std::string>;
+
 /// Bytes of `tensors` in the safetensors format of the Hugging Face ecosystem: an 8-byte
 /// little-endian header length, a JSON header (each name's dtype, shape and data_offsets, and
-/// "__metadata__"), padded with spaces to 8 bytes, then each tensor's raw little-endian data.
-std::string save_safetensors(const NamedTensors& tensors);
+/// "__metadata__": "format": "pt" and `metadata`), padded with spaces to 8 bytes, then each
+/// tensor's raw little-endian data.
+std::string save_safetensors(const NamedTensors& tensors, const Metadata& metadata = {});
 /// Writes save_safetensors() to `file` atomically.
-void save_safetensors(const std::filesystem::path& file, const NamedTensors& tensors);
+void save_safetensors(const std::filesystem::path& file, const NamedTensors& tensors, const Metadata& metadata = {});
+/// The "__metadata__" of a safetensors file, read from its header alone (empty when it has none);
+/// a file that is not one is refused, naming it.
+Metadata load_safetensors_metadata(const std::filesystem::path& file);
 /// Reads a safetensors file, refusing (naming the file and the entry) a header that is not JSON,
 /// an unknown dtype, and data offsets that do not match the shape or lie outside the file.
 NamedTensors load_safetensors(const std::filesystem::path& file);

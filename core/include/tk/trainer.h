@@ -98,6 +98,10 @@ struct AccumulationCheck {
 /// name the recipe position or plugin file at fault.
 std::set<std::string> plugin_capabilities(const Recipe& recipe, const TrainerOptions& opts = {});
 
+/// The recipe's [world] rendezvous_timeout_s, checked as a run checks it (errors name its line):
+/// how long the launchers of a run's nodes wait for one another, as its ranks do.
+double rendezvous_timeout_s(const Recipe& recipe);
+
 class Trainer {
  public:
   /// Builds model, data, loss, schedule and plugins from `recipe` (the Trainer keeps its own

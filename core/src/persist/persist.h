@@ -17,8 +17,11 @@ namespace tk::detail {
 
 // ---- resume.cpp: what a run is, and continuing one from a checkpoint ----------------------------------
 
-/// What determines `run`: its resolved recipe without the keys that may change on resume, and its
-/// world size.
+/// The identity's key for what the data set's files hold (DataInfo::fingerprint): beside the recipe's
+/// keys, so that `--allow-change data` covers it with the [data] section.
+inline constexpr const char* kDataKey = "data";
+/// What determines `run`: its resolved recipe without the keys that may change on resume, what its
+/// data set's files hold, and its world size.
 RunIdentity run_identity(const Run& run);
 /// Every rank of a world trains the same recipe: each compares `identity` (hashed, key by key) with
 /// rank 0's and the world refuses the run when one differs, that rank naming its keys and values

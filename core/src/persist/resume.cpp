@@ -6,6 +6,7 @@
 #include "assemble/assemble.h"
 #include "persist/persist.h"
 #include "planning/planning.h"
+#include "tk/abi.h"
 
 namespace fs = std::filesystem;
 
@@ -28,17 +29,15 @@ RunIdentity run_identity(const Run& r) {
     id.recipe.emplace_back(k, v);
     if (is_default) id.defaults.insert(k);
   }
+  // What the data set's files hold: another recipe could name the same files, the same recipe other ones.
+  if (!r.data.info.fingerprint.empty()) id.recipe.emplace_back(kDataKey, r.data.info.fingerprint);
   return id;
 }
 
 namespace {
 
-/// 64-bit FNV-1a of `s`, to compare texts across ranks as numbers.
-int64_t text_hash(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return static_cast<int64_t>(h >> 1);
-}
+/// `s` hashed, to compare texts across ranks as numbers.
+int64_t text_hash(const std::string& s) { return static_cast<int64_t>(abi::text_hash(s.c_str()) >> 1); }
 
 }  // namespace
 
@@ -57,10 +56,12 @@ void agree_on_identity(World& world, const RunIdentity& identity) {
   const int64_t* z = zero.data_ptr<int64_t>();
   for (int64_t i = 0; i + 1 < zero.numel(); i += 2) theirs[z[i]] = z[i + 1];
   std::vector<std::string> differ;
+  bool differ_in_data = false;
   for (const auto& [k, v] : identity.recipe) {
     const auto it = theirs.find(text_hash(k));
     if (it == theirs.end()) differ.push_back(k + " = " + v + " (rank 0 has no " + k + ")");
     else if (it->second != text_hash(v)) differ.push_back(k + " = " + v);
+    if (it == theirs.end() || it->second != text_hash(v)) differ_in_data = differ_in_data || k == kDataKey;
     if (it != theirs.end()) theirs.erase(it);
   }
   if (!theirs.empty())
@@ -71,7 +72,8 @@ void agree_on_identity(World& world, const RunIdentity& identity) {
   if (!differ.empty())
     throw RunRefused("rank " + std::to_string(world.rank()) + " trains another recipe than rank 0: " +
                      join(differ.data(), differ.data() + differ.size()) + " here, other values on rank 0; every "
-                     "launcher of a run must be given the same recipe and the same --set options");
+                     "launcher of a run must be given the same recipe and the same --set options" +
+                     (differ_in_data ? ", and read the same data files" : ""));
   if (bad.item<int64_t>() > 0)
     throw RunRefused("another rank trains another recipe than rank 0 (that rank's error names the keys); every "
                      "launcher of a run must be given the same recipe and the same --set options");
@@ -99,6 +101,8 @@ void restore_plugin_states(Run& r, Checkpoint& resumed) {
 struct Differences {
   std::vector<std::string> refused;   ///< what `allowed` does not cover
   std::vector<std::string> defaults;  ///< keys the checkpoint does not record, at their default here
+  std::vector<std::string> allowed;   ///< the differences `allowed` covers
+  bool unrecorded_data = false;       ///< the checkpoint does not record its data's files
 };
 
 /// Compares the checkpoint's run with this one. A key the checkpoint does not record is an option
@@ -127,16 +131,19 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
   for (const auto& [k, v] : now.recipe) {
     auto it = before.find(k);
     const std::string* old = it == before.end() ? nullptr : &it->second;
-    if (!old && now.defaults.count(k))
+    if (!old && k == kDataKey)
+      out.unrecorded_data = true;
+    else if (!old && now.defaults.count(k))
       out.defaults.push_back(k + " = " + v);
-    else if ((!old || *old != v) && !is_allowed(k))
-      out.refused.push_back(k + ": " + show(old) + " -> " + v);
+    else if (!old || *old != v)
+      (is_allowed(k) ? out.allowed : out.refused).push_back(k + ": " + show(old) + " -> " + v);
     if (it != before.end()) before.erase(it);
   }
   for (const auto& [k, v] : before)
-    if (!is_allowed(k) && !now.retired.count(k)) out.refused.push_back(k + ": " + v + " -> (not set)");
-  if (saved.world_size != now.world_size && !is_allowed("world_size"))
-    out.refused.push_back("world_size: " + std::to_string(saved.world_size) + " -> " + std::to_string(now.world_size));
+    if (!now.retired.count(k)) (is_allowed(k) ? out.allowed : out.refused).push_back(k + ": " + v + " -> (not set)");
+  if (saved.world_size != now.world_size)
+    (is_allowed("world_size") ? out.allowed : out.refused)
+        .push_back("world_size: " + std::to_string(saved.world_size) + " -> " + std::to_string(now.world_size));
   return out;
 }
 
@@ -153,8 +160,9 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   const fs::path dir = resolve_checkpoint(which, output_dir, &note);
   if (!note.empty()) r.warn(note);
   // Checked before anything is loaded: another optimizer's state would not even load.
+  Differences diff;
   if (auto saved = read_run_identity(dir)) {
-    const auto diff = differences(*saved, identity, allowed);
+    diff = differences(*saved, identity, allowed);
     if (!diff.refused.empty())
       throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
                   lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
@@ -162,11 +170,23 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
     if (!diff.defaults.empty())
       r.warn(dir.string() + " does not record these options (they are newer than what wrote it); resuming with their "
              "defaults, as the run that wrote it trained:" + lines(diff.defaults));
+    if (diff.unrecorded_data)
+      r.warn(dir.string() + " does not record which data files it trained on (written by an older trainkit): make "
+             "sure they are the ones it was started with");
   } else {
     r.warn(dir.string() + " does not record the recipe it was made with (written by an older trainkit): "
            "make sure this recipe is the one it was started with");
   }
-  Checkpoint resumed = load_checkpoint(dir, *r.model, *r.optimizer);
+  Checkpoint resumed;
+  try {
+    resumed = load_checkpoint(dir, *r.model, *r.optimizer);
+  } catch (const Error& e) {
+    if (diff.allowed.empty()) throw;
+    // What was saved is read by this run's model and optimizer: a change let through may be why it cannot be.
+    throw RunRefused(std::string(e.what()) + "\nthis resume changes the run that wrote the checkpoint (let through with "
+                     "--allow-change):" + lines(diff.allowed) + "\nwhat the checkpoint holds cannot be read with these "
+                     "changes: resume without them (or with those the error above does not concern)");
+  }
   restore_plugin_states(r, resumed);
   if (resumed.position.counters.total_steps != r.total_steps)
     throw RunRefused(resumed.dir.string() + ": the checkpoint is of a run of " +

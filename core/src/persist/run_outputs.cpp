@@ -138,7 +138,14 @@ void RunOutputs::write_weights(const Run& run) {
   for (const auto& b : run.model->named_buffers()) tensors.emplace_back(b.key(), b.value());
   save_tensor_dict(dir_ / "weights.pt", tensors);
   wrote("weights.pt");
-  save_safetensors(dir_ / "weights.safetensors", tensors);
+  // What the model was built for, so that it can be built again without its data (tk-sample).
+  const DataInfo& info = run.data.info;
+  std::string shape;
+  for (int64_t d : info.input_shape) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+  const Metadata meta = {{"trainkit.vocab", std::to_string(info.vocab)},
+                         {"trainkit.input_shape", shape},
+                         {"trainkit.next_token", info.next_token ? "true" : "false"}};
+  save_safetensors(dir_ / "weights.safetensors", tensors, meta);
   wrote("weights.safetensors");
 }
 

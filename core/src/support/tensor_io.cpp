@@ -74,17 +74,24 @@ NamedTensors load_tensor_dict(const std::filesystem::path& file) {
     // LibTorch's unpickler reports some foreign objects (an OrderedDict) as its own internal bug.
     const std::string why = message_of(e);
     std::string reason = ": " + why;
-    if (why.find("INTERNAL ASSERT") != std::string::npos) reason = ": it holds objects other than a dict of tensors";
-    // Python pickles a dict of one entry with SETITEM, which LibTorch's unpickler lacks.
+    if (why.find("INTERNAL ASSERT") != std::string::npos)
+      reason = ": it holds Python objects other than dicts of tensors (model.state_dict() is an OrderedDict: save "
+               "dict(model.state_dict()))";
+    // Python pickles a dict of one entry with SETITEM, which LibTorch 1.13's unpickler lacks.
     if (why.find("Unknown opcode") != std::string::npos)
       reason = ": its pickle has an opcode LibTorch cannot read (" + why +
-               "; Python writes a dict of a single tensor that way: save two or more)";
+               "; Python writes a dict of one entry that way, be it one tensor or one dict under one key: save a flat "
+               "dict of two or more tensors)";
     throw Error(file.string() + ": not a tensor file written by torch.save or trainkit (a plain dict of name -> tensor)" +
                 reason);
   }
   if (!v.isGenericDict()) throw Error(file.string() + ": expected a dict of tensors, got " + v.tagKind());
   NamedTensors out;
   for (const auto& item : v.toGenericDict()) {
+    if (item.key().isString() && item.value().isGenericDict())
+      throw Error(file.string() + ": its entry '" + item.key().toStringRef() + "' is a dict, not a tensor: a "
+                  "checkpoint that keeps the weights under a key (nanoGPT's ckpt.pt keeps them under 'model')? Save "
+                  "that dict alone: torch.save(dict(ckpt['" + item.key().toStringRef() + "']), FILE)");
     if (!item.key().isString() || !item.value().isTensor())
       throw Error(file.string() + ": expected a dict of name -> tensor, found an entry of " + item.key().tagKind() +
                   " -> " + item.value().tagKind());
@@ -111,10 +118,11 @@ bool little_endian() {
 
 }  // namespace
 
-std::string save_safetensors(const NamedTensors& tensors) {
+std::string save_safetensors(const NamedTensors& tensors, const Metadata& metadata) {
   if (!little_endian()) throw Error("safetensors are little-endian; this machine is not");
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   header["__metadata__"] = {{"format", "pt"}};
+  for (const auto& [k, v] : metadata) header["__metadata__"][k] = v;
   std::vector<at::Tensor> data;
   int64_t offset = 0;
   for (const auto& [name, t] : tensors) {
@@ -140,8 +148,28 @@ std::string save_safetensors(const NamedTensors& tensors) {
   return out;
 }
 
-void save_safetensors(const std::filesystem::path& file, const NamedTensors& tensors) {
-  write_atomic(file, save_safetensors(tensors));
+void save_safetensors(const std::filesystem::path& file, const NamedTensors& tensors, const Metadata& metadata) {
+  write_atomic(file, save_safetensors(tensors, metadata));
+}
+
+Metadata load_safetensors_metadata(const std::filesystem::path& file) {
+  const std::string where = file.string() + ": ";
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(file, ec)) throw Error(where + "no such file, or not a regular file");
+  const auto size = std::filesystem::file_size(file, ec);
+  std::ifstream in(file, std::ios::binary);
+  uint64_t len = 0;
+  if (ec || !in || size < 8 || !in.read(reinterpret_cast<char*>(&len), 8) || len > size - 8)
+    throw Error(where + "not a safetensors file (no header of its stated length)");
+  std::string json(static_cast<size_t>(len), '\0');
+  if (!in.read(json.data(), static_cast<std::streamsize>(len))) throw Error(where + "cannot read its header");
+  const auto header = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (!header.is_object()) throw Error(where + "not a safetensors file (its header is not a JSON object)");
+  Metadata out;
+  if (header.contains("__metadata__") && header["__metadata__"].is_object())
+    for (const auto& [k, v] : header["__metadata__"].items())
+      if (v.is_string()) out[k] = v.get<std::string>();
+  return out;
 }
 
 NamedTensors load_safetensors(const std::filesystem::path& file) {

@@ -6,6 +6,7 @@
 #include "assemble/assemble.h"
 #include "loop/loop.h"
 #include "planning/planning.h"
+#include "world/world.h"
 
 namespace tk {
 namespace {
@@ -36,6 +37,14 @@ namespace {
 std::set<std::string> plugin_capabilities(const Recipe& recipe, const TrainerOptions& opts) {
   try {
     return detail::provided_capabilities(recipe, opts);
+  } catch (...) {
+    rethrow_from_core();
+  }
+}
+
+double rendezvous_timeout_s(const Recipe& recipe) {
+  try {
+    return detail::world_waits(recipe.options("world", detail::world_specs())).rendezvous;
   } catch (...) {
     rethrow_from_core();
   }

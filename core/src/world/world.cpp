@@ -159,7 +159,7 @@ Placement placement_from_environment() {
 ProcessWorld::ProcessWorld(Placement placement) : p_(std::move(placement)) {}
 ProcessWorld::~ProcessWorld() { leave(); }
 
-void ProcessWorld::configure(const Options& o, at::Device device, bool may_join) {
+WorldWaits world_waits(const Options& o) {
   // A bounded wait: more than a week is a typo, and inf would overflow the milliseconds c10d takes.
   constexpr double kWeek = 7 * 24 * 3600.0;
   for (const char* key : {"timeout_s", "rendezvous_timeout_s"}) {
@@ -167,14 +167,19 @@ void ProcessWorld::configure(const Options& o, at::Device device, bool may_join)
     if (!(v > 0 && v <= kWeek))
       o.fail(key, "must be > 0 and at most a week (604800 seconds), got " + std::to_string(v));
   }
+  return {o.get_float("timeout_s"), o.get_float("rendezvous_timeout_s")};
+}
+
+void ProcessWorld::configure(const Options& o, at::Device device, bool may_join) {
+  const WorldWaits waits = world_waits(o);
   std::string backend = o.get_string("backend");
   if (backend == "auto") backend = device.is_cuda() ? "nccl" : "gloo";
   if (backend == "nccl" && !device.is_cuda()) o.fail("backend", "nccl needs the run on CUDA (run.device)");
 #ifndef USE_C10D_NCCL
   if (backend == "nccl") o.fail("backend", "this LibTorch was built without NCCL; use gloo");
 #endif
-  timeout_ = millis(o.get_float("timeout_s"));
-  rendezvous_timeout_ = millis(o.get_float("rendezvous_timeout_s"));
+  timeout_ = millis(waits.collective);
+  rendezvous_timeout_ = millis(waits.rendezvous);
   device_ = device;
   may_join_ = may_join && p_.size > 1;
   if (p_.size > 1) backend_ = backend;

@@ -19,6 +19,12 @@ namespace tk::detail {
 
 /// The recipe's [world] section: its option specs.
 OptionSpecs world_specs();
+/// The [world] section's waits, in seconds, each checked to be bounded (more than 0, at most a week;
+/// a recipe error at its line otherwise).
+struct WorldWaits {
+  double collective = 0.0, rendezvous = 0.0;
+};
+WorldWaits world_waits(const Options& settings);
 
 /// Where this process sits, as the launcher's environment says (no connection made).
 struct Placement {
