@@ -3,7 +3,9 @@
 
 Recipes: every shipped recipe mutated (lines deleted, values swapped, random bytes, extreme
 numbers, wrong types) through `tk-run --dry-run`. Files: damaged IDX, text, tensor and checkpoint
-files through the readers that take them. A case fails on a signal exit, an exit code other than
+files, token shards and their folder's tokenize.json, `[model] init` files (weights.pt and
+weights.safetensors) through the readers that take them, and a damaged tokenizer.model through
+tk-tokenize. A case fails on a signal exit, an exit code other than
 0, 1 or 2, a hang, or a C++ stack trace in the output.
 
     fuzz.py TK_RUN SOURCE_DIR WORK_DIR [--cases N] [--seed S] [--jobs J]
@@ -17,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -80,9 +83,15 @@ def damage(data, rng):
     return bytes(data) + bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
 
 
-def run_case(tk_run, args, cwd, timeout):
+def shard(tokens):
+    """A token shard in llm.c's format: 256 int32 of header (magic, version 1, count), uint16 tokens."""
+    return struct.pack("<256i", 20240520, 1, len(tokens), *([0] * 253)) + struct.pack("<%dH" % len(tokens), *tokens)
+
+
+def run_case(cmd, cwd, timeout):
+    """Runs `cmd` (a program and its arguments); what is wrong with how it ended, or None, and its output."""
     try:
-        p = subprocess.run([tk_run] + args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        p = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"))
     except subprocess.TimeoutExpired:
         return "hung (no exit within %d s)" % timeout, ""
@@ -110,6 +119,7 @@ def main():
     # thread and 95 s beside the other suites on 2 cores. The limit leaves room for that.
     ap.add_argument("--timeout", type=int, default=240)
     a = ap.parse_args()
+    a.tk_run = os.path.abspath(a.tk_run)
     rng = random.Random(a.seed)
     shutil.rmtree(a.work_dir, ignore_errors=True)
     os.makedirs(a.work_dir)
@@ -136,13 +146,25 @@ def main():
     ck_dir = os.path.join(files, "ck")
     with open(os.path.join(files, "tiny.toml"), "w") as f:
         f.write(tiny)
-    err, out = run_case(a.tk_run, [os.path.join(files, "tiny.toml"), "--progress", "none", "--set",
+    err, out = run_case([a.tk_run, os.path.join(files, "tiny.toml"), "--progress", "none", "--set",
                                    'run.output="%s"' % ck_dir, "--set", "run.checkpoint_every=2"], a.work_dir, a.timeout)
     if err or not os.path.isdir(os.path.join(ck_dir, "checkpoints")):
         print("cannot make the checkpoint to damage: %s\n%s" % (err, out))
         return 1
     checkpoint = os.path.join(ck_dir, "checkpoints", open(os.path.join(ck_dir, "checkpoints", "latest")).read().strip())
     tensors = os.path.join(checkpoint, "model.pt")
+    # A token shard and the tokenize.json of the folder it lies in; a tokenizer.model tk-tokenize trained.
+    tokens = [(i * 13) % 97 for i in range(600)]
+    manifest = '{"files": ["train_000.bin"], "complete": true}'
+    tokenize = os.path.join(os.path.dirname(os.path.abspath(a.tk_run)), "tk-tokenize")
+    model = None
+    if os.path.exists(tokenize):
+        subprocess.run([tokenize, os.path.join(files, "text.txt"), "--vocab", "60", "--out", os.path.join(files, "tok")],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if os.path.exists(os.path.join(files, "tok", "tokenizer.model")):
+            model = open(os.path.join(files, "tok", "tokenizer.model"), "rb").read()
+    tokens_recipe = ('[run]\nsteps = 2\n[model]\nname = "gpt"\nlayers = 1\nheads = 2\nwidth = 16\n[data]\n'
+                     'name = "tokens"\ntrain = "%s"\nseq_len = 8\n[optimizer]\nname = "adamw"\n')
 
     def make_case(i):
         d = os.path.join(a.work_dir, "case-%d" % i)
@@ -153,20 +175,44 @@ def main():
             path = os.path.join(d, name)
             with open(path, "wb") as f:
                 f.write(mutate(recipes[name], rng))
-            return "mutated " + name, [path, "--dry-run"], d
-        what = rng.choice(["text", "idx", "tensors", "checkpoint"] if idx else ["text", "tensors", "checkpoint"])
+            return "mutated " + name, [a.tk_run, path, "--dry-run"], d
+        kinds = ["text", "tensors", "checkpoint", "shard", "manifest", "init"] + (["idx"] if idx else [])
+        what = rng.choice(kinds + (["tokenizer"] if model else []))
+        if what in ("shard", "manifest"):  # a damaged shard, or a sound one beside a damaged tokenize.json
+            os.makedirs(os.path.join(d, "data"))
+            with open(os.path.join(d, "data", "train_000.bin"), "wb") as f:
+                f.write(damage(shard(tokens), rng) if what == "shard" else shard(tokens))
+            with open(os.path.join(d, "data", "tokenize.json"), "wb") as f:
+                f.write(damage(manifest.encode(), rng) if what == "manifest" else manifest.encode())
+            rpath = os.path.join(d, "r.toml")
+            with open(rpath, "w") as f:
+                f.write(tokens_recipe % os.path.join(d, "data", "train_*.bin"))
+            return "damaged " + ("shard" if what == "shard" else "tokenize.json"), [a.tk_run, rpath, "--dry-run"], d
+        if what == "init":  # a damaged weights file as [model] init
+            name = rng.choice(["weights.pt", "weights.safetensors"])
+            path = os.path.join(d, name)
+            with open(path, "wb") as f:
+                f.write(damage(open(os.path.join(ck_dir, name), "rb").read(), rng))
+            return "damaged " + name + " as model.init", [a.tk_run, os.path.join(files, "tiny.toml"), "--dry-run", "--set",
+                                                           'model.init="%s"' % path], d
+        if what == "tokenizer":  # a damaged tokenizer.model given to tk-tokenize
+            path = os.path.join(d, "tokenizer.model")
+            with open(path, "wb") as f:
+                f.write(damage(model, rng))
+            return "damaged tokenizer.model", [tokenize, os.path.join(files, "text.txt"), "--model", path, "--out",
+                                               os.path.join(d, "out")], d
         if what == "text":
             path = os.path.join(d, "text.txt")
             with open(path, "wb") as f:
                 f.write(damage(text.encode(), rng))
             recipe = recipes["gpt-tiny.toml"]
-            return "damaged text", [os.path.join(recipes_dir, "gpt-tiny.toml"), "--dry-run", "--set",
+            return "damaged text", [a.tk_run, os.path.join(recipes_dir, "gpt-tiny.toml"), "--dry-run", "--set",
                                     'data.path="%s"' % path, "--set", "data.seq_len=16"], d
         if what == "idx":
             for name, data in idx.items():
                 with open(os.path.join(d, name), "wb") as f:
                     f.write(damage(data, rng) if rng.random() < 0.5 else data)
-            return "damaged IDX", [os.path.join(recipes_dir, "fashion-mnist.toml"), "--dry-run", "--set",
+            return "damaged IDX", [a.tk_run, os.path.join(recipes_dir, "fashion-mnist.toml"), "--dry-run", "--set",
                                    'data.dir="%s"' % d], d
         if what == "tensors":
             path = os.path.join(d, "data.pt")
@@ -178,7 +224,7 @@ def main():
                 f.write('[model]\nname = "mlp"\n[data]\nname = "tensors"\npath = "%s"\ninputs = "%s"\ntargets = "%s"\n'
                         '[optimizer]\nname = "sgd"\n' % (path, rng.choice(["layers.0.weight", "inputs"]),
                                                          rng.choice(["layers.0.bias", "targets"])))
-            return "damaged tensors file", [rpath, "--dry-run"], d
+            return "damaged tensors file", [a.tk_run, rpath, "--dry-run"], d
         # A checkpoint with one file damaged, resumed (into a copy of its run folder).
         run = os.path.join(d, "run")
         shutil.copytree(ck_dir, run)
@@ -187,16 +233,16 @@ def main():
         data = open(victim, "rb").read()
         with open(victim, "wb") as f:
             f.write(damage(data, rng))
-        return "damaged " + os.path.basename(victim), [os.path.join(files, "tiny.toml"), "--progress", "none", "--set",
+        return "damaged " + os.path.basename(victim), [a.tk_run, os.path.join(files, "tiny.toml"), "--progress", "none", "--set",
                                                       'run.output="%s"' % run, "--resume", "latest"], d
 
     cases = [make_case(i) for i in range(a.cases)]
     failures = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        results = pool.map(lambda c: (c, run_case(a.tk_run, c[1], c[2], a.timeout)), cases)
+        results = pool.map(lambda c: (c, run_case(c[1], c[2], a.timeout)), cases)
         for (label, args, d), (err, out) in results:
             if err:
-                failures.append("%s: %s\n  tk-run %s\n%s" % (label, err, " ".join(args), out[-3000:]))
+                failures.append("%s: %s\n  %s\n%s" % (label, err, " ".join(args), out[-3000:]))
             else:
                 shutil.rmtree(d, ignore_errors=True)
     print("fuzz: %d cases, %d failed" % (len(cases), len(failures)))

@@ -677,6 +677,14 @@ TEST_SUITE("zero") {
     resume("whole", "plain-4", 0);      // the reference: LibTorch's own load, unsharded
     CHECK(torch::equal(weights(root / "sharded-4"), weights(root / "plain-4")));
     CHECK(torch::equal(weights(root / "whole-4"), weights(root / "plain-4")));
+    // A sharded checkpoint that LibTorch's own optimizer cannot read: the change let through is named.
+    auto unsharded = tk_run(root / "unsharded", recipe,
+                            "--nproc 2 --set plugins.shard.stage=0 --allow-change plugins.shard.stage " + sets +
+                                "--resume " + (root / "sharded/out/checkpoints/step-00000016").string());
+    INFO(unsharded.out);
+    CHECK(unsharded.rc == 2);
+    CHECK(unsharded.out.find("optimizer.pt: damaged, or saved for another optimizer") != std::string::npos);
+    CHECK(unsharded.out.find("  plugins.shard.stage: 1 -> 0") != std::string::npos);
     fs::remove_all(root);
   }
 
