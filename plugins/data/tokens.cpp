@@ -93,14 +93,11 @@ class Shard {
   const fs::path& file() const noexcept { return file_; }
   int64_t count() const noexcept { return count_; }
   int width() const noexcept { return width_; }
-  /// Tokens [first, first + n) as int64, into `out`. The file must be as it was when the run opened
-  /// it: a shard cut short under the mapping would end the process with SIGBUS, one rewritten in
-  /// place would give other tokens; either is a located error here, before the mapping is read.
-  void read(int64_t first, int64_t n, int64_t* out) const {
-    check_unchanged();
-    decode(map_ + kHeaderBytes + first * width_, n, out);
-  }
-  /// Throws when the file's size or modification time is not what it was when it was opened.
+  /// Tokens [first, first + n) as int64, into `out`, from the mapping: check_unchanged() first.
+  void read(int64_t first, int64_t n, int64_t* out) const { decode(map_ + kHeaderBytes + first * width_, n, out); }
+  /// Throws when the file's size or modification time is not what it was when it was opened. The
+  /// mapping is read only after this: a shard cut short under it would end the process with
+  /// SIGBUS, one rewritten in place would give other tokens; either is a located error here.
   void check_unchanged() const {
     struct stat st {};
     if (::fstat(fd_, &st) != 0) throw Error(file_.string() + ": cannot stat it: " + std::strerror(errno));
@@ -170,8 +167,15 @@ class TokenShards final : public Dataset {
     at::Tensor seq = at::empty({n, t_ + 1}, at::kLong);
     int64_t* out = seq.data_ptr<int64_t>();
     const int64_t* ix = idx.data_ptr<int64_t>();
+    auto shard_of = [&](int64_t i) { return std::upper_bound(starts_.begin(), starts_.end(), i) - 1; };
+    std::vector<bool> checked(shards_.size(), false);  // each shard the batch reads, once, before any read
     for (int64_t k = 0; k < n; ++k) {
-      const auto it = std::upper_bound(starts_.begin(), starts_.end(), ix[k]) - 1;
+      const auto s = static_cast<size_t>(shard_of(ix[k]) - starts_.begin());
+      if (!checked[s]) shards_[s]->check_unchanged();
+      checked[s] = true;
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      const auto it = shard_of(ix[k]);
       const Shard& s = *shards_[static_cast<size_t>(it - starts_.begin())];
       const int64_t first = (ix[k] - *it) * t_;
       s.read(first, t_ + 1, out + k * (t_ + 1));

@@ -48,7 +48,7 @@ namespace {
 
 /// The whole of `file`, a regular file (never a FIFO or a device, which could wait for a writer or
 /// never end), read as the size it had when opened.
-std::string read_whole(const std::filesystem::path& file) {
+std::vector<char> read_whole(const std::filesystem::path& file) {
   std::error_code ec;
   if (!std::filesystem::exists(file, ec)) throw Error("cannot read '" + file.string() + "': no such file");
   if (!std::filesystem::is_regular_file(file, ec))
@@ -56,7 +56,7 @@ std::string read_whole(const std::filesystem::path& file) {
   const auto size = std::filesystem::file_size(file, ec);
   std::ifstream in(file, std::ios::binary);
   if (ec || !in) throw Error("cannot read '" + file.string() + "'" + (ec ? ": " + ec.message() : ""));
-  std::string bytes(static_cast<size_t>(size), '\0');
+  std::vector<char> bytes(static_cast<size_t>(size));
   in.read(bytes.data(), static_cast<std::streamsize>(size));
   if (static_cast<uintmax_t>(in.gcount()) != size) throw Error(file.string() + ": changed while it was read");
   return bytes;
@@ -65,8 +65,7 @@ std::string read_whole(const std::filesystem::path& file) {
 }  // namespace
 
 NamedTensors load_tensor_dict(const std::filesystem::path& file) {
-  const std::string whole = read_whole(file);
-  std::vector<char> bytes(whole.begin(), whole.end());
+  const std::vector<char> bytes = read_whole(file);  // what pickle_load takes, read once
   c10::IValue v;
   try {
     v = torch::jit::pickle_load(bytes);
@@ -174,7 +173,7 @@ Metadata load_safetensors_metadata(const std::filesystem::path& file) {
 
 NamedTensors load_safetensors(const std::filesystem::path& file) {
   const std::string where = file.string() + ": ";
-  const std::string bytes = read_whole(file);
+  const std::vector<char> bytes = read_whole(file);
   if (!little_endian()) throw Error(where + "safetensors are little-endian; this machine is not");
   if (bytes.size() < 8) throw Error(where + "not a safetensors file (shorter than its 8-byte header length)");
   uint64_t len = 0;
