@@ -91,7 +91,7 @@ class WindowReducer final : public c10d::Reducer {
 };
 
 /// A name hashed, to compare names across ranks as numbers.
-int64_t name_hash(const std::string& s) { return static_cast<int64_t>(tk::abi::text_hash(s.c_str()) >> 1); }
+int64_t name_hash(const std::string& s) { return static_cast<int64_t>(tk::abi::text_hash(s) >> 1); }
 
 /// One parameter's or buffer's description, the same width for every tensor: its name's hash,
 /// dtype, dimensions (up to kDims; more are folded into the last) and trainability.

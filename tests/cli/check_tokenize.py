@@ -155,6 +155,16 @@ assert files_of(work / "bytes") == ["tokenize.json", "train_000.bin"], files_of(
 (work / "long.txt").write_text(("word " * 1000 + "\n") * 20)
 p = run(work / "long.txt", "--vocab", 50, "--out", work / "long", ok=False)
 assert "no line of the inputs is shorter than 4192 bytes" in p.stderr, p.stderr
+# A vocabulary the text cannot fill, or one smaller than its characters: told with SentencePiece's
+# numbers in tk-tokenize's words, its trainer's command line and options left out.
+(work / "small.txt").write_text("ab ab\nab ab ab\n")
+p = run(work / "small.txt", "--vocab", 50, "--out", work / "small", ok=False)
+assert "--vocab 50 is more pieces than the inputs hold: at most 9 for this text" in p.stderr, p.stderr
+assert "Running command" not in p.stderr and "sentencepiece" not in p.stderr.lower(), p.stderr
+(work / "chars.txt").write_text("".join(chr(0x4e00 + i) + " ab\n" for i in range(40)))
+p = run(work / "chars.txt", "--vocab", 20, "--out", work / "chars", ok=False)
+assert "--vocab 20 is fewer pieces than the inputs need: at least" in p.stderr, p.stderr
+assert "character_coverage" not in p.stderr, p.stderr
 
 # A document longer than 64 KiB is encoded in pieces of about 64 KiB cut at whitespace, not at once
 # (SentencePiece takes about 100 bytes of memory for each byte it encodes): a line of 1 MB fits in

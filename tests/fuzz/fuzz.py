@@ -163,6 +163,8 @@ def main():
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if os.path.exists(os.path.join(files, "tok", "tokenizer.model")):
             model = open(os.path.join(files, "tok", "tokenizer.model"), "rb").read()
+    if model is None:
+        print("fuzz: no tokenizer.model from tk-tokenize (%s): damaged tokenizer models are not tried" % tokenize)
     tokens_recipe = ('[run]\nsteps = 2\n[model]\nname = "gpt"\nlayers = 1\nheads = 2\nwidth = 16\n[data]\n'
                      'name = "tokens"\ntrain = "%s"\nseq_len = 8\n[optimizer]\nname = "adamw"\n')
 

@@ -237,7 +237,6 @@ TEST_SUITE("reliability") {
     auto no_accum = tk_run(root, kBase, sets + "--resume latest");
     CHECK(no_accum.rc == 2);
     CHECK(has(no_accum, "plugins: \"grad_accum\" -> \"\""));
-    // Keys that do not change what is trained may change; others only when allowed.
     // A change let through that what was saved cannot follow is named with the load's error.
     auto unreadable = tk_run(root, with_adam, sets + "--allow-change optimizer --resume latest");
     INFO(unreadable.out);
@@ -245,6 +244,7 @@ TEST_SUITE("reliability") {
     CHECK(has(unreadable, "optimizer.pt: damaged, or saved for another optimizer"));
     CHECK(has(unreadable, "this resume changes the run that wrote the checkpoint (let through with --allow-change):"));
     CHECK(has(unreadable, "  optimizer.name: \"sgd\" -> \"adam\""));
+    // Keys that do not change what is trained may change; others only when allowed.
     auto allowed = tk_run(root, kAccum, "--set run.steps=12 --set run.checkpoint_every=6 --set optimizer.lr=0.05 "
                                         "--allow-change optimizer.lr --resume latest");
     INFO(allowed.out);
@@ -252,7 +252,7 @@ TEST_SUITE("reliability") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("a resume on other data files is refused, naming data - --allow-change data lets it through") {
+  TEST_CASE("a resume on other data files is refused, naming them - --allow-change data.fingerprint lets it through") {
     const fs::path root = tkt::temp_dir("strict-data");
     fs::create_directories(root / "data");
     auto shards = [&](int64_t shift) {
@@ -273,10 +273,10 @@ TEST_SUITE("reliability") {
     INFO(other.out);
     CHECK(other.rc == 2);
     CHECK(has(other, "this run differs from the one that wrote it"));
-    CHECK(has(other, "  data: train: 2 files, 4848 bytes, digest "));
+    CHECK(has(other, "  data.fingerprint: train: 2 files, 4848 bytes, digest "));
     CHECK(has(other, " -> train: 2 files, 4848 bytes, digest "));
     CHECK(!has(other, "data.train:"));  // the same recipe: the files are what changed
-    auto allowed = tk_run(root / "run", recipe, sets + "--allow-change data --resume latest");
+    auto allowed = tk_run(root / "run", recipe, sets + "--allow-change data.fingerprint --resume latest");
     INFO(allowed.out);
     CHECK(allowed.rc == 0);
     fs::remove_all(root);

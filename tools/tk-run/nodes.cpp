@@ -3,7 +3,12 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <tk/compat.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <ctime>
 #include <sstream>
 #include <stdexcept>
@@ -94,6 +99,70 @@ struct NodeLink::Impl {
   }
 };
 
+namespace {
+
+/// This launcher takes its node rank: two launchers given one --node-rank would make a world with a
+/// rank twice and another missing. A launcher of this machine that held it and is gone (stopped
+/// while it waited, and started again) gives it up.
+void claim(c10d::TCPStore& store, int node_rank, int nnodes) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string me = std::string(host) + " " + std::to_string(::getpid());
+  if (store.add(key("claimed", node_rank), 1) > 1) {
+    const std::string holder = text(store.get(key("holder", node_rank)));  // set by the first, right after its add
+    const size_t space = holder.rfind(' ');
+    const std::string their_host = holder.substr(0, space);
+    const pid_t their_pid = static_cast<pid_t>(std::atol(holder.c_str() + space + 1));
+    const bool gone = their_host == host && their_pid > 0 && ::kill(their_pid, 0) != 0 && errno == ESRCH;
+    if (!gone)
+      throw std::runtime_error("another launcher (process " + std::to_string(their_pid) + " on " + their_host +
+                               ") was given --node-rank " + std::to_string(node_rank) + " too: each launcher of a run "
+                               "needs its own node rank, 0 to " + std::to_string(nnodes - 1));
+  }
+  store.set(key("holder", node_rank), bytes(me));
+}
+
+/// The launchers' store: served here on node 0, else reached there, within the rendezvous timeout
+/// (`waited` names it).
+c10::intrusive_ptr<c10d::TCPStore> connect(const std::string& addr, const c10d::TCPStoreOptions& so, int node_rank,
+                                           const std::string& waited) {
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(addr, so);
+  } catch (const std::exception& e) {
+    const std::string why = e.what();
+    if (node_rank == 0 && why.find("in use") != std::string::npos)
+      throw std::runtime_error("port " + std::to_string(so.port) + " is taken on this machine: another launcher was "
+                               "given --node-rank 0 (each launcher of a run needs its own), or another program "
+                               "holds the port (give another --master-port; the launchers use it and the next one)");
+    if (node_rank != 0)
+      throw std::runtime_error("node 0's launcher did not answer within " + waited + " (" + why +
+                               "): start it with --node-rank 0 and --master-addr this address");
+    throw;
+  }
+}
+
+/// Waits until every node has said how many workers it starts, each counted once however often it
+/// started; past `until`, names the nodes that did not.
+void wait_for_nodes(c10d::TCPStore& store, int nnodes, Clock::time_point until, const std::string& waited) {
+  std::vector<std::string> every_node;
+  for (int n = 0; n < nnodes; ++n) every_node.push_back(key("nproc", n));
+  while (!store.check(every_node)) {
+    if (Clock::now() >= until) {
+      std::vector<int> missing;
+      for (int n = 0; n < nnodes; ++n)
+        if (!store.check({key("nproc", n)})) missing.push_back(n);
+      std::string list;
+      for (int n : missing) list += (list.empty() ? "" : ", ") + std::to_string(n);
+      throw std::runtime_error((missing.size() == 1 ? "node " : "nodes ") + list + " did not join within " + waited +
+                               ": start a launcher with " + (missing.size() == 1 ? "that" : "each") +
+                               " --node-rank, the same --nnodes, --master-addr and --master-port, or raise the timeout");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+}  // namespace
+
 NodeLink::NodeLink(const std::string& addr, int port, int nnodes, int node_rank, int nproc, double timeout_s)
     : impl_(std::make_unique<Impl>()) {
   Impl& i = *impl_;
@@ -113,45 +182,20 @@ NodeLink::NodeLink(const std::string& addr, int port, int nnodes, int node_rank,
   waited_text << "[world] rendezvous_timeout_s = " << timeout_s << " s";
   const std::string waited = waited_text.str();
   try {
-    try {
-      i.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
-    } catch (const std::exception& e) {
-      const std::string why = e.what();
-      if (node_rank == 0 && why.find("in use") != std::string::npos)
-        throw std::runtime_error("port " + std::to_string(port) + " is taken on this machine: another launcher was "
-                                 "given --node-rank 0 (each launcher of a run needs its own), or another program "
-                                 "holds the port (give another --master-port; the launchers use it and the next one)");
-      if (node_rank != 0)
-        throw std::runtime_error("node 0's launcher did not answer within " + waited + " (" + why +
-                                 "): start it with --node-rank 0 and --master-addr this address");
-      throw;
-    }
-    // Each node claims its rank: two launchers given one --node-rank would make a world with a
-    // rank twice and another missing.
-    if (i.store->add(key("claimed", node_rank), 1) > 1)
-      throw std::runtime_error("another launcher was given --node-rank " + std::to_string(node_rank) +
-                               " too: each launcher of a run needs its own node rank, 0 to " + std::to_string(nnodes - 1));
+    i.store = connect(addr, so, node_rank, waited);
+    claim(*i.store, node_rank, nnodes);
     // Every node in before any heartbeat counts (a client's constructor does not wait for the
     // others), and every node with as many workers.
     i.store->set(key("nproc", node_rank), bytes(std::to_string(nproc)));
     const auto until = Clock::now() + std::chrono::milliseconds(so.timeout);
+    wait_for_nodes(*i.store, nnodes, until, waited);
     const auto barrier = [&](const char* name) {
       i.store->add(name, 1);
       while (i.store->add(name, 0) < nnodes) {
-        if (Clock::now() >= until) {
-          std::string missing;
-          for (int n = 0; n < nnodes; ++n)
-            if (!i.store->check({key("claimed", n)})) missing += (missing.empty() ? "" : ", ") + std::to_string(n);
-          throw std::runtime_error(
-              missing.empty() ? "not every node went on within " + waited
-                              : "node " + missing + " did not join within " + waited +
-                                    ": start a launcher with that --node-rank, the same --nnodes, --master-addr and "
-                                    "--master-port, or raise the timeout");
-        }
+        if (Clock::now() >= until) throw std::runtime_error("not every node went on within " + waited);
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     };
-    barrier("tk-launch/joined");
     std::string uneven;
     for (int n = 0; n < nnodes && uneven.empty(); ++n) {
       const std::string theirs = text(i.store->get(key("nproc", n)));

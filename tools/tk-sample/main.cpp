@@ -98,24 +98,44 @@ class Tokenizer {
   std::vector<int64_t> start_;
 };
 
+/// The recipe's [data] value `key` ("" when unset).
+std::string data_option(const tk::Recipe& recipe, const char* key) {
+  const auto table = toml::parse_file(recipe.source());
+  return std::string(table["data"][key].value_or(""));
+}
+
+/// The files each pattern of a [data] file option (a file, a glob, or a list of them) names, in
+/// order; a pattern that names none gives no file, and `all_found` false.
+std::vector<std::string> files_named(const tk::Recipe& recipe, const std::string& spec, bool* all_found = nullptr) {
+  std::vector<std::string> out;
+  if (all_found) *all_found = true;
+  size_t from = 0;
+  while (from <= spec.size()) {
+    const size_t comma = spec.find(',', from);
+    const std::string one = spec.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+    from = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    if (one.empty()) continue;
+    glob_t g{};
+    const bool found = ::glob(recipe.resolve_path(one).c_str(), 0, nullptr, &g) == 0 && g.gl_pathc > 0;
+    for (size_t i = 0; found && i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
+    ::globfree(&g);
+    if (!found && all_found) *all_found = false;
+  }
+  return out;
+}
+
 /// The tokenizer of the run: the one given, else the data set's (text at byte level: bytes; token
 /// shards: the tokenizer.model tk-tokenize wrote beside them, or bytes for a vocabulary of 256).
-std::string find_tokenizer(const Options& o, const fs::path& dir, const tk::Recipe& recipe, int64_t vocab) {
+std::string find_tokenizer(const Options& o, const tk::Recipe& recipe, int64_t vocab) {
   if (!o.tokenizer.empty()) return o.tokenizer == "bytes" ? "" : o.tokenizer;
-  const auto table = toml::parse_file((dir / "recipe.toml").string());
-  auto v = [&](const char* key) { return std::string(table["data"][key].value_or("")); };
-  const std::string data = v("name");
-  if (data == "text" && v("level") == "char")
+  const std::string data = data_option(recipe, "name");
+  if (data == "text" && data_option(recipe, "level") == "char")
     throw std::runtime_error("the run reads characters (data.level = \"char\"), whose numbering tk-sample does not "
                              "rebuild; give --tokenizer");
   if (data == "tokens") {
-    glob_t g{};
-    const std::string pattern = recipe.resolve_path(v("train")).string();
-    const std::string first = ::glob(pattern.substr(0, pattern.find(',')).c_str(), 0, nullptr, &g) == 0 && g.gl_pathc > 0
-                                  ? g.gl_pathv[0] : "";
-    ::globfree(&g);
-    const fs::path model = fs::path(first).parent_path() / "tokenizer.model";
-    if (!first.empty() && fs::exists(model)) return model.string();
+    const auto shards = files_named(recipe, data_option(recipe, "train"));
+    const fs::path model = shards.empty() ? fs::path() : fs::path(shards.front()).parent_path() / "tokenizer.model";
+    if (!shards.empty() && fs::exists(model)) return model.string();
     if (vocab > 256) throw std::runtime_error("no tokenizer.model beside the run's shards: give --tokenizer FILE.model");
   }
   return "";
@@ -160,21 +180,16 @@ std::unique_ptr<tk::Trainer> build(tk::Recipe recipe, const Options& o) {
 class StandInShard {
  public:
   StandInShard(int64_t vocab, int64_t seq_len) : vocab_(vocab) {
-    char dir[] = "/tmp/tk-sample-XXXXXX";
-    if (!::mkdtemp(dir)) throw std::runtime_error("cannot make a temporary folder");
+    std::string dir = (fs::temp_directory_path() / "tk-sample-XXXXXX").string();
+    if (!::mkdtemp(dir.data())) throw std::runtime_error("cannot make a temporary folder in " + fs::temp_directory_path().string());
     dir_ = dir;
-    const int32_t version = vocab > 65536 ? 2 : 1;
-    std::vector<int32_t> header(256, 0);
-    header[0] = 20240520;
-    header[1] = version;
-    header[2] = static_cast<int32_t>(seq_len + 1);
-    std::ofstream out(file(), std::ios::binary);
-    out.write(reinterpret_cast<const char*>(header.data()), 1024);
-    for (int64_t i = 0; i <= seq_len; ++i) {
-      const uint32_t id = static_cast<uint32_t>(i % vocab);
-      out.write(reinterpret_cast<const char*>(&id), version == 1 ? 2 : 4);  // little-endian (the shards' order)
+    try {
+      write(seq_len);
+    } catch (...) {
+      std::error_code ec;
+      fs::remove_all(dir_, ec);
+      throw;
     }
-    if (!out.flush()) throw std::runtime_error("cannot write " + file().string());
   }
   ~StandInShard() {
     std::error_code ec;
@@ -192,44 +207,56 @@ class StandInShard {
   }
 
  private:
+  void write(int64_t seq_len) const {
+    const int32_t version = vocab_ > 65536 ? 2 : 1;
+    std::vector<int32_t> header(256, 0);
+    header[0] = 20240520;
+    header[1] = version;
+    header[2] = static_cast<int32_t>(seq_len + 1);
+    std::ofstream out(file(), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), 1024);
+    for (int64_t i = 0; i <= seq_len; ++i) {
+      const uint32_t id = static_cast<uint32_t>(i % vocab_);
+      out.write(reinterpret_cast<const char*>(&id), version == 1 ? 2 : 4);  // little-endian (the shards' order)
+    }
+    if (!out.flush()) throw std::runtime_error("cannot write " + file().string());
+  }
+
   fs::path dir_;
   int64_t vocab_;
 };
-
-/// Whether every pattern of the recipe's [data] `key` (a file, a glob, or a list of them) matches a file.
-bool names_files(const tk::Recipe& recipe, const std::string& spec) {
-  size_t from = 0;
-  while (from <= spec.size()) {
-    const size_t comma = spec.find(',', from);
-    const std::string one = spec.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
-    from = comma == std::string::npos ? spec.size() + 1 : comma + 1;
-    if (one.empty()) continue;
-    glob_t g{};
-    const bool found = ::glob(recipe.resolve_path(one).c_str(), 0, nullptr, &g) == 0 && g.gl_pathc > 0;
-    ::globfree(&g);
-    if (!found) return false;
-  }
-  return true;
-}
 
 /// For a run of data 'tokens' whose data set cannot be made (its shards moved or deleted): the
 /// stand-in shard its model is built from, with the vocabulary and context its weights file
 /// records; null for other runs. `why` is what making the data set said.
 std::unique_ptr<StandInShard> stand_in_for(const tk::Recipe& recipe, const fs::path& weights, const std::string& why) {
-  const auto table = toml::parse_file(recipe.source());
-  auto data = [&](const char* key) { return std::string(table["data"][key].value_or("")); };
-  if (data("name") != "tokens" || (names_files(recipe, data("train")) && names_files(recipe, data("validation"))))
-    return nullptr;  // the shards are there: what failed is something else
-  const tk::Metadata meta = tk::load_safetensors_metadata(weights);
-  const auto vocab = meta.find("trainkit.vocab"), shape = meta.find("trainkit.input_shape");
-  if (vocab == meta.end() || shape == meta.end() || std::atoll(vocab->second.c_str()) < 1 || shape->second.empty())
-    throw std::runtime_error(why + "\n" + weights.string() + " does not record the vocabulary and context its model was "
-                             "built for (an older trainkit wrote it): put the run's shards back where its recipe.toml "
-                             "names them");
+  if (data_option(recipe, "name") != "tokens") return nullptr;
+  bool train = false, validation = false;
+  files_named(recipe, data_option(recipe, "train"), &train);
+  files_named(recipe, data_option(recipe, "validation"), &validation);
+  if (train && validation) return nullptr;  // the shards are there: what failed is something else
+  const auto unknown = [&](const std::string& what) {
+    return std::runtime_error(why + "\n" + weights.string() + " " + what + ": put the run's shards back where its "
+                              "recipe.toml names them");
+  };
+  if (weights.extension() != ".safetensors") throw unknown("is no safetensors file, whose header would say the model's shape");
+  tk::Metadata meta;
+  try {
+    meta = tk::load_safetensors_metadata(weights);
+  } catch (const std::exception& e) {
+    throw unknown(std::string("cannot say the model's shape (") + e.what() + ")");
+  }
+  const auto number = [&](const char* key) {  // a positive whole number, or 0
+    const auto it = meta.find(key);
+    if (it == meta.end() || it->second.empty() || it->second.find_first_not_of("0123456789") != std::string::npos) return 0LL;
+    return std::atoll(it->second.c_str());
+  };
+  const long long vocab = number("trainkit.vocab"), context = number("trainkit.input_shape");
+  if (vocab < 1 || context < 1)
+    throw unknown("does not record the vocabulary and context its model was built for (an older trainkit wrote it)");
   std::fprintf(stderr, "tk-sample: the run's data cannot be read (%s); its model is built from what %s records: a "
-               "vocabulary of %s tokens and a context of %s\n", why.c_str(), weights.c_str(), vocab->second.c_str(),
-               shape->second.c_str());
-  return std::make_unique<StandInShard>(std::atoll(vocab->second.c_str()), std::atoll(shape->second.c_str()));
+               "vocabulary of %lld tokens and a context of %lld\n", why.c_str(), weights.c_str(), vocab, context);
+  return std::make_unique<StandInShard>(vocab, context);
 }
 
 int sample(const Options& o) {
@@ -261,7 +288,7 @@ int sample(const Options& o) {
   }
   model.eval();
   const int64_t vocab = trainer.data().info.vocab;
-  const Tokenizer tok(find_tokenizer(o, dir, recipe, vocab));
+  const Tokenizer tok(find_tokenizer(o, recipe, vocab));
   if (tok.bytes() && vocab < 256)
     throw std::runtime_error("the model's vocabulary is " + std::to_string(vocab) + " tokens, fewer than the 256 bytes");
   const auto& shape = trainer.data().info.input_shape;

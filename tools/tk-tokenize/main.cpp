@@ -9,12 +9,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <iostream>
 #include <optional>
 #include <stdexcept>
+#include <streambuf>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -242,6 +245,32 @@ class Encoder {
   std::string why_whole_;
 };
 
+/// Passes on to `to` what is written to it, a line at a time, but for SentencePiece's informational
+/// lines ("... LOG(INFO) ..."): its trainer writes its command line before it reads --minloglevel.
+/// What goes wrong comes back in its status, or, for a fatal check, in lines this passes on.
+class DropInfoLines final : public std::streambuf {
+ public:
+  explicit DropInfoLines(std::streambuf* to) : to_(to) {}
+  ~DropInfoLines() override { pass_line(); }
+
+ protected:
+  int overflow(int c) override {
+    if (traits_type::eq_int_type(c, traits_type::eof())) return traits_type::not_eof(c);
+    line_ += traits_type::to_char_type(c);
+    if (c == '\n') pass_line();
+    return c;
+  }
+  int sync() override { return to_->pubsync(); }  // std::cerr syncs after every <<: a line waits for its end
+
+ private:
+  void pass_line() {
+    if (line_.find("LOG(INFO)") == std::string::npos) to_->sputn(line_.data(), static_cast<std::streamsize>(line_.size()));
+    line_.clear();
+  }
+  std::streambuf* to_;
+  std::string line_;
+};
+
 /// The longest line SentencePiece's trainer reads (its max_sentence_length); longer ones it skips.
 constexpr int64_t kTrainLine = 4192;
 
@@ -255,15 +284,37 @@ std::string train_model(const Options& o) {
                            " --character_coverage=1.0 --num_threads=1 --max_sentence_length=" + std::to_string(kTrainLine) +
                            " --input_sentence_size=0 --shuffle_input_sentence=false --minloglevel=2";
   std::string model;
-  const auto status = sentencepiece::SentencePieceTrainer::Train(args, nullptr, &model);
+  sentencepiece::util::Status status;
+  {
+    DropInfoLines filter(std::cerr.rdbuf());
+    struct Restore {
+      std::streambuf* was;
+      ~Restore() { std::cerr.rdbuf(was); }
+    } restore{std::cerr.rdbuf(&filter)};
+    status = sentencepiece::SentencePieceTrainer::Train(args, nullptr, &model);
+  }
   if (status.ok()) return model;
   const std::string why = status.ToString();
   if (why.find("sentences_.empty()") != std::string::npos)
     throw Failure("no line of the inputs is shorter than " + std::to_string(kTrainLine) +
                   " bytes: SentencePiece trains on lines up to that length and skips longer ones; break the "
                   "text into lines, or tokenize with --model FILE or --bytes");
-  if (why.find("Vocabulary size is too high") != std::string::npos || why.find("vocab_size") != std::string::npos)
-    throw Failure("--vocab " + std::to_string(o.vocab) + " is more pieces than the inputs hold (" + why + "); give a smaller --vocab");
+  // SentencePiece's own words name its numbers: "... Please set it to a value <= 9." and
+  // "... smaller than required_chars. 20 vs 34.".
+  const auto number_after = [&why](const std::string& text) -> std::string {
+    const size_t at = why.find(text);
+    if (at == std::string::npos) return "";
+    const long n = std::strtol(why.c_str() + at + text.size(), nullptr, 10);
+    return n > 0 ? std::to_string(n) : "";
+  };
+  const std::string vocab = "--vocab " + std::to_string(o.vocab);
+  if (const std::string most = number_after("Please set it to a value <= "); !most.empty())
+    throw Failure(vocab + " is more pieces than the inputs hold: at most " + most + " for this text; give --vocab " +
+                  most + " or less");
+  const size_t chars = why.find("smaller than required_chars");
+  if (const std::string least = chars == std::string::npos ? "" : number_after(" vs "); !least.empty())
+    throw Failure(vocab + " is fewer pieces than the inputs need: at least " + least + " (each distinct character is "
+                  "a piece of its own, and so is each special piece); give --vocab " + least + " or more");
   throw Failure("training the SentencePiece model failed: " + why);
 }
 

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "tk/components.h"
 #include "tk/context.h"
@@ -15,8 +16,8 @@
 #include "tk/version.h"
 
 /// Bumped whenever the entry point, tk::Plugin's hooks or an interface type changes
-/// incompatibly. Also the SOVERSION of libtrainkit (libtrainkit.so.5).
-#define TK_PLUGIN_ABI_VERSION 5u
+/// incompatibly. Also the SOVERSION of libtrainkit (libtrainkit.so.6).
+#define TK_PLUGIN_ABI_VERSION 6u
 /// The symbol the loader looks up in a plugin library.
 #define TK_PLUGIN_ENTRY_SYMBOL "tk_plugin_entry"
 
@@ -32,10 +33,10 @@ constexpr uint64_t layout_of() noexcept {
   return h;
 }
 
-/// FNV-1a of a text, one character at a time.
-constexpr uint64_t text_hash(const char* s) noexcept {
+/// FNV-1a of a text, one character at a time (every one of them, a NUL too).
+constexpr uint64_t text_hash(std::string_view s) noexcept {
   uint64_t h = 0xcbf29ce484222325ULL;
-  for (; *s; ++s) h = mix(h, static_cast<unsigned char>(*s));
+  for (char c : s) h = mix(h, static_cast<unsigned char>(c));
   return h;
 }
 

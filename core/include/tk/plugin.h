@@ -1,5 +1,5 @@
 #pragma once
-/// The plugin interface (API 5): options bound to members, a declared contract, the plan, setup,
+/// The plugin interface (API 6): options bound to members, a declared contract, the plan, setup,
 /// one hook per event, files, state.
 #include <cstdint>
 #include <initializer_list>
@@ -169,8 +169,8 @@ class Plugin {
 /// Where the changes between plugin APIs are written down, for the messages that refuse a source
 /// written for an older one.
 #define TK_PORTING_NOTES                                                                              \
-  "The changes from older plugin APIs are the tables 'Porting a plugin to API 4' and 'Porting a "    \
-  "plugin to API 5' in trainkit's plugin guide: <prefix>/share/doc/trainkit/plugins.md where "       \
+  "The changes from older plugin APIs are the tables 'Porting a plugin to API 4', '... to API 5' "   \
+  "and '... to API 6' in trainkit's plugin guide: <prefix>/share/doc/trainkit/plugins.md where "      \
   "trainkit is installed (tk-plugin --help prints it), docs/plugins.md in its source."
 #define TK_API1_PLUGIN_MESSAGE                                                                        \
   "this plugin is written for plugin API 1 (events(), on_event(), option_specs() or "               \

@@ -37,12 +37,17 @@ uint64_t fnv(uint64_t h, const void* p, size_t n) {
 /// Size and sampled blocks of one file, hashed into `h`; its size into `bytes`.
 uint64_t fingerprint_file(uint64_t h, const std::string& file, int64_t& bytes) {
   constexpr int64_t kBlock = 4096, kBlocks = 16;
+  std::vector<char> block(static_cast<size_t>(kBlock));
   const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a FIFO is refused, not waited on
   if (fd < 0) throw Error(file + ": cannot open: " + std::strerror(errno));
   struct stat st {};
-  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw Error(file + ": cannot stat it: " + std::strerror(err));
+  }
+  const bool regular = S_ISREG(st.st_mode);
   const auto size = static_cast<int64_t>(st.st_size);
-  std::vector<char> block(static_cast<size_t>(kBlock));
   for (int64_t b = 0; regular && b < kBlocks && b * kBlock < size; ++b) {
     // Blocks start evenly from the first byte to the last block; a small file is read whole.
     const int64_t at = size <= kBlocks * kBlock ? b * kBlock : (size - kBlock) * b / (kBlocks - 1);

@@ -178,25 +178,25 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   torch::NoGradGuard no_grad;
   auto restore = [&](const std::string& name, torch::Tensor& dst) {
     auto it = saved.find(name);
+    // What the checkpoint holds does not fit this run (a refusal); a file that cannot be read is an Error.
     if (it == saved.end())
-      throw Error(dir.string() + ": the checkpoint has no '" + name + "'; it was saved from a different model");
+      throw RunRefused(dir.string() + ": the checkpoint has no '" + name + "'; it was saved from a different model");
     if (it->second.sizes() != dst.sizes())
-      throw Error(dir.string() + ": '" + name + "' has shape " + c10::str(it->second.sizes()) + " in the checkpoint, " +
-                  c10::str(dst.sizes()) + " in the model");
+      throw RunRefused(dir.string() + ": '" + name + "' has shape " + c10::str(it->second.sizes()) +
+                       " in the checkpoint, " + c10::str(dst.sizes()) + " in the model");
     dst.copy_(it->second);
     saved.erase(it);
   };
   for (auto& p : model.named_parameters()) restore(p.key(), p.value());
   for (auto& b : model.named_buffers()) restore(b.key(), b.value());
   if (!saved.empty())
-    throw Error(dir.string() + ": the checkpoint has '" + saved.begin()->first + "', which the model does not");
+    throw RunRefused(dir.string() + ": the checkpoint has '" + saved.begin()->first + "', which the model does not");
   try {
     torch::serialize::InputArchive archive;
     archive.load_from((dir / "optimizer.pt").string());
     optimizer.load(archive);
   } catch (const c10::Error& e) {
-    throw Error((dir / "optimizer.pt").string() + ": damaged, or saved for another optimizer: " +
-                message_of(e));
+    throw RunRefused((dir / "optimizer.pt").string() + ": damaged, or saved for another optimizer: " + message_of(e));
   }
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);

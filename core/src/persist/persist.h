@@ -18,8 +18,9 @@ namespace tk::detail {
 // ---- resume.cpp: what a run is, and continuing one from a checkpoint ----------------------------------
 
 /// The identity's key for what the data set's files hold (DataInfo::fingerprint): beside the recipe's
-/// keys, so that `--allow-change data` covers it with the [data] section.
-inline constexpr const char* kDataKey = "data";
+/// keys, in the [data] section, so that `--allow-change data.fingerprint` lets a change of the files
+/// through, and `--allow-change data` any change of the data.
+inline constexpr const char* kDataKey = "data.fingerprint";
 /// What determines `run`: its resolved recipe without the keys that may change on resume, what its
 /// data set's files hold, and its world size.
 RunIdentity run_identity(const Run& run);

@@ -37,7 +37,7 @@ RunIdentity run_identity(const Run& r) {
 namespace {
 
 /// `s` hashed, to compare texts across ranks as numbers.
-int64_t text_hash(const std::string& s) { return static_cast<int64_t>(abi::text_hash(s.c_str()) >> 1); }
+int64_t text_hash(const std::string& s) { return static_cast<int64_t>(abi::text_hash(s) >> 1); }
 
 }  // namespace
 
@@ -171,8 +171,8 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
       r.warn(dir.string() + " does not record these options (they are newer than what wrote it); resuming with their "
              "defaults, as the run that wrote it trained:" + lines(diff.defaults));
     if (diff.unrecorded_data)
-      r.warn(dir.string() + " does not record which data files it trained on (written by an older trainkit): make "
-             "sure they are the ones it was started with");
+      r.warn(dir.string() + " does not record which data files it trained on (an older trainkit wrote it, or its "
+             "data set recorded none): make sure they are the ones it was started with");
   } else {
     r.warn(dir.string() + " does not record the recipe it was made with (written by an older trainkit): "
            "make sure this recipe is the one it was started with");
@@ -180,12 +180,11 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   Checkpoint resumed;
   try {
     resumed = load_checkpoint(dir, *r.model, *r.optimizer);
-  } catch (const Error& e) {
+  } catch (const RunRefused& e) {  // what was saved does not fit this run's model or optimizer
     if (diff.allowed.empty()) throw;
-    // What was saved is read by this run's model and optimizer: a change let through may be why it cannot be.
-    throw RunRefused(std::string(e.what()) + "\nthis resume changes the run that wrote the checkpoint (let through with "
-                     "--allow-change):" + lines(diff.allowed) + "\nwhat the checkpoint holds cannot be read with these "
-                     "changes: resume without them (or with those the error above does not concern)");
+    throw RunRefused(message_of(e) + "\nthis resume changes the run that wrote the checkpoint (let through with "
+                     "--allow-change):" + lines(diff.allowed) + "\nwhat the checkpoint holds may not fit these "
+                     "changes: resume without the ones the error above concerns");
   }
   restore_plugin_states(r, resumed);
   if (resumed.position.counters.total_steps != r.total_steps)

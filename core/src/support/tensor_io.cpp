@@ -115,13 +115,38 @@ bool little_endian() {
   return *reinterpret_cast<const unsigned char*>(&one) == 1;
 }
 
+/// The header length a safetensors file of `file_size` bytes states in its first 8 (at `first`),
+/// checked to fit the file.
+uint64_t header_length(const char* first, uint64_t file_size, const std::string& where) {
+  if (file_size < 8) throw Error(where + "not a safetensors file (shorter than its 8-byte header length)");
+  uint64_t len = 0;
+  std::memcpy(&len, first, 8);
+  if (len > file_size - 8)
+    throw Error(where + "not a safetensors file (its header would be " + std::to_string(len) + " bytes, the file has " +
+                std::to_string(file_size) + ")");
+  return len;
+}
+
+/// The `len` bytes at `json` as a safetensors header: a JSON object, in the file's order.
+nlohmann::ordered_json parse_header(const char* json, uint64_t len, const std::string& where) {
+  nlohmann::ordered_json header;
+  try {
+    header = nlohmann::ordered_json::parse(json, json + len);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(where + "not a safetensors file (its header is not JSON: " + e.what() + ")");
+  }
+  if (!header.is_object()) throw Error(where + "not a safetensors file (its header is not a JSON object)");
+  return header;
+}
+
 }  // namespace
 
 std::string save_safetensors(const NamedTensors& tensors, const Metadata& metadata) {
   if (!little_endian()) throw Error("safetensors are little-endian; this machine is not");
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  header["__metadata__"] = {{"format", "pt"}};
+  header["__metadata__"] = nlohmann::ordered_json::object();
   for (const auto& [k, v] : metadata) header["__metadata__"][k] = v;
+  header["__metadata__"]["format"] = "pt";  // what safetensors' PyTorch loader expects, whatever `metadata` says
   std::vector<at::Tensor> data;
   int64_t offset = 0;
   for (const auto& [name, t] : tensors) {
@@ -157,13 +182,12 @@ Metadata load_safetensors_metadata(const std::filesystem::path& file) {
   if (!std::filesystem::is_regular_file(file, ec)) throw Error(where + "no such file, or not a regular file");
   const auto size = std::filesystem::file_size(file, ec);
   std::ifstream in(file, std::ios::binary);
-  uint64_t len = 0;
-  if (ec || !in || size < 8 || !in.read(reinterpret_cast<char*>(&len), 8) || len > size - 8)
-    throw Error(where + "not a safetensors file (no header of its stated length)");
-  std::string json(static_cast<size_t>(len), '\0');
+  char first[8] = {};
+  if (ec || !in || !in.read(first, size < 8 ? static_cast<std::streamsize>(size) : 8)) throw Error(where + "cannot read it");
+  const uint64_t len = header_length(first, size, where);
+  std::vector<char> json(static_cast<size_t>(len));
   if (!in.read(json.data(), static_cast<std::streamsize>(len))) throw Error(where + "cannot read its header");
-  const auto header = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
-  if (!header.is_object()) throw Error(where + "not a safetensors file (its header is not a JSON object)");
+  const auto header = parse_header(json.data(), len, where);
   Metadata out;
   if (header.contains("__metadata__") && header["__metadata__"].is_object())
     for (const auto& [k, v] : header["__metadata__"].items())
@@ -175,19 +199,8 @@ NamedTensors load_safetensors(const std::filesystem::path& file) {
   const std::string where = file.string() + ": ";
   const std::vector<char> bytes = read_whole(file);
   if (!little_endian()) throw Error(where + "safetensors are little-endian; this machine is not");
-  if (bytes.size() < 8) throw Error(where + "not a safetensors file (shorter than its 8-byte header length)");
-  uint64_t len = 0;
-  std::memcpy(&len, bytes.data(), 8);
-  if (len > bytes.size() - 8)
-    throw Error(where + "not a safetensors file (its header would be " + std::to_string(len) + " bytes, the file has " +
-                std::to_string(bytes.size()) + ")");
-  nlohmann::ordered_json header;  // the file's order: the model's, for a file trainkit wrote
-  try {
-    header = nlohmann::ordered_json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(len));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(where + "not a safetensors file (its header is not JSON: " + e.what() + ")");
-  }
-  if (!header.is_object()) throw Error(where + "not a safetensors file (its header is not a JSON object)");
+  const uint64_t len = header_length(bytes.data(), bytes.size(), where);
+  const nlohmann::ordered_json header = parse_header(bytes.data() + 8, len, where);  // the file's order: the model's
   const size_t base = 8 + static_cast<size_t>(len);
   const size_t data_bytes = bytes.size() - base;
   NamedTensors out;
