@@ -22,6 +22,7 @@
 #include <torch/nn/modules/pooling.h>
 #include <torch/optim/adamw.h>
 #include <tk/compat.h>
+#include <tk/kernels.h>
 #include <zlib.h>
 
 #include <chrono>
@@ -165,7 +166,7 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
     auto qkv_ = qkv->forward(ln1->forward(x)).view({b, t, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
-    auto y = tk::compat::causal_attention(qkv_[0], qkv_[1], qkv_[2], 0.0);  // the model's own attention
+    auto y = tk::kernels::causal_attention(qkv_[0], qkv_[1], qkv_[2], 0.0);  // the model's own attention
     x = x + proj->forward(y.transpose(1, 2).reshape({b, t, c}));
     return x + out->forward(torch::gelu(fc->forward(ln2->forward(x))));
   }

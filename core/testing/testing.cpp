@@ -110,7 +110,7 @@ void ManualContext::call(Plugin& p, Event e) {
   auto& s = ContextAccess::state(*this);
   s.d.enter(p.name(), hook_name(e), e);
   try {
-    dispatch(p, e, *this);
+    detail::dispatch(p, e, s);
   } catch (...) {
     s.d.leave();
     throw;
@@ -256,27 +256,27 @@ double max_difference(const Parameters& a, const Parameters& b) {
 }
 
 Contract Capture::contract() const { return after_everything(); }
-void Capture::on_micro_batch(Context& ctx) {
+void Capture::on_micro_batch(MicroBatchContext& ctx) {
   if (!ctx.trial()) windows.push_back(ctx.window());
 }
-void Capture::on_boundary(Context& ctx) {
+void Capture::on_boundary(BoundaryContext& ctx) {
   if (ctx.trial()) return;  // what it records is the run's steps
   grads.push_back(flat_grads(ctx.model()));
   lrs.push_back(ctx.lr());
   window_sizes.push_back(ctx.totals().micro_batches);
 }
-void Capture::on_step_end(Context& ctx) {
+void Capture::on_step_end(StepEndContext& ctx) {
   if (!ctx.trial()) window_losses.push_back(ctx.window_loss());
 }
 
 VetoAt::VetoAt(std::set<int64_t> steps) : steps_(std::move(steps)) {}
 Contract VetoAt::contract() const { return after_everything(); }
-void VetoAt::on_boundary(Context& ctx) {
+void VetoAt::on_boundary(BoundaryContext& ctx) {
   if (!ctx.trial() && steps_.count(ctx.counters().step)) ctx.veto_step("vetoed by the test");
 }
 
 ThrowAt::ThrowAt(int64_t step) : step_(step) {}
-void ThrowAt::on_backward(Context& ctx) {
+void ThrowAt::on_backward(BackwardContext& ctx) {
   if (!ctx.trial() && ctx.counters().step == step_) throw std::runtime_error("injected failure");
 }
 

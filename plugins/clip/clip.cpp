@@ -6,7 +6,7 @@
 // value is read to the host: the norm and the factor stay on the device.
 // The arithmetic follows torch.nn.utils.clip_grad_norm_ / clip_grad_value_.
 #include <tk/abi.h>
-#include <tk/compat.h>
+#include <tk/kernels.h>
 
 #include <cmath>
 #include <limits>
@@ -38,10 +38,8 @@ class Clip final : public tk::Plugin {
     return c;
   }
 
-  void on_boundary(tk::Context& ctx) override {
-    std::vector<torch::Tensor> grads;
-    for (const auto& p : ctx.model().parameters())
-      if (p.grad().defined()) grads.push_back(p.grad());
+  void on_boundary(tk::BoundaryContext& ctx) override {
+    std::vector<torch::Tensor> grads = ctx.gradients();
     if (grads.empty()) return;
     torch::NoGradGuard no_grad;
     // Everything stays on the device: the norm goes to the record through the core's one read.
@@ -57,7 +55,7 @@ class Clip final : public tk::Plugin {
     const torch::Tensor coef = (max_norm_ / (norm + 1e-6)).clamp_max(1.0);
     if (clipped_steps_.device() != coef.device()) clipped_steps_ = clipped_steps_.to(coef.device());
     clipped_steps_ += (coef < 1.0).to(at::kLong);
-    tk::compat::foreach_mul_(grads, coef);
+    tk::kernels::foreach_mul_(grads, coef);
   }
 
   tk::StateDict state() const override { return {{"clipped_steps", clipped_steps_.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)}}; }

@@ -165,7 +165,7 @@ class Ddp final : public tk::Plugin {
     average_ = !plan.has(tk::cap::kGradsNormalized) && plan.reduction() == tk::Reduction::Mean;
   }
 
-  void on_fit_start(tk::Context& ctx) override {
+  void on_fit_start(tk::FitStartContext& ctx) override {
     world_ = &ctx.world();
     // A world of one has nothing to sum; a dry run's world is not joined (no process group).
     if (world_->size() == 1 || !world_->process_group()) return;
@@ -174,7 +174,7 @@ class Ddp final : public tk::Plugin {
     build_reducer(ctx);
   }
 
-  void on_loss(tk::Context& ctx) override {
+  void on_loss(tk::LossContext& ctx) override {
     if (!reducer_) return decline(tk::Event::Loss);
     if (!ctx.window().is_last()) return;  // the window's other micro-batches accumulate locally
     // The buckets are never rebuilt in the order gradients became ready (PyTorch does so once,
@@ -197,7 +197,7 @@ class Ddp final : public tk::Plugin {
     prepare_ms_ = ms_between(t0, backward_start_);
   }
 
-  void on_backward(tk::Context& ctx) override {
+  void on_backward(tk::BackwardContext& ctx) override {
     if (!reducer_) return decline(tk::Event::Backward);
     if (!ctx.window().is_last()) return;
     const auto end = Clock::now();
@@ -209,7 +209,7 @@ class Ddp final : public tk::Plugin {
     wait_ms_ = ms_between(launches_->last, end);
   }
 
-  void on_boundary(tk::Context& ctx) override {
+  void on_boundary(tk::BoundaryContext& ctx) override {
     if (!reducer_) return decline(tk::Event::Boundary);
     const auto t0 = Clock::now();
     torch::NoGradGuard no_grad;
@@ -246,11 +246,11 @@ class Ddp final : public tk::Plugin {
     ctx.metric("ddp_allreduces", static_cast<double>(allreduces_));
   }
 
-  void on_step_end(tk::Context& ctx) override {
+  void on_step_end(tk::StepEndContext& ctx) override {
     if (!reducer_ || check_every_ == 0) return decline(tk::Event::StepEnd);
     if (ctx.counters().step % check_every_ == 0) check_same(ctx);
   }
-  void on_fit_end(tk::Context&) override { leave(); }
+  void on_fit_end(tk::FitEndContext&) override { leave(); }
   ~Ddp() override { leave(); }
 
   tk::StateDict state() const override {

@@ -74,7 +74,7 @@ class GradAccum final : public tk::Plugin {
     plan.set_window(w);
   }
 
-  void on_boundary(tk::Context& ctx) override {
+  void on_boundary(tk::BoundaryContext& ctx) override {
     const tk::WindowTotals& t = ctx.totals();
     const int64_t divisor = normalize_ == Normalize::Mean      ? t.micro_batches
                             : normalize_ == Normalize::Samples ? t.samples
@@ -84,10 +84,7 @@ class GradAccum final : public tk::Plugin {
       return;
     }
     if (divisor != 1) {
-      std::vector<torch::Tensor> grads;
-      for (auto& group : ctx.optimizer().param_groups())
-        for (auto& p : group.params())
-          if (p.grad().defined()) grads.push_back(p.mutable_grad());
+      std::vector<torch::Tensor> grads = ctx.gradients();
       if (!grads.empty()) at::_foreach_div_(grads, static_cast<double>(divisor));
     }
     ++windows_;

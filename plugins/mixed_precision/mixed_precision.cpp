@@ -119,13 +119,13 @@ class MixedPrecision final : public tk::Plugin {
     return c;
   }
 
-  void on_fit_start(tk::Context& ctx) override { start(ctx); }
-  void on_micro_batch(tk::Context&) override { enter(); }
-  void on_loss(tk::Context& ctx) override {
+  void on_fit_start(tk::FitStartContext& ctx) override { start(ctx); }
+  void on_micro_batch(tk::MicroBatchContext&) override { enter(); }
+  void on_loss(tk::LossContext& ctx) override {
     leave();
     if (scaling_) ctx.set_loss(ctx.loss() * scale_);
   }
-  void on_backward(tk::Context& ctx) override {
+  void on_backward(tk::BackwardContext& ctx) override {
     if (!scaling_ || !check_each_) return decline(tk::Event::Backward);  // nothing to check per micro-batch
     if (!overflow_ && !all_finite(ctx)) {
       overflow_ = true;
@@ -133,17 +133,17 @@ class MixedPrecision final : public tk::Plugin {
                std::to_string(ctx.window().size) + " (step " + std::to_string(ctx.counters().step + 1) + ")");
     }
   }
-  void on_boundary(tk::Context& ctx) override {
+  void on_boundary(tk::BoundaryContext& ctx) override {
     if (!scaling_) return decline(tk::Event::Boundary);  // bf16 needs no unscaling
     boundary(ctx);
   }
-  void on_step_end(tk::Context& ctx) override {
+  void on_step_end(tk::StepEndContext& ctx) override {
     if (!scaling_) return decline(tk::Event::StepEnd);
     step_end(ctx);
   }
-  void on_validation_start(tk::Context&) override { enter(); }
-  void on_validation_end(tk::Context&) override { leave(); }
-  void on_fit_end(tk::Context&) override { leave(); }
+  void on_validation_start(tk::ValidationStartContext&) override { enter(); }
+  void on_validation_end(tk::ValidationEndContext&) override { leave(); }
+  void on_fit_end(tk::FitEndContext&) override { leave(); }
 
   tk::StateDict state() const override {
     return {{"scale", torch::tensor(scale_, torch::kDouble)},
@@ -157,7 +157,7 @@ class MixedPrecision final : public tk::Plugin {
   }
 
  private:
-  void start(tk::Context& ctx) {
+  void start(tk::FitStartContext& ctx) {
     // Trial steps (the memory planner's; the verifier's, in float64, which autocast leaves alone)
     // neither say nor check what training will.
     if (ctx.trial()) return;
@@ -203,13 +203,6 @@ class MixedPrecision final : public tk::Plugin {
     active_ = false;
   }
 
-  static std::vector<at::Tensor> grads_of(tk::Context& ctx) {
-    std::vector<at::Tensor> grads;
-    for (const auto& p : ctx.model().parameters())
-      if (p.grad().defined()) grads.push_back(p.grad());
-    return grads;
-  }
-
   /// Multiplies the gradients by `inv_scale` (1: leaves them) and returns a flag on the device,
   /// nonzero when any holds an inf or a NaN: on CUDA from the fused kernel GradScaler uses,
   /// elsewhere from foreach ops and one reduction over all gradients. Nothing is read to the host.
@@ -234,9 +227,11 @@ class MixedPrecision final : public tk::Plugin {
   }
 
   /// With check_every_micro_batch: a host read per micro-batch, as that option asks.
-  bool all_finite(tk::Context& ctx) const { return ctx.read(unscale_and_find_inf(grads_of(ctx), 1.0)).front() == 0.0; }
+  bool all_finite(tk::BackwardContext& ctx) const {
+    return ctx.read(unscale_and_find_inf(ctx.gradients(), 1.0)).front() == 0.0;
+  }
 
-  void boundary(tk::Context& ctx) {
+  void boundary(tk::BoundaryContext& ctx) {
     used_ = scale_;
     ctx.metric("loss_scale", used_);
     vetoed_here_ = overflow_;
@@ -245,7 +240,7 @@ class MixedPrecision final : public tk::Plugin {
     } else {
       // Unscaled and checked on the device; the core reads the flag with the step's other values
       // and skips the step when it is set. The scale follows in on_step_end.
-      ctx.veto_step_if(unscale_and_find_inf(grads_of(ctx), 1.0 / scale_),
+      ctx.veto_step_if(unscale_and_find_inf(ctx.gradients(), 1.0 / scale_),
                        "gradient overflow (inf or NaN) at loss scale " + format(used_), advance_on_skip_);
     }
     overflow_ = false;
@@ -253,7 +248,7 @@ class MixedPrecision final : public tk::Plugin {
 
   /// The loss scale after the step: backed off after an overflow (the step was skipped), grown
   /// after `growth_interval` steps without one.
-  void step_end(tk::Context& ctx) {
+  void step_end(tk::StepEndContext& ctx) {
     if (vetoed_here_ || ctx.flag_was_set()) {
       scale_ = used_ * backoff_;
       tracker_ = 0;

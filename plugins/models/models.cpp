@@ -18,7 +18,7 @@
 
 #include <tk/abi.h>
 #include <tk/blocks.h>
-#include <tk/compat.h>
+#include <tk/kernels.h>
 
 namespace tk::models {
 namespace {
@@ -259,7 +259,7 @@ class CausalSelfAttention : public torch::nn::Module {
       q = rotary_->apply(q);
       k = rotary_->apply(k);
     }
-    auto y = compat::causal_attention(q, k, qkv[2], is_training() ? dropout_ : 0.0);
+    auto y = kernels::causal_attention(q, k, qkv[2], is_training() ? dropout_ : 0.0);
     return proj_->forward(y.transpose(1, 2).reshape({b, t, c}));
   }
   torch::nn::Linear& proj() { return proj_; }

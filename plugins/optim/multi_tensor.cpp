@@ -12,6 +12,7 @@
 #include "multi_tensor.h"
 
 #include <tk/compat.h>
+#include <tk/kernels.h>
 #include <tk/components.h>
 
 #include <cmath>
@@ -155,7 +156,7 @@ void fused_adamw_group(torch::optim::AdamW& opt, torch::optim::OptimizerParamGro
     // The kernel reads each step count from a float tensor on the parameters' device: one transfer.
     auto counts = at::tensor(steps, at::TensorOptions().dtype(at::kFloat)).to(like.device());
     std::vector<at::Tensor> step_tensors = counts.unbind(0);
-    compat::fused_adamw_(params, grads, avgs, sqs, maxes, step_tensors, o.lr(), std::get<0>(o.betas()),
+    kernels::fused_adamw_(params, grads, avgs, sqs, maxes, step_tensors, o.lr(), std::get<0>(o.betas()),
                          std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad());
   }
 }
@@ -246,7 +247,7 @@ class ForeachSgd final : public SizedSgd {
 }  // namespace
 
 bool has_fused_adamw(const c10::Device& device) {
-  return compat::kHasFusedAdamW && (device.is_cpu() || device.is_cuda());
+  return kernels::kHasFusedAdamW && (device.is_cpu() || device.is_cuda());
 }
 
 StepForm step_form(const std::string& name, const std::vector<torch::Tensor>& params) {

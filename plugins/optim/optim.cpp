@@ -2,7 +2,7 @@
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/mse_loss.h>
 #include <tk/abi.h>
-#include <tk/compat.h>
+#include <tk/kernels.h>
 
 #include "multi_tensor.h"
 
@@ -107,7 +107,7 @@ OptionSpecs adam_specs(double weight_decay, bool fused) {
 StepForm form_of(const Options& o, const std::vector<torch::Tensor>& params) {
   const StepForm form = step_form(o.get_string("implementation"), params);
   if (form == StepForm::Fused) {
-    if (!compat::kHasFusedAdamW)
+    if (!kernels::kHasFusedAdamW)
       o.fail("implementation", "\"fused\" needs LibTorch 2.4 or later (its at::_fused_adamw_); this build has " +
                                    std::string(TORCH_VERSION) + ": use \"foreach\"");
     if (!params.empty() && !has_fused_adamw(params.front().device()))

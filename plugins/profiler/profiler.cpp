@@ -45,32 +45,32 @@ class Profiler final : public tk::Plugin {
       if (s < 1) fail_option(steps_, "steps count from 1, got " + std::to_string(s));
   }
 
-  void on_fit_start(tk::Context& ctx) override {
+  void on_fit_start(tk::FitStartContext& ctx) override {
     trial_ = ctx.trial();  // trial steps are not the run's: nothing of them is traced
     if (trial_) return;
     t0_ = now_us();
     last_ = t0_;
     maybe_begin(ctx.counters().step + 1);
   }
-  void on_micro_batch(tk::Context&) override {
+  void on_micro_batch(tk::MicroBatchContext&) override {
     if (!on_) return;
     const double t = now_us();
     range("data", "phase", last_, t);
     micro_ = t;
   }
-  void on_loss(tk::Context&) override {
+  void on_loss(tk::LossContext&) override {
     if (!on_) return;
     loss_ = now_us();
     range("forward", "phase", micro_, loss_);
   }
-  void on_backward(tk::Context& ctx) override {
+  void on_backward(tk::BackwardContext& ctx) override {
     if (!on_) return;
     last_ = now_us();
     range("backward", "phase", loss_, last_);
     range("micro-batch " + std::to_string(ctx.window().index), "micro-batch", micro_, last_);
   }
-  void on_boundary(tk::Context&) override { boundary_ = now_us(); }
-  void on_step_end(tk::Context& ctx) override {
+  void on_boundary(tk::BoundaryContext&) override { boundary_ = now_us(); }
+  void on_step_end(tk::StepEndContext& ctx) override {
     if (trial_) return;
     const double t = now_us();
     const int64_t step = ctx.counters().step;  // the step just taken
@@ -83,12 +83,12 @@ class Profiler final : public tk::Plugin {
     last_ = t;
     maybe_begin(step + 1);
   }
-  void on_validation_start(tk::Context&) override { validation_ = now_us(); }
-  void on_validation_end(tk::Context&) override {
+  void on_validation_start(tk::ValidationStartContext&) override { validation_ = now_us(); }
+  void on_validation_end(tk::ValidationEndContext&) override {
     last_ = now_us();
     range("validation", "validation", validation_, last_);
   }
-  void on_fit_end(tk::Context&) override {
+  void on_fit_end(tk::FitEndContext&) override {
     if (trial_) {
       trial_ = false;
       return;

@@ -290,7 +290,7 @@ class RecomputePlugin final : public tk::Plugin {
     s.info("recomputing " + describe() + " in backward");
   }
 
-  void on_fit_start(tk::Context& ctx) override {
+  void on_fit_start(tk::FitStartContext& ctx) override {
     if (tk::blocks_of(ctx.model()) != blocks_)
       throw std::runtime_error("the model was replaced after recompute's setup: list recompute after the plugin "
                                "that replaces it (a wrapper's blocks are its own)");
@@ -298,7 +298,7 @@ class RecomputePlugin final : public tk::Plugin {
     if (auto_) ctx.info("recomputing " + describe() + " in backward (picked by the memory planner)");
   }
 
-  void on_step_end(tk::Context& ctx) override { ctx.metric("recompute_blocks", static_cast<double>(count())); }
+  void on_step_end(tk::StepEndContext& ctx) override { ctx.metric("recompute_blocks", static_cast<double>(count())); }
 
  private:
   /// The blocks' parameters and buffers, as they are now.

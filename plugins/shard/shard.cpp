@@ -44,7 +44,7 @@ class Shard final : public tk::Plugin {
     });
   }
 
-  void on_fit_start(tk::Context& ctx) override {
+  void on_fit_start(tk::FitStartContext& ctx) override {
     sharded_ = dynamic_cast<const tk::shard::ShardedOptimizer*>(&ctx.optimizer());
     if (!sharded_ || ctx.trial()) return;
     const int size = ctx.world_size(), rank = ctx.rank();
@@ -58,13 +58,13 @@ class Shard final : public tk::Plugin {
     ctx.info(m.str());
   }
 
-  void on_step_end(tk::Context& ctx) override {
+  void on_step_end(tk::StepEndContext& ctx) override {
     if (!sharded_ || ctx.world_size() == 1) return decline(tk::Event::StepEnd);
     if (!ctx.step_vetoed()) ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
   }
 
   // The optimizer is the core's: made anew after trial steps, released with the run.
-  void on_fit_end(tk::Context&) override { sharded_ = nullptr; }
+  void on_fit_end(tk::FitEndContext&) override { sharded_ = nullptr; }
 
  private:
   int64_t stage_ = 0;

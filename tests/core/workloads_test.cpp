@@ -1,6 +1,6 @@
 // Real workloads: Fashion-MNIST's IDX files, text for language modelling, the CNN, the GPT and
 // TorchScript models.
-#include <tk/compat.h>
+#include <tk/kernels.h>
 #include <tk/tensor_io.h>
 #include <zlib.h>
 
@@ -558,13 +558,13 @@ TEST_SUITE("workloads") {
   }
 
   TEST_CASE("the fused AdamW is refused where LibTorch has none (may skip)") {
-    TK_SKIP_IF(tk::compat::kHasFusedAdamW, "this LibTorch has the fused AdamW (2.4 or later): it runs here");
+    TK_SKIP_IF(tk::kernels::kHasFusedAdamW, "this LibTorch has the fused AdamW (2.4 or later): it runs here");
     CHECK_THROWS_WITH(make_optimizer("adamw", "lr = 0.01\nimplementation = \"fused\"", optimizer_params(torch::kFloat)),
                       doctest::Contains("\"fused\" needs LibTorch 2.4 or later"));
   }
 
   TEST_CASE("the fused AdamW agrees with the per-tensor step to rounding (may skip)") {
-    TK_SKIP_IF(!tk::compat::kHasFusedAdamW, "this LibTorch has no fused AdamW (it came with 2.4)");
+    TK_SKIP_IF(!tk::kernels::kHasFusedAdamW, "this LibTorch has no fused AdamW (it came with 2.4)");
     const std::string opts = "lr = 0.01\nweight_decay = 0.1";
     for (auto [dtype, tol] : {std::pair{torch::kFloat, 1e-6}, std::pair{torch::kDouble, 1e-14}}) {
       CAPTURE(dtype);
@@ -721,7 +721,7 @@ name = "sgd"
     // What the model sees in the first step is the data itself.
     struct Inputs final : tk::Plugin {
       std::vector<torch::Tensor> seen;
-      void on_micro_batch(tk::Context& ctx) override { seen.push_back(ctx.batch()->input.clone()); }
+      void on_micro_batch(tk::MicroBatchContext& ctx) override { seen.push_back(ctx.batch()->input.clone()); }
     };
     auto c = std::make_shared<Inputs>();
     t.add_plugin(c, "inputs");

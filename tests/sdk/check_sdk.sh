@@ -33,6 +33,12 @@ while IFS= read -r -d '' elf; do
   if readelf -S "$elf" | grep -q '\.debug_info'; then echo "installed with its debug info: $elf"; exit 1; fi
 done < <(find "$prefix" -type f \( -name '*.so*' -o -path '*/bin/*' \) -print0)
 du -sh "$prefix" "$prefix"/lib/libtrainkit.so.*.*
+# The private headers (LibTorch version shims, kernels) stay in the build: no installed header
+# includes them.
+for private in compat.h kernels.h; do
+  if [ -e "$prefix/include/tk/$private" ]; then echo "a private header was installed: include/tk/$private"; exit 1; fi
+  if grep -l "tk/$private" "$prefix"/include/tk/*.h; then echo "an installed header includes tk/$private"; exit 1; fi
+done
 guide="$(realpath "$prefix")/share/doc/trainkit/plugins.md"
 test -f "$guide"
 grep -q '^## Porting a plugin to API 4' "$guide"
@@ -139,7 +145,7 @@ for what in "tk::EventSet is plugin API 1" "this plugin is written for plugin AP
             "TK_PLUGIN(Api1, name, version) is the form of plugin APIs 1 to 3"; do
   grep -qF "$what" "$work/api1.log" || { echo "no message: $what"; exit 1; }
 done
-test "$(grep -c "Porting a plugin to API 4', '... to API 5' and '... to API 6' in trainkit's plugin guide: <prefix>/share/doc/trainkit/plugins.md" "$work/api1.log")" -ge 3
+test "$(grep -c "Porting a plugin to API 4', '... to API 5', '... to API 6' and '... to API 7' in trainkit's plugin guide: <prefix>/share/doc/trainkit/plugins.md" "$work/api1.log")" -ge 3
 
 log "tk_add_plugin_test with OWN_MAIN: tests that define doctest's main themselves"
 own="$work/own-main"
@@ -147,7 +153,7 @@ mkdir -p "$own/tests"
 cp "$src/plugins/clip/clip.cpp" "$own/own_clip.cpp"
 sed -i 's/TK_PLUGIN(Clip, "clip",/TK_PLUGIN(Clip, "own_clip",/' "$own/own_clip.cpp"
 printf '%s\n' 'cmake_minimum_required(VERSION 3.18)' 'project(own_main LANGUAGES CXX)' \
-  'find_package(trainkit 0.5 REQUIRED)' 'tk_add_plugin(own_clip SOURCES own_clip.cpp)' 'enable_testing()' \
+  'find_package(trainkit 0.6 REQUIRED)' 'tk_add_plugin(own_clip SOURCES own_clip.cpp)' 'enable_testing()' \
   'tk_add_plugin_test(own_clip NEUTRAL "max_norm = 1e30" TESTS tests/own_main_test.cpp OWN_MAIN)' \
   '# the targets the guide names, given flags of their own' \
   'target_compile_definitions(tk_plugin_own_clip PRIVATE OWN_PLUGIN_FLAG=1)' \

@@ -44,8 +44,8 @@ class Inject : public tk::Plugin {
  public:
   Inject(std::map<int64_t, double> at_steps, int64_t micro_index = -1)
       : at_(std::move(at_steps)), micro_(micro_index) {}
-  void on_step_end(tk::Context& ctx) override { after_step.push_back(tkt::flat_params(ctx.model())); }
-  void on_backward(tk::Context& ctx) override {
+  void on_step_end(tk::StepEndContext& ctx) override { after_step.push_back(tkt::flat_params(ctx.model())); }
+  void on_backward(tk::BackwardContext& ctx) override {
     auto it = at_.find(ctx.counters().step);
     const bool here = micro_ < 0 ? ctx.window().is_last() : ctx.window().index == micro_;
     if (it == at_.end() || !here) return;
@@ -476,7 +476,7 @@ TEST_SUITE("composition") {
     one_read_per_step("bf16");  // with loss_scale = "dynamic": the scaler's overflow check runs
     // A plugin that asks for a micro-batch's loss on the host pays a read per micro-batch, counted.
     struct Reader : tk::Plugin {
-      void on_loss(tk::Context& ctx) override { ctx.loss_value(); }
+      void on_loss(tk::LossContext& ctx) override { ctx.loss_value(); }
     };
     auto r = run("[[plugins]]\nname = \"grad_accum\"\nsteps = 4\n", {"run.steps=2"}, {{std::make_shared<Reader>(), "reader"}},
                  "reads-loss");

@@ -58,32 +58,33 @@ class @CLASS@ final : public tk::Plugin {
   void setup(tk::SetupContext& setup) override {}
 
   // Hooks, in the order the loop calls them. Delete the ones you do not need: a hook that is not
-  // overridden costs nothing.
+  // overridden costs nothing. Each gets its event's context, with the calls that belong to the
+  // event (tk/context.h): ctx.gradients() and a changeable ctx.optimizer() at the boundary, say.
   /// Once before the first epoch (after load_state when resuming).
-  void on_fit_start(tk::Context& ctx) override {}
+  void on_fit_start(tk::FitStartContext& ctx) override {}
   /// Before an epoch's first micro-batch.
-  void on_epoch_start(tk::Context& ctx) override {}
+  void on_epoch_start(tk::EpochStartContext& ctx) override {}
   /// A micro-batch was fetched; before its forward pass.
-  void on_micro_batch(tk::Context& ctx) override { ++micro_batches_; }
+  void on_micro_batch(tk::MicroBatchContext& ctx) override { ++micro_batches_; }
   /// The loss is ready; ctx.set_loss() may replace it before backward.
-  void on_loss(tk::Context& ctx) override {}
+  void on_loss(tk::LossContext& ctx) override {}
   /// This micro-batch's gradients were added in.
-  void on_backward(tk::Context& ctx) override {}
+  void on_backward(tk::BackwardContext& ctx) override {}
   /// The window is complete; before the optimizer step (sync, normalize, unscale, clip, veto).
-  void on_boundary(tk::Context& ctx) override {
+  void on_boundary(tk::BoundaryContext& ctx) override {
     if (enabled_) ctx.metric("@NAME@_micro_batches", static_cast<double>(micro_batches_));
     micro_batches_ = 0;
   }
   /// After the optimizer step (or its veto).
-  void on_step_end(tk::Context& ctx) override { ++steps_; }
+  void on_step_end(tk::StepEndContext& ctx) override { ++steps_; }
   /// After an epoch's last micro-batch.
-  void on_epoch_end(tk::Context& ctx) override {}
+  void on_epoch_end(tk::EpochEndContext& ctx) override {}
   /// Before a validation pass.
-  void on_validation_start(tk::Context& ctx) override {}
+  void on_validation_start(tk::ValidationStartContext& ctx) override {}
   /// After a validation pass; ctx.validation_loss() is set.
-  void on_validation_end(tk::Context& ctx) override {}
+  void on_validation_end(tk::ValidationEndContext& ctx) override {}
   /// Once at the end, however the run ended (ctx.status()).
-  void on_fit_end(tk::Context& ctx) override {}
+  void on_fit_end(tk::FitEndContext& ctx) override {}
 
   /// At the end of a completed run (rank 0, outputs on): this plugin's files, which the core
   /// lists, deletes with the run on --overwrite, and writes again on a resume that finds one lost.

@@ -98,10 +98,14 @@ class Tokenizer {
   std::vector<int64_t> start_;
 };
 
-/// The recipe's [data] value `key` ("" when unset).
-std::string data_option(const tk::Recipe& recipe, const char* key) {
+/// The recipe's [data] values tk-sample reads ("" when unset), from one parse of its file.
+struct DataKeys {
+  std::string name, level, train, validation;
+};
+DataKeys data_keys(const tk::Recipe& recipe) {
   const auto table = toml::parse_file(recipe.source());
-  return std::string(table["data"][key].value_or(""));
+  const auto value = [&](const char* key) { return std::string(table["data"][key].value_or("")); };
+  return {value("name"), value("level"), value("train"), value("validation")};
 }
 
 /// The files each pattern of a [data] file option (a file, a glob, or a list of them) names, in
@@ -128,12 +132,12 @@ std::vector<std::string> files_named(const tk::Recipe& recipe, const std::string
 /// shards: the tokenizer.model tk-tokenize wrote beside them, or bytes for a vocabulary of 256).
 std::string find_tokenizer(const Options& o, const tk::Recipe& recipe, int64_t vocab) {
   if (!o.tokenizer.empty()) return o.tokenizer == "bytes" ? "" : o.tokenizer;
-  const std::string data = data_option(recipe, "name");
-  if (data == "text" && data_option(recipe, "level") == "char")
+  const DataKeys data = data_keys(recipe);
+  if (data.name == "text" && data.level == "char")
     throw std::runtime_error("the run reads characters (data.level = \"char\"), whose numbering tk-sample does not "
                              "rebuild; give --tokenizer");
-  if (data == "tokens") {
-    const auto shards = files_named(recipe, data_option(recipe, "train"));
+  if (data.name == "tokens") {
+    const auto shards = files_named(recipe, data.train);
     const fs::path model = shards.empty() ? fs::path() : fs::path(shards.front()).parent_path() / "tokenizer.model";
     if (!shards.empty() && fs::exists(model)) return model.string();
     if (vocab > 256) throw std::runtime_error("no tokenizer.model beside the run's shards: give --tokenizer FILE.model");
@@ -230,10 +234,11 @@ class StandInShard {
 /// stand-in shard its model is built from, with the vocabulary and context its weights file
 /// records; null for other runs. `why` is what making the data set said.
 std::unique_ptr<StandInShard> stand_in_for(const tk::Recipe& recipe, const fs::path& weights, const std::string& why) {
-  if (data_option(recipe, "name") != "tokens") return nullptr;
+  const DataKeys data = data_keys(recipe);
+  if (data.name != "tokens") return nullptr;
   bool train = false, validation = false;
-  files_named(recipe, data_option(recipe, "train"), &train);
-  files_named(recipe, data_option(recipe, "validation"), &validation);
+  files_named(recipe, data.train, &train);
+  files_named(recipe, data.validation, &validation);
   if (train && validation) return nullptr;  // the shards are there: what failed is something else
   const auto unknown = [&](const std::string& what) {
     return std::runtime_error(why + "\n" + weights.string() + " " + what + ": put the run's shards back where its "

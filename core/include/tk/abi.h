@@ -16,8 +16,8 @@
 #include "tk/version.h"
 
 /// Bumped whenever the entry point, tk::Plugin's hooks or an interface type changes
-/// incompatibly. Also the SOVERSION of libtrainkit (libtrainkit.so.6).
-#define TK_PLUGIN_ABI_VERSION 6u
+/// incompatibly. Also the SOVERSION of libtrainkit (libtrainkit.so.7).
+#define TK_PLUGIN_ABI_VERSION 7u
 /// The symbol the loader looks up in a plugin library.
 #define TK_PLUGIN_ENTRY_SYMBOL "tk_plugin_entry"
 
@@ -46,7 +46,7 @@ constexpr uint64_t text_hash(std::string_view s) noexcept {
 /// another text.
 inline constexpr const char kPluginVirtuals[] = TK_PLUGIN_VIRTUALS(TK_VIRTUAL_TEXT);
 #undef TK_VIRTUAL_TEXT
-#define TK_EVENT_TEXT(hook, event) #hook "=" #event ";"
+#define TK_EVENT_TEXT(hook, event, context) #hook "=" #event "(" #context ");"
 /// Which event each hook is (a plugin computes the bits of the hooks it overrides in its own build).
 inline constexpr const char kEventHooks[] = TK_EVENT_HOOKS(TK_EVENT_TEXT);
 #undef TK_EVENT_TEXT

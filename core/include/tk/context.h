@@ -50,15 +50,16 @@ class PluginLog {
   const detail::Dispatch* dispatch_;
 };
 
-/// Everything a plugin may read or change during an event; a plugin holds it only for the
-/// duration of one hook. The calls that change what the core does (metric, veto_step,
-/// veto_step_if, mutable_totals, set_loss) and step_vetoed and flag_was_set fail, naming the
-/// plugin, the hook and the call, when made in an event they do not belong to; the values each
-/// accessor's doc ties to events mean nothing elsewhere.
+/// What a plugin sees during an event; a plugin holds it only for the duration of one hook. Each
+/// hook gets the context of its event (on_boundary a BoundaryContext, on_loss a LossContext, ...):
+/// what every event offers is here, and each event's context adds the calls that belong to it, so
+/// that a call made in a hook it does not belong to does not compile (ctx.set_loss() in
+/// on_boundary: "is protected"). The optimizer is read-only outside on_boundary.
 class Context : public PluginLog {
  public:
   Model& model() const;
-  torch::optim::Optimizer& optimizer() const;
+  /// The run's optimizer, to read (the boundary's context may change it: BoundaryContext).
+  const torch::optim::Optimizer& optimizer() const;
   const RunPlan& plan() const noexcept;
   int rank() const noexcept;
   int world_size() const noexcept;
@@ -68,66 +69,19 @@ class Context : public PluginLog {
   Reduction reduction() const noexcept;
   /// The event being dispatched.
   Event event() const noexcept;
-
   const Counters& counters() const noexcept;
-  /// Where the current micro-batch sits in its window (micro_batch .. boundary events).
-  const Window& window() const noexcept;
-  /// Totals of the current window up to the last backward.
-  const WindowTotals& totals() const noexcept;
-  /// The same, to replace with sums over all ranks before normalization (on_boundary only: a
-  /// sync plugin's).
-  WindowTotals& mutable_totals();
-  /// The current micro-batch (micro_batch .. backward events), else null.
-  const Batch* batch() const noexcept;
-  /// The tensor backward runs on (loss event).
-  const at::Tensor& loss() const;
-  /// Replaces the tensor backward runs on: a loss scale, say (on_loss only).
-  void set_loss(at::Tensor loss);
-  /// This micro-batch's loss as computed, before any rescaling (loss and backward events). Read
-  /// from the device when first asked for: a host synchronisation, counted in host_reads.
-  double loss_value() const;
-  /// The true loss of the window over all ranks (step_end event).
-  double window_loss() const noexcept;
-  /// The validation loss (validation_end event).
-  double validation_loss() const noexcept;
-  /// Learning rate of the step being taken (boundary and step_end events).
-  double lr() const noexcept;
   /// The run's output folder; empty when outputs are off and on every rank but 0. A plugin writes
   /// its files through Plugin::write_files, which the core keeps track of.
   const std::filesystem::path& output_dir() const noexcept;
-  /// Running until on_fit_end; there, how the run ended.
-  FitStatus status() const noexcept;
   /// Whether these are trial steps, not training: the memory planner's (micro_batch = "auto")
   /// and the accumulation verifier's run the plugins' whole cycle, on_fit_start to on_fit_end
   /// (status Trial), before training, and put back afterwards the parameters, buffers, random
   /// generators, optimizer and every plugin's state() (through load_state). A plugin that records
   /// what happens (a profiler, a log) leaves trials out.
   bool trial() const noexcept;
-
-  /// Adds a value to this step's record in metrics.jsonl (boundary, step_end and validation_end
-  /// events); the core's own keys (step, loss, lr, ...) are refused.
-  void metric(const std::string& name, double value);
-  /// The same for a value still on the device (a 1-element tensor; boundary event): the core reads
-  /// it with the step's other device values in its one read per step.
-  void metric(const std::string& name, const at::Tensor& value);
-
-  /// Votes against the optimizer step of this window (boundary event); the core skips it and
-  /// counts it. The LR schedule stays where it is unless `advance_schedule`. The first veto wins.
-  void veto_step(const std::string& reason, bool advance_schedule = false);
-  /// Votes against the step if `flag` (a 1-element tensor on the device) is nonzero (boundary
-  /// event), decided when the core reads it after the boundary, without a read of its own. Host
-  /// vetoes, and earlier flags, win.
-  void veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule = false);
-  /// Whether the step is vetoed: in on_boundary, by a host veto of a plugin dispatched earlier (a
-  /// veto_step_if is not known yet); in on_step_end, by any veto.
-  bool step_vetoed() const;
-  /// Whether this plugin's veto_step_if flag of this step was set (step_end event), whichever
-  /// veto won.
-  bool flag_was_set() const;
-
   /// Reads a tensor's values to the host (as float64, flattened), counted as one of the step's
   /// host_reads (metrics.jsonl): for what a plugin must know on the host now. Prefer the deferred
-  /// metric() and veto_step_if().
+  /// metric() and veto_step_if() of the boundary.
   std::vector<double> read(const at::Tensor& values) const;
   /// Host reads of the current step so far: the core's one, loss_value() and read() calls.
   int64_t host_reads() const noexcept;
@@ -139,9 +93,184 @@ class Context : public PluginLog {
   explicit Context(detail::LoopState* state) noexcept;
   ~Context() = default;
 
+  // The calls of particular events: each event's context below makes public those of its own.
+
+  /// Where the current micro-batch sits in its window.
+  const Window& window() const noexcept;
+  /// Totals of the current window up to the last backward.
+  const WindowTotals& totals() const noexcept;
+  /// The same, to replace with sums over all ranks before normalization (a sync plugin's).
+  WindowTotals& mutable_totals();
+  /// The current micro-batch.
+  const Batch* batch() const noexcept;
+  /// The tensor backward runs on.
+  const at::Tensor& loss() const;
+  /// Replaces the tensor backward runs on: a loss scale, say.
+  void set_loss(at::Tensor loss);
+  /// This micro-batch's loss as computed, before any rescaling. Read from the device when first
+  /// asked for: a host synchronisation, counted in host_reads.
+  double loss_value() const;
+  /// The true loss of the window over all ranks.
+  double window_loss() const noexcept;
+  /// The validation loss.
+  double validation_loss() const noexcept;
+  /// Learning rate of the step being taken.
+  double lr() const noexcept;
+  /// How the run ended.
+  FitStatus status() const noexcept;
+  /// The optimizer, to change.
+  torch::optim::Optimizer& mutable_optimizer() const;
+  /// The gradients: the defined grad() of every model parameter, in the model's order (a parameter
+  /// without a gradient in this window is left out); at the boundary, what the optimizer step will
+  /// apply. They are the tensors themselves: change them in place (scale, clip, unscale).
+  std::vector<at::Tensor> gradients() const;
+  /// Adds a value to this step's record in metrics.jsonl; the core's own keys (step, loss, lr,
+  /// ...) are refused.
+  void metric(const std::string& name, double value);
+  /// The same for a value still on the device (a 1-element tensor): the core reads it with the
+  /// step's other device values in its one read per step.
+  void metric(const std::string& name, const at::Tensor& value);
+  /// Votes against the optimizer step of this window; the core skips it and counts it. The LR
+  /// schedule stays where it is unless `advance_schedule`. The first veto wins.
+  void veto_step(const std::string& reason, bool advance_schedule = false);
+  /// Votes against the step if `flag` (a 1-element tensor on the device) is nonzero, decided when
+  /// the core reads it after the boundary, without a read of its own. Host vetoes, and earlier
+  /// flags, win.
+  void veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule = false);
+  /// Whether the step is vetoed: in on_boundary, by a host veto of a plugin dispatched earlier (a
+  /// veto_step_if is not known yet); in on_step_end, by any veto.
+  bool step_vetoed() const;
+  /// Whether this plugin's veto_step_if flag of this step was set, whichever veto won.
+  bool flag_was_set() const;
+
  private:
   friend struct detail::ContextAccess;
   detail::LoopState* s_;
+};
+
+/// on_fit_start: once, before the first epoch (after load_state when resuming).
+class FitStartContext final : public Context {
+  friend struct detail::ContextAccess;
+  explicit FitStartContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_epoch_start: before an epoch's first micro-batch.
+class EpochStartContext final : public Context {
+  friend struct detail::ContextAccess;
+  explicit EpochStartContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_micro_batch: a micro-batch was fetched; before its forward pass.
+class MicroBatchContext final : public Context {
+ public:
+  using Context::batch;
+  using Context::totals;
+  using Context::window;
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit MicroBatchContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_loss: the loss tensor is ready; set_loss() may replace it (rescaled) before backward.
+class LossContext final : public Context {
+ public:
+  using Context::batch;
+  using Context::loss;
+  using Context::loss_value;
+  using Context::set_loss;
+  using Context::totals;
+  using Context::window;
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit LossContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_backward: this micro-batch's gradients were added in.
+class BackwardContext final : public Context {
+ public:
+  using Context::batch;
+  using Context::gradients;
+  using Context::loss_value;
+  using Context::totals;
+  using Context::window;
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit BackwardContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_boundary: the window is complete, before the optimizer step: sync, normalize, unscale, clip,
+/// veto. The one event whose context changes the optimizer and the gradients.
+class BoundaryContext final : public Context {
+ public:
+  /// The run's optimizer, to change.
+  torch::optim::Optimizer& optimizer() const { return mutable_optimizer(); }
+  using Context::gradients;
+  using Context::lr;
+  using Context::metric;
+  using Context::mutable_totals;
+  using Context::step_vetoed;
+  using Context::totals;
+  using Context::veto_step;
+  using Context::veto_step_if;
+  using Context::window;
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit BoundaryContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_step_end: after the optimizer step (or its veto), the schedule step and zero_grad.
+class StepEndContext final : public Context {
+ public:
+  using Context::flag_was_set;
+  using Context::lr;
+  using Context::step_vetoed;
+  using Context::totals;
+  using Context::window;
+  using Context::window_loss;
+  /// Adds a value to this step's record in metrics.jsonl; the core's own keys are refused.
+  void metric(const std::string& name, double value) { Context::metric(name, value); }
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit StepEndContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_epoch_end: after an epoch's last micro-batch.
+class EpochEndContext final : public Context {
+  friend struct detail::ContextAccess;
+  explicit EpochEndContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_validation_start: before a validation pass (model in eval mode, no grad).
+class ValidationStartContext final : public Context {
+  friend struct detail::ContextAccess;
+  explicit ValidationStartContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_validation_end: after a validation pass; validation_loss() is set.
+class ValidationEndContext final : public Context {
+ public:
+  using Context::validation_loss;
+  /// Adds a value to this validation's record in metrics.jsonl; the core's own keys are refused.
+  void metric(const std::string& name, double value) { Context::metric(name, value); }
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit ValidationEndContext(detail::LoopState* s) noexcept : Context(s) {}
+};
+
+/// on_fit_end: once at the end, however the run ended: status() says how.
+class FitEndContext final : public Context {
+ public:
+  using Context::status;
+
+ private:
+  friend struct detail::ContextAccess;
+  explicit FitEndContext(detail::LoopState* s) noexcept : Context(s) {}
 };
 
 /// Makes an optimizer over `params`, a subset of the model's trainable parameters (in model order):

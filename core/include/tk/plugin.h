@@ -1,5 +1,5 @@
 #pragma once
-/// The plugin interface (API 6): options bound to members, a declared contract, the plan, setup,
+/// The plugin interface (API 7): options bound to members, a declared contract, the plan, setup,
 /// one hook per event, files, state.
 #include <cstdint>
 #include <initializer_list>
@@ -30,19 +30,19 @@ struct PluginState;
 struct PluginAccess;
 }  // namespace detail
 
-/// The event hooks, in Event order: X(hook, enumerator of tk::Event).
-#define TK_EVENT_HOOKS(X)                    \
-  X(on_fit_start, FitStart)                  \
-  X(on_epoch_start, EpochStart)              \
-  X(on_micro_batch, MicroBatch)              \
-  X(on_loss, Loss)                           \
-  X(on_backward, Backward)                   \
-  X(on_boundary, Boundary)                   \
-  X(on_step_end, StepEnd)                    \
-  X(on_epoch_end, EpochEnd)                  \
-  X(on_validation_start, ValidationStart)    \
-  X(on_validation_end, ValidationEnd)        \
-  X(on_fit_end, FitEnd)
+/// The event hooks, in Event order: X(hook, enumerator of tk::Event, the hook's context type).
+#define TK_EVENT_HOOKS(X)                                         \
+  X(on_fit_start, FitStart, FitStartContext)                      \
+  X(on_epoch_start, EpochStart, EpochStartContext)                \
+  X(on_micro_batch, MicroBatch, MicroBatchContext)                \
+  X(on_loss, Loss, LossContext)                                   \
+  X(on_backward, Backward, BackwardContext)                       \
+  X(on_boundary, Boundary, BoundaryContext)                       \
+  X(on_step_end, StepEnd, StepEndContext)                         \
+  X(on_epoch_end, EpochEnd, EpochEndContext)                      \
+  X(on_validation_start, ValidationStart, ValidationStartContext) \
+  X(on_validation_end, ValidationEnd, ValidationEndContext)       \
+  X(on_fit_end, FitEnd, FitEndContext)
 
 /// Base class of every strategy. The core makes it (through its library's registry, or as given
 /// in code), binds its options (bind, then init), lets it shape the run plan (configure) and the
@@ -75,28 +75,31 @@ class Plugin {
   /// Once, after the model is built and before the optimizer exists; may change the model.
   virtual void setup(SetupContext& setup) {}
 
+  // Each hook gets its event's context (tk/context.h): the calls that belong to the event.
+
   /// Once, before the first epoch (after load_state when resuming).
-  virtual void on_fit_start(Context& ctx) {}
+  virtual void on_fit_start(FitStartContext& ctx) {}
   /// Before an epoch's first micro-batch.
-  virtual void on_epoch_start(Context& ctx) {}
+  virtual void on_epoch_start(EpochStartContext& ctx) {}
   /// A micro-batch was fetched; before its forward pass (ctx.window() says where it sits).
-  virtual void on_micro_batch(Context& ctx) {}
+  virtual void on_micro_batch(MicroBatchContext& ctx) {}
   /// The loss tensor is ready; ctx.set_loss() may replace it (rescaled) before backward.
-  virtual void on_loss(Context& ctx) {}
+  virtual void on_loss(LossContext& ctx) {}
   /// This micro-batch's gradients were added in.
-  virtual void on_backward(Context& ctx) {}
-  /// The window is complete, before the optimizer step: sync, normalize, unscale, clip, veto.
-  virtual void on_boundary(Context& ctx) {}
+  virtual void on_backward(BackwardContext& ctx) {}
+  /// The window is complete, before the optimizer step: sync, normalize, unscale, clip, veto
+  /// (ctx.gradients(), ctx.optimizer()).
+  virtual void on_boundary(BoundaryContext& ctx) {}
   /// After the optimizer step (or its veto), the schedule step and zero_grad.
-  virtual void on_step_end(Context& ctx) {}
+  virtual void on_step_end(StepEndContext& ctx) {}
   /// After an epoch's last micro-batch.
-  virtual void on_epoch_end(Context& ctx) {}
+  virtual void on_epoch_end(EpochEndContext& ctx) {}
   /// Before a validation pass (model in eval mode, no grad).
-  virtual void on_validation_start(Context& ctx) {}
+  virtual void on_validation_start(ValidationStartContext& ctx) {}
   /// After a validation pass; ctx.validation_loss() is set.
-  virtual void on_validation_end(Context& ctx) {}
+  virtual void on_validation_end(ValidationEndContext& ctx) {}
   /// Once at the end, however the run ended (ctx.status()): also after a failure or a stop.
-  virtual void on_fit_end(Context& ctx) {}
+  virtual void on_fit_end(FitEndContext& ctx) {}
 
   /// Writes the plugin's own files into the output folder (rank 0, outputs on): after on_fit_end
   /// of a completed run, and on a resume of a finished run that finds one of them missing (after
@@ -151,17 +154,17 @@ class Plugin {
   X(Contract, contract, (), const)                      \
   X(void, configure, (RunPlan&), )                      \
   X(void, setup, (SetupContext&), )                     \
-  X(void, on_fit_start, (Context&), )                   \
-  X(void, on_epoch_start, (Context&), )                 \
-  X(void, on_micro_batch, (Context&), )                 \
-  X(void, on_loss, (Context&), )                        \
-  X(void, on_backward, (Context&), )                    \
-  X(void, on_boundary, (Context&), )                    \
-  X(void, on_step_end, (Context&), )                    \
-  X(void, on_epoch_end, (Context&), )                   \
-  X(void, on_validation_start, (Context&), )            \
-  X(void, on_validation_end, (Context&), )              \
-  X(void, on_fit_end, (Context&), )                     \
+  X(void, on_fit_start, (FitStartContext&), )           \
+  X(void, on_epoch_start, (EpochStartContext&), )       \
+  X(void, on_micro_batch, (MicroBatchContext&), )       \
+  X(void, on_loss, (LossContext&), )                    \
+  X(void, on_backward, (BackwardContext&), )            \
+  X(void, on_boundary, (BoundaryContext&), )            \
+  X(void, on_step_end, (StepEndContext&), )             \
+  X(void, on_epoch_end, (EpochEndContext&), )           \
+  X(void, on_validation_start, (ValidationStartContext&), ) \
+  X(void, on_validation_end, (ValidationEndContext&), ) \
+  X(void, on_fit_end, (FitEndContext&), )               \
   X(void, write_files, (OutputFiles&), )                \
   X(StateDict, state, (), const)                        \
   X(void, load_state, (const StateDict&), )
@@ -169,12 +172,12 @@ class Plugin {
 /// Where the changes between plugin APIs are written down, for the messages that refuse a source
 /// written for an older one.
 #define TK_PORTING_NOTES                                                                              \
-  "The changes from older plugin APIs are the tables 'Porting a plugin to API 4', '... to API 5' "   \
-  "and '... to API 6' in trainkit's plugin guide: <prefix>/share/doc/trainkit/plugins.md where "      \
+  "The changes from older plugin APIs are the tables 'Porting a plugin to API 4', '... to API 5', " \
+  "'... to API 6' and '... to API 7' in trainkit's plugin guide: <prefix>/share/doc/trainkit/plugins.md where "      \
   "trainkit is installed (tk-plugin --help prints it), docs/plugins.md in its source."
 #define TK_API1_PLUGIN_MESSAGE                                                                        \
   "this plugin is written for plugin API 1 (events(), on_event(), option_specs() or "               \
-  "init(const tk::Options&)): a plugin now overrides one hook per event (on_boundary(tk::Context&), " \
+  "init(const tk::Options&)): a plugin now overrides one hook per event (on_boundary(tk::BoundaryContext&), " \
   "...), binds its options to members in bind(tk::OptionBinder&) and checks them in init(). "        \
   TK_PORTING_NOTES
 
@@ -215,14 +218,29 @@ inline constexpr bool is_api1_plugin_v =
 TK_PLUGIN_VIRTUALS(TK_CHECK_VIRTUAL)
 #undef TK_CHECK_VIRTUAL
 
-/// The events whose hooks class `T` overrides (bit e set: it overrides the hook of Event e).
+/// The context type a hook member takes (void when it is not a hook's shape).
+template <class M>
+struct hook_context {
+  using type = void;
+};
+template <class C, class A>
+struct hook_context<void (C::*)(A&)> {
+  using type = A;
+};
+
+/// The events whose hooks class `T` overrides (bit e set: it overrides the hook of Event e). A
+/// hook that takes another context than its event's (tk::Context&, as before plugin API 7) would
+/// hide the base's and never be called: refused.
 template <class T>
 constexpr uint32_t hooks_of() noexcept {
   static_assert(std::is_base_of_v<Plugin, T>, "a plugin derives from tk::Plugin");
   static_assert(!is_api1_plugin_v<T>, TK_API1_PLUGIN_MESSAGE);
   uint32_t hooks = 0;
-#define TK_HOOK_BIT(hook, event) \
-  if (!std::is_same_v<decltype(&T::hook), void (Plugin::*)(Context&)>) hooks |= 1u << static_cast<unsigned>(Event::event);
+#define TK_HOOK_BIT(hook, event, context)                                                                        \
+  static_assert(std::is_same_v<typename hook_context<decltype(&T::hook)>::type, context>,                        \
+                "a plugin's " #hook " takes tk::" #context "& since plugin API 7 (it took tk::Context&): write "  \
+                "void " #hook "(tk::" #context "& ctx) override. " TK_PORTING_NOTES);                           \
+  if (!std::is_same_v<decltype(&T::hook), void (Plugin::*)(context&)>) hooks |= 1u << static_cast<unsigned>(Event::event);
   TK_EVENT_HOOKS(TK_HOOK_BIT)
 #undef TK_HOOK_BIT
   return hooks;
@@ -242,9 +260,6 @@ uint32_t hooks_for(const T& plugin) noexcept {
 /// Records the hooks the core calls on an instance (the registry's factory does, as it makes it).
 void set_class_hooks(Plugin& plugin, uint32_t hooks) noexcept;
 }  // namespace detail
-
-/// Calls the hook of `e` on `p`.
-void dispatch(Plugin& p, Event e, Context& ctx);
 
 /// The hooks of a plugin given without its class (a std::shared_ptr<tk::Plugin>).
 inline constexpr uint32_t kUnknownHooks = ~0u;

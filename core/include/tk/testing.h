@@ -155,9 +155,9 @@ inline bool identical(const Parameters& a, const Parameters& b) { return max_dif
 class Capture : public Plugin {
  public:
   Contract contract() const override;
-  void on_micro_batch(Context& ctx) override;
-  void on_boundary(Context& ctx) override;
-  void on_step_end(Context& ctx) override;
+  void on_micro_batch(MicroBatchContext& ctx) override;
+  void on_boundary(BoundaryContext& ctx) override;
+  void on_step_end(StepEndContext& ctx) override;
   std::vector<at::Tensor> grads;
   std::vector<double> lrs, window_losses;
   std::vector<int64_t> window_sizes;
@@ -170,7 +170,7 @@ class VetoAt : public Plugin {
  public:
   explicit VetoAt(std::set<int64_t> steps);
   Contract contract() const override;
-  void on_boundary(Context& ctx) override;
+  void on_boundary(BoundaryContext& ctx) override;
 
  private:
   std::set<int64_t> steps_;
@@ -180,7 +180,7 @@ class VetoAt : public Plugin {
 class ThrowAt : public Plugin {
  public:
   explicit ThrowAt(int64_t step);
-  void on_backward(Context& ctx) override;
+  void on_backward(BackwardContext& ctx) override;
 
  private:
   int64_t step_;

@@ -30,8 +30,6 @@ struct Dispatch {
   /// Enters plugin `p`'s hook `h` (for event `e`, if one); leave() ends it.
   void enter(const std::string& p, const char* h, std::optional<Event> e = std::nullopt);
   void leave() noexcept;
-  /// Refuses `call` unless the current hook is one of `events`, naming plugin, hook and call.
-  void require(const char* call, std::initializer_list<Event> events) const;
   /// Refuses `call` unless the current hook is `hook` (a non-event hook such as "configure").
   void require_hook(const char* call, const char* hook) const;
 };
@@ -176,6 +174,11 @@ struct BinderState {
 struct ContextAccess {
   static LoopState& state(Context& c) noexcept { return *c.s_; }
   static const LoopState& state(const Context& c) noexcept { return *c.s_; }
+  /// The context of one event (FitStartContext, ..., BoundaryContext, ...) over `s`.
+  template <class EventContext>
+  static EventContext view(LoopState& s) noexcept {
+    return EventContext(&s);
+  }
   static SetupContext setup(SetupState& s) noexcept { return SetupContext(&s); }
   static OutputFiles files(FilesState& s) noexcept { return OutputFiles(&s); }
 };
@@ -192,6 +195,8 @@ struct RegistryAccess {
   /// registration function); `keep` keeps that library loaded.
   static void set_origin(Registry& r, std::string file, std::shared_ptr<const void> keep);
 };
+/// Calls the hook of `e` on `p` with its event's context over `state`.
+void dispatch(Plugin& p, Event e, LoopState& state);
 /// The option specs a plugin declares (Plugin::bind), into `binder` when given.
 OptionSpecs declared_options(Plugin& p, OptionBinder* binder = nullptr);
 /// Names an instance (a registry does, for the plugins it makes; their factory recorded the hooks).

@@ -1,5 +1,6 @@
-// The views plugins get while they are called (Context, SetupContext, OutputFiles, the log) over
-// the core's state, and the refusal of calls made in a hook they do not belong to.
+// The views plugins get while they are called (each event's Context, SetupContext, OutputFiles,
+// the log) over the core's state. Which event a call belongs to, the context types say at compile
+// time; what is refused here is a call made after its hook (setup's) and bad arguments.
 #include "tk/context.h"
 
 #include <ATen/ATen.h>
@@ -27,14 +28,6 @@ void Dispatch::leave() noexcept {
   plugin.clear();
   hook = nullptr;
   event.reset();
-}
-
-void Dispatch::require(const char* call, std::initializer_list<Event> events) const {
-  if (event && std::find(events.begin(), events.end(), *event) != events.end()) return;
-  std::string belongs;
-  for (Event e : events) belongs += std::string(belongs.empty() ? "" : " or ") + hook_name(e);
-  throw Error("plugin '" + plugin + "' called " + call + " in " + (hook ? hook : "no hook (outside any call of the core)") +
-              "; it belongs to " + belongs);
 }
 
 void Dispatch::require_hook(const char* call, const char* h) const {
@@ -131,7 +124,14 @@ const char* to_string(FitStatus s) noexcept {
 Context::Context(detail::LoopState* state) noexcept : PluginLog(&state->d), s_(state) {}
 
 Model& Context::model() const { return *s_->model; }
-torch::optim::Optimizer& Context::optimizer() const { return *s_->optimizer; }
+const torch::optim::Optimizer& Context::optimizer() const { return *s_->optimizer; }
+torch::optim::Optimizer& Context::mutable_optimizer() const { return *s_->optimizer; }
+std::vector<at::Tensor> Context::gradients() const {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : s_->model->parameters())
+    if (p.grad().defined()) grads.push_back(p.grad());
+  return grads;
+}
 const RunPlan& Context::plan() const noexcept { return s_->plan->view; }
 int Context::rank() const noexcept { return s_->plan->rank; }
 int Context::world_size() const noexcept { return s_->plan->world_size; }
@@ -141,14 +141,10 @@ Event Context::event() const noexcept { return s_->d.event.value_or(Event::FitSt
 const Counters& Context::counters() const noexcept { return s_->counters; }
 const Window& Context::window() const noexcept { return s_->window; }
 const WindowTotals& Context::totals() const noexcept { return s_->totals; }
-WindowTotals& Context::mutable_totals() {
-  s_->d.require("ctx.mutable_totals()", {Event::Boundary});
-  return s_->totals;
-}
+WindowTotals& Context::mutable_totals() { return s_->totals; }
 const Batch* Context::batch() const noexcept { return s_->batch; }
 const at::Tensor& Context::loss() const { return s_->loss; }
 void Context::set_loss(at::Tensor loss) {
-  s_->d.require("ctx.set_loss()", {Event::Loss});
   if (!loss.defined()) throw Error("plugin '" + s_->d.plugin + "' called ctx.set_loss() with an undefined tensor");
   s_->loss = std::move(loss);
 }
@@ -195,37 +191,31 @@ void check_one_element(const detail::Dispatch& d, const char* call, const at::Te
 }  // namespace
 
 void Context::metric(const std::string& name, double value) {
-  s_->d.require("ctx.metric(name, value)", {Event::Boundary, Event::StepEnd, Event::ValidationEnd});
   check_metric_name(s_->d, name);
   s_->step.set_metric(name, value);
 }
 
 void Context::metric(const std::string& name, const at::Tensor& value) {
-  s_->d.require("ctx.metric(name, tensor)", {Event::Boundary});
   check_metric_name(s_->d, name);
   check_one_element(s_->d, "ctx.metric(name, tensor)", value);
   s_->step.deferred.push_back({name, value.detach(), s_->d.plugin, false, false});
 }
 
 void Context::veto_step(const std::string& reason, bool advance_schedule) {
-  s_->d.require("ctx.veto_step()", {Event::Boundary});
   s_->step.veto(reason, s_->d.plugin, advance_schedule);
 }
 
 void Context::veto_step_if(const at::Tensor& flag, const std::string& reason, bool advance_schedule) {
-  s_->d.require("ctx.veto_step_if()", {Event::Boundary});
   check_one_element(s_->d, "ctx.veto_step_if()", flag);
   s_->step.deferred.push_back({reason.empty() ? std::string("(no reason given)") : reason, flag.detach(), s_->d.plugin,
                                true, advance_schedule});
 }
 
 bool Context::step_vetoed() const {
-  s_->d.require("ctx.step_vetoed()", {Event::Boundary, Event::StepEnd});
   return !s_->step.veto_reason.empty();
 }
 
 bool Context::flag_was_set() const {
-  s_->d.require("ctx.flag_was_set()", {Event::StepEnd});
   const auto& f = s_->step.flagged;
   return std::find(f.begin(), f.end(), s_->d.plugin) != f.end();
 }

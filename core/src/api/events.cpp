@@ -2,6 +2,7 @@
 #include "tk/events.h"
 
 #include "tk/plugin.h"
+#include "api/api.h"
 
 namespace tk {
 
@@ -24,7 +25,7 @@ const char* to_string(Event e) noexcept {
 
 const char* hook_name(Event e) noexcept {
   switch (e) {
-#define TK_HOOK_NAME(hook, event) \
+#define TK_HOOK_NAME(hook, event, context) \
   case Event::event: return #hook;
     TK_EVENT_HOOKS(TK_HOOK_NAME)
 #undef TK_HOOK_NAME
@@ -37,13 +38,21 @@ bool closes(Event e) noexcept {
          e == Event::FitEnd;
 }
 
-void dispatch(Plugin& p, Event e, Context& ctx) {
+namespace detail {
+
+void dispatch(Plugin& p, Event e, LoopState& state) {
   switch (e) {
-#define TK_DISPATCH(hook, event) \
-  case Event::event: p.hook(ctx); return;
+#define TK_DISPATCH(hook, event, context)                  \
+  case Event::event: {                                     \
+    auto ctx = ContextAccess::view<context>(state);        \
+    p.hook(ctx);                                           \
+    return;                                                \
+  }
     TK_EVENT_HOOKS(TK_DISPATCH)
 #undef TK_DISPATCH
   }
 }
+
+}  // namespace detail
 
 }  // namespace tk

@@ -19,12 +19,6 @@ namespace tk::detail {
 
 // ---- events.cpp: the plugins' hooks by event ------------------------------------------------------
 
-/// The plugins' Context over the engine's state.
-class EventContext final : public Context {
- public:
-  explicit EventContext(LoopState* s) noexcept : Context(s) {}
-};
-
 /// Who handles each event, in dispatch order, and the calls of their hooks. A plugin that
 /// declines an event is dropped from its list.
 class Events {
@@ -44,14 +38,11 @@ class Events {
   /// After a failure: on_fit_end (status failed) once for every plugin whose on_fit_start ran (or
   /// that has none); their errors are dropped.
   void fit_end_after_failure();
-  /// The Context the hooks get.
-  Context& context() noexcept { return ctx_; }
 
  private:
   Run& r_;
   LoopState& s_;
   std::vector<TraceEntry>& trace_;
-  EventContext ctx_;
   std::array<std::vector<const Slot*>, kEventCount> handlers_;
   std::set<const Slot*> not_started_;  // plugins whose on_fit_start has not run (yet)
 };

@@ -4,7 +4,7 @@
 namespace tk::detail {
 
 Events::Events(Run& run, LoopState& state, std::vector<TraceEntry>& trace)
-    : r_(run), s_(state), trace_(trace), ctx_(&state) {
+    : r_(run), s_(state), trace_(trace) {
   // An event that closes what another opened goes to the plugins in reverse order: the one that
   // opened its region last (innermost) closes it first.
   for (int e = 0; e < kEventCount; ++e) {
@@ -33,7 +33,7 @@ void Events::emit(Event e) {
                                 std::to_string(s_.counters.micro_step) + "): " + what);
     };
     try {
-      dispatch(*s.plugin, e, ctx_);
+      dispatch(*s.plugin, e, s_);
     } catch (const std::exception& err) {  // LibTorch's among them: one line, no C++ stack
       throw failure(message_of(err));
     } catch (...) {
@@ -52,7 +52,7 @@ void Events::fit_end() {
     if (!s->plugin->handles(Event::FitEnd)) continue;
     s_.d.enter(s->name, hook_name(Event::FitEnd), Event::FitEnd);
     try {
-      s->plugin->on_fit_end(ctx_);
+      dispatch(*s->plugin, Event::FitEnd, s_);
     } catch (const std::exception& err) {
       if (!first)
         first = std::make_exception_ptr(PluginRuntimeError("plugin '" + s->name + "' failed in event fit_end at step " +
@@ -75,7 +75,7 @@ void Events::fit_end_after_failure() {
     if (not_started_.count(s) || !s->plugin->handles(Event::FitEnd)) continue;
     try {
       s_.d.enter(s->name, hook_name(Event::FitEnd), Event::FitEnd);
-      s->plugin->on_fit_end(ctx_);
+      dispatch(*s->plugin, Event::FitEnd, s_);
     } catch (...) {
     }
   }

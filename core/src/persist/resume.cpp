@@ -59,10 +59,14 @@ void agree_on_identity(World& world, const RunIdentity& identity) {
   bool differ_in_data = false;
   for (const auto& [k, v] : identity.recipe) {
     const auto it = theirs.find(text_hash(k));
-    if (it == theirs.end()) differ.push_back(k + " = " + v + " (rank 0 has no " + k + ")");
-    else if (it->second != text_hash(v)) differ.push_back(k + " = " + v);
-    if (it == theirs.end() || it->second != text_hash(v)) differ_in_data = differ_in_data || k == kDataKey;
-    if (it != theirs.end()) theirs.erase(it);
+    const bool missing = it == theirs.end();
+    if (!missing && it->second == text_hash(v)) {
+      theirs.erase(it);
+      continue;
+    }
+    differ.push_back(k + " = " + v + (missing ? " (rank 0 has no " + k + ")" : std::string()));
+    differ_in_data = differ_in_data || k == kDataKey;
+    if (!missing) theirs.erase(it);
   }
   if (!theirs.empty())
     differ.push_back(std::to_string(theirs.size()) + " key" + (theirs.size() == 1 ? "" : "s") +

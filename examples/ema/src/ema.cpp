@@ -40,7 +40,7 @@ class Ema final : public tk::Plugin {
 
   /// Starts the average at the current weights, or checks the one restored from a checkpoint
   /// against the model and moves it to the parameters' device and dtype.
-  void on_fit_start(tk::Context& ctx) override {
+  void on_fit_start(tk::FitStartContext& ctx) override {
     torch::NoGradGuard no_grad;
     std::map<std::string, torch::Tensor> avg;
     for (const auto& p : ctx.model().named_parameters()) {
@@ -62,7 +62,7 @@ class Ema final : public tk::Plugin {
   }
 
   /// Averages the weights of a step that was taken; records the number of updates.
-  void on_step_end(tk::Context& ctx) override {
+  void on_step_end(tk::StepEndContext& ctx) override {
     if (!ctx.step_vetoed()) {
       torch::NoGradGuard no_grad;
       const bool averaging = ctx.counters().step - 1 >= start_step_;  // step counts this one already

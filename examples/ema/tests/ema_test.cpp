@@ -43,8 +43,8 @@ Parameters parameters_of(tk::Model& model) {
 /// Records the weights at the start of the run and after every optimizer step.
 class Recorder final : public tk::Plugin {
  public:
-  void on_fit_start(tk::Context& ctx) override { snapshots.push_back(parameters_of(ctx.model())); }
-  void on_step_end(tk::Context& ctx) override { snapshots.push_back(parameters_of(ctx.model())); }
+  void on_fit_start(tk::FitStartContext& ctx) override { snapshots.push_back(parameters_of(ctx.model())); }
+  void on_step_end(tk::StepEndContext& ctx) override { snapshots.push_back(parameters_of(ctx.model())); }
   /// snapshots[0]: the initial weights; snapshots[k]: the weights after step k - 1 (0-based).
   std::vector<Parameters> snapshots;
 };

@@ -56,7 +56,7 @@ class GradHealth final : public tk::Plugin {
   }
 
   /// Measures the step's gradients, logs them, and vetoes the step when one is not finite.
-  void on_boundary(tk::Context& ctx) override {
+  void on_boundary(tk::BoundaryContext& ctx) override {
     const std::vector<GradNorm> norms = grad_norms(ctx.model());
     if (norms.empty()) return;
     double sum_sq = 0.0, largest = 0.0;

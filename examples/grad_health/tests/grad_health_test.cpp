@@ -59,7 +59,7 @@ class NormRecorder final : public tk::Plugin {
     c.after = {tk::cap::kGradsSynced, tk::cap::kGradsNormalized, tk::cap::kGradsUnscaled};
     return c;
   }
-  void on_boundary(tk::Context& ctx) override {
+  void on_boundary(tk::BoundaryContext& ctx) override {
     std::vector<double> step;
     for (const auto& p : ctx.model().parameters())
       if (p.grad().defined()) step.push_back(p.grad().to(torch::kFloat64).pow(2).sum().sqrt().item<double>());
@@ -72,7 +72,7 @@ class NormRecorder final : public tk::Plugin {
 class Inject final : public tk::Plugin {
  public:
   Inject(std::set<int64_t> steps, double value) : steps_(std::move(steps)), value_(value) {}
-  void on_backward(tk::Context& ctx) override {
+  void on_backward(tk::BackwardContext& ctx) override {
     if (!steps_.count(ctx.counters().step) || !ctx.window().is_last()) return;
     torch::NoGradGuard no_grad;
     ctx.model().parameters().front().mutable_grad().view({-1})[0].fill_(value_);
