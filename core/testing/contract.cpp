@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "api/api.h"
+#include "tk/registry.h"
 #include "tk/loader.h"
 #include "tk/testing.h"
 
@@ -171,8 +171,9 @@ class ContractChecks {
   /// A new instance with the options given as TOML.
   std::shared_ptr<Plugin> instance(const std::string& toml) const { return load_plugin(file_, toml); }
   OptionSpecs fresh_specs() const {
-    auto p = PluginLoader({}).load_plugin(file_).plugin;
-    return detail::declared_options(*p);
+    Registry registry;  // the specs a fresh instance declares, as its library registered them
+    PluginLoader({}).load(file_, registry);
+    return registry.plugins().front().specs;
   }
   RunResult run_with(std::vector<InProcess> plugins) const {
     RunOptions o;

@@ -4,7 +4,6 @@
 // beyond 65536). A shard is cut into sequences of seq_len inputs and the next tokens as targets;
 // the sequences of every shard of a set make one indexable data set, so the core's seeded shuffle,
 // its striding by rank and its resume position apply as to any other.
-#include <glob.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <fcntl.h>
@@ -226,22 +225,10 @@ void check_tokenizations(const Options& o, const std::string& key, const std::ve
 
 /// The files a pattern names, sorted: a glob, or a list separated by commas.
 std::vector<fs::path> files_of(const Options& o, const std::string& key) {
-  const std::string spec = o.get_path(key);
   std::vector<fs::path> out;
-  size_t from = 0;
-  while (from <= spec.size()) {
-    const size_t comma = spec.find(',', from);
-    const std::string one = spec.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
-    from = comma == std::string::npos ? spec.size() + 1 : comma + 1;
-    if (one.empty()) continue;
-    glob_t g{};
-    const int rc = ::glob(one.c_str(), 0, nullptr, &g);
-    std::vector<fs::path> found;
-    for (size_t i = 0; rc == 0 && i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
-    ::globfree(&g);
+  for (const auto& [one, found] : files_matching(o.get_path(key))) {
     if (found.empty())
       o.fail(key, one.find_first_of("*?[") == std::string::npos ? one + ": no such file" : "'" + one + "' matches no file");
-    std::sort(found.begin(), found.end());
     for (const auto& f : found) {
       std::error_code ec;
       if (!fs::exists(f, ec))  // what glob found and stat cannot: a link to nothing

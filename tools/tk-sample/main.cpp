@@ -18,7 +18,6 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <glob.h>
 #include <limits>
 #include <map>
 #include <memory>
@@ -113,17 +112,9 @@ DataKeys data_keys(const tk::Recipe& recipe) {
 std::vector<std::string> files_named(const tk::Recipe& recipe, const std::string& spec, bool* all_found = nullptr) {
   std::vector<std::string> out;
   if (all_found) *all_found = true;
-  size_t from = 0;
-  while (from <= spec.size()) {
-    const size_t comma = spec.find(',', from);
-    const std::string one = spec.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
-    from = comma == std::string::npos ? spec.size() + 1 : comma + 1;
-    if (one.empty()) continue;
-    glob_t g{};
-    const bool found = ::glob(recipe.resolve_path(one).c_str(), 0, nullptr, &g) == 0 && g.gl_pathc > 0;
-    for (size_t i = 0; found && i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
-    ::globfree(&g);
-    if (!found && all_found) *all_found = false;
+  for (const auto& m : tk::files_matching(spec, [&](const std::string& p) { return recipe.resolve_path(p); })) {
+    for (const auto& f : m.files) out.push_back(f.string());
+    if (m.files.empty() && all_found) *all_found = false;
   }
   return out;
 }
@@ -172,7 +163,7 @@ std::unique_ptr<tk::Trainer> build(tk::Recipe recipe, const Options& o) {
   } catch (const std::exception& e) {
     // The device is this tool's --device, not a --set the user typed.
     std::string why = tk::message_of(e);
-    for (const std::string said : {"--set " + device_set + ": run.device: ", "--set " + device_set + ": "})
+    for (const std::string& said : {"--set " + device_set + ": run.device: ", "--set " + device_set + ": "})
       if (why.rfind(said, 0) == 0) throw std::runtime_error("--device " + o.device + ": " + why.substr(said.size()));
     throw std::runtime_error(why);
   }

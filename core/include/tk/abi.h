@@ -15,6 +15,9 @@
 #include "tk/registry.h"
 #include "tk/version.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 /// Bumped whenever the entry point, tk::Plugin's hooks or an interface type changes
 /// incompatibly. Also the SOVERSION of libtrainkit (libtrainkit.so.7).
 #define TK_PLUGIN_ABI_VERSION 7u
@@ -125,3 +128,5 @@ typedef const tk_plugin_info* (*tk_plugin_entry_fn)();
 #define TK_PLUGIN_ARGS_(...)                                                                            \
   static_assert(false, "TK_PLUGIN takes four arguments: TK_PLUGIN(Class, \"name\", \"version\", "       \
                        "\"one-line description\")");
+
+#pragma GCC visibility pop

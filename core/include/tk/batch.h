@@ -6,6 +6,9 @@
 #include <map>
 #include <string>
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// One micro-batch. `samples` is its number of examples; `tokens` its number of target items that
@@ -21,3 +24,5 @@ struct Batch {
 using StateDict = std::map<std::string, at::Tensor>;
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -35,6 +35,9 @@
 #include <string>
 #include <vector>
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace torch::nn {
 class Module;
 }  // namespace torch::nn
@@ -106,3 +109,5 @@ class ModelWithBlocks {
 Blocks* blocks_of(Model& model);
 
 }  // namespace tk
+
+#pragma GCC visibility pop

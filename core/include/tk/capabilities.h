@@ -7,6 +7,9 @@
 #include <string>
 #include <utility>
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// A capability's name, typed: a Contract lists these and RunPlan::has asks for one. trainkit's
@@ -45,3 +48,5 @@ inline const Capability kKnown[] = {kWindow,       kGradsSynced, kGradsNormalize
 
 }  // namespace cap
 }  // namespace tk
+
+#pragma GCC visibility pop

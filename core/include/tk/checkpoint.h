@@ -14,6 +14,9 @@
 #include "tk/model.h"
 #include "tk/run_plan.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// Where training stands at a boundary: the counters and the next micro-batch to read.
@@ -70,3 +73,5 @@ std::optional<RunIdentity> read_run_identity(const std::filesystem::path& dir);
 Checkpoint load_checkpoint(const std::filesystem::path& dir, Model& model, torch::optim::Optimizer& optimizer);
 
 }  // namespace tk
+
+#pragma GCC visibility pop

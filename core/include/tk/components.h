@@ -14,6 +14,9 @@
 #include "tk/options.h"
 #include "tk/run_plan.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace torch::optim {
 class Optimizer;
 }
@@ -73,3 +76,5 @@ class StateSize {
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
 
 }  // namespace tk
+
+#pragma GCC visibility pop

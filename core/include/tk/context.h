@@ -19,6 +19,9 @@
 #include "tk/run_plan.h"
 #include "tk/world.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// How a run ended, as on_fit_end sees it (Running before that). Trial: the end of trial steps
@@ -30,6 +33,7 @@ const char* to_string(FitStatus s) noexcept;
 /// Named tensors, as save_tensors writes them (tk/tensor_io.h uses the same type).
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+#pragma GCC visibility push(hidden)  // the core's own: not exported
 namespace detail {
 struct Dispatch;
 struct LoopState;
@@ -37,6 +41,7 @@ struct SetupState;
 struct FilesState;
 struct ContextAccess;
 }  // namespace detail
+#pragma GCC visibility pop
 
 /// Messages through the run's log, prefixed with the current plugin's name. Base of the contexts.
 class PluginLog {
@@ -367,3 +372,5 @@ class OutputFiles : public PluginLog {
 };
 
 }  // namespace tk
+
+#pragma GCC visibility pop

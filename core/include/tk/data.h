@@ -3,12 +3,17 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "tk/batch.h"
+
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
 
 namespace tk {
 
@@ -74,7 +79,20 @@ struct DataSplits {
 /// be a regular one (tk::Error naming it otherwise).
 std::string files_fingerprint(const std::vector<std::string>& files);
 
+/// One pattern of a data set's file option and the files it names.
+struct FileMatches {
+  std::string pattern;                          ///< as given (resolved: see files_matching)
+  std::vector<std::filesystem::path> files;     ///< sorted; empty when it names none
+};
+/// The files `spec` names: a file, a glob, or a list of them separated by commas (empty entries
+/// skipped), pattern by pattern. `resolve`, when given, makes each pattern a path first (against
+/// a recipe's folder, say).
+std::vector<FileMatches> files_matching(const std::string& spec,
+                                        const std::function<std::string(const std::string&)>& resolve = {});
+
 /// The order examples are visited in an epoch: a pure function of (seed, epoch).
 at::Tensor epoch_order(int64_t n, uint64_t seed, int64_t epoch, bool shuffle);
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -3,6 +3,9 @@
 #include <stdexcept>
 #include <string>
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// A place in a recipe (or a `--set` override): file, line and column, 1-based; 0 when unknown.
@@ -59,3 +62,5 @@ std::string message_of(const std::exception& e);
 std::string join(const std::string* begin, const std::string* end, const char* sep = ", ");
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -3,6 +3,9 @@
 /// hook of the same name on tk::Plugin (Event::MicroBatch -> Plugin::on_micro_batch).
 #include <cstdint>
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 enum class Event : uint8_t {
@@ -31,3 +34,5 @@ const char* hook_name(Event e) noexcept;
 bool closes(Event e) noexcept;
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -8,6 +8,9 @@
 #include "tk/plugin.h"
 #include "tk/registry.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// What a library told the loader about itself.
@@ -65,3 +68,5 @@ class PluginLoader {
 };
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -5,6 +5,9 @@
 #include <memory>
 #include <string>
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// A trainable model: a torch::nn::Module with a single-tensor forward.
@@ -61,3 +64,5 @@ const ModelWithFlops* flops_of(const Model& model);
 double train_flops_of(const Model& model, c10::IntArrayRef input_sizes);
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -13,6 +13,9 @@
 
 #include "tk/error.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// Path is a string that names a file or folder: a relative one is resolved against the folder of
@@ -143,9 +146,11 @@ std::string to_toml(const OptionValue& v);
 /// Options filled with the specs' defaults only (for tests and for plugins built in code).
 Options defaults_of(const OptionSpecs& specs);
 
+#pragma GCC visibility push(hidden)  // the core's own: not exported
 namespace detail {
 struct BinderState;
-}
+}  // namespace detail
+#pragma GCC visibility pop
 
 /// How a plugin declares its options: each one once, bound to the member that holds it. The
 /// member's value when bind() is called is the option's default, its type the option's type; the
@@ -211,3 +216,5 @@ class OptionBinder {
 };
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -9,6 +9,9 @@
 #include "tk/plugin.h"
 #include "tk/run_plan.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// Where each micro-batch sits in its optimizer-step window, for a window size (fixed, or ramping
@@ -64,3 +67,5 @@ std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins,
                                   std::vector<std::string>* warnings = nullptr);
 
 }  // namespace tk
+
+#pragma GCC visibility pop

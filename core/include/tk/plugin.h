@@ -14,6 +14,9 @@
 #include "tk/events.h"
 #include "tk/options.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// Ordering and compatibility a plugin declares (names from tk/capabilities.h or its own).
@@ -25,10 +28,12 @@ struct Contract {
   std::vector<Capability> conflicts;  ///< refuse the run if some plugin provides these
 };
 
+#pragma GCC visibility push(hidden)  // the core's own: not exported
 namespace detail {
 struct PluginState;
 struct PluginAccess;
 }  // namespace detail
+#pragma GCC visibility pop
 
 /// The event hooks, in Event order: X(hook, enumerator of tk::Event, the hook's context type).
 #define TK_EVENT_HOOKS(X)                                         \
@@ -188,6 +193,7 @@ EventSet {
   EventSet(std::initializer_list<Event>) {}
 };
 
+#pragma GCC visibility push(hidden)  // the core's own: not exported
 namespace detail {
 /// Whether `T` declares a member of plugin API 1 (events(), on_event(), option_specs(),
 /// init(const Options&)): TK_PLUGIN and Registry::add_plugin refuse such a class, pointing to the
@@ -257,9 +263,8 @@ template <class T>
 uint32_t hooks_for(const T& plugin) noexcept {
   return typeid(plugin) == typeid(T) ? hooks_of<T>() : kAllHooks;
 }
-/// Records the hooks the core calls on an instance (the registry's factory does, as it makes it).
-void set_class_hooks(Plugin& plugin, uint32_t hooks) noexcept;
 }  // namespace detail
+#pragma GCC visibility pop
 
 /// The hooks of a plugin given without its class (a std::shared_ptr<tk::Plugin>).
 inline constexpr uint32_t kUnknownHooks = ~0u;
@@ -273,3 +278,5 @@ void prepare_plugin(Plugin& plugin, const std::string& name, const std::string& 
 bool is_prepared(const Plugin& plugin) noexcept;
 
 }  // namespace tk
+
+#pragma GCC visibility pop

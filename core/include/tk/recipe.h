@@ -8,6 +8,9 @@
 #include "tk/options.h"
 #include "tk/resolved_recipe.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// One `[[plugins]]` entry: a plugin given by name or by explicit path.
@@ -77,3 +80,5 @@ Options parse_options(const std::string& toml_text, const OptionSpecs& specs,
                       const std::string& context = "options");
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -10,6 +10,9 @@
 #include "tk/options.h"
 #include "tk/plugin.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// Makes a new instance of a strategy plugin.
@@ -32,9 +35,11 @@ struct Component {
   std::string library;  ///< file that registered it ("(in-process)" for code)
 };
 
+#pragma GCC visibility push(hidden)  // the core's own: not exported
 namespace detail {
 struct RegistryAccess;
-}
+}  // namespace detail
+#pragma GCC visibility pop
 
 class Registry {
  public:
@@ -60,7 +65,7 @@ class Registry {
                   "from the class which hooks it overrides");
     return add_plugin_maker(std::move(name), std::move(doc), [make = std::move(make)]() -> std::unique_ptr<Plugin> {
       auto p = make();
-      if (p) detail::set_class_hooks(*p, detail::hooks_for<T>(*p));
+      if (p) set_class_hooks(*p, detail::hooks_for<T>(*p));
       return p;
     });
   }
@@ -90,6 +95,8 @@ class Registry {
  private:
   friend struct detail::RegistryAccess;
   Registry& add_plugin_maker(std::string name, std::string doc, PluginMaker make);
+  /// Records the hooks the core calls on an instance (add_plugin's factory does, as it makes it).
+  static void set_class_hooks(Plugin& plugin, uint32_t hooks) noexcept;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -111,3 +118,5 @@ std::vector<std::string> component_names(const std::vector<Component<Maker>>& li
 }
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -6,6 +6,9 @@
 
 #include "tk/options.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// The recipe as a run resolved it: each section it read, with every value (defaults included),
@@ -54,3 +57,5 @@ class ResolvedRecipe {
 };
 
 }  // namespace tk
+
+#pragma GCC visibility pop

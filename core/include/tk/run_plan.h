@@ -12,6 +12,9 @@
 
 #include "tk/capabilities.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 class World;
@@ -95,10 +98,12 @@ struct WindowRequest {
   BatchRamp ramp;  ///< the effective batch's ramp, if any
 };
 
+#pragma GCC visibility push(hidden)  // the core's own: not exported
 namespace detail {
 struct PlanState;
 struct PlanAccess;
 }  // namespace detail
+#pragma GCC visibility pop
 
 /// The shape of a run, settled before training. Plugins shape it in Plugin::configure, through
 /// set_window only; the core then settles what they left open (the window size from
@@ -156,3 +161,5 @@ class RunPlan {
 };
 
 }  // namespace tk
+
+#pragma GCC visibility pop

@@ -8,6 +8,9 @@
 #include <utility>
 #include <vector>
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
@@ -38,3 +41,5 @@ Metadata load_safetensors_metadata(const std::filesystem::path& file);
 NamedTensors load_safetensors(const std::filesystem::path& file);
 
 }  // namespace tk
+
+#pragma GCC visibility pop

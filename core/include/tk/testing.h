@@ -16,6 +16,9 @@
 #include "tk/plugin.h"
 #include "tk/trainer.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk::testing {
 
 /// The plan a ManualContext shows: what the core would have settled before training.
@@ -209,3 +212,5 @@ struct CheckResult {
 std::vector<CheckResult> check_contract(const std::filesystem::path& file, const ContractOptions& opts = {});
 
 }  // namespace tk::testing
+
+#pragma GCC visibility pop

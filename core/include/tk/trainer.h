@@ -20,6 +20,9 @@
 #include "tk/recipe.h"
 #include "tk/registry.h"
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace tk {
 
 /// One dispatch: which plugin handled which event, at which step.
@@ -162,3 +165,5 @@ class Trainer {
 };
 
 }  // namespace tk
+
+#pragma GCC visibility pop

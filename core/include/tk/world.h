@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <string>
 
+// What this header declares is libtrainkit's interface: exported (the library hides the rest).
+#pragma GCC visibility push(default)
+
 namespace c10d {
 class ProcessGroup;
 }  // namespace c10d
@@ -76,3 +79,5 @@ class World {
 };
 
 }  // namespace tk
+
+#pragma GCC visibility pop

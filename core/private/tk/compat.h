@@ -1,7 +1,8 @@
 #pragma once
 /// Differences between LibTorch versions live here and only here (with tk/kernels.h, the
-/// arithmetic trainkit computes its own way where a version lacks LibTorch's). Private: built into
-/// trainkit and its own plugins, not installed; a plugin uses LibTorch's API as it is.
+/// arithmetic trainkit computes its own way where a version lacks LibTorch's, which is installed).
+/// Private: built into trainkit and its own plugins, not installed; a plugin uses LibTorch's API as
+/// it is.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/Parallel.h>
@@ -27,8 +28,11 @@
 #include <cuda_runtime_api.h>
 #endif
 
+/// Whether the LibTorch these headers are compiled against is `major.minor` or later.
+#ifndef TK_TORCH_AT_LEAST
 #define TK_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+#endif
 
 namespace c10d {
 class ProcessGroup;

@@ -10,6 +10,7 @@
 #include "support/support.h"
 #include "api/api.h"
 #include "tk/error.h"
+#include "tk/output.h"
 #include "tk/tensor_io.h"
 
 namespace tk {
@@ -164,18 +165,10 @@ bool Context::trial() const noexcept { return s_->trial; }
 
 namespace {
 
-/// The keys of a step's record the core writes itself: a plugin's metric may not take one.
-const char* const kCoreKeys[] = {"step", "epoch", "loss", "lr", "micro_batches", "effective_batch", "samples", "tokens",
-                                 "wall_time", "peak_rss_mib", "host_reads", "optimizer_state_mib", "skipped", "micro_batch", "step_peak_mib",
-                                 "memory_budget_mib", "backoff", "validation_loss", "validation_accuracy",
-                                 "validation_perplexity", "data_ms", "forward_ms", "backward_ms", "boundary_ms",
-                                 "optimizer_ms", "validation_ms", "examples_per_s", "tokens_per_s", "model_gflop",
-                                 "gflops", "mfu"};
-
 void check_metric_name(const detail::Dispatch& d, const std::string& name) {
   if (name.empty()) throw Error("plugin '" + d.plugin + "' called ctx.metric() with an empty name");
-  for (const char* k : kCoreKeys)
-    if (name == k)
+  for (const MetricKey k : metric::kCoreKeys)
+    if (name == k.key())
       throw Error("plugin '" + d.plugin + "' called ctx.metric(\"" + name + "\"): that key is the core's own in each "
                   "record; name the metric after the plugin (\"" + d.plugin + "_" + name + "\")");
 }

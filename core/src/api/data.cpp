@@ -3,6 +3,7 @@
 #include "tk/data.h"
 
 #include <fcntl.h>
+#include <glob.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/randperm.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -70,6 +72,27 @@ uint64_t fingerprint_file(uint64_t h, const std::string& file, int64_t& bytes) {
 }
 
 }  // namespace
+
+std::vector<FileMatches> files_matching(const std::string& spec,
+                                        const std::function<std::string(const std::string&)>& resolve) {
+  std::vector<FileMatches> out;
+  size_t from = 0;
+  while (from <= spec.size()) {
+    const size_t comma = spec.find(',', from);
+    std::string one = spec.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+    from = comma == std::string::npos ? spec.size() + 1 : comma + 1;
+    if (one.empty()) continue;
+    if (resolve) one = resolve(one);
+    FileMatches m{one, {}};
+    glob_t g{};
+    if (::glob(one.c_str(), 0, nullptr, &g) == 0)
+      for (size_t i = 0; i < g.gl_pathc; ++i) m.files.emplace_back(g.gl_pathv[i]);
+    ::globfree(&g);
+    std::sort(m.files.begin(), m.files.end());
+    out.push_back(std::move(m));
+  }
+  return out;
+}
 
 std::string files_fingerprint(const std::vector<std::string>& files) {
   uint64_t h = 0xcbf29ce484222325ULL;

@@ -146,8 +146,6 @@ OptionSpecs declared_options(Plugin& p, OptionBinder* binder) {
 
 void name_plugin(Plugin& p, const std::string& name) { PluginAccess::state(p).name = name; }
 
-void set_class_hooks(Plugin& p, uint32_t hooks) noexcept { PluginAccess::state(p).hooks = hooks; }
-
 void configure_options(Plugin& p, const std::function<Options(const OptionSpecs&)>& values) {
   PluginState& s = PluginAccess::state(p);
   if (s.prepared) throw Error("plugin '" + s.name + "' is prepared already: a plugin gets its options once");
@@ -180,7 +178,7 @@ void prepare_plugin(Plugin& plugin, const std::string& name, const std::string& 
     throw Error("plugin '" + name + "' was given as a std::shared_ptr<tk::Plugin>: give it as a std::shared_ptr of its "
                 "own class, from which the core reads the hooks it overrides");
   detail::name_plugin(plugin, name);
-  detail::set_class_hooks(plugin, hooks);
+  detail::PluginAccess::state(plugin).hooks = hooks;
   detail::configure_options(plugin, [&](const OptionSpecs& specs) { return parse_options(options, specs, "plugins." + name); });
 }
 

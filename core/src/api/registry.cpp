@@ -72,6 +72,8 @@ Registry& Registry::add_schedule(std::string name, std::string doc, OptionSpecs 
   return *this;
 }
 
+void Registry::set_class_hooks(Plugin& plugin, uint32_t hooks) noexcept { detail::PluginAccess::state(plugin).hooks = hooks; }
+
 Registry& Registry::add_plugin_maker(std::string name, std::string doc, PluginMaker make) {
   auto& c = impl_->add(Kind::Plugin, impl_->plugins, std::move(name), std::move(doc), {}, std::move(make));
   // Its options, checked now: a fresh instance declares them.

@@ -12,6 +12,7 @@
 
 #include "api/api.h"
 #include "run/run.h"
+#include "support/support.h"
 #include "tk/output.h"
 #include "tk/trainer.h"
 
@@ -62,7 +63,7 @@ struct PhaseTimes {
   /// Ends the stretch since the last mark as phase `p` (and starts the next).
   void add(Phase p);
   /// The window's phases into its record (validation_ms only on a step that validated).
-  void record(JsonLine& line) const;
+  void record(StepRecord& line) const;
 };
 
 /// A model's name for messages: "model 'gpt'", with the file it was read from when it has one.

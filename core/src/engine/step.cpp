@@ -23,12 +23,12 @@ void PhaseTimes::add(Phase p) {
   ms[static_cast<size_t>(p)] += std::chrono::duration<double, std::milli>(t - before).count();
 }
 
-void PhaseTimes::record(JsonLine& line) const {
-  static const char* const kNames[kPhases] = {"data_ms",     "forward_ms",   "backward_ms",
-                                              "boundary_ms", "optimizer_ms", "validation_ms"};
+void PhaseTimes::record(StepRecord& line) const {
+  static constexpr MetricKey kKeys[kPhases] = {metric::kDataMs,     metric::kForwardMs,   metric::kBackwardMs,
+                                                metric::kBoundaryMs, metric::kOptimizerMs, metric::kValidationMs};
   if (!on) return;
   for (size_t p = 0; p < kPhases; ++p)
-    if (p != kValidation || ms[p] > 0.0) line.add(kNames[p], ms[p]);
+    if (p != kValidation || ms[p] > 0.0) line.add(kKeys[p], ms[p]);
 }
 
 std::string model_label(const Run& r) {

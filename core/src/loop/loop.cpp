@@ -37,7 +37,7 @@ class Loop {
   bool train_micro_batch(int64_t epoch, int64_t& b, const at::Tensor& order);
   /// After the window's last micro-batch: the step, its record, validation, a stop, a checkpoint.
   void end_window(int64_t epoch, int64_t b);
-  void validate(JsonLine& line);
+  void validate(StepRecord& line);
   /// The order of `epoch`'s examples on this rank, kept for the one asked for last (the epoch in
   /// training, or the next one when its first micro-batch is made ahead).
   const at::Tensor& order_of(int64_t epoch);
@@ -85,7 +85,7 @@ Loop::Loop(Run& run, const TrainerOptions& opts, std::vector<TraceEntry>& trace)
   phases_.cuda = run.device.is_cuda();
 }
 
-void Loop::validate(JsonLine& line) {
+void Loop::validate(StepRecord& line) {
   phases_.mark();
   validator_.record(line, *progress_, result_.validation_losses);
   phases_.add(PhaseTimes::kValidation);
@@ -97,7 +97,7 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   result_.window_losses.push_back(s_.window_loss);
   result_.step_metrics.emplace_back(s_.step.metrics.begin(), s_.step.metrics.end());
   const double t = stop_.elapsed();
-  JsonLine line = recorder_.make(s_, epoch, skipped, t);
+  StepRecord line = recorder_.make(s_, epoch, skipped, t);
   const Counters& c = s_.counters;
   done_ = c.step >= r_.total_steps;
   if (r_.data.validation && ((validate_every_ > 0 && c.step % validate_every_ == 0) || done_)) validate(line);
@@ -112,7 +112,7 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   if (result_.status != FitStatus::Running) done_ = true;
   phases_.record(line);
   // The step's record first: a checkpoint never holds a step whose record could be lost.
-  outputs_->record(line);
+  outputs_->record(line.line());
   if (auto dir = checkpoints_->after_step(c, epoch, b, done_)) result_.checkpoint = *dir;
   progress_->update(c.step, epoch, s_.window_loss, s_.lr, static_cast<double>(c.samples_seen) / std::max(t, 1e-9), t);
 }
@@ -215,10 +215,10 @@ void Loop::train_epochs(Start start) {
 void Loop::finish_training() {
   if (result_.status == FitStatus::Running) result_.status = FitStatus::Completed;
   if (r_.data.validation && result_.status == FitStatus::Completed && validator_.last_step() != s_.counters.step) {
-    JsonLine line;
-    line.add("step", s_.counters.step);
+    StepRecord line;
+    line.add(metric::kStep, s_.counters.step);
     validator_.record(line, *progress_, result_.validation_losses);
-    outputs_->record(line);
+    outputs_->record(line.line());
   }
   s_.status = result_.status;
   events_.fit_end();

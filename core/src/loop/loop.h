@@ -54,12 +54,12 @@ class StepRecorder {
   /// What the next record says of a back-off (the micro-batch before and after).
   void note_backoff(std::string note) { backoff_note_ = std::move(note); }
   /// The record of the step just taken (state.counters.step) in `epoch`, at `wall_time` seconds.
-  JsonLine make(const LoopState& state, int64_t epoch, bool skipped, double wall_time);
+  StepRecord make(const LoopState& state, int64_t epoch, bool skipped, double wall_time);
   /// Starts a new memory stretch (validation's memory is not the next step's).
   void restart_peak();
 
  private:
-  void add_rates(JsonLine& line, const LoopState& state) const;
+  void add_rates(StepRecord& line, const LoopState& state) const;
 
   const Run& r_;
   std::optional<MemoryMeter> meter_;
@@ -77,7 +77,7 @@ class Validator {
   Validator(Run& run, LoopState& state, Events& events);
   /// Validates; adds the loss, accuracy or perplexity and the plugins' on_validation_end metrics to
   /// `line`; shows its line on `progress`; appends the loss to `losses`.
-  void record(JsonLine& line, Progress& progress, std::vector<double>& losses);
+  void record(StepRecord& line, Progress& progress, std::vector<double>& losses);
   /// The step the last validation was of (-1: none yet).
   int64_t last_step() const noexcept { return last_step_; }
 

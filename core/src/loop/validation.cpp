@@ -32,24 +32,24 @@ std::pair<double, double> Validator::validate() {
           items > 0 && classes ? static_cast<double>(correct) / static_cast<double>(items) : std::nan("")};
 }
 
-void Validator::record(JsonLine& line, Progress& progress, std::vector<double>& losses) {
+void Validator::record(StepRecord& line, Progress& progress, std::vector<double>& losses) {
   s_.step.metrics.clear();  // the step's own are in its record already
   auto [vloss, acc] = validate();
   losses.push_back(vloss);
-  line.add("validation_loss", vloss);
+  line.add(metric::kValidationLoss, vloss);
   std::string note = "validation  step " + std::to_string(s_.counters.step) + "  loss " + fmt_loss(vloss);
-  if (!std::isnan(acc)) line.add("validation_accuracy", acc);
+  if (!std::isnan(acc)) line.add(metric::kValidationAccuracy, acc);
   const DataInfo& info = r_.data.info;
   if (info.next_token) {
     const double ppl = std::exp(vloss);
-    line.add("validation_perplexity", ppl);
+    line.add(metric::kValidationPerplexity, ppl);
     note += "  perplexity " + fmt_loss(ppl);
     if (!info.baseline_name.empty())
       note += "  (" + info.baseline_name + " baseline loss " + fmt_loss(info.baseline_loss) + ")";
   } else if (!std::isnan(acc)) {
     note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
   }
-  for (const auto& [k, v] : s_.step.metrics) line.add(k, v);
+  for (const auto& [k, v] : s_.step.metrics) line.add_plugin_metric(k, v);
   progress.note(note);
   last_step_ = s_.counters.step;
 }

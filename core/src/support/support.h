@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "tk/output.h"
 #include "tk/tensor_io.h"
 
 namespace tk::detail {
@@ -26,6 +27,33 @@ void write_file_atomic(const std::filesystem::path& file, const std::string& dat
 
 /// Makes a rename or a new entry in `dir` survive a power cut.
 void sync_folder(const std::filesystem::path& dir);
+
+/// One step's record in metrics.jsonl: the core's values under its own keys (tk::metric: the only
+/// keys it takes, which plugins' metrics may not), then the plugins' metrics.
+class StepRecord {
+ public:
+  StepRecord& add(MetricKey k, double v) {
+    line_.add(k.key(), v);
+    return *this;
+  }
+  StepRecord& add(MetricKey k, int64_t v) {
+    line_.add(k.key(), v);
+    return *this;
+  }
+  StepRecord& add(MetricKey k, const std::string& v) {
+    line_.add(k.key(), v);
+    return *this;
+  }
+  /// A plugin's metric (its name checked by Context::metric).
+  StepRecord& add_plugin_metric(const std::string& name, double v) {
+    line_.add(name, v);
+    return *this;
+  }
+  const JsonLine& line() const noexcept { return line_; }
+
+ private:
+  JsonLine line_;
+};
 
 /// A file that only grows by whole records (metrics.jsonl): each append is one checked write(2)
 /// of a complete line, so a kill never leaves a line the kernel has not taken whole.

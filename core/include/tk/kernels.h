@@ -1,7 +1,7 @@
 #pragma once
 /// Kernels trainkit takes from LibTorch where the version has them and computes itself where it
 /// does not: causal attention, a multiply of a tensor list by a device scalar, the fused AdamW step.
-/// Private, as tk/compat.h (which says which version has what).
+/// Header-only: a plugin may use them (the clip plugin scales its gradients with foreach_mul_).
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -10,7 +10,13 @@
 #include <stdexcept>
 #include <vector>
 
-#include "tk/compat.h"
+#include <torch/version.h>
+
+/// Whether the LibTorch these headers are compiled against is `major.minor` or later.
+#ifndef TK_TORCH_AT_LEAST
+#define TK_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+#endif
 
 namespace tk::kernels {
 
