@@ -1,4 +1,5 @@
 // The loop: training without plugins, event order and tracing, failures, vetoes, outputs.
+#include <c10/core/CPUAllocator.h>
 #include <tk/tensor_io.h>
 
 #include <sys/stat.h>
@@ -353,6 +354,45 @@ name = "fake_sync"
     CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"run.peak_gflops=-1"}), tkt::quiet()),
                       doctest::Contains("run.peak_gflops: must be >= 0"));
     fs::remove_all(dir);
+  }
+
+  TEST_CASE("run.allocator: the CPU block cache serves a step's large tensors again, changes no number, and is gone after fit") {
+    // Checks, at each step's end, which allocator LibTorch's CPU tensors come from and whether a
+    // 4 MiB tensor made after another was dropped gets that one's memory back.
+    struct Looks : tk::Plugin {
+      void on_step_end(tk::StepEndContext&) override {
+        cached.push_back(c10::GetCPUAllocator() != c10::GetDefaultCPUAllocator());
+        const void* first = at::empty({1 << 20}, at::kFloat).data_ptr();  // dropped at once
+        reused.push_back(at::empty({1 << 20}, at::kFloat).data_ptr() == first);
+      }
+      std::vector<bool> cached, reused;
+    };
+    // Hidden layers of 512 x 512 doubles: 2 MiB weights and gradients, cached.
+    const std::vector<std::string> wide = {"model.hidden=[512, 512]", "run.steps=4"};
+    tk::testing::Parameters weights[2];
+    for (int caching = 0; caching < 2; ++caching) {
+      CAPTURE(caching);
+      auto looks = std::make_shared<Looks>();
+      auto overrides = wide;
+      overrides.push_back(caching ? "run.allocator=\"caching\"" : "run.allocator=\"system\"");
+      tk::Trainer t(tkt::recipe(overrides), tkt::quiet());
+      t.add_plugin(looks, "looks");
+      t.fit();
+      CHECK(c10::GetCPUAllocator() == c10::GetDefaultCPUAllocator());  // put back when fit returns
+      REQUIRE(looks->cached.size() == 4);
+      for (size_t i = 0; i < 4; ++i) {
+        CHECK(looks->cached[i] == (caching == 1));
+        if (caching) CHECK(looks->reused[i]);
+      }
+      for (const auto& p : t.model().named_parameters()) weights[caching][p.key()] = p.value().detach().clone();
+    }
+    REQUIRE(weights[0].size() == weights[1].size());
+    for (const auto& [name, w] : weights[0]) {
+      CAPTURE(name);
+      CHECK(at::equal(w, weights[1].at(name)));
+    }
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"run.allocator=\"jemalloc\""}), tkt::quiet()),
+                      doctest::Contains("run.allocator"));
   }
 
   TEST_CASE("max_time stops at the next boundary with a checkpoint and a validation of that step") {

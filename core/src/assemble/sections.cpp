@@ -42,6 +42,11 @@ OptionSpecs run_specs() {
                      "prepare the next micro-batch while the current one trains (auto: on CUDA, and on the CPU "
                      "when preparing data takes a noticeable share of a micro-batch); the results are the same",
                      {"auto", "on", "off"}),
+          opt_string("allocator", "caching",
+                     "CPU tensor memory: caching keeps freed blocks of 1 MiB and more for the next tensor of their "
+                     "size (no page faults for a step's large tensors, up to the peak of large tensors held again as "
+                     "free); system hands every block back to the C library's allocator at once",
+                     {"caching", "system"}),
           opt_int("checkpoint_every", 0, "optimizer steps between checkpoints (0: only at the end)"),
           opt_int("checkpoint_keep", 3, "newest checkpoints to keep"),
           opt_string("max_time", "", "stop at the first boundary after this long, e.g. \"90s\", \"10m\", \"2h\" (\"\": no limit)")};

@@ -17,7 +17,7 @@ RunIdentity run_identity(const Run& r) {
   static const std::set<std::string> kMayChange = {
       "run.name",         "run.output",      "run.max_time",    "run.log_every",        "run.validate_every",
       "run.trace",        "run.measure_memory", "run.phase_times", "run.peak_gflops",    "run.checkpoint_every",
-      "run.checkpoint_keep", "run.prefetch", "world.backend", "world.timeout_s", "world.rendezvous_timeout_s"};
+      "run.checkpoint_keep", "run.prefetch", "run.allocator", "world.backend", "world.timeout_s", "world.rendezvous_timeout_s"};
   RunIdentity id;
   id.world_size = r.plan.world_size;
   id.retired = r.resolved.retired();

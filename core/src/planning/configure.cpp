@@ -91,6 +91,7 @@ void plan_once(Run& r) {
   r.model->to(r.device, r.dtype);
   make_optimizer(r);
   pick_micro_batch(r);
+  CpuBlockCache::trim();  // a trial's larger blocks are not training's
   check_normalized(r);
   shape_windows(r);
   check_data_and_model(r);

@@ -19,6 +19,32 @@
 
 namespace tk::detail {
 
+// ---- allocator.cpp: the CPU block cache --------------------------------------------------------
+
+/// While one is alive (run.allocator = "caching"), LibTorch's CPU tensors of 1 MiB and more take
+/// their memory from a cache of freed blocks of their size class (eight classes per power of two)
+/// instead of from the kernel each time; what it keeps free stays within the most that was in use
+/// at once. Smaller tensors, and every tensor once the last one is gone, use the allocator it was
+/// put in front of. Nests; the memory meter counts on top of it.
+class CpuBlockCache {
+ public:
+  explicit CpuBlockCache(bool on);
+  ~CpuBlockCache();
+  CpuBlockCache(const CpuBlockCache&) = delete;
+  CpuBlockCache& operator=(const CpuBlockCache&) = delete;
+  /// Gives every free block back (between phases whose tensors differ: training and validation).
+  static void trim();
+  struct Stats {
+    int64_t hits = 0, misses = 0, returned = 0;  // blocks served from the cache, from below, given back
+    int64_t cached_bytes = 0, live_bytes = 0;     // free in the cache, in tensors now
+    bool installed = false;
+  };
+  static Stats stats();
+
+ private:
+  bool on_;
+};
+
 // ---- files.cpp: durable writes, the folder lock, fault points ------------------------------------
 
 /// Writes all of `data` to `file`, replacing it: through `<file>.tmp`, fsync, rename and an fsync

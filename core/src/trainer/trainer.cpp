@@ -84,10 +84,14 @@ std::string Trainer::describe() {
   }
 }
 
+/// run.allocator: the CPU block cache holds while the run plans and trains.
+static bool block_cache_on(const detail::Run& run) { return run.run.get_string("allocator") == "caching"; }
+
 FitResult Trainer::fit() {
   if (impl_->fitted) throw Error("fit() can run once per Trainer");
   impl_->fitted = true;
   try {
+    const detail::CpuBlockCache cache(block_cache_on(impl_->run));
     detail::plan_run(impl_->run);
     return detail::train(impl_->run, impl_->recipe, impl_->options, impl_->trace);
   } catch (...) {
@@ -97,6 +101,7 @@ FitResult Trainer::fit() {
 
 AccumulationCheck Trainer::verify_accumulation() {
   try {
+    const detail::CpuBlockCache cache(block_cache_on(impl_->run));
     detail::plan_run(impl_->run);
     return detail::verify_accumulation(impl_->run);
   } catch (...) {
