@@ -99,6 +99,7 @@ case_ "recompute.sh: tk-run refused"                 "$refused" "${refuse[@]}" -
 case_ "auto-batch.sh: tk-run refused"                 "$refused" "${refuse[@]}" -- auto-batch.sh 8 2 300MiB
 case_ "instructions.sh: tk-run refused"               "$refused" "${refuse[@]}" -- instructions.sh mlp-small
 case_ "ddp.sh: tk-run refused"                        "$refused" "${refuse[@]}" -- ddp.sh 1
+case_ "gpt2.sh: tk-run refused"                       "$refused" "${refuse[@]}" -- gpt2.sh 2 1 1
 case_ "precision.sh: 2nd tk-run refused (folder in use)" "holds another run" BUILD_DIR="$tmp/second-refused" -- precision.sh 1
 case_ "overhead.sh: tk-run killed mid-run"            "ended by signal SIGKILL" TK_FAULT=metrics-written:10 -- overhead.sh 1 1
 case_ "precision.sh: tk-run ends short, exit 0"       "holds 20 step records" TK_BENCH_EXTRA="--set run.steps=20" -- precision.sh 1
@@ -107,6 +108,9 @@ case_ "overhead.sh: the Python loop fails"            "RuntimeError: injected fa
 case_ "loop-gaps.sh: the C++ loop fails"              "injected failure of tk-bench-loop" BUILD_DIR="$tmp/loop-fails" -- loop-gaps.sh 1 1
 case_ "loop-gaps.sh: THREADS x refused"               "THREADS must be an integer >= 0" -- loop-gaps.sh 1 x
 case_ "recompute.sh: the Python loop fails"           "RuntimeError: injected failure of recompute_loop.py" TK_BENCH_PYTHON="$tmp/python" -- recompute.sh 3 1 2
+case_ "gpt2.sh: the Python loop fails"                "RuntimeError: injected failure of gpt2_loop.py" TK_BENCH_PYTHON="$tmp/python" -- gpt2.sh 2 1 1
+case_ "gpt2.sh: WARMUP not below STEPS"               "WARMUP (2) must be below STEPS (2)" -- gpt2.sh 2 1 2
+case_ "gpt2.sh: LLMC_DIR without train_gpt2.c"        "holds no train_gpt2.c" LLMC_DIR="$tmp" -- gpt2.sh 2 1 1
 case_ "vs-python.sh fashion: the Python loop fails"   "RuntimeError: injected failure of fashion_loop.py" TK_BENCH_PYTHON="$tmp/python" -- vs-python.sh fashion 1
 case_ "build-time.sh: git clone fails"                "fatal: injected failure of git clone" PATH="$tmp/git-fails:$PATH" -- build-time.sh
 case_ "overhead.sh: REPS 0 refused"                   "REPS must be an integer >= 1" -- overhead.sh 0

@@ -4,7 +4,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build ccache pkg-config
-  libtorch-dev libopenblas0-pthread
+  libtorch-dev libopenblas0-pthread libjemalloc2
   libboost-dev libboost-filesystem-dev zlib1g-dev
   libtomlplusplus-dev libspdlog-dev libfmt-dev doctest-dev libgloo-dev libcli11-dev nlohmann-json3-dev
   libsentencepiece-dev

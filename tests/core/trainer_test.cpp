@@ -395,6 +395,43 @@ name = "fake_sync"
                       doctest::Contains("run.allocator"));
   }
 
+  TEST_CASE("without run.peak_gflops, mfu is against this machine's peak, timed once and read from its cache after") {
+    const fs::path cache = tkt::temp_dir("peak-cache");
+    const char* before = std::getenv("TK_CACHE_DIR");
+    const std::string restore = before ? before : "";
+    ::setenv("TK_CACHE_DIR", cache.c_str(), 1);
+    auto train = [&](const std::string& name) {
+      const fs::path dir = tkt::temp_dir(name);
+      auto opts = tkt::quiet();
+      opts.write_outputs = true;
+      tk::Trainer(tkt::recipe({"run.output=\"" + dir.string() + "\"", "run.steps=2"}), opts).fit();
+      return std::make_pair(tkt::metric(dir / "metrics.jsonl", "gflops"), tkt::metric(dir / "metrics.jsonl", "mfu"));
+    };
+    const auto [rate, mfu] = train("peak-1");
+    const fs::path file = cache / "peak-gflops.json";
+    REQUIRE(fs::exists(file));
+    std::ifstream in(file);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    // One entry: this CPU at this thread count, in the tiny recipe's float64.
+    CHECK(text.find(" | Double | LibTorch ") != std::string::npos);
+    const auto colon = text.rfind(':');
+    REQUIRE(colon != std::string::npos);
+    const double peak = std::stod(text.substr(colon + 1));
+    CHECK(peak > 0.0);
+    REQUIRE(mfu.size() == 2);
+    for (size_t i = 0; i < 2; ++i) CHECK(mfu[i] == doctest::Approx(rate[i] / peak).epsilon(1e-2));
+    // The next run reads the figure kept: a changed one shows.
+    std::ofstream(file) << text.substr(0, colon + 1) << " 12345.0\n}\n";
+    const auto [rate2, mfu2] = train("peak-2");
+    REQUIRE(mfu2.size() == 2);
+    for (size_t i = 0; i < 2; ++i) CHECK(mfu2[i] == doctest::Approx(rate2[i] / 12345.0));
+    if (before)
+      ::setenv("TK_CACHE_DIR", restore.c_str(), 1);
+    else
+      ::unsetenv("TK_CACHE_DIR");
+    fs::remove_all(cache);
+  }
+
   TEST_CASE("max_time stops at the next boundary with a checkpoint and a validation of that step") {
     const fs::path dir = tkt::temp_dir("max-time");
     auto r = tkt::recipe({"run.output=\"" + dir.string() + "\"", "run.max_time=\"1ms\"", "run.steps=100000",

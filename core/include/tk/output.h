@@ -76,6 +76,9 @@ class Progress {
   /// Reports the state after optimizer step `step` (1-based).
   void update(int64_t step, int64_t epoch, double loss, double lr, double samples_per_s,
               double elapsed_s);
+  /// The same, with the step's model FLOPs utilization (shown when finite).
+  void update(int64_t step, int64_t epoch, double loss, double lr, double samples_per_s, double elapsed_s,
+              double mfu);
   /// A line of its own (validation results), keeping the live line intact.
   void note(const std::string& line);
   /// Ends the live line.

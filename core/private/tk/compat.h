@@ -233,6 +233,10 @@ inline double cuda_peak_bytes(at::Device d) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index() < 0 ? 0 : d.index());
   return static_cast<double>(stats.allocated_bytes[0].peak);  // [0]: the aggregate over pool kinds
 }
+inline std::string cuda_device_name(at::Device d) {
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, d.index() < 0 ? 0 : d.index()) == cudaSuccess ? std::string(prop.name) : "";
+}
 inline double cuda_free_bytes(at::Device) {
   size_t free = 0, total = 0;
   return cudaMemGetInfo(&free, &total) == cudaSuccess ? static_cast<double>(free) : 0.0;
@@ -242,6 +246,7 @@ inline void cuda_synchronize() {}
 inline void cuda_reset_peak(at::Device) {}
 inline double cuda_peak_bytes(at::Device) { return 0.0; }
 inline double cuda_free_bytes(at::Device) { return 0.0; }
+inline std::string cuda_device_name(at::Device) { return ""; }
 #endif
 
 }  // namespace tk::compat

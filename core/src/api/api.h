@@ -114,6 +114,8 @@ struct LoopState {
   std::filesystem::path output_dir;
   FitStatus status = FitStatus::Running;
   bool trial = false;  ///< a trial step (the memory planner's, the verifier's): nothing of it is kept
+  /// What training's first forward computed in: autocast's dtype, or the parameters'.
+  at::ScalarType compute_dtype = at::ScalarType::Undefined;
   StepVotes step;
 
   /// Counts one read from the device.

@@ -32,8 +32,9 @@ OptionSpecs run_specs() {
                    "each step's peak memory in metrics.jsonl (step_peak_mib); on the CPU every allocation is then "
                    "counted, under a lock (always on on CUDA; micro_batch = \"auto\" counts during its trials only)"),
           opt_float("peak_gflops", 0.0,
-                    "the device's peak rate in GFLOP/s (bench/gemm.sh measures this machine's): each step's "
-                    "record then has mfu, the model's FLOP rate over it (0: none)"),
+                    "the device's peak rate in GFLOP/s that each step's mfu (the model's FLOP rate over it) is "
+                    "measured against (0: this machine's matrix-product peak in the dtype training computes in, "
+                    "timed once and kept in ~/.cache/trainkit/peak-gflops.json)"),
           opt_bool("phase_times", false,
                    "each step's time by phase in metrics.jsonl: data_ms, forward_ms (with the loss), backward_ms, "
                    "boundary_ms (the plugins' boundary work: unscaling, clipping, a data-parallel wait), "
@@ -184,7 +185,7 @@ void read_run_section(Run& r, const Recipe& recipe) {
   for (const char* k : {"validate_every", "checkpoint_every"})
     if (o.get_int(k) < 0) o.fail(k, "must be >= 0");
   r.max_time_s = parse_duration(o, "max_time");
-  if (!(o.get_float("peak_gflops") >= 0.0)) o.fail("peak_gflops", "must be >= 0 (GFLOP/s; 0: no MFU)");
+  if (!(o.get_float("peak_gflops") >= 0.0)) o.fail("peak_gflops", "must be >= 0 (GFLOP/s; 0: measured)");
   r.tracing = o.get_bool("trace");
   const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
   if (o.get_int("threads") < 0) o.fail("threads", "must be >= 0 (0: LibTorch's default)");

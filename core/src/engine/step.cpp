@@ -48,6 +48,8 @@ StepEngine::StepEngine(Run& run, LoopState& state, Events& events, PhaseTimes& p
 void StepEngine::micro_batch(const Batch& batch) {
   phases_.mark();
   events_.emit(Event::MicroBatch);
+  if (s_.compute_dtype == at::ScalarType::Undefined && !s_.trial)
+    s_.compute_dtype = compat::autocast_enabled(r_.device.type()) ? compat::autocast_dtype(r_.device.type()) : r_.dtype;
   at::Tensor out = r_.model->forward(batch.input);
   s_.loss = (*r_.loss)(out, batch);
   if (!s_.loss.requires_grad())

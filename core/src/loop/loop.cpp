@@ -110,11 +110,13 @@ void Loop::end_window(int64_t epoch, int64_t b) {
     if (r_.data.validation && validator_.last_step() != c.step) validate(line);
   }
   if (result_.status != FitStatus::Running) done_ = true;
+  if (done_) CpuBlockCache::trim();  // training's blocks are not the last checkpoint's and weights'
   phases_.record(line);
   // The step's record first: a checkpoint never holds a step whose record could be lost.
   outputs_->record(line.line());
   if (auto dir = checkpoints_->after_step(c, epoch, b, done_)) result_.checkpoint = *dir;
-  progress_->update(c.step, epoch, s_.window_loss, s_.lr, static_cast<double>(c.samples_seen) / std::max(t, 1e-9), t);
+  progress_->update(c.step, epoch, s_.window_loss, s_.lr, static_cast<double>(c.samples_seen) / std::max(t, 1e-9), t,
+                    recorder_.last_mfu());
 }
 
 void Loop::open_window(int64_t epoch, int64_t b) {

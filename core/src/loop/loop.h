@@ -34,6 +34,21 @@ FitResult train(Run& run, const Recipe& recipe, const TrainerOptions& opts, std:
 
 // ---- record.cpp: a step's record ----------------------------------------------------------------
 
+// ---- peak.cpp: the device's matrix-product peak, for MFU ----------------------------------------
+
+/// This device's matrix-product rate in one dtype, for MFU when run.peak_gflops is not given.
+struct MachinePeak {
+  double gflops = 0;
+  std::string key;             ///< device model, threads (or CUDA device), dtype, LibTorch version
+  std::filesystem::path file;  ///< the cache it was read from or written to (empty: none)
+  bool measured = false;       ///< timed now (not found in the cache)
+};
+/// The cache of measured peaks: $TK_CACHE_DIR/peak-gflops.json, else
+/// $XDG_CACHE_HOME/trainkit/peak-gflops.json, else ~/.cache/trainkit/peak-gflops.json.
+std::filesystem::path peak_cache_file();
+/// The peak from the cache, or timed (square products, about a second) and kept there.
+MachinePeak machine_peak(at::Device device, at::ScalarType dtype);
+
 /// The record of each step in metrics.jsonl: the core's values, the plugins' metrics, the
 /// throughput and FLOP rate of the window, its memory peak when measured, a back-off's note.
 class StepRecorder {
@@ -57,14 +72,20 @@ class StepRecorder {
   StepRecord make(const LoopState& state, int64_t epoch, bool skipped, double wall_time);
   /// Starts a new memory stretch (validation's memory is not the next step's).
   void restart_peak();
+  /// The last record's mfu (NaN when it had none).
+  double last_mfu() const noexcept { return last_mfu_; }
 
  private:
-  void add_rates(StepRecord& line, const LoopState& state) const;
+  void add_rates(StepRecord& line, const LoopState& state);
+  /// run.peak_gflops, or this machine's peak in the dtype the first forward computed in.
+  void find_peak(const LoopState& state);
 
   const Run& r_;
   std::optional<MemoryMeter> meter_;
   const ModelWithFlops* flops_ = nullptr;  // the model, when it counts its FLOPs
   double window_flops_ = 0, peak_gflops_ = 0;
+  bool peak_found_ = false;
+  double last_mfu_ = 0;
   std::chrono::steady_clock::time_point window_t0_;
   std::string backoff_note_;
 };

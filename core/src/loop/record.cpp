@@ -1,4 +1,8 @@
 // A step's record in metrics.jsonl (loop.h): the core's values, rates, memory, plugins' metrics.
+#include <spdlog/spdlog.h>
+
+#include <cmath>
+
 #include "loop/loop.h"
 
 namespace tk::detail {
@@ -26,7 +30,17 @@ void StepRecorder::restart_peak() {
   if (meter_) meter_->take_peak();
 }
 
-void StepRecorder::add_rates(StepRecord& line, const LoopState& s) const {
+void StepRecorder::find_peak(const LoopState& s) {
+  peak_found_ = true;
+  if (peak_gflops_ > 0 || s.compute_dtype == at::ScalarType::Undefined) return;
+  const MachinePeak p = machine_peak(r_.device, s.compute_dtype);
+  peak_gflops_ = p.gflops;
+  spdlog::info("mfu: against {:.1f} GFLOP/s, the matrix-product peak of {} ({}; {}); run.peak_gflops sets another",
+               p.gflops, p.key, p.measured ? "measured now" : "measured before", p.file.empty() ? "not kept" : "kept in " + p.file.string());
+}
+
+void StepRecorder::add_rates(StepRecord& line, const LoopState& s) {
+  last_mfu_ = std::nan("");
   // From the window's first micro-batch to its step's end: what the step itself took (not the
   // validation, checkpoint or record around it). A window redone after a back-off counts anew.
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - window_t0_).count();
@@ -35,7 +49,11 @@ void StepRecorder::add_rates(StepRecord& line, const LoopState& s) const {
   if (s.totals.tokens != s.totals.samples) line.add(metric::kTokensPerS, static_cast<double>(s.totals.tokens) / secs);
   if (!flops_ || window_flops_ <= 0) return;
   line.add(metric::kModelGflop, window_flops_ / 1e9).add(metric::kGflops, window_flops_ / 1e9 / secs);
-  if (peak_gflops_ > 0) line.add(metric::kMfu, window_flops_ / 1e9 / secs / peak_gflops_);
+  if (!peak_found_) find_peak(s);
+  if (peak_gflops_ > 0) {
+    last_mfu_ = window_flops_ / 1e9 / secs / peak_gflops_;
+    line.add(metric::kMfu, last_mfu_);
+  }
 }
 
 StepRecord StepRecorder::make(const LoopState& s, int64_t epoch, bool skipped, double wall_time) {

@@ -81,14 +81,21 @@ Progress::Progress(ProgressMode mode, int64_t total_steps, int64_t every)
 }
 
 void Progress::update(int64_t step, int64_t epoch, double loss, double lr, double samples_per_s, double elapsed) {
+  update(step, epoch, loss, lr, samples_per_s, elapsed, std::nan(""));
+}
+
+void Progress::update(int64_t step, int64_t epoch, double loss, double lr, double samples_per_s, double elapsed,
+                      double mfu) {
   if (quiet_) return;
   const bool last = step == total_;
   if (!live_ && step % every_ != 0 && !last && step != 1) return;
   const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0.0;
-  char line[256];
-  std::snprintf(line, sizeof line, "step %lld/%lld  epoch %lld  loss %.4f  lr %.3g  %.0f samples/s  %s  eta %s",
+  char rate[32] = "";
+  if (std::isfinite(mfu)) std::snprintf(rate, sizeof rate, "  mfu %.2f", mfu);
+  char line[288];
+  std::snprintf(line, sizeof line, "step %lld/%lld  epoch %lld  loss %.4f  lr %.3g  %.0f samples/s%s  %s  eta %s",
                 static_cast<long long>(step), static_cast<long long>(total_), static_cast<long long>(epoch + 1), loss,
-                lr, samples_per_s, format_duration(elapsed).c_str(), format_duration(eta).c_str());
+                lr, samples_per_s, rate, format_duration(elapsed).c_str(), format_duration(eta).c_str());
   if (live_) {
     std::fprintf(stderr, "\r\033[K%s", line);
     open_ = true;

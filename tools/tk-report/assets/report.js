@@ -215,7 +215,7 @@
       },
       simple('gflops', 'Model FLOP rate (GFLOP/s)',
         'the model\'s counted training FLOPs of each step over the step\'s time, this rank'),
-      simple('mfu', 'Model FLOPs utilization', 'the FLOP rate over run.peak_gflops, this rank', { percent: true }),
+      simple('mfu', 'Model FLOPs utilization', 'the FLOP rate over run.peak_gflops or the measured peak, this rank', { percent: true }),
       {
         id: 'phases', title: 'Time per step by phase (ms)',
         hint: 'where each step\'s time went (run.phase_times): reading data, forward with the loss, backward, the ' +
