@@ -358,12 +358,12 @@ name = "fake_sync"
 
   TEST_CASE("run.allocator: the CPU block cache serves a step's large tensors again, changes no number, and is gone after fit") {
     // Checks, at each step's end, which allocator LibTorch's CPU tensors come from and whether a
-    // 4 MiB tensor made after another was dropped gets that one's memory back.
+    // 1 MiB tensor made after another was dropped gets that one's memory back.
     struct Looks : tk::Plugin {
       void on_step_end(tk::StepEndContext&) override {
         cached.push_back(c10::GetCPUAllocator() != c10::GetDefaultCPUAllocator());
-        const void* first = at::empty({1 << 20}, at::kFloat).data_ptr();  // dropped at once
-        reused.push_back(at::empty({1 << 20}, at::kFloat).data_ptr() == first);
+        const void* first = at::empty({1 << 18}, at::kFloat).data_ptr();  // dropped at once
+        reused.push_back(at::empty({1 << 18}, at::kFloat).data_ptr() == first);
       }
       std::vector<bool> cached, reused;
     };

@@ -33,7 +33,14 @@ void StepRecorder::restart_peak() {
 void StepRecorder::find_peak(const LoopState& s) {
   peak_found_ = true;
   if (peak_gflops_ > 0 || s.compute_dtype == at::ScalarType::Undefined) return;
-  const MachinePeak p = machine_peak(r_.device, s.compute_dtype);
+  MachinePeak p;
+  try {
+    p = machine_peak(r_.device, s.compute_dtype);
+  } catch (const std::exception& e) {  // a dtype without matrix products on this device: no mfu
+    spdlog::warn("mfu: the matrix-product peak in {} could not be timed ({}); set run.peak_gflops for mfu",
+                 c10::toString(s.compute_dtype), e.what());
+    return;
+  }
   peak_gflops_ = p.gflops;
   spdlog::info("mfu: against {:.1f} GFLOP/s, the matrix-product peak of {} ({}; {}); run.peak_gflops sets another",
                p.gflops, p.key, p.measured ? "measured now" : "measured before", p.file.empty() ? "not kept" : "kept in " + p.file.string());
