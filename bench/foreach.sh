@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Time per optimizer step with each optimizer step form (optimizer.implementation = per_tensor and
-# foreach; fused too where this LibTorch has it), interleaved REPS times, on the overhead
+# Time per optimizer step with each optimizer step form (optimizer.implementation = per_tensor,
+# foreach, and for AdamW fused: one pass over each parameter), interleaved REPS times, on the overhead
 # benchmark's MLP (bench/overhead.toml: 4 micro-batches of 64 a step, 8 parameter tensors) with
 # AdamW and with SGD + momentum, clipping on. The losses must agree to the bit between
 # per_tensor and foreach; the script fails when they do not. On CUDA builds the same script
@@ -13,10 +13,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 reps=${1:-5}
 bench_int REPS "$reps" 1
 steps=300 warmup=50
-forms=(per_tensor foreach)
-torch=$("$bench_bin/tk-run" --version | sed -n 's/.*(LibTorch \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
-read -r major minor <<<"${torch:-0 0}"
-if [ "$major" -gt 2 ] || { [ "$major" -eq 2 ] && [ "$minor" -ge 4 ]; }; then forms+=(fused); fi  # at::_fused_adamw_
+forms=(per_tensor foreach fused)  # fused: trainkit's one-pass kernel on a CPU, at::_fused_adamw_ on CUDA
 times="$bench_work/times"
 cpu=$(bench_cpu)
 clip=$(printf '\n[[plugins]]\nname = "clip"\nmax_norm = 1.0\n')

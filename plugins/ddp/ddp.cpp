@@ -163,6 +163,8 @@ class Ddp final : public tk::Plugin {
     // Without a normalizer, a mean loss is averaged over ranks here, as single-process training
     // would average it over the global batch; a sum loss stays a sum.
     average_ = !plan.has(tk::cap::kGradsNormalized) && plan.reduction() == tk::Reduction::Mean;
+    // The reducer makes the gradients views of its buckets, which must outlive each step.
+    if (plan.world_size() > 1) plan.keep_gradients();
   }
 
   void on_fit_start(tk::FitStartContext& ctx) override {

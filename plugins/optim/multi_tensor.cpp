@@ -130,14 +130,21 @@ void foreach_adam_group(Base& opt, torch::optim::OptimizerParamGroup& group, con
   at::_foreach_addcdiv_(l.params, l.avgs, denom, neg_step);
 }
 
-/// AdamW through at::_fused_adamw_: one kernel per (device, dtype) of the group's parameters, as
-/// the kernel needs. Its arithmetic is AdamW's in another order, so it agrees with the per-tensor
-/// step to rounding, not to the bit.
+/// AdamW in one pass over each parameter: trainkit's kernel for CPU parameters (every LibTorch),
+/// at::_fused_adamw_ for the rest (LibTorch 2.4+: one kernel per device and dtype of the group's
+/// parameters, as that kernel needs). Its arithmetic is AdamW's, rounded its own way: it agrees
+/// with the per-tensor step to rounding, not to the bit.
 void fused_adamw_group(torch::optim::AdamW& opt, torch::optim::OptimizerParamGroup& group) {
   using L = AdamLists<torch::optim::AdamWOptions, torch::optim::AdamWParamState, torch::optim::AdamW>;
   L l(opt, group, "AdamW");
   const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
   std::vector<bool> done(l.params.size(), false);
+  for (size_t i = 0; i < l.params.size(); ++i)
+    if (l.params[i].device().is_cpu()) {
+      done[i] = true;
+      cpu_adamw_step(l.params[i], l.grads[i], l.avgs[i], l.sqs[i], o.amsgrad() ? l.maxes[i] : at::Tensor(),
+                     AdamWScalars(o, l.steps[i]));
+    }
   for (size_t first = 0; first < l.params.size(); ++first) {
     if (done[first]) continue;
     const at::Tensor& like = l.params[first];
@@ -247,15 +254,15 @@ class ForeachSgd final : public SizedSgd {
 }  // namespace
 
 bool has_fused_adamw(const c10::Device& device) {
-  return kernels::kHasFusedAdamW && (device.is_cpu() || device.is_cuda());
+  return device.is_cpu() || (kernels::kHasFusedAdamW && device.is_cuda());
 }
 
-StepForm step_form(const std::string& name, const std::vector<torch::Tensor>& params) {
+StepForm step_form(const std::string& name, const std::vector<torch::Tensor>& params, bool fused_on_cpu) {
   if (name == "per_tensor") return StepForm::PerTensor;
   if (name == "foreach") return StepForm::Foreach;
   if (name == "fused") return StepForm::Fused;
-  const bool gpu = !params.empty() && params.front().is_cuda();
-  return gpu ? StepForm::Foreach : StepForm::PerTensor;
+  if (!params.empty() && params.front().is_cuda()) return StepForm::Foreach;
+  return fused_on_cpu ? StepForm::Fused : StepForm::PerTensor;
 }
 
 std::unique_ptr<Optimizer> make_adam(std::vector<torch::Tensor> params, const torch::optim::AdamOptions& o,

@@ -88,10 +88,14 @@ OptionSpec implementation_spec(bool fused) {
   OptionSpec spec = opt_string("implementation", "auto",
                     std::string("per_tensor (LibTorch's step), foreach (the same arithmetic over all parameters at "
                                 "once: bit-identical on the CPU, equal to rounding on CUDA), ") +
-                        (fused ? "fused (one kernel, LibTorch 2.4+, equal to rounding), " : "") +
-                        "or auto (foreach on a GPU, per_tensor on a CPU)",
+                        (fused ? "fused (one pass over each parameter: trainkit's kernel on the CPU, LibTorch 2.4+'s "
+                                 "on CUDA; equal to rounding), or auto (fused on a CPU, foreach on a GPU)"
+                               : "or auto (foreach on a GPU, per_tensor on a CPU)"),
                     forms);
-  spec.same_on_cpu = {"auto", "per_tensor", "foreach"};  // the same arithmetic to the bit there; fused rounds its own way
+  // The same arithmetic to the bit on the CPU, so not part of what a run is there; fused (and
+  // auto, where auto means fused) rounds its own way.
+  spec.same_on_cpu = fused ? std::vector<std::string>{"per_tensor", "foreach"}
+                           : std::vector<std::string>{"auto", "per_tensor", "foreach"};
   return spec;
 }
 
@@ -103,24 +107,26 @@ OptionSpecs adam_specs(double weight_decay, bool fused) {
           opt_bool("amsgrad", false, "use the AMSGrad variant"), implementation_spec(fused)};
 }
 
-/// The step form the recipe asks for, refused where this build or device cannot run it.
-StepForm form_of(const Options& o, const std::vector<torch::Tensor>& params) {
-  const StepForm form = step_form(o.get_string("implementation"), params);
-  if (form == StepForm::Fused) {
-    if (!kernels::kHasFusedAdamW)
-      o.fail("implementation", "\"fused\" needs LibTorch 2.4 or later (its at::_fused_adamw_); this build has " +
-                                   std::string(TORCH_VERSION) + ": use \"foreach\"");
-    if (!params.empty() && !has_fused_adamw(params.front().device()))
-      o.fail("implementation", "\"fused\" runs on CPU and CUDA, not on " + params.front().device().str());
+/// The step form the recipe asks for (`fused`: whether the optimizer has a fused form), refused
+/// where this build or device cannot run it.
+StepForm form_of(const Options& o, const std::vector<torch::Tensor>& params, bool fused) {
+  const StepForm form = step_form(o.get_string("implementation"), params, fused);
+  if (form == StepForm::Fused && !params.empty() && !has_fused_adamw(params.front().device())) {
+    const c10::Device device = params.front().device();
+    if (device.is_cuda())
+      o.fail("implementation", "\"fused\" on CUDA needs LibTorch 2.4 or later (its at::_fused_adamw_); this build "
+                               "has " + std::string(TORCH_VERSION) + ": use \"foreach\"");
+    o.fail("implementation", "\"fused\" runs on CPU and CUDA, not on " + device.str());
   }
   return form;
 }
 
 /// Adam or AdamW (`Opts`, whose options are the same) from the recipe's options, in its step form.
 template <class Opts, class Make>
-std::unique_ptr<torch::optim::Optimizer> make_adam_like(const Options& o, std::vector<torch::Tensor> params, Make make) {
+std::unique_ptr<torch::optim::Optimizer> make_adam_like(const Options& o, std::vector<torch::Tensor> params, Make make,
+                                                        bool fused) {
   check_lr(o);
-  const StepForm form = form_of(o, params);
+  const StepForm form = form_of(o, params, fused);
   return make(std::move(params),
               Opts(o.get_float("lr")).betas(betas_of(o)).eps(o.get_float("eps")).weight_decay(o.get_float("weight_decay"))
                   .amsgrad(o.get_bool("amsgrad")),
@@ -167,7 +173,7 @@ void register_optim(Registry& r) {
          check_lr(o);
          if (o.get_bool("nesterov") && (o.get_float("momentum") <= 0.0 || o.get_float("dampening") != 0.0))
            o.fail("nesterov", "needs momentum > 0 and dampening = 0");
-         const StepForm form = form_of(o, params);
+         const StepForm form = form_of(o, params, false);
          return make_sgd(std::move(params), torch::optim::SGDOptions(o.get_float("lr"))
                                                 .momentum(o.get_float("momentum"))
                                                 .dampening(o.get_float("dampening"))
@@ -177,11 +183,11 @@ void register_optim(Registry& r) {
        }},
       {"adam", "Adam", adam_specs(0.0, false),
        [](const Options& o, std::vector<torch::Tensor> params) -> std::unique_ptr<Optimizer> {
-         return make_adam_like<torch::optim::AdamOptions>(o, std::move(params), make_adam);
+         return make_adam_like<torch::optim::AdamOptions>(o, std::move(params), make_adam, false);
        }},
       {"adamw", "Adam with decoupled weight decay", adam_specs(0.01, true),
        [](const Options& o, std::vector<torch::Tensor> params) -> std::unique_ptr<Optimizer> {
-         return make_adam_like<torch::optim::AdamWOptions>(o, std::move(params), make_adamw);
+         return make_adam_like<torch::optim::AdamWOptions>(o, std::move(params), make_adamw, true);
        }},
   });
   add_all<ScheduleMaker>(r, &Registry::add_schedule, {

@@ -406,6 +406,76 @@ TEST_SUITE("extension") {
     if (set_blas) set_blas(blas_before);
   }
 
+  TEST_CASE("gradients are released after each step and made afresh: the steps of kept ones to the bit, every parameter stepped") {
+    // Hard-routed experts in micro-batches of 2, windows of 2: most windows leave an expert unused.
+    struct Grads : tk::Plugin {
+      explicit Grads(bool keep) : keep(keep) {}
+      void configure(tk::RunPlan& plan) override {
+        if (keep) plan.keep_gradients();
+        kept = plan.gradients_kept();
+      }
+      void on_micro_batch(tk::MicroBatchContext& ctx) override {
+        if (!ctx.window().is_first()) return;
+        for (const auto& p : ctx.model().parameters())  // kept: zeroed in place; released: none
+          as_expected &= keep ? p.grad().defined() && p.grad().count_nonzero().item<int64_t>() == 0 : !p.grad().defined();
+      }
+      void on_backward(tk::BackwardContext& ctx) override {
+        if (ctx.window().is_last()) missing = std::max(missing, ctx.model().parameters().size() - ctx.gradients().size());
+      }
+      void on_boundary(tk::BoundaryContext& ctx) override {
+        every_one &= ctx.gradients().size() == ctx.model().parameters().size();
+      }
+      bool keep, kept = false, as_expected = true, every_one = true;
+      size_t missing = 0;
+    };
+    const std::string text = with_library(R"(
+[run]
+seed = 3
+steps = 12
+dtype = "float64"
+[model]
+name = "toy_experts"
+hidden = 8
+experts = 4
+[data]
+name = "synthetic-classification"
+samples = 256
+validation_samples = 0
+features = 8
+classes = 4
+[batch]
+micro_batch = 2
+accumulation = 2
+[optimizer]
+name = "adamw"
+lr = 0.01
+weight_decay = 0.1
+[[plugins]]
+name = "grad_accum"
+)", kFixtures / "tk_toy_components.so");
+    tk::testing::Parameters weights[2];
+    for (int keep = 0; keep < 2; ++keep) {
+      CAPTURE(keep);
+      auto grads = std::make_shared<Grads>(keep == 1);
+      tk::Trainer t(tkt::recipe({}, text.c_str()), tkt::quiet());
+      t.add_plugin(grads, "grads");
+      t.fit();
+      CHECK(grads->kept == (keep == 1));
+      CHECK(grads->as_expected);
+      CHECK(grads->every_one);  // a zero gradient for each parameter no micro-batch reached
+      if (keep) CHECK(grads->missing == 0);
+      else CHECK(grads->missing > 0);  // so the zero gradients were given
+      for (const auto& p : t.model().named_parameters()) weights[keep][p.key()] = p.value().detach().clone();
+    }
+    for (const auto& [name, w] : weights[0]) {
+      CAPTURE(name);
+      CHECK(torch::equal(w, weights[1].at(name)));
+    }
+    // Outside configure the plan cannot be asked.
+    tk::Trainer t(tkt::recipe({}), tkt::quiet());
+    CHECK_THROWS_WITH(const_cast<tk::RunPlan&>(t.plan()).keep_gradients(), doctest::Contains("configure"));
+  }
+
   TEST_CASE("run.phase_times: each record says where its step's time went") {
     const fs::path dir = tkt::temp_dir("phases");
     std::string text = with_library(kToyRecipe, kFixtures / "tk_toy_components.so") +

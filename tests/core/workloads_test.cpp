@@ -1,6 +1,5 @@
 // Real workloads: Fashion-MNIST's IDX files, text for language modelling, the CNN, the GPT and
 // TorchScript models.
-#include <tk/kernels.h>
 #include <tk/tensor_io.h>
 #include <zlib.h>
 
@@ -435,6 +434,36 @@ TEST_SUITE("workloads") {
     CHECK(tk::train_flops_of(*cnn, {2, 1, 8, 8}) == 3 * 2 * 2 * macs);
   }
 
+  TEST_CASE("a tied head's table gets the untied head's gradient plus the embedding's, to the bit") {
+    // The tied table's gradient comes back from the lookup as sparse rows that autograd adds into
+    // the head's dense gradient; untied, the embedding's dense backward and the head's are apart.
+    const tk::DataInfo info = tokens_11x8();
+    torch::manual_seed(4);
+    auto tied = make_model("gpt", "layers = 1\nwidth = 16\nheads = 2\ntied_head = true", info);
+    auto untied = make_model("gpt", "layers = 1\nwidth = 16\nheads = 2\ntied_head = false", info);
+    tied->to(torch::kDouble);
+    untied->to(torch::kDouble);
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& p : tied->named_parameters()) untied->named_parameters()[p.key()].copy_(p.value());
+      untied->named_parameters()["head.weight"].copy_(tied->named_parameters()["wte.weight"]);
+    }
+    // Tokens repeat within and across sequences, and some of the 11 never come.
+    const auto idx = torch::tensor({0, 3, 3, 5, 0, 9, 3, 1, 5, 5, 0, 2, 3, 9, 9, 1}, torch::kLong).view({2, 8});
+    const auto weights = torch::randn({2, 8, 11}, torch::kDouble);
+    (tied->forward(idx) * weights).sum().backward();
+    (untied->forward(idx) * weights).sum().backward();
+    const auto got = tied->named_parameters()["wte.weight"].grad();
+    REQUIRE(got.defined());
+    CHECK_FALSE(got.is_sparse());  // the table's gradient is dense, as the optimizer needs it
+    const auto want = untied->named_parameters()["head.weight"].grad() + untied->named_parameters()["wte.weight"].grad();
+    CHECK(torch::equal(got, want));
+    for (const auto& p : tied->named_parameters()) {
+      CAPTURE(p.key());
+      if (p.key() != "wte.weight") CHECK(torch::equal(p.value().grad(), untied->named_parameters()[p.key()].grad()));
+    }
+  }
+
   TEST_CASE("the GPT's rotary positions and RMSNorm equal the formulas written out by hand") {
     const tk::DataInfo info = tokens_11x8();
     torch::manual_seed(0);
@@ -525,8 +554,10 @@ TEST_SUITE("workloads") {
         auto per_tensor = make_optimizer(name, opts + "\nimplementation = \"per_tensor\"", a);
         auto foreach = make_optimizer(name, opts + "\nimplementation = \"foreach\"", b);
         CHECK(typeid(*per_tensor) != typeid(*foreach));  // the foreach form is its own step
-        // "auto" on CPU parameters is LibTorch's own step.
-        CHECK(typeid(*make_optimizer(name, opts, optimizer_params(dtype))) == typeid(*per_tensor));
+        // "auto" on CPU parameters is LibTorch's own step, AdamW's one-pass step for AdamW.
+        const auto automatic = make_optimizer(name, opts, optimizer_params(dtype));
+        if (name == "adamw") CHECK(typeid(*automatic) != typeid(*per_tensor));
+        else CHECK(typeid(*automatic) == typeid(*per_tensor));
         std::vector<torch::Tensor> c;
         std::unique_ptr<torch::optim::Optimizer> resumed;
         for (int step = 0; step < 6; ++step) {
@@ -557,27 +588,55 @@ TEST_SUITE("workloads") {
       }
   }
 
-  TEST_CASE("the fused AdamW is refused where LibTorch has none (may skip)") {
-    TK_SKIP_IF(tk::kernels::kHasFusedAdamW, "this LibTorch has the fused AdamW (2.4 or later): it runs here");
-    CHECK_THROWS_WITH(make_optimizer("adamw", "lr = 0.01\nimplementation = \"fused\"", optimizer_params(torch::kFloat)),
-                      doctest::Contains("\"fused\" needs LibTorch 2.4 or later"));
+  TEST_CASE("the fused AdamW runs on CPU and CUDA: elsewhere it is refused, naming the device") {
+    std::vector<torch::Tensor> meta = {torch::empty({4}, torch::TensorOptions().device(torch::kMeta)).requires_grad_()};
+    CHECK_THROWS_WITH(make_optimizer("adamw", "implementation = \"fused\"", meta),
+                      doctest::Contains("\"fused\" runs on CPU and CUDA, not on meta"));
   }
 
-  TEST_CASE("the fused AdamW agrees with the per-tensor step to rounding (may skip)") {
-    TK_SKIP_IF(!tk::kernels::kHasFusedAdamW, "this LibTorch has no fused AdamW (it came with 2.4)");
-    const std::string opts = "lr = 0.01\nweight_decay = 0.1";
-    for (auto [dtype, tol] : {std::pair{torch::kFloat, 1e-6}, std::pair{torch::kDouble, 1e-14}}) {
-      CAPTURE(dtype);
-      auto a = optimizer_params(dtype), b = optimizer_params(dtype);
-      auto per_tensor = make_optimizer("adamw", opts + "\nimplementation = \"per_tensor\"", a);
-      auto fused = make_optimizer("adamw", opts + "\nimplementation = \"fused\"", b);
-      for (int step = 0; step < 6; ++step) {
-        give_grads({&a, &b}, step);
-        per_tensor->step();
-        fused->step();
-        check_same(a, b, tol);
+  TEST_CASE("the fused AdamW agrees with the per-tensor step to rounding, with AMSGrad, in any layout") {
+    for (const std::string opts : {"lr = 0.01\nweight_decay = 0.1", "lr = 0.02\namsgrad = true\nweight_decay = 0"})
+      for (auto [dtype, tol] : {std::pair{torch::kFloat, 1e-6}, std::pair{torch::kDouble, 1e-14}}) {
+        CAPTURE(opts);
+        CAPTURE(dtype);
+        auto a = optimizer_params(dtype), b = optimizer_params(dtype);
+        // A transposed parameter is not contiguous: the one-pass loop leaves it to LibTorch's operations.
+        for (auto* set : {&a, &b}) set->push_back(torch::randn({3, 4}, torch::dtype(dtype)).t().detach().requires_grad_());
+        b.back().data().copy_(a.back().data());
+        auto per_tensor = make_optimizer("adamw", opts + "\nimplementation = \"per_tensor\"", a);
+        auto fused = make_optimizer("adamw", opts + "\nimplementation = \"fused\"", b);
+        const auto automatic = make_optimizer("adamw", opts, optimizer_params(dtype));
+        CHECK(typeid(*fused) == typeid(*automatic));  // auto, on the CPU
+        for (int step = 0; step < 6; ++step) {
+          give_grads({&a, &b}, step);
+          per_tensor->step();
+          fused->step();
+          check_same(a, b, tol);
+        }
+        CHECK_FALSE(torch::equal(a[0], optimizer_params(dtype)[0]));
       }
+  }
+
+  TEST_CASE("the fused AdamW steps an element alike wherever it lies: a parameter split in two steps as the whole") {
+    // 100003 elements: the loop runs in chunks on threads, vectorized with a scalar tail; the two
+    // halves put every element at another offset of its chunk and its vector.
+    torch::manual_seed(5);
+    const auto whole = torch::randn({100003}, torch::kFloat);
+    std::vector<torch::Tensor> one = {whole.clone().requires_grad_()};
+    std::vector<torch::Tensor> two = {whole.slice(0, 0, 50001).clone().requires_grad_(),
+                                      whole.slice(0, 50001).clone().requires_grad_()};
+    const std::string opts = "lr = 0.01\nweight_decay = 0.1\nimplementation = \"fused\"";
+    auto a = make_optimizer("adamw", opts, one), b = make_optimizer("adamw", opts, two);
+    for (int step = 0; step < 4; ++step) {
+      const auto g = torch::randn({100003}, torch::kFloat);
+      one[0].mutable_grad() = g.clone();
+      two[0].mutable_grad() = g.slice(0, 0, 50001).clone();
+      two[1].mutable_grad() = g.slice(0, 50001).clone();
+      a->step();
+      b->step();
     }
+    CHECK(torch::equal(one[0], torch::cat({two[0], two[1]})));
+    CHECK_FALSE(torch::equal(one[0], whole));
   }
 
   TEST_CASE("the CNN maps images to class scores") {

@@ -146,10 +146,21 @@ class RunPlan {
   const std::set<std::string>& capabilities() const noexcept;
   /// The plugin that set the window ("" when none did).
   const std::string& window_owner() const noexcept;
+  /// Whether each gradient keeps its tensor from one optimizer step to the next (zeroed in place
+  /// after the step) because a plugin asked for it (keep_gradients). Otherwise the core releases
+  /// the gradients after each step, the next backward writes them afresh (no zeroing pass, no
+  /// addition into zeros), and at the boundary a trainable parameter that no micro-batch of the
+  /// window reached gets a zero gradient: from the boundary on, every trainable parameter has one
+  /// either way, and the numbers are the same to the bit.
+  bool gradients_kept() const noexcept;
 
   /// Sets the accumulation window (configure only). A second plugin trying to set it is refused,
   /// naming both.
   void set_window(const WindowRequest& request);
+  /// Keeps each gradient's tensor between optimizer steps (configure only): for a plugin that holds
+  /// the gradient tensors themselves from one window to the next (data parallel's reducer makes
+  /// them views of its buckets). Costs a pass over the gradients after each step, to zero them.
+  void keep_gradients();
 
   RunPlan(const RunPlan&) = delete;
   RunPlan& operator=(const RunPlan&) = delete;

@@ -53,6 +53,7 @@ struct PlanValues {
   c10::DeviceType device = c10::kCPU;
   std::set<std::string> capabilities;
   std::string window_owner;
+  std::vector<std::string> gradients_kept_by;  ///< the plugins that asked to keep the gradients' tensors
   std::optional<WindowRequest> requested;  ///< a plugin's set_window (deprecated: [batch] gives the shape)
   World* world = nullptr;  ///< the run's (set before the plugins configure)
 

@@ -1,6 +1,8 @@
 // RunPlan: the plugins' view of the plan, and the way they shape it (in configure only).
 #include "tk/run_plan.h"
 
+#include <algorithm>
+
 #include "api/api.h"
 #include "tk/error.h"
 
@@ -28,6 +30,7 @@ c10::DeviceType RunPlan::device() const noexcept { return s_->device; }
 bool RunPlan::has(const Capability& cap) const { return s_->has(cap.name()); }
 const std::set<std::string>& RunPlan::capabilities() const noexcept { return s_->capabilities; }
 const std::string& RunPlan::window_owner() const noexcept { return s_->window_owner; }
+bool RunPlan::gradients_kept() const noexcept { return !s_->gradients_kept_by.empty(); }
 
 const char* to_string(LastWindow p) noexcept {
   switch (p) {
@@ -61,6 +64,12 @@ void RunPlan::set_window(const WindowRequest& w) {
                 " (must be >= 1, or 0 with an effective batch to infer it from)");
   s_->requested = w;
   s_->window_owner = by;
+}
+
+void RunPlan::keep_gradients() {
+  const std::string& by = configuring(*s_, "keep_gradients()");
+  auto& kept = s_->gradients_kept_by;
+  if (std::find(kept.begin(), kept.end(), by) == kept.end()) kept.push_back(by);
 }
 
 }  // namespace tk

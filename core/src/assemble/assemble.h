@@ -38,12 +38,16 @@ void build_components(Run& run, const Recipe& recipe);
 void check_component_sections(Run& run, const Recipe& recipe);
 /// Makes the optimizer over the model's trainable parameters (again, after a trial step).
 void make_optimizer(Run& run);
-/// Zeroes the gradients of the optimizer's parameters in place, keeping their storage (data
-/// parallel's gradients are views of its buckets), on every LibTorch (2.x's zero_grad drops them,
-/// 1.x's detaches them in place, which views refuse). A parameter without one gets a zero
-/// gradient: every trainable parameter holds one from the start of training, so a step that does
-/// not use a parameter steps it with a zero gradient in a fresh run, a resumed one and on every
-/// rank alike.
-void zero_grads(Run& run);
+/// Ends a window's gradients (after the optimizer step, a back-off, before training): releases
+/// them, so that the next backward writes each gradient afresh instead of adding it into zeros;
+/// or, where a plugin keeps them (RunPlan::keep_gradients: data parallel's gradients are views of
+/// its buckets), zeroes them in place, keeping their storage, on every LibTorch (2.x's zero_grad
+/// drops them, 1.x's detaches them in place, which views refuse).
+void clear_grads(Run& run);
+/// Gives a zero gradient to each of the optimizer's parameters that has none (no micro-batch of
+/// the window reached it, or the gradients were released): before the boundary, every trainable
+/// parameter holds one, so a step that does not use a parameter steps it with a zero gradient in
+/// a fresh run, a resumed one and on every rank alike.
+void complete_grads(Run& run);
 
 }  // namespace tk::detail

@@ -355,17 +355,24 @@ void make_optimizer(Run& r) {
   r.optimizer = std::move(made);
 }
 
-void zero_grads(Run& r) {
+void clear_grads(Run& r) {
+  const bool keep = !r.plan.gradients_kept_by.empty();
   for (auto& group : r.optimizer->param_groups())
     for (auto& p : group.params()) {
       at::Tensor& g = p.mutable_grad();
-      if (!g.defined()) {
-        g = at::zeros_like(p, at::MemoryFormat::Preserve);
+      if (!keep || !g.defined()) {
+        g = keep ? at::zeros_like(p, at::MemoryFormat::Preserve) : at::Tensor();
         continue;
       }
       if (g.requires_grad()) g = g.detach();  // a graph left by create_graph: dropped (detach_ fails on views)
       g.zero_();
     }
+}
+
+void complete_grads(Run& r) {
+  for (auto& group : r.optimizer->param_groups())
+    for (auto& p : group.params())
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p, at::MemoryFormat::Preserve);
 }
 
 }  // namespace tk::detail

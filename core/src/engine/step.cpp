@@ -99,6 +99,7 @@ void StepEngine::boundary() {
   set_lr(*r_.optimizer, s_.lr);
   s_.step.clear();
   phases_.mark();
+  complete_grads(r_);
   events_.emit(Event::Boundary);
   // After the boundary (a sync plugin may have replaced the totals with sums over all ranks):
   // the step's one read from the device.
@@ -114,7 +115,7 @@ bool StepEngine::step(const std::function<std::string()>& diagnose, bool step_ve
   if (!skipped && diagnose && !std::isfinite(s_.window_loss)) throw Error(diagnose());
   if (!skipped || step_vetoed) r_.optimizer->step();
   if (skipped) ++s_.counters.skipped_steps;
-  zero_grads(r_);
+  clear_grads(r_);
   ++s_.counters.step;
   if (!skipped || s_.step.veto_advances_schedule) ++s_.counters.schedule_step;
   events_.emit(Event::StepEnd);

@@ -27,7 +27,7 @@ int64_t BackOff::back_off(LoopState& s, const std::string& what, std::string& no
   if (!why_not.empty()) throw Error(where + "; it cannot back off " + why_not);
   // Nothing of the window stays: its gradients, counts and random draws.
   s.loss = at::Tensor();
-  zero_grads(r_);
+  clear_grads(r_);
   s.counters = counters_;
   restore_rng(rng_);
   const int64_t first_example = batch_ * m;

@@ -200,9 +200,9 @@ void Loop::train_epoch(int64_t epoch, int64_t first) {
 }
 
 void Loop::train_epochs(Start start) {
-  zero_grads(r_);  // before fit_start: data parallel's buckets take the gradients as they are made
+  clear_grads(r_);  // before fit_start: data parallel's buckets take the gradients as they are made
   events_.emit(Event::FitStart);
-  zero_grads(r_);
+  clear_grads(r_);
   done_ = s_.counters.step >= r_.total_steps;
   recorder_.start();
   prefetch_.emplace(r_, *r_.data.train);

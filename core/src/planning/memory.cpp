@@ -102,7 +102,7 @@ double bytes_of(const std::vector<at::Tensor>& ts) {
 /// and buffers, the batch, activations, gradients and the optimizer's state. The steps are the
 /// run's own (the engine, with every plugin's events: autocast, recomputation, a sharded
 /// optimizer, data parallel's buckets), two of them, and the second is measured (the optimizer's
-/// state and the gradients kept by zero_grad exist by then); with more than one micro-batch per
+/// state exists by then, and the gradients a plugin keeps between steps); with more than one micro-batch per
 /// step, two go through forward and backward in each (the second adds its gradients into the
 /// first's, through a temporary per parameter).
 double measure_step(Run& r, int64_t m, int64_t k) {
