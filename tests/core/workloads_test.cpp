@@ -1,10 +1,12 @@
 // Real workloads: Fashion-MNIST's IDX files, text for language modelling, the CNN, the GPT and
 // TorchScript models.
+#include <torch/csrc/autograd/function.h>
 #include <tk/tensor_io.h>
 #include <zlib.h>
 
 #include <chrono>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "support.h"
@@ -451,7 +453,20 @@ TEST_SUITE("workloads") {
     // Tokens repeat within and across sequences, and some of the 11 never come.
     const auto idx = torch::tensor({0, 3, 3, 5, 0, 9, 3, 1, 5, 5, 0, 2, 3, 9, 9, 1}, torch::kLong).view({2, 8});
     const auto weights = torch::randn({2, 8, 11}, torch::kDouble);
-    (tied->forward(idx) * weights).sum().backward();
+    const auto out = tied->forward(idx);
+    // The tied table's lookup is the sparse-rows one: a node of its own in the graph.
+    std::vector<torch::autograd::Node*> todo = {out.grad_fn().get()};
+    std::set<torch::autograd::Node*> seen;
+    bool lookup = false;
+    while (!todo.empty()) {
+      torch::autograd::Node* n = todo.back();
+      todo.pop_back();
+      if (!n || !seen.insert(n).second) continue;
+      lookup |= n->name().find("TiedLookup") != std::string::npos;
+      for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
+    }
+    CHECK(lookup);
+    (out * weights).sum().backward();
     (untied->forward(idx) * weights).sum().backward();
     const auto got = tied->named_parameters()["wte.weight"].grad();
     REQUIRE(got.defined());
