@@ -54,7 +54,7 @@ bool flat_like(const at::Tensor& t, const at::Tensor& like) {
 /// LibTorch's per-tensor AdamW arithmetic for a parameter the kernel cannot take (a dtype other
 /// than float32 and float64, or a layout that is not contiguous).
 void step_with_ops(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v, at::Tensor& vmax,
-                   const AdamWScalars& s) {
+                   const AdamScalars& s) {
   if (s.decay != 1.0) p.mul_(s.decay);
   m.mul_(s.beta1).add_(g, 1 - s.beta1);
   v.mul_(s.beta2).addcmul_(g, g, 1 - s.beta2);
@@ -65,16 +65,16 @@ void step_with_ops(at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor
 
 }  // namespace
 
-AdamWScalars::AdamWScalars(const torch::optim::AdamWOptions& o, int64_t step)
-    : decay(1 - o.lr() * o.weight_decay()),
-      beta1(std::get<0>(o.betas())),
-      beta2(std::get<1>(o.betas())),
+AdamScalars::AdamScalars(double lr, double weight_decay, double beta1, double beta2, double eps, int64_t step)
+    : decay(1 - lr * weight_decay),
+      beta1(beta1),
+      beta2(beta2),
       bc2_sqrt(std::sqrt(1 - std::pow(beta2, static_cast<double>(step)))),
-      eps(o.eps()),
-      neg_step_size(-(o.lr() / (1 - std::pow(beta1, static_cast<double>(step))))) {}
+      eps(eps),
+      neg_step_size(-(lr / (1 - std::pow(beta1, static_cast<double>(step))))) {}
 
 void cpu_adamw_step(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, at::Tensor vmax,
-                    const AdamWScalars& s) {
+                    const AdamScalars& s) {
   const bool amsgrad = vmax.defined();
   const bool flat = (p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble) && p.is_contiguous() &&
                     flat_like(g, p) && flat_like(m, p) && flat_like(v, p) && (!amsgrad || flat_like(vmax, p));

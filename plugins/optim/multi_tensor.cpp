@@ -110,8 +110,9 @@ void foreach_adam_group(Base& opt, torch::optim::OptimizerParamGroup& group, con
   const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
   std::vector<at::Scalar> bc2_sqrt, neg_step;
   for (int64_t step : l.steps) {
-    bc2_sqrt.emplace_back(std::sqrt(1 - std::pow(beta2, static_cast<double>(step))));
-    neg_step.emplace_back(-(o.lr() / (1 - std::pow(beta1, static_cast<double>(step)))));
+    const AdamScalars s(o, step);
+    bc2_sqrt.emplace_back(s.bc2_sqrt);
+    neg_step.emplace_back(s.neg_step_size);
   }
   std::vector<at::Tensor> grads = l.grads;
   if (o.weight_decay() != 0) {
@@ -143,7 +144,7 @@ void fused_adamw_group(torch::optim::AdamW& opt, torch::optim::OptimizerParamGro
     if (l.params[i].device().is_cpu()) {
       done[i] = true;
       cpu_adamw_step(l.params[i], l.grads[i], l.avgs[i], l.sqs[i], o.amsgrad() ? l.maxes[i] : at::Tensor(),
-                     AdamWScalars(o, l.steps[i]));
+                     AdamScalars(o, l.steps[i]));
     }
   for (size_t first = 0; first < l.params.size(); ++first) {
     if (done[first]) continue;

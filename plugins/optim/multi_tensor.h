@@ -30,9 +30,14 @@ StepForm step_form(const std::string& name, const std::vector<torch::Tensor>& pa
 /// Whether the fused AdamW runs on tensors of `device` with this LibTorch.
 bool has_fused_adamw(const c10::Device& device);
 
-/// AdamW's per-step scalars, in double (each kernel rounds them to the parameter's dtype).
-struct AdamWScalars {
-  AdamWScalars(const torch::optim::AdamWOptions& o, int64_t step);
+/// The scalars of an Adam or AdamW step of a parameter whose step count is `step` (already
+/// advanced), in double, as LibTorch's step computes them (each kernel rounds them to the
+/// parameter's dtype); `decay` is AdamW's decoupled shrink, 1 - lr weight_decay.
+struct AdamScalars {
+  template <class Opts>
+  AdamScalars(const Opts& o, int64_t step)
+      : AdamScalars(o.lr(), o.weight_decay(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), step) {}
+  AdamScalars(double lr, double weight_decay, double beta1, double beta2, double eps, int64_t step);
   double decay, beta1, beta2, bc2_sqrt, eps, neg_step_size;
 };
 /// One AdamW step of CPU parameter `p` (its step count already advanced into `s`), in one pass
@@ -40,7 +45,7 @@ struct AdamWScalars {
 /// over the elements. A dtype other than float32 or float64, or tensors that are not contiguous
 /// alike, take LibTorch's per-tensor operations instead.
 void cpu_adamw_step(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, at::Tensor vmax,
-                    const AdamWScalars& s);
+                    const AdamScalars& s);
 
 std::unique_ptr<torch::optim::Optimizer> make_adam(std::vector<torch::Tensor> params,
                                                    const torch::optim::AdamOptions& o, StepForm form);

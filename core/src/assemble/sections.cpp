@@ -360,8 +360,12 @@ void clear_grads(Run& r) {
   for (auto& group : r.optimizer->param_groups())
     for (auto& p : group.params()) {
       at::Tensor& g = p.mutable_grad();
-      if (!keep || !g.defined()) {
-        g = keep ? at::zeros_like(p, at::MemoryFormat::Preserve) : at::Tensor();
+      if (!keep) {
+        g = at::Tensor();
+        continue;
+      }
+      if (!g.defined()) {
+        g = at::zeros_like(p, at::MemoryFormat::Preserve);
         continue;
       }
       if (g.requires_grad()) g = g.detach();  // a graph left by create_graph: dropped (detach_ fails on views)
