@@ -1,6 +1,7 @@
 #pragma once
 // Helpers shared by the test suites: recipes, in-process probes and tensor comparisons.
 #include <tk/doctest.h>
+#include <tk/loader.h>
 #include <tk/trainer.h>
 #include <torch/types.h>
 
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 /// Two lists of overrides, one after the other.
@@ -196,5 +198,23 @@ inline void write_shard(const std::filesystem::path& file, const std::vector<int
     }
   }
 }
+
+/// Table-driven cases: one doctest case per row of `Table` (an array of rows with a `name`, a string
+/// literal), each running `Check(row)`, so that each row is a case of its own (its own ctest entry,
+/// its own --test-case filter) and a new case of the same shape is one more row. Use TKT_TABLE_CASES
+/// inside the TEST_SUITE the cases belong to.
+template <const auto& Table, auto Check, size_t I>
+void table_row() {
+  Check(Table[I]);
+}
+template <const auto& Table, auto Check, size_t... I>
+int register_table(const doctest::detail::TestSuite& suite, const char* file, unsigned line, std::index_sequence<I...>) {
+  (doctest::detail::regTest(doctest::detail::TestCase(&table_row<Table, Check, I>, file, line, suite) * Table[I].name), ...);
+  return 0;
+}
+#define TKT_TABLE_CASES(table, check)                                                                      \
+  static const int DOCTEST_ANONYMOUS(tkt_table_) = tkt::register_table<table, check>(                      \
+      doctest_detail_test_suite_ns::getCurrentTestSuite(), __FILE__, __LINE__,                             \
+      std::make_index_sequence<std::size(table)>{})
 
 }  // namespace tkt

@@ -2,7 +2,7 @@
 """Checks that the engine's layers (core/src/<layer>/) are what core/CMakeLists.txt says they are,
 from the files themselves; exits 1 naming each thing out of place.
 
-    python3 tools/layers.py --root ROOT --layers L1 L2 ... [--max-lines N]
+    python3 tools/layers.py --root ROOT --layers L1 L2 ... --audiences A1 A2 ... [--max-lines N]
 
 The layers are given bottom first (TK_CORE_LAYERS). It checks:
   - core/src holds one folder per layer and no other, each with at most one header, named after
@@ -11,6 +11,11 @@ The layers are given bottom first (TK_CORE_LAYERS). It checks:
   - every file of a layer includes, of the core's own headers, only its layer's and those of the
     layers before it (`#include "<layer>/<layer>.h"`), and the installed ones (`"tk/..."`); the
     testing library (core/testing/) stands above every layer;
+  - the installed headers lie in core/include/<audience>/tk/, one folder per audience given
+    (--audiences, lowest first: sdk, embed, testing), a name in one audience only; a header includes
+    of the installed ones only those of its audience and the audiences before it, and never a
+    private one (core/private/tk/); the plugins (plugins/, examples/*/src/) include only the first
+    audience's (the SDK) and, in this tree's own plugins only, the private ones;
   - every installed header tk/X.h that declares a function has a source X.cpp (in a layer, or
     core/testing/ for the testing library's);
   - no source or header of core/src or core/testing is longer than --max-lines (450);
@@ -22,6 +27,8 @@ import re
 import sys
 
 QUOTED = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+INSTALLED = re.compile(r'^\s*#\s*include\s+[<"](tk/[\w.]+)[>"]', re.M)
+GENERATED = {'tk/version.h': 'version.h.in'}  # configured into the build, from the SDK's folder
 # A function declared without a body: a parameter list closed by ");" (qualifiers allowed), not a
 # pure virtual, defaulted or deleted one, not a call or a variable's initialiser inside a body.
 DECLARATION = re.compile(
@@ -48,16 +55,58 @@ def declares_functions(header):
     return found
 
 
+def audience_problems(root, audiences):
+    """The installed headers by audience (name -> audience), and what is out of place in them and
+    in the plugins' includes."""
+    problems, audience_of = [], {}
+    include = root / 'core/include'
+    for d in sorted(include.iterdir()):
+        if d.name not in audiences:
+            problems.append(f'core/include/{d.name} is no audience: the installed headers lie in '
+                            f'core/include/<{"|".join(audiences)}>/tk/ (TK_HEADER_AUDIENCES)')
+    for a in audiences:
+        for h in sorted((include / a / 'tk').glob('*.h*')):
+            name = 'tk/' + h.name.removesuffix('.in')
+            if name in audience_of:
+                problems.append(f'{name} is in two audiences: {audience_of[name]} and {a}')
+            audience_of[name] = a
+    private = {'tk/' + h.name for h in (root / 'core/private/tk').glob('*.h')}
+    rank = {a: i for i, a in enumerate(audiences)}
+    for name, a in sorted(audience_of.items()):
+        header = include / a / name if name not in GENERATED else include / a / 'tk' / GENERATED[name]
+        for inc in INSTALLED.findall(strip_comments(header.read_text())):
+            where = f'core/include/{a}/{name}'
+            if inc in private:
+                problems.append(f'{where} includes the private {inc}: an installed header cannot')
+            elif inc not in audience_of:
+                problems.append(f'{where} includes {inc}, which is not installed')
+            elif rank[audience_of[inc]] > rank[a]:
+                problems.append(f'{where} includes {inc} of the {audience_of[inc]} audience: '
+                                f'a {a} header includes only {", ".join(audiences[:rank[a] + 1])} ones')
+    plugin_files = [(f, True) for f in sorted((root / 'plugins').rglob('*.[ch]*'))]
+    plugin_files += [(f, False) for f in sorted(root.glob('examples/*/src/*.[ch]*'))]
+    for f, in_tree in plugin_files:
+        for inc in INSTALLED.findall(strip_comments(f.read_text())):
+            if inc in private and in_tree:
+                continue
+            if audience_of.get(inc) != audiences[0]:
+                kind = 'private' if inc in private else audience_of.get(inc, 'no installed')
+                problems.append(f'{f.relative_to(root)} includes {inc} ({kind} header): '
+                                f'a plugin includes only {audiences[0]} headers')
+    return audience_of, problems
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--root', required=True)
     ap.add_argument('--layers', nargs='+', required=True)
+    ap.add_argument('--audiences', nargs='+', default=['sdk', 'embed', 'testing'])
     ap.add_argument('--max-lines', type=int, default=450)
     a = ap.parse_args()
     root = pathlib.Path(a.root)
-    src, public, testing = root / 'core/src', root / 'core/include/tk', root / 'core/testing'
+    src, testing = root / 'core/src', root / 'core/testing'
     rank = {name: i for i, name in enumerate(a.layers)}
-    problems = []
+    audience_of, problems = audience_problems(root, a.audiences)
 
     folders = sorted(p.name for p in src.iterdir() if p.is_dir())
     for f in folders:
@@ -95,14 +144,15 @@ def main():
             problems.append(f'{rel} has {lines} lines, more than {a.max_lines}: split it by what its parts do')
 
     sources = {p.stem for p in src.glob('*/*.cpp')} | {p.stem for p in testing.glob('*.cpp')}
-    for h in sorted(public.glob('*.h')):
-        if h.stem in sources:
+    for name, audience in sorted(audience_of.items()):
+        h = root / 'core/include' / audience / name
+        if h.stem in sources or name in GENERATED:
             continue
         decls = declares_functions(h)
         if decls:
             line, decl = decls[0]
-            problems.append(f'core/include/tk/{h.name}:{line} declares "{decl}" but no core/src/<layer>/{h.stem}.cpp '
-                            f'implements the header')
+            problems.append(f'core/include/{audience}/{name}:{line} declares "{decl}" but no '
+                            f'core/src/<layer>/{h.stem}.cpp implements the header')
 
     doc = root / 'docs/architecture.md'
     if doc.exists():
@@ -116,6 +166,8 @@ def main():
 
     for p in problems:
         print(p)
+    counts = ', '.join(f'{sum(1 for v in audience_of.values() if v == x)} {x}' for x in a.audiences)
+    print(f'installed headers: {counts}')
     print(f'layers: {len(a.layers)} ({" < ".join(a.layers)}), {len(files)} files; '
           f'{len(problems)} problem{"" if len(problems) == 1 else "s"}')
     return 1 if problems else 0

@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 
+#include "tk/capabilities.h"
 #include "tk/registry.h"
 #include "tk/loader.h"
 #include "tk/testing.h"
@@ -39,19 +41,90 @@ micro_batch = 8
 name = "sgd"
 lr = 0.05
 momentum = 0.9
+
+[world]
+timeout_s = 120
+rendezvous_timeout_s = 120
 )";
 
-fs::path scratch(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("tk-contract-" + std::to_string(getpid()) + "-" + name);
-  fs::remove_all(d);
-  return d;
-}
+/// The world the contract runs in, as the launcher's environment says: tk-plugin check --nproc N
+/// and torchrun run one checker per rank (RANK, WORLD_SIZE), srun one per task (SLURM_PROCID,
+/// SLURM_NTASKS); a world of one otherwise.
+struct ContractWorld {
+  int rank = 0, size = 1;
+  std::string tag;  ///< what names this launch's scratch folders, the same on every rank
+
+  static ContractWorld from_environment() {
+    auto number = [](const char* a, const char* b) {
+      const char* v = std::getenv(a);
+      if (!v) v = std::getenv(b);
+      return v ? std::atoi(v) : -1;
+    };
+    ContractWorld w;
+    w.size = std::max(1, number("WORLD_SIZE", "SLURM_NTASKS"));
+    w.rank = std::max(0, number("RANK", "SLURM_PROCID"));
+    const char* port = std::getenv("MASTER_PORT");
+    // The ranks of one launch share their launcher (tk-plugin, torchrun's agent, slurmstepd) and port.
+    w.tag = w.size > 1 ? "world-" + std::string(port ? port : "") + "-" + std::to_string(getppid())
+                       : std::to_string(getpid());
+    return w;
+  }
+  /// A folder for a check's run, the same on every rank (rank 0 writes a world's outputs, the others
+  /// read its checkpoints), emptied by rank 0 before the check.
+  fs::path scratch(const std::string& name) const {
+    const fs::path d = fs::temp_directory_path() / ("tk-contract-" + tag + "-" + name);
+    if (rank == 0) fs::remove_all(d);
+    return d;
+  }
+  /// Removes a check's folder once its runs are over: rank 0's, the last to use it.
+  void done_with(const fs::path& d) const {
+    if (rank == 0) fs::remove_all(d);
+  }
+};
+
+/// In a world, compares every rank's parameters with rank 0's after each optimizer step (a
+/// collective: every rank runs it at every step), and keeps the first difference.
+class RankAgreement final : public Plugin {
+ public:
+  void on_step_end(StepEndContext& ctx) override {
+    std::vector<at::Tensor> flat;
+    for (const auto& p : ctx.model().parameters()) flat.push_back(p.detach().flatten().to(at::kDouble));
+    if (flat.empty()) return;
+    const at::Tensor all = ctx.world().all_gather(at::cat(flat)).view({ctx.world().size(), -1});
+    for (int r = 1; r < ctx.world().size() && difference.empty(); ++r) {
+      if (all[r].equal(all[0])) continue;
+      difference = "after step " + std::to_string(ctx.counters().step) + ", rank " + std::to_string(r) +
+                   "'s parameters differ from rank 0's by up to " +
+                   std::to_string((all[r] - all[0]).abs().max().item<double>());
+    }
+  }
+  std::string difference;  ///< "" while every rank agrees
+};
 
 /// A contract that orders a plugin after every gradient plugin.
 /// The contract's checks of one library, each returning "" when it holds, else why not.
 class ContractChecks {
  public:
-  ContractChecks(const fs::path& file, const ContractOptions& c) : file_(file), c_(c) {}
+  ContractChecks(const fs::path& file, const ContractOptions& c) : file_(file), c_(c), world_(ContractWorld::from_environment()) {}
+
+  const ContractWorld& world() const noexcept { return world_; }
+
+  /// In a world of more than one, a run needs a plugin that sums the gradients across it (the core
+  /// refuses it otherwise): the contract checks such a plugin there, and "" says this is one.
+  std::string fits_the_world() const {
+    if (world_.size == 1) return "";
+    for (const Capability& c : instance(c_.options)->contract().provides)
+      if (c == cap::kGradsSynced) return "";
+    return "in a world of " + std::to_string(world_.size) + " every run needs a plugin that sums the gradients "
+           "across it (provides " + cap::kGradsSynced.name() + "), and this one does not: check it in a world of one";
+  }
+
+  std::string ranks_agree() const {
+    auto agreement = std::make_shared<RankAgreement>();
+    auto r = run_with({instance(c_.options), {agreement, "rank_agreement"}});
+    if (r.fit.steps < 1) return "the run took no step";
+    return agreement->difference;
+  }
 
   std::string loads_and_names_itself() const {
     auto lp = PluginLoader({}).load_plugin(file_);
@@ -124,7 +197,7 @@ class ContractChecks {
   }
 
   std::string resume_equals_uninterrupted() const {
-    const fs::path a = scratch("whole"), b = scratch("resumed");
+    const fs::path a = world_.scratch("whole"), b = world_.scratch("resumed");
     auto whole_plugin = instance(c_.options);
     RunOptions whole;
     whole.plugins = {whole_plugin};
@@ -142,8 +215,8 @@ class ContractChecks {
     second.stop_requested = nullptr;
     second.resume = "latest";
     auto resumed = run(kContractRecipe, second);
-    fs::remove_all(a);
-    fs::remove_all(b);
+    world_.done_with(a);
+    world_.done_with(b);
     if (stopped.fit.status != FitStatus::StoppedBySignal) return "the first half did not stop at its third boundary";
     const double d = max_difference(full.parameters, resumed.parameters);
     if (d != 0.0) return "the resumed run's parameters differ by up to " + std::to_string(d);
@@ -203,6 +276,7 @@ class ContractChecks {
 
   fs::path file_;
   ContractOptions c_;
+  ContractWorld world_;
 };
 
 }  // namespace
@@ -220,12 +294,21 @@ std::vector<CheckResult> check_contract(const fs::path& file, const ContractOpti
     r.passed = r.detail.empty();
     out.push_back(std::move(r));
   };
+  const int world = contract.world().size;
   check("loads, names and describes itself, and accepts its default options", &ContractChecks::loads_and_names_itself);
   if (!out.back().passed) return out;  // nothing else can run
+  if (world > 1) {
+    check("sums the gradients across its world of " + std::to_string(world), &ContractChecks::fits_the_world);
+    if (!out.back().passed) return out;
+  }
   check("refuses unknown and mistyped options, listing the valid ones", &ContractChecks::refuses_bad_options);
   check("runs every hook it keeps in a run with two epochs and validation", &ContractChecks::runs_every_hook);
   check("round-trips its state into a fresh instance", &ContractChecks::round_trips_state);
-  if (c.check_neutral) {
+  if (world > 1) {
+    check("every rank holds the same parameters after each step, to the bit", &ContractChecks::ranks_agree);
+    out.push_back({"leaves a run bit-identical with neutral options", false, true,
+                   "in a world of " + std::to_string(world) + " a run without it is refused: nothing to compare with"});
+  } else if (c.check_neutral) {
     check("leaves a run bit-identical with neutral options", &ContractChecks::neutral_is_bit_identical);
   } else {
     out.push_back({"leaves a run bit-identical with neutral options", false, true,

@@ -1,6 +1,7 @@
 // The plugin loader against well-formed and broken fixture libraries.
 #include <dlfcn.h>
 #include <tk/abi.h>
+#include <tk/loader.h>
 
 #include <cstdlib>
 

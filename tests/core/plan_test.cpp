@@ -3,6 +3,8 @@
 
 #include "support.h"
 
+#include "api/api.h"
+
 using tk::LastWindow;
 using tk::WindowSchedule;
 

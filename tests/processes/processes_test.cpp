@@ -49,111 +49,192 @@ std::string experts_recipe(bool varied) {
   return r + "[[plugins]]\nname = \"toy_components\"\n";
 }
 
+const char* const kAdamW = "[optimizer]\nname = \"adamw\"\nlr = 0.02\nweight_decay = 0.1\n";
+
+/// kBase with its [optimizer] replaced by `optimizer` (none: kBase's SGD with momentum).
+std::string base_with(const char* optimizer) {
+  std::string r = kBase;
+  if (optimizer) r = r.substr(0, r.find("[optimizer]")) + optimizer;
+  return r;
+}
+
+/// The GPT with dropout on documents of 1 to 40 letters, in float32, written into ROOT.
+std::string gpt_recipe(const fs::path& root) {
+  fs::create_directories(root);
+  tkt::write_documents(root / "corpus.txt", 80);
+  return "[run]\nseed = 3\nsteps = 6\ndtype = \"float32\"\n"
+         "[model]\nname = \"gpt\"\nlayers = 3\nwidth = 32\nheads = 2\ndropout = 0.1\n"
+         "[data]\nname = \"text\"\npath = \"" + (root / "corpus.txt").string() +
+         "\"\nseq_len = 24\ndocument_separator = \"\\n%\\n\"\nvalidation_fraction = 0.0\n[batch]\nmicro_batch = 2\n"
+         "[loss]\nname = \"cross_entropy\"\nreduction = \"sum\"\n"
+         "[optimizer]\nname = \"adamw\"\nlr = 0.01\n"
+         "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\nnormalize = \"tokens\"\n";
+}
+
+/// Token shards of 2 x 700 tokens in ROOT/data and a one-layer GPT on them.
+std::string shards_recipe(const fs::path& root) {
+  fs::create_directories(root / "data");
+  for (int s = 0; s < 2; ++s) {
+    std::vector<int64_t> tokens;
+    for (int64_t i = 0; i < 700; ++i) tokens.push_back((i * 13 + s * 7) % 97);
+    tkt::write_shard(root / "data" / ("train_00" + std::to_string(s) + ".bin"), tokens);
+  }
+  return "[run]\nseed = 9\nsteps = 6\ndtype = \"float64\"\n[model]\nname = \"gpt\"\nlayers = 1\n"
+         "heads = 2\nwidth = 16\n[data]\nname = \"tokens\"\ntrain = \"" +
+         (root / "data/train_*.bin").string() +
+         "\"\nseq_len = 8\n[batch]\nmicro_batch = 2\n[optimizer]\nname = \"adamw\"\nlr = 0.01\n";
+}
+
+/// kBase on synthetic token sequences of 1 to 10 tokens (112 of them, 2 epochs).
+std::string tokens_recipe(const fs::path&) {
+  std::string base = kBase;
+  base.replace(base.find("classes = 4"), 11, "classes = 4\nseq_len = 10\nmin_len = 1");
+  return base;
+}
+std::string base_recipe(const fs::path&) { return kBase; }
+std::string experts_alike(const fs::path&) { return experts_recipe(false); }
+std::string experts_varied(const fs::path&) { return experts_recipe(true); }
+
+const char* const kAccumulate2 = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
+
+/// "N ranks equal one process": the case's recipe (made for its folder ROOT) trained with ddp
+/// (`ddp_options` follow its entry) and `accumulation` on `ranks` ranks (ROOT/two, `rank_sets`) and
+/// with `accumulation` alone in one process (ROOT/one, `one_sets`) ends with the same weights, in
+/// float64; `then` checks what the case adds, given the run of several ranks.
+struct RanksEqualOneProcess {
+  const char* name;
+  std::string (*recipe)(const fs::path& root);
+  const char* accumulation;
+  const char* ddp_options;
+  int ranks;
+  const char* rank_sets;
+  const char* one_sets;
+  void (*then)(const RanksEqualOneProcess& c, const fs::path& root, const Proc& ranks_run);
+};
+
+void ranks_equal_one_process(const RanksEqualOneProcess& c) {
+  const fs::path root = tkt::temp_dir("ranks-equal");
+  const std::string recipe = c.recipe(root);
+  auto two = tk_run(root / "two", recipe + "[[plugins]]\nname = \"ddp\"\n" + c.ddp_options + c.accumulation,
+                    "--nproc " + std::to_string(c.ranks) + " " + c.rank_sets);
+  INFO(two.out);
+  REQUIRE(two.rc == 0);
+  auto one = tk_run(root / "one", recipe + c.accumulation, c.one_sets);
+  INFO(one.out);
+  REQUIRE(one.rc == 0);
+  CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
+  if (c.then) c.then(c, root, two);
+  fs::remove_all(root);
+}
+
+/// 2 ranks x m x k also equal 1 process x 2mk; the steps moved the weights; the logged loss is the
+/// global window's; one sync per window; only rank 0 writes; LibTorch's unused-parameter note once.
+void then_one_sync_per_window(const RanksEqualOneProcess&, const fs::path& root, const Proc& two) {
+  auto big = tk_run(root / "big", kBase, "--set batch.micro_batch=16");
+  REQUIRE(big.rc == 0);
+  CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
+  // Not the equality of runs that did nothing: the last three steps moved the weights.
+  auto half = tk_run(root / "half", kBase, "--set batch.micro_batch=16 --set run.steps=3");
+  REQUIRE(half.rc == 0);
+  CHECK(tkt::distance(weights(root / "two"), weights(root / "half")) > 1e-4);
+  // The logged loss is the global window's.
+  auto l2 = tkt::metric(root / "two/out/metrics.jsonl", "loss"), lb = tkt::metric(root / "big/out/metrics.jsonl", "loss");
+  REQUIRE(l2.size() == 6);
+  for (size_t i = 0; i < l2.size(); ++i) CHECK(l2[i] == doctest::Approx(lb[i]).epsilon(1e-12));
+  // One sync per window (6), each one gradient bucket, the used-map of the unused-parameter search
+  // and the window totals: not per micro-batch (12).
+  CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs") == std::vector<double>{1, 2, 3, 4, 5, 6});
+  CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces") == std::vector<double>{3, 6, 9, 12, 15, 18});
+  CHECK(tkt::metric(root / "two/out/metrics.jsonl", "micro_batches").back() == 4);  // 2 ranks x k = 2
+  // Only rank 0 wrote; every line of the launcher's output carries its rank.
+  CHECK(two.out.find("[rank 1] ") != std::string::npos);
+  // LibTorch's note that the unused-parameter search found nothing (one per rank) is said once,
+  // for the world, with what it costs and how to turn it off.
+  CHECK(two.out.find("did not find any unused parameters") == std::string::npos);
+  const std::string note = "every rank used every parameter in step 1: the unused-parameter search";
+  CHECK(two.out.find(note) != std::string::npos);
+  CHECK(two.out.find(note) == two.out.rfind(note));
+  CHECK(two.out.find("set plugins.ddp.find_unused_parameters = false") != std::string::npos);
+}
+
+/// The experts also equal one process with the whole window in one micro-batch; in some window's
+/// last backward rank 0 left parameters without a gradient; the steps moved the weights.
+void then_unused_counted(const RanksEqualOneProcess& c, const fs::path& root, const Proc&) {
+  const std::string base = c.recipe(root);
+  auto big = tk_run(root / "big", base, "--set batch.micro_batch=" + std::to_string(4 * c.ranks));
+  REQUIRE(big.rc == 0);
+  CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
+  const auto unused = tkt::metric(root / "two/out/metrics.jsonl", "ddp_unused");
+  REQUIRE(unused.size() == 6);
+  CHECK(*std::max_element(unused.begin(), unused.end()) >= 2);
+  auto half = tk_run(root / "half", base, "--set batch.micro_batch=8 --set run.steps=3");
+  REQUIRE(half.rc == 0);
+  CHECK(tkt::distance(weights(root / "two"), weights(root / "half")) > 1e-4);
+}
+
+/// Without the search: per window the one bucket and the totals, no used-map; and a model that
+/// leaves parameters unused gets an error naming one, in bounded time, not a hang.
+void then_unused_named(const RanksEqualOneProcess&, const fs::path& root, const Proc&) {
+  CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces") == std::vector<double>{2, 4, 6, 8, 10, 12});
+  auto bad = tk_run(root / "bad",
+                    experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\nfind_unused_parameters = false\n" +
+                        kLongTimeout + kAccumulate2,
+                    "--nproc 2 --set batch.micro_batch=2");
+  CHECK(bad.rc == 1);
+  CHECK(bad.out.find("got no gradient in the last backward of step 1 on rank") != std::string::npos);
+  CHECK(bad.out.find("parameters 'expert") != std::string::npos);
+  CHECK(bad.out.find("find_unused_parameters = false: set it to true") != std::string::npos);
+  CHECK_FALSE(reports_timeout(bad.out));  // the error stopped the world, not a collective's timeout
+}
+
+/// 112 sequences: 56 per rank, micro-batches of 4 -> 14 per epoch -> windows of 4, 4, 4, 2.
+void then_short_last_windows(const RanksEqualOneProcess&, const fs::path& root, const Proc&) {
+  CHECK(tkt::metric(root / "one/out/metrics.jsonl", "micro_batches") == std::vector<double>{4, 4, 4, 2, 4, 4, 4, 2});
+}
+
+/// The ramp happened: k grew from the first step to the last, on both.
+void then_k_ramped(const RanksEqualOneProcess&, const fs::path& root, const Proc&) {
+  const auto k1 = tkt::metric(root / "one/out/metrics.jsonl", "micro_batches");
+  const auto k2 = tkt::metric(root / "two/out/metrics.jsonl", "micro_batches");
+  REQUIRE(k1.size() == 6);
+  CHECK(k1.front() < k1.back());
+  CHECK(k2.front() == 2 * k1.front());  // both ranks' micro-batches
+  CHECK(k2.back() == 2 * k1.back());
+}
+
+#define TKT_TOKENS_SETS "--set data.name=synthetic-tokens --set data.samples=112 --set run.steps=0 --set run.epochs=2 " \
+                        "--set loss.reduction=sum "
+const RanksEqualOneProcess kRanksEqualOneProcess[] = {
+    {"2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window",
+     base_recipe, kAccumulate2, "check_every = 1\n[world]\ntimeout_s = 60.0\n", 2, "--set batch.micro_batch=4",
+     "--set batch.micro_batch=8", then_one_sync_per_window},
+    {"ranks that use different parameters take the DDP step: unused gradients count as zero (2 ranks, experts alike)",
+     experts_alike, kAccumulate2, "check_every = 1\n", 2, "--set batch.micro_batch=2", "--set batch.micro_batch=4",
+     then_unused_counted},
+    {"ranks that use different parameters take the DDP step: unused gradients count as zero (2 ranks, experts of "
+     "different shapes)",
+     experts_varied, kAccumulate2, "check_every = 1\n", 2, "--set batch.micro_batch=2", "--set batch.micro_batch=4",
+     then_unused_counted},
+    {"ranks that use different parameters take the DDP step: unused gradients count as zero (3 ranks, experts of "
+     "different shapes)",
+     experts_varied, kAccumulate2, "check_every = 1\n", 3, "--set batch.micro_batch=2", "--set batch.micro_batch=6",
+     then_unused_counted},
+    {"find_unused_parameters = false: the same step without the search, and an unused parameter is named",
+     base_recipe, kAccumulate2, "find_unused_parameters = false\n[world]\ntimeout_s = 20.0\n", 2,
+     "--set batch.micro_batch=4", "--set batch.micro_batch=8", then_unused_named},
+    {"tokens normalization is exact across ranks with uneven token counts and a short last window", tokens_recipe,
+     "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\nnormalize = \"tokens\"\n", "", 2, TKT_TOKENS_SETS,
+     TKT_TOKENS_SETS "--set batch.micro_batch=8", then_short_last_windows},
+    {"token shards: 2 ranks read disjoint sequences, equal to 1 process", shards_recipe, kAccumulate2,
+     "check_every = 1\n", 2, "--set batch.micro_batch=2", "--set batch.micro_batch=4", nullptr},
+    {"a batch-size ramp changes k at boundaries on every rank alike: 2 ranks == 1 process", base_recipe,
+     "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 32\nramp_from = 8\nramp_steps = 3\n", "check_every = 1\n", 2,
+     "", "--set batch.micro_batch=8", then_k_ramped},
+};
+#undef TKT_TOKENS_SETS
+
 TEST_SUITE("ddp") {
-  /// `recipe` with grad_accum (k = 2) and ddp (with `ddp_options`) on `ranks` ranks at micro-batch
-  /// m, and without ddp in 1 process at ranks x m: the same weights, in float64. The run of several
-  /// ranks is ROOT/two; returns it.
-  Proc two_ranks_equal_one_process(const fs::path& root, const std::string& recipe, const std::string& ddp_options,
-                                   int m, int ranks = 2) {
-    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
-    auto two = tk_run(root / "two", recipe + "[[plugins]]\nname = \"ddp\"\n" + ddp_options + accum,
-                      "--nproc " + std::to_string(ranks) + " --set batch.micro_batch=" + std::to_string(m));
-    INFO(two.out);
-    REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", recipe + accum, "--set batch.micro_batch=" + std::to_string(ranks * m));
-    REQUIRE(one.rc == 0);
-    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
-    return two;
-  }
-
-  TEST_CASE("2 ranks x m x k == 1 process x 2m x k == 1 process x 2mk, with identical ranks and one sync per window") {
-    const fs::path root = tkt::temp_dir("ddp-equal");
-    auto two = two_ranks_equal_one_process(root, kBase, "check_every = 1\n[world]\ntimeout_s = 60.0\n", 4);
-    auto big = tk_run(root / "big", kBase, "--set batch.micro_batch=16");
-    REQUIRE(big.rc == 0);
-    CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
-    // Not the equality of runs that did nothing: the last three steps moved the weights.
-    auto half = tk_run(root / "half", kBase, "--set batch.micro_batch=16 --set run.steps=3");
-    REQUIRE(half.rc == 0);
-    CHECK(tkt::distance(weights(root / "two"), weights(root / "half")) > 1e-4);
-    // The logged loss is the global window's.
-    auto l2 = tkt::metric(root / "two/out/metrics.jsonl", "loss"), lb = tkt::metric(root / "big/out/metrics.jsonl", "loss");
-    REQUIRE(l2.size() == 6);
-    for (size_t i = 0; i < l2.size(); ++i) CHECK(l2[i] == doctest::Approx(lb[i]).epsilon(1e-12));
-    // One sync per window (6), each one gradient bucket, the used-map of the unused-parameter search
-    // and the window totals: not per micro-batch (12).
-    auto syncs = tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs");
-    auto calls = tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces");
-    CHECK(syncs == std::vector<double>{1, 2, 3, 4, 5, 6});
-    CHECK(calls == std::vector<double>{3, 6, 9, 12, 15, 18});
-    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "micro_batches").back() == 4);  // 2 ranks x k = 2
-    // Only rank 0 wrote; every line of the launcher's output carries its rank.
-    CHECK(two.out.find("[rank 1] ") != std::string::npos);
-    // LibTorch's note that the unused-parameter search found nothing (one per rank) is said once,
-    // for the world, with what it costs and how to turn it off.
-    CHECK(two.out.find("did not find any unused parameters") == std::string::npos);
-    const std::string note = "every rank used every parameter in step 1: the unused-parameter search";
-    CHECK(two.out.find(note) != std::string::npos);
-    CHECK(two.out.find(note) == two.out.rfind(note));
-    CHECK(two.out.find("set plugins.ddp.find_unused_parameters = false") != std::string::npos);
-    fs::remove_all(root);
-  }
-
-  TEST_CASE("ranks that use different parameters take the DDP step: unused gradients count as zero") {
-    // Experts of the same shapes on 2 ranks, of different shapes on 2 and on 3.
-    for (auto [varied, ranks] : {std::pair{false, 2}, std::pair{true, 2}, std::pair{true, 3}}) {
-      CAPTURE(varied);
-      CAPTURE(ranks);
-      const fs::path root = tkt::temp_dir("ddp-unused");
-      const std::string base = experts_recipe(varied);
-      two_ranks_equal_one_process(root, base, "check_every = 1\n", 2, ranks);
-      auto big = tk_run(root / "big", base, "--set batch.micro_batch=" + std::to_string(4 * ranks));
-      REQUIRE(big.rc == 0);
-      CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
-      // The case happened: in some window's last backward rank 0 left parameters without a gradient.
-      const auto unused = tkt::metric(root / "two/out/metrics.jsonl", "ddp_unused");
-      REQUIRE(unused.size() == 6);
-      CHECK(*std::max_element(unused.begin(), unused.end()) >= 2);
-      // And the run moved the weights.
-      auto half = tk_run(root / "half", base, "--set batch.micro_batch=8 --set run.steps=3");
-      REQUIRE(half.rc == 0);
-      CHECK(tkt::distance(weights(root / "two"), weights(root / "half")) > 1e-4);
-      fs::remove_all(root);
-    }
-  }
-
-  TEST_CASE("find_unused_parameters = false: the same step without the search, and an unused parameter is named") {
-    const fs::path root = tkt::temp_dir("ddp-no-search");
-    const std::string options = "find_unused_parameters = false\n[world]\ntimeout_s = 20.0\n";
-    two_ranks_equal_one_process(root, kBase, options, 4);
-    // Per window: the one bucket and the totals, no used-map.
-    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_allreduces") == std::vector<double>{2, 4, 6, 8, 10, 12});
-    // A model that leaves parameters unused: an error naming one, in bounded time, not a hang.
-    auto bad = tk_run(root / "bad",
-                      experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\nfind_unused_parameters = false\n" +
-                          kLongTimeout + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n",
-                      "--nproc 2 --set batch.micro_batch=2");
-    CHECK(bad.rc == 1);
-    CHECK(bad.out.find("got no gradient in the last backward of step 1 on rank") != std::string::npos);
-    CHECK(bad.out.find("parameters 'expert") != std::string::npos);
-    CHECK(bad.out.find("find_unused_parameters = false: set it to true") != std::string::npos);
-    CHECK_FALSE(reports_timeout(bad.out));  // the error stopped the world, not a collective's timeout
-    fs::remove_all(root);
-  }
-
-  TEST_CASE("2 ranks killed and resumed end bit-identical to an uninterrupted 2-rank run (the reducer rebuilt)") {
-    const fs::path root = tkt::temp_dir("ddp-resume");
-    const std::string recipe =
-        experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n";
-    const std::string sets = "--nproc 2 --set batch.micro_batch=2 --set run.steps=12 --set run.checkpoint_every=4 ";
-    // Rank 0 killed right after the record of step 9 (the checkpoint is at 8): the world stops.
-    auto killed = kill_and_resume(root, recipe, sets);
-    CHECK(killed.rc == 1);
-    CHECK(killed.out.find("tk-run: rank 0 failed (was killed by signal 9") != std::string::npos);
-    CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs") ==
-          tkt::metric(root / "one/out/metrics.jsonl", "ddp_syncs"));
-    fs::remove_all(root);
-  }
+  TKT_TABLE_CASES(kRanksEqualOneProcess, ranks_equal_one_process);
 
   TEST_CASE("ranks whose models differ are refused at start, naming the first difference") {
     const fs::path root = tkt::temp_dir("ddp-differ");
@@ -188,67 +269,6 @@ TEST_SUITE("ddp") {
     auto big = tk_run(root / "big", kBase, "--set batch.micro_batch=8");
     REQUIRE(big.rc == 0);
     CHECK(tkt::excess(weights(root / "two"), weights(root / "big"), kF64) <= 1.0);
-    fs::remove_all(root);
-  }
-
-  TEST_CASE("tokens normalization is exact across ranks with uneven token counts and a short last window") {
-    const fs::path root = tkt::temp_dir("ddp-tokens");
-    // 112 sequences: 56 per rank, micro-batches of 4 -> 14 per epoch -> windows of 4, 4, 4, 2.
-    std::string base = kBase;
-    base.replace(base.find("classes = 4"), 11, "classes = 4\nseq_len = 10\nmin_len = 1");
-    const std::vector<std::string> sets = {"--set data.name=synthetic-tokens", "--set data.samples=112",
-                                           "--set run.steps=0", "--set run.epochs=2", "--set loss.reduction=sum"};
-    std::string common;
-    for (const auto& s : sets) common += s + " ";
-    const std::string accum = "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\nnormalize = \"tokens\"\n";
-    auto two = tk_run(root / "two", base + "[[plugins]]\nname = \"ddp\"\n" + accum, common + "--nproc 2");
-    INFO(two.out);
-    REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", base + accum, common + "--set batch.micro_batch=8");
-    REQUIRE(one.rc == 0);
-    CHECK(tkt::metric(root / "one/out/metrics.jsonl", "micro_batches") ==
-          std::vector<double>{4, 4, 4, 2, 4, 4, 4, 2});
-    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
-    fs::remove_all(root);
-  }
-
-  TEST_CASE("token shards: 2 ranks read disjoint sequences, equal to 1 process - killed and resumed, bit-identical") {
-    const fs::path root = tkt::temp_dir("ddp-tokens-shards");
-    fs::create_directories(root / "data");
-    for (int s = 0; s < 2; ++s) {
-      std::vector<int64_t> tokens;
-      for (int64_t i = 0; i < 700; ++i) tokens.push_back((i * 13 + s * 7) % 97);
-      tkt::write_shard(root / "data" / ("train_00" + std::to_string(s) + ".bin"), tokens);
-    }
-    const std::string recipe = "[run]\nseed = 9\nsteps = 6\ndtype = \"float64\"\n[model]\nname = \"gpt\"\nlayers = 1\n"
-                               "heads = 2\nwidth = 16\n[data]\nname = \"tokens\"\ntrain = \"" +
-                               (root / "data/train_*.bin").string() +
-                               "\"\nseq_len = 8\n[batch]\nmicro_batch = 2\n[optimizer]\nname = \"adamw\"\nlr = 0.01\n";
-    two_ranks_equal_one_process(root / "equal", recipe, "check_every = 1\n", 2);
-    kill_and_resume(root / "resume",
-                    recipe + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n",
-                    "--nproc 2 --set run.steps=12 --set run.checkpoint_every=4 ");
-    fs::remove_all(root);
-  }
-
-  TEST_CASE("a batch-size ramp changes k at boundaries on every rank alike: 2 ranks == 1 process") {
-    const fs::path root = tkt::temp_dir("ddp-ramp");
-    const std::string ramp =
-        "[[plugins]]\nname = \"grad_accum\"\neffective_batch = 32\nramp_from = 8\nramp_steps = 3\n";
-    auto two = tk_run(root / "two", std::string(kBase) + "[[plugins]]\nname = \"ddp\"\ncheck_every = 1\n" + ramp,
-                      "--nproc 2");
-    INFO(two.out);
-    REQUIRE(two.rc == 0);
-    auto one = tk_run(root / "one", std::string(kBase) + ramp, "--set batch.micro_batch=8");
-    REQUIRE(one.rc == 0);
-    CHECK(tkt::excess(weights(root / "two"), weights(root / "one"), kF64) <= 1.0);
-    // The ramp happened: k grew from the first step to the last, on both.
-    const auto k1 = tkt::metric(root / "one/out/metrics.jsonl", "micro_batches");
-    const auto k2 = tkt::metric(root / "two/out/metrics.jsonl", "micro_batches");
-    REQUIRE(k1.size() == 6);
-    CHECK(k1.front() < k1.back());
-    CHECK(k2.front() == 2 * k1.front());  // both ranks' micro-batches
-    CHECK(k2.back() == 2 * k1.back());
     fs::remove_all(root);
   }
 
@@ -504,15 +524,6 @@ TEST_SUITE("ddp") {
 }
 
 TEST_SUITE("zero") {
-  const char* kAdamW = "[optimizer]\nname = \"adamw\"\nlr = 0.02\nweight_decay = 0.1\n";
-
-  /// kBase with its [optimizer] replaced by `optimizer` (none: kBase's SGD with momentum).
-  std::string base_with(const char* optimizer) {
-    std::string r = kBase;
-    if (optimizer) r = r.substr(0, r.find("[optimizer]")) + optimizer;
-    return r;
-  }
-
   /// `recipe` + `plugins` on `ranks` ranks with ddp and the shard plugin at stage 1 (ROOT/zero) and ddp alone
   /// (ROOT/ddp), with `sets`: the same weights and the same record of every step, bit for bit.
   /// Returns the sharded run.
@@ -590,24 +601,6 @@ TEST_SUITE("zero") {
     CHECK(tkt::skipped(root / "amp/zero/out/metrics.jsonl") == std::vector<bool>{false, false, true, false, false, false});
     CHECK(tkt::metric(root / "amp/zero/out/metrics.jsonl", "loss_scale") ==
           std::vector<double>{256, 256, 256, 128, 128, 128});
-    fs::remove_all(root);
-  }
-
-  TEST_CASE("killed and resumed: bit-identical, with every rank's share in the checkpoint") {
-    const fs::path root = tkt::temp_dir("zero-resume");
-    const std::string recipe = base_with(kAdamW) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\n"
-                               "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 1\n";
-    kill_and_resume(root, recipe, "--nproc 2 --set run.steps=12 --set run.checkpoint_every=4 ");
-    torch::serialize::InputArchive archive;
-    archive.load_from((root / "two/out/checkpoints/step-00000008/optimizer.pt").string());
-    at::Tensor world, share;
-    REQUIRE(archive.try_read("zero_world_size", world, /*is_buffer=*/true));
-    CHECK(world.item<int64_t>() == 2);
-    for (const char* key : {"zero_shard_0", "zero_shard_1"}) {
-      CAPTURE(key);
-      REQUIRE(archive.try_read(key, share, /*is_buffer=*/true));
-      CHECK(share.numel() > 0);
-    }
     fs::remove_all(root);
   }
 
@@ -710,19 +703,6 @@ TEST_SUITE("zero") {
 }
 
 TEST_SUITE("recompute") {
-  /// The GPT with dropout on documents of 1 to 40 letters, in float32, written into ROOT.
-  std::string gpt_recipe(const fs::path& root) {
-    fs::create_directories(root);
-    tkt::write_documents(root / "corpus.txt", 80);
-    return "[run]\nseed = 3\nsteps = 6\ndtype = \"float32\"\n"
-           "[model]\nname = \"gpt\"\nlayers = 3\nwidth = 32\nheads = 2\ndropout = 0.1\n"
-           "[data]\nname = \"text\"\npath = \"" + (root / "corpus.txt").string() +
-           "\"\nseq_len = 24\ndocument_separator = \"\\n%\\n\"\nvalidation_fraction = 0.0\n[batch]\nmicro_batch = 2\n"
-           "[loss]\nname = \"cross_entropy\"\nreduction = \"sum\"\n"
-           "[optimizer]\nname = \"adamw\"\nlr = 0.01\n"
-           "[[plugins]]\nname = \"grad_accum\"\nsteps = 2\nnormalize = \"tokens\"\n";
-  }
-
   TEST_CASE("2 DDP ranks with recomputation take the steps of 2 ranks without it, bit for bit (search on, off, ZeRO-1)") {
     const fs::path root = tkt::temp_dir("recompute-ddp");
     const std::string base = gpt_recipe(root);
@@ -745,28 +725,9 @@ TEST_SUITE("recompute") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("killed and resumed with recomputation: bit-identical to the uninterrupted run") {
-    const fs::path root = tkt::temp_dir("recompute-resume");
-    const std::string recipe = gpt_recipe(root) + "[[plugins]]\nname = \"recompute\"\n";
-    kill_and_resume(root, recipe, "--set run.steps=12 --set run.checkpoint_every=4 ");
-    // And recomputation changed nothing: the run without it is the same.
-    auto plain = tk_run(root / "plain", gpt_recipe(root), "--set run.steps=12");
-    REQUIRE(plain.rc == 0);
-    CHECK(torch::equal(weights(root / "plain"), weights(root / "one")));
-    fs::remove_all(root);
-  }
 }
 
 TEST_SUITE("resume") {
-  TEST_CASE("a run killed by SIGKILL and resumed ends bit-identical to an uninterrupted one") {
-    const fs::path root = tkt::temp_dir("resume-kill");
-    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
-    const std::string sets = "--set run.steps=12 --set data.samples=80 --set run.checkpoint_every=4 ";
-    // The same run, killed right after the record of step 9 (the checkpoint is at 8), then resumed.
-    CHECK(kill_and_resume(root, recipe, sets).rc == 128 + 9);
-    fs::remove_all(root);
-  }
-
   TEST_CASE("SIGTERM stops at the next boundary with a checkpoint and a non-zero exit - resuming completes the run") {
     const fs::path root = tkt::temp_dir("resume-term");
     const std::string sets = "--set run.steps=20000 --set run.checkpoint_every=0 ";
@@ -791,4 +752,82 @@ TEST_SUITE("resume") {
     CHECK(torch::equal(weights(root / "two"), weights(root / "one")));
     fs::remove_all(root);
   }
+}
+
+/// "Killed and resumed equals uninterrupted": the case's recipe (made for its folder ROOT) with
+/// `sets`, run whole and killed right after the record of step 9 then resumed (kill_and_resume:
+/// the weights and every step's loss are bit-identical); the killed launch exits with `killed_rc`
+/// (137: a process killed by SIGKILL; 1: a launcher whose rank 0 was); `then` checks what the case
+/// adds, given the killed run.
+struct KilledAndResumed {
+  const char* name;
+  std::string (*recipe)(const fs::path& root);
+  const char* sets;
+  int killed_rc;
+  void (*then)(const fs::path& root, const Proc& killed);
+};
+
+void killed_and_resumed(const KilledAndResumed& c) {
+  const fs::path root = tkt::temp_dir("killed-resumed");
+  const Proc killed = kill_and_resume(root, c.recipe(root), c.sets);
+  CHECK(killed.rc == c.killed_rc);
+  if (c.then) c.then(root, killed);
+  fs::remove_all(root);
+}
+
+std::string experts_ddp(const fs::path&) {
+  return experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n" + kAccumulate2;
+}
+std::string shards_ddp(const fs::path& root) { return shards_recipe(root) + "[[plugins]]\nname = \"ddp\"\n" + kAccumulate2; }
+std::string adamw_sharded(const fs::path&) {
+  return base_with(kAdamW) + kAccumulate2 + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 1\n";
+}
+std::string gpt_recomputed(const fs::path& root) { return gpt_recipe(root) + "[[plugins]]\nname = \"recompute\"\n"; }
+std::string base_accumulated(const fs::path&) {
+  return std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 3\n";
+}
+
+/// The world stopped with rank 0, which the launcher names; the resumed run synced as often.
+void then_rank0_named(const fs::path& root, const Proc& killed) {
+  CHECK(killed.out.find("tk-run: rank 0 failed (was killed by signal 9") != std::string::npos);
+  CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs") == tkt::metric(root / "one/out/metrics.jsonl", "ddp_syncs"));
+}
+
+/// The checkpoint holds every rank's share of the sharded optimizer state.
+void then_every_share_saved(const fs::path& root, const Proc&) {
+  torch::serialize::InputArchive archive;
+  archive.load_from((root / "two/out/checkpoints/step-00000008/optimizer.pt").string());
+  at::Tensor world, share;
+  REQUIRE(archive.try_read("zero_world_size", world, /*is_buffer=*/true));
+  CHECK(world.item<int64_t>() == 2);
+  for (const char* key : {"zero_shard_0", "zero_shard_1"}) {
+    CAPTURE(key);
+    REQUIRE(archive.try_read(key, share, /*is_buffer=*/true));
+    CHECK(share.numel() > 0);
+  }
+}
+
+/// And recomputation changed nothing: the run without it is the same.
+void then_same_without_recompute(const fs::path& root, const Proc&) {
+  auto plain = tk_run(root / "plain", gpt_recipe(root), "--set run.steps=12");
+  REQUIRE(plain.rc == 0);
+  CHECK(torch::equal(weights(root / "plain"), weights(root / "one")));
+}
+
+#define TKT_KILL_SETS "--set run.steps=12 --set run.checkpoint_every=4 "
+const KilledAndResumed kKilledAndResumed[] = {
+    {"2 ranks killed and resumed end bit-identical to an uninterrupted 2-rank run (the reducer rebuilt)", experts_ddp,
+     "--nproc 2 --set batch.micro_batch=2 " TKT_KILL_SETS, 1, then_rank0_named},
+    {"token shards: 2 ranks killed and resumed, bit-identical", shards_ddp, "--nproc 2 " TKT_KILL_SETS, 1, nullptr},
+    {"ZeRO-1 killed and resumed: bit-identical, with every rank's share in the checkpoint", adamw_sharded,
+     "--nproc 2 " TKT_KILL_SETS, 1, then_every_share_saved},
+    {"killed and resumed with recomputation: bit-identical to the uninterrupted run", gpt_recomputed, TKT_KILL_SETS,
+     128 + 9, then_same_without_recompute},
+    {"a run killed by SIGKILL and resumed ends bit-identical to an uninterrupted one", base_accumulated,
+     "--set data.samples=80 " TKT_KILL_SETS, 128 + 9, nullptr},
+};
+#undef TKT_KILL_SETS
+
+TEST_SUITE("resume") {
+  TKT_TABLE_CASES(kKilledAndResumed, killed_and_resumed);
 }

@@ -33,9 +33,16 @@ while IFS= read -r -d '' elf; do
   if readelf -S "$elf" | grep -q '\.debug_info'; then echo "installed with its debug info: $elf"; exit 1; fi
 done < <(find "$prefix" -type f \( -name '*.so*' -o -path '*/bin/*' \) -print0)
 du -sh "$prefix" "$prefix"/lib/libtrainkit.so.*.*
-# The private header (LibTorch's version shims) stays in the build: no installed header includes it.
-for private in compat.h; do
-  if [ -e "$prefix/include/tk/$private" ]; then echo "a private header was installed: include/tk/$private"; exit 1; fi
+# The headers installed are the SDK's, the embedding ones and the test library's (core/include/<audience>/),
+# and nothing else: not the private ones (LibTorch's version shims), not the core's own planning or
+# checkpoint declarations (they live in core/src's layers). No installed header includes a private one.
+expected="$( (cd "$src/core/include" && ls sdk/tk embed/tk testing/tk | grep '\.h' | sed 's/\.in$//') | sort)"
+installed="$(ls "$prefix/include/tk" | sort)"
+if [ "$expected" != "$installed" ]; then
+  echo "the installed headers are not the audiences' (core/include/{sdk,embed,testing}/tk):"
+  diff <(echo "$expected") <(echo "$installed") || true; exit 1
+fi
+for private in $(ls "$src/core/private/tk"); do
   if grep -l "tk/$private" "$prefix"/include/tk/*.h; then echo "an installed header includes tk/$private"; exit 1; fi
 done
 guide="$(realpath "$prefix")/share/doc/trainkit/plugins.md"

@@ -1,7 +1,7 @@
 // tk-plugin: write, check and describe trainkit plugins.
 //
 //   tk-plugin new NAME [DIR]                      scaffold a plugin project that builds and passes its tests
-//   tk-plugin check LIB.so [--options TOML] [--neutral TOML|none]   run the plugin contract
+//   tk-plugin check LIB.so [--options TOML] [--neutral TOML|none] [--nproc N]   run the plugin contract
 //   tk-plugin info LIB.so                         name, versions, ABI, options, contract, components
 #include <CLI/CLI.hpp>
 
@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "launch.h"
 #include "scaffold.h"
 
 namespace {
@@ -70,6 +71,19 @@ int info(const std::string& file) {
   return 0;
 }
 
+/// --nproc N: the contract in a world of N processes on this machine, each checking the plugin as
+/// one rank (tk-plugin check again, as torchrun's workers would run it).
+int check_in_world(const std::string& file, const std::string& options, const std::string& neutral, int nproc) {
+  std::vector<std::string> worker = {"tk-plugin", "check", file};
+  if (!options.empty()) worker.insert(worker.end(), {"--options", options});
+  if (!neutral.empty()) worker.insert(worker.end(), {"--neutral", neutral});
+  tk::LaunchOptions launch;
+  launch.nproc = nproc;
+  launch.stop_grace_s = 30.0;
+  launch.program = "tk-plugin";
+  return tk::launch_workers(worker, launch);
+}
+
 int check(const std::string& file, const std::string& options, const std::string& neutral) {
   // A file that is no plugin library of this trainkit gets one line that says why, not a contract.
   const tk::PluginLoader loader({});
@@ -98,6 +112,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("tk-plugin ") + TK_VERSION + " (LibTorch " + TORCH_VERSION + ")");
 
   std::string name, dir, file, options, neutral;
+  int nproc = 1;
   auto* cmd_new = app.add_subcommand("new", "scaffold a plugin project: sources, a test, a recipe, a README");
   cmd_new->add_option("name", name, "the plugin's name (letters, digits, _)")->required();
   cmd_new->add_option("dir", dir, "the project folder (default: ./NAME)");
@@ -107,13 +122,17 @@ int main(int argc, char** argv) {
   cmd_check->add_option("--neutral", neutral,
                         "options with which the plugin must leave a run bit-identical (TOML), or \"none\" for a "
                         "plugin that always changes the numerics");
+  cmd_check->add_option("--nproc", nproc,
+                        "check it in a world of N processes on this machine, as each of its ranks (for a plugin "
+                        "that sums the gradients across the world, such as ddp); under torchrun, leave it out")
+      ->check(CLI::Range(1, 64));
   auto* cmd_info = app.add_subcommand("info", "describe a library: versions, ABI, options, contract, components");
   cmd_info->add_option("library", file, "the plugin library (tk_NAME.so)")->required()->check(CLI::ExistingFile);
   if (const auto rc = tk::parse_command_line(app, argc, argv, "tk-plugin")) return *rc;
 
   try {
     if (*cmd_new) return tk::scaffold(name, dir.empty() ? name : dir);
-    if (*cmd_check) return check(file, options, neutral);
+    if (*cmd_check) return nproc > 1 ? check_in_world(file, options, neutral, nproc) : check(file, options, neutral);
     return info(file);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-plugin: error: %s\n", e.what());

@@ -197,7 +197,8 @@ class Launch {
     // Node 0 stays for the others; a failure they publish meanwhile is the world's.
     for (const auto& f : link_->finish(rc == 0))
       if (rc == 0) {
-        std::fprintf(stderr, "tk-run: this node's ranks ended, then the world failed: %s\n", f.headline().c_str());
+        std::fprintf(stderr, "%s: this node's ranks ended, then the world failed: %s\n", opts_.program.c_str(),
+                     f.headline().c_str());
         return f.exit_code;
       }
     return rc;
@@ -213,15 +214,18 @@ class Launch {
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     threads_ = std::to_string(std::max(1u, hw / static_cast<unsigned>(n_)));
     if (opts_.nnodes > 1 && opts_.only_rank < 0) {
-      std::fprintf(stderr, "tk-run: node %d of %d: waiting for the other launchers at %s:%d\n", opts_.node_rank,
+      std::fprintf(stderr, "%s: node %d of %d: waiting for the other launchers at %s:%d\n", opts_.program.c_str(),
+                   opts_.node_rank,
                    opts_.nnodes, opts_.master_addr.c_str(), port_ + 1);
       std::fflush(stderr);
       link_ = std::make_unique<NodeLink>(opts_.master_addr, port_ + 1, opts_.nnodes, opts_.node_rank, n_,
                                          opts_.node_timeout_s);
-      std::fprintf(stderr, "tk-run: node %d of %d: starting ranks %d-%d of %d, rendezvous on %s:%d\n", opts_.node_rank,
+      std::fprintf(stderr, "%s: node %d of %d: starting ranks %d-%d of %d, rendezvous on %s:%d\n", opts_.program.c_str(),
+                   opts_.node_rank,
                    opts_.nnodes, base_, base_ + n_ - 1, world_, opts_.master_addr.c_str(), port_);
     } else if (opts_.only_rank < 0) {
-      std::fprintf(stderr, "tk-run: starting %d workers, rendezvous on %s:%d\n", n_, opts_.master_addr.c_str(), port_);
+      std::fprintf(stderr, "%s: starting %d workers, rendezvous on %s:%d\n", opts_.program.c_str(),
+                   n_, opts_.master_addr.c_str(), port_);
     }
     std::fflush(stderr);
     struct sigaction sa {};
@@ -357,7 +361,7 @@ class Launch {
     }
     if (link_) link_->publish(local_account());
     const Worker& w = worker(failed_rank_);  // it may have recorded its failure and still be ending
-    std::fprintf(stderr, "tk-run: rank %d %s; stopping the other ranks\n", rank(failed_rank_),
+    std::fprintf(stderr, "%s: rank %d %s; stopping the other ranks\n", opts_.program.c_str(), rank(failed_rank_),
                  w.running ? "failed" : describe_status(w.status).c_str());
     stop(Clock::now());
   }
@@ -376,7 +380,7 @@ class Launch {
     if (!link_) return;
     for (auto& f : link_->poll()) {
       if (!stopping_) {
-        std::fprintf(stderr, "tk-run: %s; stopping this node's ranks\n", f.headline().c_str());
+        std::fprintf(stderr, "%s: %s; stopping this node's ranks\n", opts_.program.c_str(), f.headline().c_str());
         stop(Clock::now());
       }
       remote_.push_back(std::move(f));
@@ -395,7 +399,8 @@ class Launch {
     notice_failure();
     listen_to_nodes();
     if (g_signal && !forwarded_) {
-      std::fprintf(stderr, "tk-run: got signal %d; stopping the workers\n", static_cast<int>(g_signal));
+      std::fprintf(stderr, "%s: got signal %d; stopping the workers\n", opts_.program.c_str(),
+                   static_cast<int>(g_signal));
       if (link_ && !stopping_)
         link_->publish({NodeFailure::Signal, realtime_ns(), opts_.node_rank, 128 + static_cast<int>(g_signal),
                         "node " + std::to_string(opts_.node_rank) + "'s launcher got signal " +
@@ -460,12 +465,14 @@ class Launch {
     std::filesystem::remove_all(failure_dir_, ec);
     for (int r : hung)
       if (remote_timeout) {
-        std::fprintf(stderr, "tk-run: rank %d hung: a rank of another node timed out waiting in a collective, and "
-                     "it neither failed nor stopped when asked, so it was killed. Its last output:\n", rank(r));
+        std::fprintf(stderr, "%s: rank %d hung: a rank of another node timed out waiting in a collective, and "
+                     "it neither failed nor stopped when asked, so it was killed. Its last output:\n", opts_.program.c_str(),
+                     rank(r));
         for (const auto& line : worker(r).tail) std::fprintf(stderr, "  %s\n", line.c_str());
       }
     if (remote) {
-      std::fprintf(stderr, "tk-run: the world failed: %s. Its last output:\n", remote->headline().c_str());
+      std::fprintf(stderr, "%s: the world failed: %s. Its last output:\n", opts_.program.c_str(),
+                   remote->headline().c_str());
       const std::string& what = remote->what;
       for (size_t at = what.find('\n'); at != std::string::npos;) {
         const size_t next = what.find('\n', at + 1);
@@ -475,13 +482,14 @@ class Launch {
       return remote->exit_code;
     }
     for (int r : hung) {
-      std::fprintf(stderr, "tk-run: rank %d hung: rank %d timed out waiting for it in a collective, and it neither "
-                   "failed nor stopped when asked, so it was killed. Its last output:\n", rank(r), rank(failed_rank_));
+      std::fprintf(stderr, "%s: rank %d hung: rank %d timed out waiting for it in a collective, and it neither "
+                   "failed nor stopped when asked, so it was killed. Its last output:\n", opts_.program.c_str(), rank(r),
+                   rank(failed_rank_));
       for (const auto& line : worker(r).tail) std::fprintf(stderr, "  %s\n", line.c_str());
     }
     if (failed_rank_ >= 0) {
       const Worker& w = worker(failed_rank_);
-      std::fprintf(stderr, "tk-run: rank %d failed (%s)%s. Its last output:\n", rank(failed_rank_),
+      std::fprintf(stderr, "%s: rank %d failed (%s)%s. Its last output:\n", opts_.program.c_str(), rank(failed_rank_),
                    describe_status(w.status).c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
       for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
       // A worker that refused the run before training (exit 2) makes the launch a refusal too.
@@ -491,7 +499,8 @@ class Launch {
     // A signal sent to one worker stopped the world at a checkpoint: the launch ends as that worker did.
     for (int r = 0; r < n_; ++r)
       if (stopped_on_signal(worker(r))) {
-        std::fprintf(stderr, "tk-run: rank %d got signal %d and the world stopped with it at a checkpoint\n", rank(r),
+        std::fprintf(stderr, "%s: rank %d got signal %d and the world stopped with it at a checkpoint\n", opts_.program.c_str(),
+                     rank(r),
                      WEXITSTATUS(worker(r).status) - 128);
         return WEXITSTATUS(worker(r).status);
       }

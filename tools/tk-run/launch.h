@@ -14,6 +14,7 @@ struct LaunchOptions {
   double node_timeout_s = 300.0;  ///< seconds the launchers wait for every node to join ([world] rendezvous_timeout_s)
   double stop_grace_s = 10.0; ///< after a rank fails, seconds the others get to stop before SIGKILL
   int only_rank = -1;         ///< >= 0: start only this rank of the world (a dry run prints its plan)
+  std::string program = "tk-run";  ///< who speaks in the launcher's own lines ("tk-run: rank 1 failed ...")
 };
 
 /// Runs `argv` (this program, without the launch options) as `nproc` workers with torchrun's

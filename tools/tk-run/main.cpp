@@ -7,6 +7,7 @@
 #include <tk/abi.h>
 #include <tk/capabilities.h>
 #include <tk/compat.h>
+#include <tk/loader.h>
 #include <tk/trainer.h>
 
 #include "../cli_parse.h"

@@ -1,4 +1,4 @@
-#include "tk/plan.h"
+#include "api/api.h"
 
 #include <algorithm>
 #include <map>

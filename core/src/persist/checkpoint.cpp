@@ -1,4 +1,4 @@
-#include "tk/checkpoint.h"
+#include "persist/persist.h"
 
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>

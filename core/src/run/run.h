@@ -14,7 +14,6 @@
 #include "api/api.h"
 #include "world/world.h"
 #include "tk/components.h"
-#include "tk/plan.h"
 #include "tk/plugin.h"
 #include "tk/recipe.h"
 #include "tk/registry.h"

@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 
 #include <spdlog/spdlog.h>
 
@@ -185,44 +187,76 @@ void ProcessWorld::configure(const Options& o, at::Device device, bool may_join)
   if (p_.size > 1) backend_ = backend;
 }
 
-void ProcessWorld::join() {
-  if (joined() || !may_join_) return;
+namespace {
+
+/// The rendezvous stores of this process, by where they meet, kept for the process's life: a
+/// process may run one Trainer after another in the same world (the plugin contract does), and each
+/// joins again over the store its first join made, under a prefix of its own (the join's number,
+/// the same on every rank, since every rank runs the same sequence). Remaking the store instead
+/// would race: rank 0's next server could not bind the port before its last one closed, and a
+/// quick rank could reach the server that is about to close.
+struct Rendezvous {
+  c10::intrusive_ptr<c10d::Store> store;
+  int64_t joins = 0;
+};
+
+Rendezvous& rendezvous_at(const std::string& where) {
+  static std::mutex mutex;
+  static auto* stores = new std::map<std::string, Rendezvous>();  // never destroyed: servers close at exit
+  std::lock_guard<std::mutex> lock(mutex);
+  return (*stores)[where];
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Store> ProcessWorld::rendezvous() {
   // Under torchrun's static rendezvous its agent already serves a store at MASTER_PORT and says so
   // (TORCHELASTIC_USE_AGENT_STORE=True): every rank joins it as a client, under a prefix of this
   // restart's own, as PyTorch's workers do.
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const bool agent_store = agent != nullptr && std::string(agent) == "True";
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<std::uint16_t>(p_.port);
-  so.isServer = p_.rank == 0 && !agent_store;
-  so.numWorkers = static_cast<std::size_t>(p_.size);
-  so.waitWorkers = true;
-  so.timeout = rendezvous_timeout_;
-  compat::use_classic_tcpstore(so, 0);
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const std::string restart = agent_store ? "/worker/attempt_" + std::string(attempt ? attempt : "0") : "";
+  Rendezvous& r = rendezvous_at(p_.addr + ":" + std::to_string(p_.port) + restart + " rank " +
+                                std::to_string(p_.rank) + " of " + std::to_string(p_.size));
+  if (!r.store) {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<std::uint16_t>(p_.port);
+    so.isServer = p_.rank == 0 && !agent_store;
+    so.numWorkers = static_cast<std::size_t>(p_.size);
+    so.waitWorkers = true;
+    so.timeout = rendezvous_timeout_;
+    compat::use_classic_tcpstore(so, 0);
+    r.store = c10::make_intrusive<c10d::TCPStore>(p_.addr, so);
+    if (agent_store) r.store = c10::make_intrusive<c10d::PrefixStore>(restart, r.store);
+  }
+  r.store->setTimeout(rendezvous_timeout_);
+  return c10::make_intrusive<c10d::PrefixStore>("tk/join-" + std::to_string(++r.joins), r.store);
+}
+
+void ProcessWorld::join() {
+  if (joined() || !may_join_) return;
   try {
-    store_ = c10::make_intrusive<c10d::TCPStore>(p_.addr, so);
-    if (agent_store) {
-      const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-      store_ = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::string(attempt ? attempt : "0"), store_);
+    store_ = rendezvous();
+    if (backend_ == "gloo") {
+      auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
+      opts->devices.push_back(gloo_device(p_));
+      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, p_.rank, p_.size, opts);
+      group_ = compat::process_group(gloo, store_, p_.rank, p_.size, false);
     }
+#ifdef USE_C10D_NCCL
+    if (backend_ == "nccl") {
+      auto opts = c10d::ProcessGroupNCCL::Options::create();
+      opts->timeout = timeout_;
+      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, p_.rank, p_.size, opts);
+      group_ = compat::process_group(nccl, store_, p_.rank, p_.size, true);
+    }
+#endif
   } catch (const std::exception& err) {
+    store_.reset();
     throw Error("rendezvous at " + p_.addr + ":" + std::to_string(p_.port) + " failed for rank " +
                 std::to_string(p_.rank) + " of " + std::to_string(p_.size) + ": " + err.what());
   }
-  if (backend_ == "gloo") {
-    auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
-    opts->devices.push_back(gloo_device(p_));
-    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, p_.rank, p_.size, opts);
-    group_ = compat::process_group(gloo, store_, p_.rank, p_.size, false);
-  }
-#ifdef USE_C10D_NCCL
-  if (backend_ == "nccl") {
-    auto opts = c10d::ProcessGroupNCCL::Options::create();
-    opts->timeout = timeout_;
-    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, p_.rank, p_.size, opts);
-    group_ = compat::process_group(nccl, store_, p_.rank, p_.size, true);
-  }
-#endif
   spdlog::info("world: {} joined", describe());
 }
 

@@ -71,13 +71,18 @@ class ProcessWorld final : public World {
   /// rendezvous at MASTER_ADDR:MASTER_PORT within [world] rendezvous_timeout_s, then the process
   /// group. Nothing in a world of one, before configure() or when it may not join.
   void join();
-  /// Leaves: the process group and the store are released (at the end of the run).
+  /// Leaves: the process group and this join's store are released (at the end of the run); the
+  /// process keeps its rendezvous store for the next join.
   void leave() noexcept;
   /// "rank 1 of 2 (RANK/WORLD_SIZE, gloo, rendezvous 127.0.0.1:29500)", for the log and the plan
   /// (the backend once configured).
   std::string describe() const;
 
  private:
+  /// This join's store: the process's rendezvous store at MASTER_ADDR:MASTER_PORT (made, and met by
+  /// every rank, on the first join) under a prefix that numbers the joins.
+  c10::intrusive_ptr<c10d::Store> rendezvous();
+
   Placement p_;
   std::string backend_ = "none";
   std::chrono::milliseconds timeout_{300000}, rendezvous_timeout_{300000};

@@ -13,9 +13,7 @@
 
 #include "tk/components.h"
 #include "tk/data.h"
-#include "tk/loader.h"
 #include "tk/output.h"
-#include "tk/plan.h"
 #include "tk/plugin.h"
 #include "tk/recipe.h"
 #include "tk/registry.h"

@@ -208,7 +208,10 @@ struct CheckResult {
 /// itself; its options are well-formed, documented and validated; every hook it keeps runs on a
 /// tiny run with validation; its state round-trips; neutral options leave a run bit-identical; a
 /// stopped and resumed run equals an uninterrupted one; it survives a vetoed step; after another
-/// plugin fails mid-window it gets on_fit_end and the first error stands.
+/// plugin fails mid-window it gets on_fit_end and the first error stands. Run as one rank of a
+/// world (RANK and WORLD_SIZE set, as tk-plugin check --nproc and torchrun do) it checks a plugin
+/// that sums the gradients across the world, on every rank, with every run joining the world; the
+/// neutral check gives way to one that every rank holds the same parameters after each step.
 std::vector<CheckResult> check_contract(const std::filesystem::path& file, const ContractOptions& opts = {});
 
 }  // namespace tk::testing
