@@ -7,8 +7,8 @@ packages=(
   libtorch-dev libopenblas0-pthread libjemalloc2
   libboost-dev libboost-filesystem-dev zlib1g-dev
   libtomlplusplus-dev libspdlog-dev libfmt-dev doctest-dev libgloo-dev libcli11-dev nlohmann-json3-dev
-  libsentencepiece-dev
-  python3 python3-torch python3-sentencepiece
+  libsentencepiece-dev libpcre2-dev
+  python3 python3-torch python3-sentencepiece python3-regex
   chromium
   valgrind
   dataset-fashion-mnist fortunes

@@ -298,7 +298,7 @@ assert "absent.model" in p.stderr, p.stderr
 # run's weights.safetensors records, and the same seed writes the same text.
 (work / "bpe").rename(work / "bpe-moved")
 p = sample("--prompt", "You will", "--tokens", 40, "--seed", 3, "--top-k", 20, ok=False)
-assert "no tokenizer.model beside the run's shards: give --tokenizer" in p.stderr, p.stderr
+assert "no tokenizer beside the run's shards (tokenizer.model, tokenizer.json, or vocab.json and merges.txt): give --tokenizer" in p.stderr, p.stderr
 p = sample("--prompt", "You will", "--tokens", 40, "--seed", 3, "--top-k", 20, "--tokenizer",
            work / "bpe-moved/tokenizer.model")
 assert p.stdout == a, (p.stdout, a)

@@ -1,7 +1,7 @@
 // tk-sample: text from a trained language model. Rebuilds a run's model from the recipe.toml its
 // output folder holds, loads its weights.safetensors, and continues a prompt token by token
-// (temperature, top-k, a seed), decoding with the run's tokenizer: its SentencePiece model or
-// bytes.
+// (temperature, top-k, a seed), decoding with the run's tokenizer: its SentencePiece model,
+// GPT-2's byte-level BPE or bytes.
 #include <ATen/core/Generator.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <spdlog/spdlog.h>
@@ -60,16 +60,16 @@ std::string shell_quote(const std::string& s) {
   return q + "'";
 }
 
-/// Encodes and decodes the run's tokens: bytes, or a SentencePiece model through tk-tokenize
-/// (beside this program). SentencePiece carries its own protobuf, which clashes with LibTorch's
-/// in one process.
+/// Encodes and decodes the run's tokens: bytes, or a SentencePiece model or byte-level BPE through
+/// tk-tokenize (beside this program). SentencePiece carries its own protobuf, which clashes with
+/// LibTorch's in one process.
 class Tokenizer {
  public:
   explicit Tokenizer(std::string model) : model_(std::move(model)) {
     if (model_.empty()) return;
     tool_ = (fs::read_symlink("/proc/self/exe").parent_path() / "tk-tokenize").string();
     if (!fs::exists(tool_)) throw std::runtime_error("tk-tokenize is not beside tk-sample (" + tool_ + ")");
-    if (!fs::exists(model_)) throw std::runtime_error(model_ + ": no such file");
+    if (!fs::exists(model_)) throw std::runtime_error(model_ + ": no such file or folder");
     start_ = ids(output_of(shell_quote(tool_) + " --model " + shell_quote(model_) + " --encode ''"));  // loads the model
   }
   std::vector<int64_t> encode(const std::string& text) const {
@@ -120,7 +120,7 @@ std::vector<std::string> files_named(const tk::Recipe& recipe, const std::string
 }
 
 /// The tokenizer of the run: the one given, else the data set's (text at byte level: bytes; token
-/// shards: the tokenizer.model tk-tokenize wrote beside them, or bytes for a vocabulary of 256).
+/// shards: the tokenizer tk-tokenize wrote beside them, or bytes for a vocabulary of 256).
 std::string find_tokenizer(const Options& o, const tk::Recipe& recipe, int64_t vocab) {
   if (!o.tokenizer.empty()) return o.tokenizer == "bytes" ? "" : o.tokenizer;
   const DataKeys data = data_keys(recipe);
@@ -129,9 +129,15 @@ std::string find_tokenizer(const Options& o, const tk::Recipe& recipe, int64_t v
                              "rebuild; give --tokenizer");
   if (data.name == "tokens") {
     const auto shards = files_named(recipe, data.train);
-    const fs::path model = shards.empty() ? fs::path() : fs::path(shards.front()).parent_path() / "tokenizer.model";
-    if (!shards.empty() && fs::exists(model)) return model.string();
-    if (vocab > 256) throw std::runtime_error("no tokenizer.model beside the run's shards: give --tokenizer FILE.model");
+    const fs::path dir = shards.empty() ? fs::path() : fs::path(shards.front()).parent_path();
+    // What tk-tokenize writes beside the shards: a SentencePiece model, or GPT-2's byte-level BPE
+    // (tokenizer.json, or vocab.json and merges.txt: the folder is the model).
+    if (!shards.empty() && fs::exists(dir / "tokenizer.model")) return (dir / "tokenizer.model").string();
+    if (!shards.empty() && fs::exists(dir / "tokenizer.json")) return (dir / "tokenizer.json").string();
+    if (!shards.empty() && fs::exists(dir / "vocab.json") && fs::exists(dir / "merges.txt")) return dir.string();
+    if (vocab > 256)
+      throw std::runtime_error("no tokenizer beside the run's shards (tokenizer.model, tokenizer.json, or vocab.json "
+                               "and merges.txt): give --tokenizer");
   }
   return "";
 }
@@ -328,7 +334,9 @@ int main(int argc, char** argv) {
   app.add_option("-k,--top-k", o.top_k, "sample among the k likeliest tokens (0: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   app.add_option("-s,--seed", o.seed, "seed of the sampling: the same seed writes the same text");
-  app.add_option("--tokenizer", o.tokenizer, "a SentencePiece .model, or \"bytes\" (default: the run's)");
+  app.add_option("--tokenizer", o.tokenizer,
+                 "a SentencePiece .model, GPT-2's byte-level BPE (a folder with vocab.json and merges.txt, or a "
+                 "tokenizer.json), or \"bytes\" (default: the run's)");
   app.add_option("--weights", o.weights, "weights to load (default: RUN/weights.safetensors)");
   app.add_option("--device", o.device, "where the model runs: cpu, cuda, cuda:N");
   if (auto rc = tk::parse_command_line(app, argc, argv, "tk-sample")) return *rc;

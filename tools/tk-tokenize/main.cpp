@@ -18,17 +18,20 @@
 #include <optional>
 #include <stdexcept>
 #include <streambuf>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "../cli_parse.h"
+#include "byte_bpe.h"
 #include "output_folder.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
+using tk::tokenize::ByteLevelBpe;
 using tk::tokenize::Failure;
 using tk::tokenize::OutputFolder;
 
@@ -380,27 +383,148 @@ void progress(size_t done, size_t total) {
 /// --encode TEXT: its ids on one line; --decode: the text of the ids read from stdin. For tools
 /// that must not load SentencePiece themselves (tk-sample: its embedded protobuf clashes with
 /// LibTorch's in one process).
+/// The ids read from stdin, each checked against a vocabulary of `size`.
+std::vector<int> read_ids(int size) {
+  std::vector<int> ids;
+  for (long long id; std::scanf("%lld", &id) == 1;) {
+    if (id < 0 || id >= size)
+      throw Failure("id " + std::to_string(id) + " is outside the model's " + std::to_string(size) + " pieces");
+    ids.push_back(static_cast<int>(id));
+  }
+  return ids;
+}
+
+void print_ids(const std::vector<int>& ids) {
+  std::string line;
+  for (int id : ids) line += (line.empty() ? "" : " ") + std::to_string(id);
+  std::printf("%s\n", line.c_str());
+}
+
+/// --encode and --decode with a byte-level BPE (GPT-2's).
+int translate_bpe(const Options& o) {
+  const ByteLevelBpe bpe(o.model);
+  if (o.decode) {
+    const std::string text = bpe.decode(read_ids(bpe.size()));
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    return 0;
+  }
+  // The empty text: the end-of-document id (none printed for a vocabulary without one).
+  print_ids(o.encode.empty() ? (bpe.eos() >= 0 ? std::vector<int>{bpe.eos()} : std::vector<int>{}) : bpe.encode(o.encode));
+  return 0;
+}
+
 int translate(const Options& o) {
   if (o.model.empty()) throw Failure("--encode and --decode need --model FILE");
+  if (ByteLevelBpe::names_one(o.model)) return translate_bpe(o);
   sentencepiece::SentencePieceProcessor sp;
   if (const auto status = sp.Load(o.model); !status.ok())
     throw Failure(o.model + ": not a SentencePiece model: " + status.ToString());
   if (o.decode) {
-    std::vector<int> ids;
-    for (long long id; std::scanf("%lld", &id) == 1;) {
-      if (id < 0 || id >= sp.GetPieceSize())
-        throw Failure("id " + std::to_string(id) + " is outside the model's " + std::to_string(sp.GetPieceSize()) + " pieces");
-      ids.push_back(static_cast<int>(id));
-    }
-    std::fputs(sp.DecodeIds(ids).c_str(), stdout);
+    std::fputs(sp.DecodeIds(read_ids(sp.GetPieceSize())).c_str(), stdout);
     return 0;
   }
   // The empty text: the end-of-document id, which a new document follows.
-  const std::vector<int> ids = o.encode.empty() ? std::vector<int>{std::max(sp.eos_id(), 0)} : sp.EncodeAsIds(o.encode);
-  std::string line;
-  for (int id : ids) line += (line.empty() ? "" : " ") + std::to_string(id);
-  std::printf("%s\n", line.c_str());
+  print_ids(o.encode.empty() ? std::vector<int>{std::max(sp.eos_id(), 0)} : sp.EncodeAsIds(o.encode));
   return 0;
+}
+
+/// The files of the model the shards are made with, by the names they get beside them, with the
+/// paths they are read from (none for bytes, or for a model trained here).
+using ModelFiles = std::vector<std::pair<std::string, fs::path>>;
+
+/// Refuses an input that is a file of the tokenization `out` replaces (tk-tokenize never writes
+/// over its input), but for the model's own files there, under their own names (a new
+/// tokenization with the model the folder holds): those it returns, to be kept.
+std::set<std::string> check_inputs(const OutputFolder& out, const Options& o, const ModelFiles& model) {
+  std::set<std::string> kept;
+  std::vector<std::string> inputs = o.inputs;
+  for (const auto& [name, path] : model) {
+    if (out.holds(path) && path.filename() == name) kept.insert(path.string());
+    inputs.push_back(path.string());
+  }
+  for (const auto& f : inputs)
+    if (out.holds(f) && !kept.count(f))
+      throw Failure(f + " is a file of the tokenization in " + o.out + ", which this one replaces: tk-tokenize never "
+                    "writes over its input; copy it out of the folder first, or give --out another folder");
+  return kept;
+}
+
+void stage_file(OutputFolder& out, const std::string& name, const std::string& bytes) {
+  OutFile file(out.stage(name));
+  file.write(bytes.data(), bytes.size());
+  file.close();
+  out.staged(name);
+}
+
+/// The SentencePiece model of the tokenization: trained on the inputs or given, written beside the
+/// shards as tokenizer.model (where tk-sample finds it).
+void open_sentencepiece(Options& o, OutputFolder& out, const std::set<std::string>& kept, const Documents& input,
+                        std::optional<Encoder>& encoder) {
+  const std::string model = o.model.empty() ? train_model(o) : read_file(o.model);
+  encoder.emplace(model, o.model.empty() ? "the trained model" : o.model);
+  if (kept.count(o.model)) {
+    out.keep("tokenizer.model");
+  } else {
+    stage_file(out, "tokenizer.model", model);
+  }
+  if (o.model.empty()) o.model = (out.dir() / "tokenizer.model").string();
+  const auto& docs = input.docs;
+  const bool long_doc = std::any_of(docs.begin(), docs.end(), [](std::string_view d) { return d.size() > kPiece; });
+  if (long_doc && !encoder->why_whole().empty())
+    std::fprintf(stderr, "tk-tokenize: note: %s: %s, so each document is encoded whole, in memory about 100 times "
+                 "its size\n", o.model.c_str(), encoder->why_whole().c_str());
+}
+
+/// How documents become tokens: bytes (neither model), a SentencePiece model or GPT-2's BPE.
+struct Tokens {
+  const Encoder* sentencepiece = nullptr;
+  const ByteLevelBpe* bpe = nullptr;
+  int vocab = 256, eos = -1;
+
+  /// Adds the tokens of document `i` of `n` to `split`, then the end-of-document id if there is one.
+  void add(std::string_view doc, size_t i, size_t n, ShardWriter& split) const {
+    if (sentencepiece) {
+      sentencepiece->encode(doc, [&split](const std::vector<int>& ids) { split.add(ids); });
+    } else if (bpe) {
+      try {
+        split.add(bpe->encode(doc));
+      } catch (const Failure& e) {
+        throw Failure("document " + std::to_string(i + 1) + " of " + std::to_string(n) + ": " + e.what());
+      }
+    } else {
+      for (unsigned char c : doc) split.add(c);
+    }
+    if (eos >= 0) split.add(static_cast<uint32_t>(eos));  // each document ends with the model's end-of-sequence
+  }
+};
+
+/// The shards of the documents, a fraction held out for validation, and a summary.
+void write_shards(const Options& o, OutputFolder& out, const Documents& input, const Tokens& tokens) {
+  const auto& docs = input.docs;
+  const int width = tokens.vocab <= 65536 ? 2 : 4;
+  const size_t n_val = static_cast<size_t>(std::floor(o.validation * static_cast<double>(docs.size())));
+  if (o.validation > 0.0 && n_val == 0) throw Failure("--validation holds out no document of " + std::to_string(docs.size()));
+  ShardWriter train(out, o.prefix + "train", o.shard_tokens, width), val(out, o.prefix + "val", o.shard_tokens, width);
+  for (size_t i = 0; i < docs.size(); ++i) {
+    // Held out evenly through the documents (every 1/fraction-th), not from the end, which for
+    // several files would be the last files only.
+    const bool held = std::floor(static_cast<double>(i + 1) * o.validation) > std::floor(static_cast<double>(i) * o.validation);
+    tokens.add(docs[i], i, docs.size(), held ? val : train);
+    progress(i + 1, docs.size());
+  }
+  train.flush();
+  val.flush();
+  out.commit();
+  const int64_t total = train.total() + val.total();
+  std::printf("tokenized %zu documents (%lld bytes) into %lld tokens, %.3f tokens per byte; vocabulary %d (%s)\n",
+              docs.size(), static_cast<long long>(input.bytes), static_cast<long long>(total),
+              static_cast<double>(total) / static_cast<double>(std::max<int64_t>(input.bytes, 1)), tokens.vocab,
+              o.bytes ? "bytes" : o.model.c_str());
+  std::printf("train: %lld tokens in %zu shard(s); validation: %lld tokens in %zu shard(s) (%zu documents)\n",
+              static_cast<long long>(train.total()), train.files().size(), static_cast<long long>(val.total()),
+              val.files().size(), n_val);
+  for (const auto& f : train.files()) std::printf("wrote %s\n", f.c_str());
+  for (const auto& f : val.files()) std::printf("wrote %s\n", f.c_str());
 }
 
 int run(Options& o) {
@@ -412,68 +536,28 @@ int run(Options& o) {
   if (o.shard_tokens < 1 || o.shard_tokens > INT32_MAX) throw Failure("--shard-tokens must be in [1, 2^31)");
   if (const auto why = OutputFolder::prefix_error(o.prefix); !why.empty()) throw Failure("--prefix '" + o.prefix + "' " + why);
   OutputFolder out(o.out);
-  std::vector<std::string> inputs = o.inputs;
-  if (!o.model.empty()) inputs.push_back(o.model);
-  const bool model_in_place = !o.model.empty() && out.holds(o.model) &&
-                              fs::path(o.model).filename() == "tokenizer.model";  // the folder's own: kept
-  for (const auto& f : inputs)
-    if (out.holds(f) && !(model_in_place && f == o.model))
-      throw Failure(f + " is a file of the tokenization in " + o.out + ", which this one replaces: tk-tokenize never "
-                    "writes over its input; copy it out of the folder first, or give --out another folder");
+  std::optional<ByteLevelBpe> bpe;
+  if (!o.model.empty() && ByteLevelBpe::names_one(o.model)) bpe.emplace(o.model);
+  const ModelFiles files = bpe ? bpe->files() : o.model.empty() ? ModelFiles{} : ModelFiles{{"tokenizer.model", o.model}};
+  const std::set<std::string> kept = check_inputs(out, o, files);
   const Documents input = documents(o);
-  const auto& docs = input.docs;
   std::optional<Encoder> encoder;
-  int vocab = 256, eos = -1;
-  if (!o.bytes) {
-    // The model the shards are made with goes beside them, as tokenizer.model (tk-sample finds it there).
-    const std::string model = o.model.empty() ? train_model(o) : read_file(o.model);
-    encoder.emplace(model, o.model.empty() ? "the trained model" : o.model);
-    if (model_in_place) {
-      out.keep("tokenizer.model");
-    } else {
-      OutFile file(out.stage("tokenizer.model"));
-      file.write(model.data(), model.size());
-      file.close();
-      out.staged("tokenizer.model");
+  Tokens tokens;
+  if (bpe) {
+    // Its files go beside the shards, under the names they were read by, where tk-sample finds them.
+    for (const auto& [name, path] : files) {
+      if (kept.count(path.string())) {
+        out.keep(name);
+      } else {
+        stage_file(out, name, read_file(path.string()));
+      }
     }
-    if (o.model.empty()) o.model = (out.dir() / "tokenizer.model").string();
-    vocab = encoder->processor().GetPieceSize();
-    eos = encoder->processor().eos_id();
-    const bool long_doc = std::any_of(docs.begin(), docs.end(), [](std::string_view d) { return d.size() > kPiece; });
-    if (long_doc && !encoder->why_whole().empty())
-      std::fprintf(stderr, "tk-tokenize: note: %s: %s, so each document is encoded whole, in memory about 100 times "
-                   "its size\n", o.model.c_str(), encoder->why_whole().c_str());
+    tokens = {nullptr, &*bpe, bpe->size(), bpe->eos()};
+  } else if (!o.bytes) {
+    open_sentencepiece(o, out, kept, input, encoder);
+    tokens = {&*encoder, nullptr, encoder->processor().GetPieceSize(), encoder->processor().eos_id()};
   }
-  const int width = vocab <= 65536 ? 2 : 4;
-  const size_t n_val = static_cast<size_t>(std::floor(o.validation * static_cast<double>(docs.size())));
-  if (o.validation > 0.0 && n_val == 0) throw Failure("--validation holds out no document of " + std::to_string(docs.size()));
-  ShardWriter train(out, o.prefix + "train", o.shard_tokens, width), val(out, o.prefix + "val", o.shard_tokens, width);
-  for (size_t i = 0; i < docs.size(); ++i) {
-    // Held out evenly through the documents (every 1/fraction-th), not from the end, which for
-    // several files would be the last files only.
-    const bool held = std::floor(static_cast<double>(i + 1) * o.validation) > std::floor(static_cast<double>(i) * o.validation);
-    ShardWriter& split = held ? val : train;
-    if (o.bytes) {
-      for (unsigned char c : docs[i]) split.add(c);
-    } else {
-      encoder->encode(docs[i], [&split](const std::vector<int>& ids) { split.add(ids); });
-      if (eos >= 0) split.add(static_cast<uint32_t>(eos));  // each document ends with the model's end-of-sequence
-    }
-    progress(i + 1, docs.size());
-  }
-  train.flush();
-  val.flush();
-  out.commit();
-  const int64_t tokens = train.total() + val.total();
-  std::printf("tokenized %zu documents (%lld bytes) into %lld tokens, %.3f tokens per byte; vocabulary %d (%s)\n",
-              docs.size(), static_cast<long long>(input.bytes), static_cast<long long>(tokens),
-              static_cast<double>(tokens) / static_cast<double>(std::max<int64_t>(input.bytes, 1)), vocab,
-              o.bytes ? "bytes" : o.model.c_str());
-  std::printf("train: %lld tokens in %zu shard(s); validation: %lld tokens in %zu shard(s) (%zu documents)\n",
-              static_cast<long long>(train.total()), train.files().size(), static_cast<long long>(val.total()),
-              val.files().size(), n_val);
-  for (const auto& f : train.files()) std::printf("wrote %s\n", f.c_str());
-  for (const auto& f : val.files()) std::printf("wrote %s\n", f.c_str());
+  write_shards(o, out, input, tokens);
   return 0;
 }
 
@@ -487,7 +571,10 @@ int main(int argc, char** argv) {
   app.add_option("-o,--out", o.out, "folder of the shards (and of tokenizer.model when one is trained)");
   app.add_option("--encode", o.encode, "print the ids of this text (with --model) and exit; of \"\": the end-of-document id");
   app.add_flag("--decode", o.decode, "print the text of the ids read from stdin (with --model) and exit");
-  app.add_option("--model", o.model, "tokenize with this SentencePiece model")->check(CLI::ExistingFile);
+  app.add_option("--model", o.model,
+                 "tokenize with this model: a SentencePiece .model, or GPT-2's byte-level BPE (a folder with "
+                 "vocab.json and merges.txt, or encoder.json and vocab.bpe; or a tokenizer.json)")
+      ->check(CLI::ExistingPath);
   app.add_option("--vocab", o.vocab, "train a SentencePiece model of this vocabulary size on the inputs")
       ->check(CLI::Range(8, 1 << 24));
   app.add_option("--type", o.type, "the model to train: bpe or unigram")->check(CLI::IsMember({"bpe", "unigram"}));
