@@ -48,23 +48,23 @@ rendezvous_timeout_s = 120
 )";
 
 /// The world the contract runs in, as the launcher's environment says: tk-plugin check --nproc N
-/// and torchrun run one checker per rank (RANK, WORLD_SIZE), srun one per task (SLURM_PROCID,
-/// SLURM_NTASKS); a world of one otherwise.
+/// and torchrun run one checker per rank (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE); a world of one
+/// otherwise.
 struct ContractWorld {
-  int rank = 0, size = 1;
+  int rank = 0, size = 1, local_size = 1;
   std::string tag;  ///< what names this launch's scratch folders, the same on every rank
 
   static ContractWorld from_environment() {
-    auto number = [](const char* a, const char* b) {
-      const char* v = std::getenv(a);
-      if (!v) v = std::getenv(b);
-      return v ? std::atoi(v) : -1;
+    auto number = [](const char* name, int otherwise) {
+      const char* v = std::getenv(name);
+      return v && *v ? std::atoi(v) : otherwise;
     };
     ContractWorld w;
-    w.size = std::max(1, number("WORLD_SIZE", "SLURM_NTASKS"));
-    w.rank = std::max(0, number("RANK", "SLURM_PROCID"));
+    w.size = std::max(1, number("WORLD_SIZE", 1));
+    w.rank = std::max(0, number("RANK", 0));
+    w.local_size = std::max(1, number("LOCAL_WORLD_SIZE", w.size));
     const char* port = std::getenv("MASTER_PORT");
-    // The ranks of one launch share their launcher (tk-plugin, torchrun's agent, slurmstepd) and port.
+    // The ranks of one launch share their launcher (tk-plugin, torchrun's agent) and its port.
     w.tag = w.size > 1 ? "world-" + std::string(port ? port : "") + "-" + std::to_string(getppid())
                        : std::to_string(getpid());
     return w;
@@ -113,6 +113,10 @@ class ContractChecks {
   /// refuses it otherwise): the contract checks such a plugin there, and "" says this is one.
   std::string fits_the_world() const {
     if (world_.size == 1) return "";
+    if (world_.local_size != world_.size)
+      return "its runs share scratch folders on one machine (rank 0 writes the checkpoints the others resume "
+             "from), but this world of " + std::to_string(world_.size) + " spans machines (LOCAL_WORLD_SIZE " +
+             std::to_string(world_.local_size) + "): run it on one, with tk-plugin check --nproc";
     for (const Capability& c : instance(c_.options)->contract().provides)
       if (c == cap::kGradsSynced) return "";
     return "in a world of " + std::to_string(world_.size) + " every run needs a plugin that sums the gradients "
@@ -284,14 +288,22 @@ class ContractChecks {
 std::vector<CheckResult> check_contract(const fs::path& file, const ContractOptions& c) {
   const ContractChecks contract(file, c);
   std::vector<CheckResult> out;
+  // In a world, every rank must run the same runs in the same order (each joins the world): after
+  // a failure, which one rank may see alone, the rest is not run.
+  std::string stopped;
   auto check = [&](const std::string& name, std::string (ContractChecks::*fn)() const) {
     CheckResult r{name, false, false, ""};
+    if (!stopped.empty()) {
+      out.push_back({name, false, true, "not run in a world after a failed check (" + stopped + ")"});
+      return;
+    }
     try {
       r.detail = (contract.*fn)();
     } catch (const std::exception& e) {
       r.detail = std::string("threw: ") + e.what();
     }
     r.passed = r.detail.empty();
+    if (!r.passed && contract.world().size > 1) stopped = name;
     out.push_back(std::move(r));
   };
   const int world = contract.world().size;

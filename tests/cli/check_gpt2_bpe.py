@@ -23,6 +23,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import unicodedata
 
 import regex
 
@@ -176,14 +177,28 @@ print(f"{len(docs)} documents, {len(tokens)} tokens agree with the reference ({m
       f"{len(merges)} merges)")
 
 # Every code point of the Basic Multilingual Plane (and every 97th above it) beside letters, digits,
-# spaces, newlines and an apostrophe: PCRE2's letters, digits and whitespace are python3-regex's.
+# spaces, newlines and an apostrophe: tk-tokenize cuts the text into python3-regex's pieces
+# (--pieces: PCRE2's letters, digits and whitespace are Python's), and its tokens are the reference's.
+# Left out: code points that python3-regex's Unicode tables assign and Python's own (the Unicode
+# version of PCRE2's, 14.0 on Debian 12) do not, such as the Kaktovik numerals of Unicode 15.
+def known(ch):
+    return unicodedata.category(ch) != "Cn" or regex.match(r"\p{Cn}", ch) is not None
+
+
 sweep = "".join(f"x{ch}y {ch}{ch} 1{ch}2 '{ch}s \n{ch} " for ch in map(chr, range(0x110000))
-                if not 0xD800 <= ord(ch) < 0xE000 and (ord(ch) < 0x10000 or ord(ch) % 97 == 0))
+                if not 0xD800 <= ord(ch) < 0xE000 and (ord(ch) < 0x10000 or ord(ch) % 97 == 0) and known(ch))
+cut = json.loads(run("--model", gpt2, "--pieces", stdin=sweep.encode("utf-8")).stdout)
+want_cut = PATTERN.findall(sweep)
+assert cut == want_cut, next(f"piece {i}: {a!r} != {b!r}" for i, (a, b) in enumerate(zip(cut, want_cut)) if a != b)
 (work / "sweep.txt").write_text(sweep, encoding="utf-8")
 run(work / "sweep.txt", "--model", gpt2, "--validation", 0, "--out", work / "sweep")
 got, swept = shard(work / "sweep/train_000.bin")[:-1], ref.encode(sweep)
 assert got == swept, next(f"token {i}: {ref.decode(swept[max(0, i - 4):i + 4])!r}"
                           for i, (a, b) in enumerate(zip(got, swept)) if a != b)
+# The one code point where PCRE2's own \s and Python's differ (U+180E, a format character since
+# Unicode 6.3): GPT-2's whitespace is Python's.
+for text in ("x'\u180e", "a \u180e\u180eb", "\u180e \u180e"):
+    assert json.loads(run("--model", gpt2, "--pieces", stdin=text.encode()).stdout) == PATTERN.findall(text), text
 
 # Single texts, and the bytes back.
 for text in docs[-7:]:
@@ -218,6 +233,17 @@ for model in (openai, hf):
 run(corpus, "--model", hf, "--separator", "\\n%\\n", "--validation", 0, "--out", work / "hf-shards")
 assert shard(work / "hf-shards/train_000.bin") == want
 assert (work / "hf-shards/tokenizer.json").exists()
+
+# A merge listed twice ranks at its last place, as GPT-2's encoder reads its list into a dict.
+twice = work / "twice"
+twice.mkdir()
+(twice / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+again = merges[:40] + [merges[0]] + merges[40:]
+(twice / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in again), encoding="utf-8")
+ref_twice = Reference(vocab, again)
+assert ref_twice.ranks[merges[0]] == 40
+for text in docs[:50]:
+    assert [int(x) for x in run("--model", twice, "--encode", text).stdout.split()] == ref_twice.encode(text), text
 
 # Refusals, each naming what is wrong and where.
 bad = work / "bad"

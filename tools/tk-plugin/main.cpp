@@ -106,6 +106,9 @@ int check(const std::string& file, const std::string& options, const std::string
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A line at a time: under a launcher (check --nproc) the output is a pipe, and a rank stopped
+  // after another's failure keeps what it printed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   CLI::App app{"tk-plugin: write, check and describe trainkit plugins"};
   app.require_subcommand(1);
   app.footer("The plugin guide (writing, building, testing and porting plugins): " + tk::plugin_guide());

@@ -297,6 +297,9 @@ int sample(const Options& o) {
   const int64_t context = shape.empty() ? 1024 : shape.front();
   // Without a prompt, a new document.
   std::vector<int64_t> ids = o.prompt.empty() ? tok.start() : tok.encode(o.prompt);
+  if (ids.empty())
+    throw std::runtime_error("nothing to continue: " + std::string(o.prompt.empty() ? "the tokenizer has no end-of-document "
+                             "token to start a new document with; give --prompt" : "the prompt has no tokens"));
   for (int64_t id : ids)
     if (id < 0 || id >= vocab)
       throw std::runtime_error("the prompt's token " + std::to_string(id) + " is outside the model's vocabulary of " +

@@ -20,8 +20,17 @@ namespace {
 
 /// GPT-2's pattern: the contractions, then letters, digits or other characters with the space
 /// before them, then whitespace (a run before a non-space keeps its last space for the next piece).
+/// Its \s is Python's: Unicode's White_Space (the separators Z, tab to carriage return, U+0085),
+/// written out, as PCRE2's \s also takes U+180E.
 constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\t-\r\x{85}\p{Z}\p{L}\p{N}]+)"
+    R"(|[\t-\r\x{85}\p{Z}]+(?![^\t-\r\x{85}\p{Z}])|[\t-\r\x{85}\p{Z}]+)";
+
+std::string pcre2_message(int code) {
+  PCRE2_UCHAR text[256];
+  return pcre2_get_error_message(code, text, sizeof text) < 0 ? "error " + std::to_string(code)
+                                                              : std::string(reinterpret_cast<const char*>(text));
+}
 
 std::string utf8(uint32_t cp) {
   std::string s;
@@ -90,7 +99,9 @@ struct ByteLevelBpe::Pattern {
     PCRE2_SIZE offset = 0;
     code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(kGpt2Pattern), PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
                          &error, &offset, nullptr);
-    if (!code) throw Failure("GPT-2's pattern does not compile with this PCRE2 (error " + std::to_string(error) + ")");
+    if (!code)
+      throw Failure("GPT-2's pattern does not compile with this PCRE2: " + pcre2_message(error) + " at " +
+                    std::to_string(offset));
     pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // the interpreter does the same where JIT is not available
   }
   ~Pattern() { pcre2_code_free(code); }
@@ -126,6 +137,7 @@ ByteLevelBpe::ByteLevelBpe(const fs::path& path) : pattern_(std::make_unique<Pat
                     " ('" + byte_table().text[static_cast<size_t>(b)] + "'): not a byte-level BPE");
   const auto end = ids_.find("<|endoftext|>");
   eos_ = end == ids_.end() ? -1 : end->second;
+  if (eos_ >= 0) added_.insert(eos_);
 }
 
 ByteLevelBpe::~ByteLevelBpe() = default;
@@ -147,7 +159,7 @@ void ByteLevelBpe::add_merge(const std::string& left, const std::string& right, 
       throw Failure(where + ": the merge '" + left + " " + right + "' " + (part ? "joins" : "makes") + " '" + piece +
                     "', which the vocabulary does not hold");
   }
-  ranks_.emplace(left + " " + right, static_cast<int>(ranks_.size()));  // a merge listed twice keeps its first rank
+  ranks_[left + " " + right] = merges_++;  // ranked by its place in the list; one listed twice: its last place
 }
 
 void ByteLevelBpe::read_vocab_and_merges(const fs::path& vocab, const fs::path& merges) {
@@ -200,7 +212,10 @@ void ByteLevelBpe::read_tokenizer_json(const fs::path& file) {
   if (j.contains("added_tokens"))
     for (const auto& t : j["added_tokens"])
       if (t.is_object() && t.contains("content") && t.contains("id"))
+      {
         add_piece(t["content"].get<std::string>(), t["id"].get<int>(), name + ": added_tokens");
+        added_.insert(t["id"].get<int>());
+      }
   const auto& merges = (*model)["merges"];
   if (!merges.is_array()) throw Failure(name + ": model.merges is not a list");
   for (size_t i = 0; i < merges.size(); ++i) {
@@ -251,27 +266,35 @@ const std::vector<int>& ByteLevelBpe::merge(const std::string& piece) const {
   return cache_.emplace(piece, std::move(ids)).first->second;
 }
 
-std::vector<int> ByteLevelBpe::encode(std::string_view text) const {
-  std::vector<int> out;
-  pcre2_match_data* md = pcre2_match_data_create_from_pattern(pattern_->code, nullptr);
+std::vector<std::string_view> ByteLevelBpe::split(std::string_view text) const {
+  std::vector<std::string_view> pieces;
+  const std::unique_ptr<pcre2_match_data, void (*)(pcre2_match_data*)> md(
+      pcre2_match_data_create_from_pattern(pattern_->code, nullptr), pcre2_match_data_free);
+  if (!md) throw Failure("out of memory for PCRE2's match data");
   const auto subject = reinterpret_cast<PCRE2_SPTR>(text.data());
-  std::string piece;
   for (PCRE2_SIZE at = 0; at < text.size();) {
-    const int rc = pcre2_match(pattern_->code, subject, text.size(), at, at == 0 ? 0 : PCRE2_NO_UTF_CHECK, md, nullptr);
-    if (rc < 0) {
-      const auto where = rc <= PCRE2_ERROR_UTF8_ERR1 && rc >= PCRE2_ERROR_UTF8_ERR21 ? pcre2_get_startchar(md) : at;
-      pcre2_match_data_free(md);
-      if (rc == PCRE2_ERROR_NOMATCH) throw Failure("GPT-2's pattern matches nothing at byte " + std::to_string(at));
-      throw Failure("the text is not UTF-8 at byte " + std::to_string(where));
-    }
-    const PCRE2_SIZE* span = pcre2_get_ovector_pointer(md);
-    piece.clear();
-    for (PCRE2_SIZE i = span[0]; i < span[1]; ++i) piece += byte_table().text[static_cast<unsigned char>(text[i])];
-    const std::vector<int>& ids = merge(piece);
-    out.insert(out.end(), ids.begin(), ids.end());
+    // The first match checks that the whole text is UTF-8; the later ones need not again.
+    const int rc = pcre2_match(pattern_->code, subject, text.size(), at, at == 0 ? 0 : PCRE2_NO_UTF_CHECK, md.get(), nullptr);
+    if (rc <= PCRE2_ERROR_UTF8_ERR1 && rc >= PCRE2_ERROR_UTF8_ERR21)
+      throw Failure("the text is not UTF-8 at byte " + std::to_string(pcre2_get_startchar(md.get())) + " (" +
+                    pcre2_message(rc) + ")");
+    if (rc < 0) throw Failure("GPT-2's pattern failed at byte " + std::to_string(at) + ": " + pcre2_message(rc));
+    const PCRE2_SIZE* span = pcre2_get_ovector_pointer(md.get());
+    pieces.push_back(text.substr(span[0], span[1] - span[0]));
     at = span[1];
   }
-  pcre2_match_data_free(md);
+  return pieces;
+}
+
+std::vector<int> ByteLevelBpe::encode(std::string_view text) const {
+  std::vector<int> out;
+  std::string piece;
+  for (const std::string_view raw : split(text)) {
+    piece.clear();
+    for (const char c : raw) piece += byte_table().text[static_cast<unsigned char>(c)];
+    const std::vector<int>& ids = merge(piece);
+    out.insert(out.end(), ids.begin(), ids.end());
+  }
   return out;
 }
 
@@ -280,6 +303,10 @@ std::string ByteLevelBpe::decode(const std::vector<int>& ids) const {
   for (int id : ids) {
     if (id < 0 || id >= size()) throw Failure("id " + std::to_string(id) + " is outside the vocabulary of " + std::to_string(size()));
     const std::string& piece = pieces_[static_cast<size_t>(id)];
+    if (added_.count(id)) {  // an added token is its own text, not GPT-2's characters for bytes
+      out += piece;
+      continue;
+    }
     for (size_t i = 0; i < piece.size();) {
       const auto c = static_cast<unsigned char>(piece[i]);
       uint32_t cp = c;
@@ -290,7 +317,7 @@ std::string ByteLevelBpe::decode(const std::vector<int>& ids) const {
       }
       const int b = cp < 512 ? byte_table().byte_of[cp] : -1;
       if (b < 0) {
-        out.append(piece, i, n);  // a piece written as text (an added token): its own bytes
+        out.append(piece, i, n);  // no character of GPT-2's table: its own bytes
       } else {
         out += static_cast<char>(b);
       }

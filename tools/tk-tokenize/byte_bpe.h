@@ -5,6 +5,7 @@
 // the pieces are merged pairwise, the lowest-ranked merge first, until no listed merge is left.
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -29,6 +30,8 @@ class ByteLevelBpe {
   /// The ids of `text` (UTF-8; a Failure says where it is not). "<|endoftext|>" in the text is
   /// text like any other, as in GPT-2's own encoder: the end of a document is eos().
   std::vector<int> encode(std::string_view text) const;
+  /// The pieces GPT-2's pattern cuts `text` into, before any merge (views into `text`).
+  std::vector<std::string_view> split(std::string_view text) const;
   /// The bytes the ids stand for (a sequence cut inside a character gives that character's bytes
   /// so far). Throws Failure for an id outside the vocabulary.
   std::string decode(const std::vector<int>& ids) const;
@@ -50,7 +53,9 @@ class ByteLevelBpe {
 
   std::unordered_map<std::string, int> ids_;  // piece (GPT-2's characters for its bytes) -> id
   std::vector<std::string> pieces_;           // id -> piece
-  std::unordered_map<std::string, int> ranks_;  // "left right" -> the merge's rank (its line)
+  std::unordered_map<std::string, int> ranks_;  // "left right" -> the merge's rank (its place in the list)
+  int merges_ = 0;                             // merges read so far
+  std::set<int> added_;                        // ids of added tokens (<|endoftext|>, ...): decoded as their text
   int eos_ = -1;
   std::vector<std::pair<std::string, std::filesystem::path>> files_;
   struct Pattern;

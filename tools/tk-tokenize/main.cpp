@@ -4,6 +4,8 @@
 #include <sentencepiece_trainer.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -38,7 +40,7 @@ using tk::tokenize::OutputFolder;
 struct Options {
   std::vector<std::string> inputs;
   std::string out, model, type = "bpe", separator, prefix, encode;
-  bool encoding = false, decode = false;
+  bool encoding = false, decode = false, pieces = false;
   int vocab = 0;
   bool bytes = false;
   double validation = 0.1;
@@ -400,9 +402,16 @@ void print_ids(const std::vector<int>& ids) {
   std::printf("%s\n", line.c_str());
 }
 
-/// --encode and --decode with a byte-level BPE (GPT-2's).
+/// --encode, --decode and --pieces with a byte-level BPE (GPT-2's).
 int translate_bpe(const Options& o) {
   const ByteLevelBpe bpe(o.model);
+  if (o.pieces) {
+    const std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+    nlohmann::json list = nlohmann::json::array();
+    for (const std::string_view piece : bpe.split(text)) list.push_back(std::string(piece));
+    std::printf("%s\n", list.dump().c_str());
+    return 0;
+  }
   if (o.decode) {
     const std::string text = bpe.decode(read_ids(bpe.size()));
     std::fwrite(text.data(), 1, text.size(), stdout);
@@ -414,8 +423,9 @@ int translate_bpe(const Options& o) {
 }
 
 int translate(const Options& o) {
-  if (o.model.empty()) throw Failure("--encode and --decode need --model FILE");
+  if (o.model.empty()) throw Failure("--encode, --decode and --pieces need --model FILE");
   if (ByteLevelBpe::names_one(o.model)) return translate_bpe(o);
+  if (o.pieces) throw Failure("--pieces shows how GPT-2's pattern cuts a text: it needs a byte-level BPE (--model)");
   sentencepiece::SentencePieceProcessor sp;
   if (const auto status = sp.Load(o.model); !status.ok())
     throw Failure(o.model + ": not a SentencePiece model: " + status.ToString());
@@ -528,7 +538,7 @@ void write_shards(const Options& o, OutputFolder& out, const Documents& input, c
 }
 
 int run(Options& o) {
-  if (o.encoding || o.decode) return translate(o);
+  if (o.encoding || o.decode || o.pieces) return translate(o);
   if (o.inputs.empty() || o.out.empty()) throw Failure("give the text files and --out FOLDER");
   if (o.bytes == (!o.model.empty() || o.vocab > 0))
     throw Failure("give one of --bytes, --model FILE or --vocab N (train a model)");
@@ -571,6 +581,9 @@ int main(int argc, char** argv) {
   app.add_option("-o,--out", o.out, "folder of the shards (and of tokenizer.model when one is trained)");
   app.add_option("--encode", o.encode, "print the ids of this text (with --model) and exit; of \"\": the end-of-document id");
   app.add_flag("--decode", o.decode, "print the text of the ids read from stdin (with --model) and exit");
+  app.add_flag("--pieces", o.pieces,
+               "print, as a JSON list, the pieces GPT-2's pattern cuts the text read from stdin into (with a "
+               "byte-level BPE --model), before any merge, and exit");
   app.add_option("--model", o.model,
                  "tokenize with this model: a SentencePiece .model, or GPT-2's byte-level BPE (a folder with "
                  "vocab.json and merges.txt, or encoder.json and vocab.bpe; or a tokenizer.json)")

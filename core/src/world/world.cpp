@@ -238,6 +238,11 @@ void ProcessWorld::join() {
   if (joined() || !may_join_) return;
   try {
     store_ = rendezvous();
+  } catch (const std::exception& err) {
+    throw Error("rendezvous at " + p_.addr + ":" + std::to_string(p_.port) + " failed for rank " +
+                std::to_string(p_.rank) + " of " + std::to_string(p_.size) + ": " + err.what());
+  }
+  try {
     if (backend_ == "gloo") {
       auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
       opts->devices.push_back(gloo_device(p_));
@@ -254,8 +259,8 @@ void ProcessWorld::join() {
 #endif
   } catch (const std::exception& err) {
     store_.reset();
-    throw Error("rendezvous at " + p_.addr + ":" + std::to_string(p_.port) + " failed for rank " +
-                std::to_string(p_.rank) + " of " + std::to_string(p_.size) + ": " + err.what());
+    throw Error("rank " + std::to_string(p_.rank) + " of " + std::to_string(p_.size) + " met the others at " + p_.addr +
+                ":" + std::to_string(p_.port) + " but could not make the " + backend_ + " process group: " + err.what());
   }
   spdlog::info("world: {} joined", describe());
 }
