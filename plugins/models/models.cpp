@@ -17,11 +17,15 @@
 #include <cstdio>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <utility>
 
 #include <tk/abi.h>
 #include <tk/blocks.h>
+#include <tk/export.h>
 #include <tk/kernels.h>
+
+#include "published.h"
 
 namespace tk::models {
 namespace {
@@ -167,14 +171,6 @@ class Cnn : public Model, public ModelWithBlocks, public ModelWithFlops {
 
 // ---------------------------------------------------------------- GPT
 
-struct GptShape {
-  int64_t vocab, context, width, heads, layers;
-  double dropout;
-  bool rotary = false;  // rotary position embedding on queries and keys instead of learned positions
-  double rotary_base = 10000.0;
-  bool rms_norm = false;  // RMSNorm (a scale, no bias, no centering) instead of LayerNorm
-};
-
 /// Rotary position embedding (RoPE, Su et al. 2021) in the half-split form GPT-NeoX and LLaMA
 /// use: feature i of a head pairs with feature i + D/2, and the pair at position p turns by
 /// p * base^(-2i/D). Queries and keys carry their positions, so attention scores depend only on
@@ -215,7 +211,7 @@ class Rotary {
 /// computed in float32 at least (under autocast too), returned in the input's dtype.
 class RmsNormImpl : public torch::nn::Module {
  public:
-  explicit RmsNormImpl(int64_t width, double eps = 1e-6) : eps_(eps) {
+  RmsNormImpl(int64_t width, double eps) : eps_(eps) {
     weight = register_parameter("weight", at::ones({width}));
   }
   torch::Tensor forward(const torch::Tensor& x) {
@@ -231,70 +227,107 @@ class RmsNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RmsNorm);
 
+/// LayerNorm over the last dimension with a scale and, optionally, a bias (GPT-2 has one, nanoGPT's
+/// bias = False models do not). Its parameters are `weight` and `bias`, as torch::nn::LayerNorm's.
+class LayerNormImpl : public torch::nn::Module {
+ public:
+  LayerNormImpl(int64_t width, double eps, bool bias) : width_(width), eps_(eps) {
+    weight = register_parameter("weight", at::ones({width}));
+    if (bias) this->bias = register_parameter("bias", at::zeros({width}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return at::layer_norm(x, {width_}, weight, bias, eps_); }
+  torch::Tensor weight, bias;
+
+ private:
+  int64_t width_;
+  double eps_;
+};
+TORCH_MODULE(LayerNorm);
+
 /// LayerNorm or RMSNorm, by the shape's choice, registered in `owner` under `name`: a LayerNorm's
 /// parameters stay `name.weight` and `name.bias`, an RMSNorm has `name.weight` only.
 struct Norm {
   Norm() = default;
   Norm(torch::nn::Module& owner, const std::string& name, const GptShape& s) {
     if (s.rms_norm)
-      rms = owner.register_module(name, RmsNorm(s.width));
+      rms = owner.register_module(name, RmsNorm(s.width, s.norm_eps));
     else
-      ln = owner.register_module(name, torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width})));
+      ln = owner.register_module(name, LayerNorm(s.width, s.norm_eps, s.bias));
   }
   torch::Tensor operator()(const torch::Tensor& x) { return rms ? rms->forward(x) : ln->forward(x); }
 
-  torch::nn::LayerNorm ln{nullptr};
+  LayerNorm ln{nullptr};
   RmsNorm rms{nullptr};
 };
 
+/// Causal self-attention with `heads` query heads and `kv_heads` key/value heads: each key/value
+/// head serves heads / kv_heads consecutive query heads (grouped-query attention; multi-head when
+/// equal). attn.qkv's rows are the queries', then the keys', then the values'.
 class CausalSelfAttention : public torch::nn::Module {
  public:
   CausalSelfAttention(const GptShape& s, std::shared_ptr<Rotary> rotary)
-      : heads_(s.heads), dropout_(s.dropout), rotary_(std::move(rotary)) {
-    qkv_ = register_module("qkv", torch::nn::Linear(s.width, 3 * s.width));
-    proj_ = register_module("proj", torch::nn::Linear(s.width, s.width));
+      : heads_(s.heads), kv_heads_(s.kv_heads), dim_(s.head_dim()), dropout_(s.dropout), rotary_(std::move(rotary)) {
+    qkv_ = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(s.width, (s.heads + 2 * s.kv_heads) * dim_).bias(s.bias)));
+    proj_ = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(s.heads * dim_, s.width).bias(s.bias)));
   }
   torch::Tensor forward(const torch::Tensor& x) {  // [B, T, C]
-    const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
-    auto qkv = qkv_->forward(x).view({b, t, 3, heads_, c / heads_}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, D]
-    auto q = qkv[0], k = qkv[1];
+    const int64_t b = x.size(0), t = x.size(1);
+    const auto qkv = qkv_->forward(x);
+    const auto heads = [&](int64_t from, int64_t n) {  // [B, n, T, D]
+      return qkv.narrow(-1, from * dim_, n * dim_).view({b, t, n, dim_}).transpose(1, 2);
+    };
+    auto q = heads(0, heads_), k = heads(heads_, kv_heads_), v = heads(heads_ + kv_heads_, kv_heads_);
     if (rotary_) {
       q = rotary_->apply(q);
       k = rotary_->apply(k);
     }
-    auto y = kernels::causal_attention(q, k, qkv[2], is_training() ? dropout_ : 0.0);
-    return proj_->forward(y.transpose(1, 2).reshape({b, t, c}));
+    if (kv_heads_ != heads_) {
+      k = k.repeat_interleave(heads_ / kv_heads_, 1);
+      v = v.repeat_interleave(heads_ / kv_heads_, 1);
+    }
+    auto y = kernels::causal_attention(q, k, v, is_training() ? dropout_ : 0.0);
+    return proj_->forward(y.transpose(1, 2).reshape({b, t, heads_ * dim_}));
   }
   torch::nn::Linear& proj() { return proj_; }
 
  private:
-  int64_t heads_;
+  int64_t heads_, kv_heads_, dim_;
   double dropout_;
   std::shared_ptr<Rotary> rotary_;
   torch::nn::Linear qkv_{nullptr}, proj_{nullptr};
 };
 
+/// A pre-norm block: attention, then an MLP of GELU (exact or GPT-2's tanh form) or SwiGLU, whose
+/// fc holds the gate's rows, then the up projection's: proj(silu(gate(x)) * up(x)).
 class GptBlock : public torch::nn::Module {
  public:
-  GptBlock(const GptShape& s, std::shared_ptr<Rotary> rotary) : dropout_(s.dropout) {
+  GptBlock(const GptShape& s, std::shared_ptr<Rotary> rotary) : dropout_(s.dropout), mlp_(s.mlp) {
     ln1_ = Norm(*this, "ln1", s);
     attn_ = register_module("attn", std::make_shared<CausalSelfAttention>(s, std::move(rotary)));
     ln2_ = Norm(*this, "ln2", s);
-    fc_ = register_module("fc", torch::nn::Linear(s.width, 4 * s.width));
-    proj_ = register_module("proj", torch::nn::Linear(4 * s.width, s.width));
+    const int64_t fc_rows = (s.mlp == "swiglu" ? 2 : 1) * s.mlp_width;
+    fc_ = register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(s.width, fc_rows).bias(s.bias)));
+    proj_ = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(s.mlp_width, s.width).bias(s.bias)));
   }
   torch::Tensor forward(torch::Tensor x) {
     x = x + drop(attn_->forward(ln1_(x)));
-    return x + drop(proj_->forward(at::gelu(fc_->forward(ln2_(x)))));
+    return x + drop(proj_->forward(hidden(fc_->forward(ln2_(x)))));
   }
   /// The two projections that write into the residual stream.
   std::vector<torch::Tensor> residual_weights() { return {attn_->proj()->weight, proj_->weight}; }
 
  private:
+  torch::Tensor hidden(const torch::Tensor& h) const {
+    if (mlp_ == "gelu") return at::gelu(h);
+    if (mlp_ == "gelu_tanh") return at::gelu(h, "tanh");
+    const auto halves = h.chunk(2, -1);
+    return at::silu(halves[0]) * halves[1];
+  }
   torch::Tensor drop(const torch::Tensor& x) const {
     return dropout_ > 0.0 ? at::dropout(x, dropout_, is_training()) : x;
   }
   double dropout_;
+  std::string mlp_;
   Norm ln1_, ln2_;
   std::shared_ptr<CausalSelfAttention> attn_;
   torch::nn::Linear fc_{nullptr}, proj_{nullptr};
@@ -329,12 +362,12 @@ struct TiedLookup : torch::autograd::Function<TiedLookup> {
 /// Decoder-only Transformer with pre-norm blocks: token embeddings with learned or rotary
 /// positions, causal self-attention, GELU MLP, LayerNorm or RMSNorm, and a head tied to the token
 /// embedding or not.
-class Gpt : public Model, public ModelWithBlocks, public ModelWithFlops {
+class Gpt : public Model, public ModelWithBlocks, public ModelWithFlops, public ModelWithExport {
  public:
-  Gpt(const GptShape& s, bool tied) : shape_(s) {
-    wte_ = register_module("wte", torch::nn::Embedding(s.vocab, s.width));
+  explicit Gpt(const GptShape& s) : shape_(s) {
+    wte_ = register_module("wte", torch::nn::Embedding(s.rows, s.width));
     if (!s.rotary) wpe_ = register_module("wpe", torch::nn::Embedding(s.context, s.width));
-    auto rotary = s.rotary ? std::make_shared<Rotary>(s.width / s.heads, s.rotary_base) : nullptr;
+    auto rotary = s.rotary ? std::make_shared<Rotary>(s.head_dim(), s.rotary_base) : nullptr;
     for (int64_t i = 0; i < s.layers; ++i) {
       auto block = std::make_shared<GptBlock>(s, rotary);
       blocks_->push_back(block);
@@ -342,7 +375,7 @@ class Gpt : public Model, public ModelWithBlocks, public ModelWithFlops {
     }
     register_module("blocks", blocks_);
     ln_f_ = Norm(*this, "ln_f", s);
-    if (!tied) head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.vocab).bias(false)));
+    if (!s.tied) head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.rows).bias(false)));
     initialize();
   }
 
@@ -361,18 +394,25 @@ class Gpt : public Model, public ModelWithBlocks, public ModelWithFlops {
     if (shape_.dropout > 0.0) x = at::dropout(x, shape_.dropout, is_training());
     for (size_t i = 0; i < runs_.size(); ++i) x = runs_.run(i, x);
     x = ln_f_(x);
-    return head_ ? head_->forward(x) : at::linear(x, wte_->weight);
+    // Rows past the vocabulary pad the table: their logits are not computed, so the loss and the
+    // gradients are those of the unpadded model (and the padding rows' gradients are zero).
+    const at::Tensor& out = head_ ? head_->weight : wte_->weight;
+    return at::linear(x, out.size(0) == shape_.vocab ? out : out.narrow(0, 0, shape_.vocab));
   }
   Blocks& blocks() override { return runs_; }
-  /// Per token of a [B, T] batch, forward: each block's four matrix products (qkv 3C^2, attention
-  /// projection C^2, MLP 4C^2 + 4C^2: 24 C^2 FLOPs) and its attention (scores and weighted values
+  std::vector<std::string> export_formats() const override { return published_formats(); }
+  void export_weights(const std::string& format, const std::filesystem::path& where, int64_t max_file_bytes) const override {
+    NamedTensors params;
+    for (const auto& p : named_parameters()) params.emplace_back(p.key(), p.value());
+    write_published(shape_, params, format, where, max_file_bytes);
+  }
+  /// Per token of a [B, T] batch, forward: each block's matrix products (qkv, attention
+  /// projection, MLP: 24 C^2 FLOPs for GPT-2's shape) and its attention (scores and weighted values
   /// against all T positions, as computed: 4 T C), then the head (2 C V); backward is twice that.
   double train_flops(c10::IntArrayRef sizes) const override {
     if (sizes.size() != 2) return 0.0;
     const double b = static_cast<double>(sizes[0]), t = static_cast<double>(sizes[1]);
-    const double c = static_cast<double>(shape_.width), v = static_cast<double>(shape_.vocab);
-    const double forward = static_cast<double>(shape_.layers) * (24.0 * c * c + 4.0 * t * c) + 2.0 * c * v;
-    return 3.0 * b * t * forward;
+    return 3.0 * b * t * shape_.forward_flops(t);
   }
 
  private:
@@ -506,49 +546,126 @@ ModelPtr make_cnn(const Options& o, const DataInfo& d) {
 }
 
 OptionSpecs gpt_specs() {
-  return {opt_int("layers", 4, "Transformer blocks"),
+  OptionSpec pretrained = opt_path("pretrained", "", "start from a published checkpoint, which also sets the shape: a "
+                                   "Hugging Face folder (config.json, model.safetensors or its index) of GPT-2 or Llama, "
+                                   "or llm.c's GPT-2 .bin");
+  pretrained.selects = true;  // [model] pretrained = "DIR" needs no name
+  return {pretrained,
+          opt_int("layers", 4, "Transformer blocks"),
           opt_int("heads", 4, "attention heads per block (width must be divisible by heads)"),
+          opt_int("kv_heads", 0, "key/value heads, dividing heads (fewer: grouped-query attention; 0: heads)"),
           opt_int("width", 128, "embedding width (d_model)"),
+          opt_int("mlp_width", 0, "hidden width of each MLP (0: 4 * width)"),
+          opt_string("mlp", "gelu", "the MLP: GELU, GELU in GPT-2's tanh form, or SwiGLU (Llama's gated SiLU)",
+                     {"gelu", "gelu_tanh", "swiglu"}),
+          opt_bool("bias", true, "biases in the linear layers and LayerNorms"),
           opt_int("context", 0, "longest sequence, for the position embedding (0: the data's sequence length)"),
+          opt_int("padded_vocab", 0, "rows of the token table and head, >= the data's vocabulary; the padding rows are "
+                                     "never used and their logits never computed (0: the vocabulary)"),
           opt_float("dropout", 0.0, "dropout on embeddings, attention weights and residual branches"),
           opt_bool("tied_head", true, "the output head reuses the token embedding matrix"),
           opt_string("position", "learned", "positions: a learned embedding added to the tokens, or rotary (RoPE) on queries and keys",
                      {"learned", "rotary"}),
           opt_float("rotary_base", 10000.0, "base of the rotary angles (position \"rotary\")"),
           opt_string("norm", "layernorm", "normalization before each attention and MLP and at the end",
-                     {"layernorm", "rmsnorm"})};
+                     {"layernorm", "rmsnorm"}),
+          opt_float("norm_eps", 0.0, "epsilon of the norms (0: 1e-5 for LayerNorm, 1e-6 for RMSNorm)")};
+}
+
+/// The options that say the GPT's shape, which a pretrained checkpoint sets instead.
+constexpr const char* kShapeOptions[] = {"layers", "heads", "kv_heads", "width", "mlp_width", "mlp", "bias", "context",
+                                         "padded_vocab", "tied_head", "position", "rotary_base", "norm", "norm_eps"};
+
+GptShape gpt_shape_of(const Options& o, const DataInfo& d) {
+  for (const char* k : {"layers", "heads", "width"})
+    if (o.get_int(k) < 1) o.fail(k, "must be >= 1, got " + std::to_string(o.get_int(k)));
+  for (const char* k : {"kv_heads", "mlp_width", "padded_vocab", "context"})
+    if (o.get_int(k) < 0) o.fail(k, "must be >= 0, got " + std::to_string(o.get_int(k)));
+  GptShape s;
+  s.vocab = d.vocab;
+  s.rows = o.get_int("padded_vocab") > 0 ? o.get_int("padded_vocab") : d.vocab;
+  s.context = o.get_int("context") > 0 ? o.get_int("context") : d.input_shape[0];
+  s.width = o.get_int("width");
+  s.heads = o.get_int("heads");
+  s.kv_heads = o.get_int("kv_heads") > 0 ? o.get_int("kv_heads") : s.heads;
+  s.layers = o.get_int("layers");
+  s.mlp_width = o.get_int("mlp_width") > 0 ? o.get_int("mlp_width") : 4 * s.width;
+  s.mlp = o.get_string("mlp");
+  s.bias = o.get_bool("bias");
+  s.tied = o.get_bool("tied_head");
+  s.rotary = o.get_string("position") == "rotary";
+  s.rotary_base = o.get_float("rotary_base");
+  s.rms_norm = o.get_string("norm") == "rmsnorm";
+  s.norm_eps = o.get_float("norm_eps") > 0.0 ? o.get_float("norm_eps") : s.rms_norm ? 1e-6 : 1e-5;
+  if (o.get_float("norm_eps") < 0.0) o.fail("norm_eps", "must be >= 0");
+  if (s.width % s.heads != 0)
+    o.fail("heads", "width " + std::to_string(s.width) + " is not divisible by " + std::to_string(s.heads) + " heads");
+  if (s.heads % s.kv_heads != 0)
+    o.fail("kv_heads", std::to_string(s.kv_heads) + " key/value heads do not divide " + std::to_string(s.heads) + " heads");
+  if (s.rows < s.vocab)
+    o.fail("padded_vocab", "is " + std::to_string(s.rows) + ", fewer rows than the vocabulary of " + std::to_string(s.vocab));
+  if (s.rotary && s.head_dim() % 2 != 0)
+    o.fail("position", "rotary positions turn pairs of features, but each head has " + std::to_string(s.head_dim()) +
+                           " (width / heads must be even)");
+  if (!(s.rotary_base > 1.0)) o.fail("rotary_base", "must be > 1, got " + std::to_string(s.rotary_base));
+  return s;
+}
+
+/// The shape a published checkpoint states, and the checkpoint itself; shape options the recipe
+/// also sets are refused (the checkpoint's weights fit its own shape only).
+Published pretrained_of(const Options& o, const DataInfo& d) {
+  Published p;
+  try {
+    p = read_published(o.get_path("pretrained"));
+  } catch (const std::exception& e) {
+    o.fail("pretrained", message_of(e));
+  }
+  for (const char* k : kShapeOptions)
+    if (o.is_set(k)) o.fail(k, "is set by the checkpoint (" + p.source + "): remove it from the recipe");
+  if (p.shape.vocab != d.vocab)
+    o.fail("pretrained", p.source + " (" + p.format + ") predicts a vocabulary of " + std::to_string(p.shape.vocab) +
+                             " tokens, the data's is " + std::to_string(d.vocab) + ": tokenize the data with the "
+                             "checkpoint's tokenizer (tk-tokenize --model) and give data.vocab = " +
+                             std::to_string(p.shape.vocab));
+  if (p.shape.context < d.input_shape[0])
+    o.fail("pretrained", p.source + " has a context of " + std::to_string(p.shape.context) + " positions, shorter than "
+                             "the data's sequences of " + std::to_string(d.input_shape[0]));
+  return p;
 }
 
 ModelPtr make_gpt(const Options& o, const DataInfo& d) {
   if (d.vocab < 1 || d.input_shape.size() != 1)
     o.fail("name", "model 'gpt' needs token-id sequences (e.g. data 'text'), but the data gives " + d.describe());
-  for (const char* k : {"layers", "heads", "width"})
-    if (o.get_int(k) < 1) o.fail(k, "must be >= 1, got " + std::to_string(o.get_int(k)));
-  GptShape s{d.vocab, o.get_int("context") > 0 ? o.get_int("context") : d.input_shape[0], o.get_int("width"),
-             o.get_int("heads"), o.get_int("layers"), o.get_float("dropout")};
-  if (s.width % s.heads != 0)
-    o.fail("heads", "width " + std::to_string(s.width) + " is not divisible by " + std::to_string(s.heads) + " heads");
-  if (s.context < d.input_shape[0])
-    o.fail("context", "is " + std::to_string(s.context) + ", shorter than the data's sequences of " +
-                          std::to_string(d.input_shape[0]));
-  if (s.dropout < 0.0 || s.dropout >= 1.0) o.fail("dropout", "must be in [0, 1)");
-  s.rotary = o.get_string("position") == "rotary";
-  s.rotary_base = o.get_float("rotary_base");
-  s.rms_norm = o.get_string("norm") == "rmsnorm";
-  if (s.rotary && (s.width / s.heads) % 2 != 0)
-    o.fail("position", "rotary positions turn pairs of features, but each head has " + std::to_string(s.width / s.heads) +
-                           " (width / heads must be even)");
-  if (!(s.rotary_base > 1.0)) o.fail("rotary_base", "must be > 1, got " + std::to_string(s.rotary_base));
   if (d.output_dim != d.vocab)
     o.fail("name", "model 'gpt' predicts the next token, but the data's targets have " + std::to_string(d.output_dim) +
                        " classes for a vocabulary of " + std::to_string(d.vocab));
-  const double w = static_cast<double>(s.width);
-  const double norms = s.rms_norm ? w : 2 * w;  // per norm
-  require_parameters_fit(o, o.get_int("context") > 0 ? "context" : "width",
-                         static_cast<double>(s.vocab) * w * (o.get_bool("tied_head") ? 1 : 2) +
-                             (s.rotary ? 0.0 : static_cast<double>(s.context) * w) + norms +
-                             static_cast<double>(s.layers) * (12 * w * w + 9 * w + 2 * norms));
-  return std::make_shared<Gpt>(s, o.get_bool("tied_head"));
+  const bool pretrained = !o.get_path("pretrained").empty();
+  std::optional<Published> published;
+  if (pretrained) published = pretrained_of(o, d);
+  GptShape s = pretrained ? published->shape : gpt_shape_of(o, d);
+  s.dropout = o.get_float("dropout");
+  if (s.dropout < 0.0 || s.dropout >= 1.0) o.fail("dropout", "must be in [0, 1)");
+  if (s.context < d.input_shape[0])
+    o.fail("context", "is " + std::to_string(s.context) + ", shorter than the data's sequences of " +
+                          std::to_string(d.input_shape[0]));
+  require_parameters_fit(o, pretrained ? "pretrained" : o.get_int("context") > 0 ? "context" : "width", s.parameters());
+  auto model = std::make_shared<Gpt>(s);
+  if (!published) return model;
+  // A float64 checkpoint keeps its precision in a float64 run: the model takes its widest dtype
+  // before the values are copied (the run converts the model to its own dtype afterwards).
+  for (const auto& [name, t] : published->tensors)
+    if (t.scalar_type() == at::kDouble) {
+      model->to(at::kDouble);
+      break;
+    }
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (auto& p : model->named_parameters()) params.emplace_back(p.key(), p.value());
+  try {
+    load_published(*published, params);
+  } catch (const std::exception& e) {
+    o.fail("pretrained", message_of(e));
+  }
+  return model;
 }
 
 OptionSpecs torchscript_specs() {

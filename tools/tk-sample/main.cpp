@@ -1,7 +1,8 @@
-// tk-sample: text from a trained language model. Rebuilds a run's model from the recipe.toml its
-// output folder holds, loads its weights.safetensors, and continues a prompt token by token
+// tk-sample: text from a language model. Rebuilds a run's model from the recipe.toml its output
+// folder holds and loads its weights.safetensors (or builds a recipe's model with the weights it
+// starts from, such as a published checkpoint), and continues a prompt token by token
 // (temperature, top-k, a seed), decoding with the run's tokenizer: its SentencePiece model,
-// GPT-2's byte-level BPE or bytes.
+// GPT-2's byte-level BPE or bytes. --logits writes the prompt's logits instead.
 #include <ATen/core/Generator.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <spdlog/spdlog.h>
@@ -26,13 +27,14 @@
 #include <vector>
 
 #include "../cli_parse.h"
+#include "../model_of.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
 struct Options {
-  std::string run, prompt, tokenizer, weights, device = "cpu";
+  std::string run, prompt, ids, logits, tokenizer, weights, device = "cpu";
   int64_t tokens = 200, top_k = 0;
   double temperature = 1.0;
   uint64_t seed = 0;
@@ -155,26 +157,6 @@ int64_t next_token(at::Tensor logits, const Options& o, at::Generator& gen) {
   return at::multinomial(logits.softmax(0), 1, false, gen).item<int64_t>();
 }
 
-/// A run's model built from its recipe (and run.device = --device), planned as it was trained.
-std::unique_ptr<tk::Trainer> build(tk::Recipe recipe, const Options& o) {
-  const std::string device_set = "run.device=\"" + o.device + "\"";
-  recipe.apply_override(device_set);
-  tk::TrainerOptions topts;
-  topts.write_outputs = false;
-  topts.progress = tk::ProgressMode::None;
-  try {
-    auto trainer = std::make_unique<tk::Trainer>(recipe, topts);
-    trainer->describe();  // builds and plans the run: the model as trained, after every plugin's setup
-    return trainer;
-  } catch (const std::exception& e) {
-    // The device is this tool's --device, not a --set the user typed.
-    std::string why = tk::message_of(e);
-    for (const std::string& said : {"--set " + device_set + ": run.device: ", "--set " + device_set + ": "})
-      if (why.rfind(said, 0) == 0) throw std::runtime_error("--device " + o.device + ": " + why.substr(said.size()));
-    throw std::runtime_error(why);
-  }
-}
-
 /// A one-sequence token shard in its own temporary folder, removed with it: what a run of data
 /// 'tokens' whose shards are gone is built from (its model needs the vocabulary and the context,
 /// not the examples).
@@ -261,52 +243,77 @@ std::unique_ptr<StandInShard> stand_in_for(const tk::Recipe& recipe, const fs::p
   return std::make_unique<StandInShard>(vocab, context);
 }
 
+/// The prompt's token ids: --ids as given, else --prompt encoded (a new document without one).
+std::vector<int64_t> prompt_ids(const Options& o, const Tokenizer& tok, int64_t vocab) {
+  std::vector<int64_t> ids;
+  if (!o.ids.empty()) {
+    std::istringstream in(o.ids);
+    std::string word;
+    while (in >> word) {
+      size_t used = 0;
+      long long id = -1;
+      try {
+        id = std::stoll(word, &used);
+      } catch (const std::exception&) {
+      }
+      if (used != word.size()) throw std::runtime_error("--ids: '" + word + "' is not a token id");
+      ids.push_back(id);
+    }
+  } else {
+    ids = o.prompt.empty() ? tok.start() : tok.encode(o.prompt);
+  }
+  if (ids.empty())
+    throw std::runtime_error("nothing to continue: " + std::string(o.prompt.empty() && o.ids.empty() ? "the tokenizer has no "
+                             "end-of-document token to start a new document with; give --prompt" : "the prompt has no tokens"));
+  for (int64_t id : ids)
+    if (id < 0 || id >= vocab)
+      throw std::runtime_error("the prompt's token " + std::to_string(id) + " is outside the model's vocabulary of " +
+                               std::to_string(vocab));
+  return ids;
+}
+
 int sample(const Options& o) {
-  const fs::path dir(o.run);
-  auto recipe = tk::Recipe::from_file(dir / "recipe.toml");
-  const fs::path weights = o.weights.empty() ? dir / "weights.safetensors" : fs::path(o.weights);
+  // A run's output folder (its recipe.toml and weights), or a recipe (the weights it starts from).
+  const tk::RunOrRecipe source(o.run, o.weights);
+  const fs::path& dir = source.dir;
+  const tk::Recipe& recipe = source.recipe;
+  const fs::path& weights = source.weights;
   spdlog::set_level(spdlog::level::warn);
   std::unique_ptr<tk::Trainer> built;
   std::unique_ptr<StandInShard> stand_in;
   try {
-    built = build(recipe, o);
+    built = tk::build_model(recipe, o.device);
   } catch (const std::exception& e) {
-    stand_in = stand_in_for(recipe, weights, e.what());
+    if (!weights.empty()) stand_in = stand_in_for(recipe, weights, e.what());
     if (!stand_in) throw;
-    built = build(stand_in->recipe(recipe), o);
+    built = tk::build_model(stand_in->recipe(recipe), o.device);
   }
   tk::Trainer& trainer = *built;
   if (!trainer.data().info.next_token)
     throw std::runtime_error("the run in " + dir.string() + " is no language model (its data set's targets are not "
                              "the next tokens): tk-sample continues text with runs of data 'text' or 'tokens'");
   tk::Model& model = trainer.model();
-  auto params = model.named_parameters();
-  auto buffers = model.named_buffers();
+  if (!weights.empty()) tk::load_weights(model, weights);
   torch::NoGradGuard no_grad;
-  for (const auto& [name, t] : tk::load_safetensors(weights)) {
-    at::Tensor* dst = params.find(name) ? params.find(name) : buffers.find(name);
-    if (!dst) throw std::runtime_error(weights.string() + " holds '" + name + "', which the run's model does not have");
-    dst->copy_(t);
-  }
   model.eval();
   const int64_t vocab = trainer.data().info.vocab;
-  const Tokenizer tok(find_tokenizer(o, recipe, vocab));
+  const Tokenizer tok(o.ids.empty() ? find_tokenizer(o, recipe, vocab) : std::string());
   if (tok.bytes() && vocab < 256)
     throw std::runtime_error("the model's vocabulary is " + std::to_string(vocab) + " tokens, fewer than the 256 bytes");
   const auto& shape = trainer.data().info.input_shape;
   const int64_t context = shape.empty() ? 1024 : shape.front();
-  // Without a prompt, a new document.
-  std::vector<int64_t> ids = o.prompt.empty() ? tok.start() : tok.encode(o.prompt);
-  if (ids.empty())
-    throw std::runtime_error("nothing to continue: " + std::string(o.prompt.empty() ? "the tokenizer has no end-of-document "
-                             "token to start a new document with; give --prompt" : "the prompt has no tokens"));
-  for (int64_t id : ids)
-    if (id < 0 || id >= vocab)
-      throw std::runtime_error("the prompt's token " + std::to_string(id) + " is outside the model's vocabulary of " +
-                               std::to_string(vocab));
+  std::vector<int64_t> ids = prompt_ids(o, tok, vocab);
   const size_t given = ids.size();
   at::Generator gen = at::detail::createCPUGenerator(o.seed);
   const at::Device device = model.parameters().front().device();
+  if (!o.logits.empty()) {  // the prompt's logits at every position, in the model's dtype
+    if (ids.size() > static_cast<size_t>(context))
+      throw std::runtime_error("--logits: the prompt has " + std::to_string(ids.size()) + " tokens, more than the context of " +
+                               std::to_string(context));
+    const auto x = torch::tensor(ids, torch::kLong).unsqueeze(0).to(device);
+    tk::save_safetensors(o.logits, {{"logits", model.forward(x).select(0, 0).cpu().contiguous()}});
+    return 0;
+  }
   for (int64_t i = 0; i < o.tokens; ++i) {
     const size_t from = ids.size() > static_cast<size_t>(context) ? ids.size() - static_cast<size_t>(context) : 0;
     const auto x = torch::tensor(std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(from), ids.end()),
@@ -323,9 +330,14 @@ int sample(const Options& o) {
 int main(int argc, char** argv) {
   CLI::App app{"tk-sample: text from a language model trained by tk-run (its output folder)"};
   Options o;
-  app.add_option("run", o.run, "the run's output folder (recipe.toml, weights.safetensors)")->required()
-      ->check(CLI::ExistingDirectory);
+  app.add_option("run", o.run, "the run's output folder (recipe.toml, weights.safetensors), or a recipe: its model "
+                               "with the weights it starts from ([model] pretrained or init)")->required()
+      ->check(CLI::ExistingPath);
   app.add_option("-p,--prompt", o.prompt, "text to continue (\"\": start a new document)");
+  app.add_option("--ids", o.ids, "the prompt as token ids, separated by spaces (instead of --prompt)")
+      ->excludes(app.get_option("--prompt"));
+  app.add_option("--logits", o.logits, "write the prompt's logits at every position ([tokens, vocabulary], the model's "
+                                       "dtype) to this safetensors file, as 'logits', instead of sampling");
   app.add_option("-n,--tokens", o.tokens, "tokens to write")->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   app.add_option("-t,--temperature", o.temperature, "softmax temperature in [0, 100]; 0 takes the likeliest token")
       ->check(CLI::Validator(
