@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -50,16 +51,25 @@ inline std::unique_ptr<Trainer> build_model(Recipe recipe, const std::string& de
   }
 }
 
-/// Copies a weights file into the model by name, refusing a tensor the model does not have.
+/// Copies a weights file into the model by name: every parameter must be there, in its shape; a
+/// tensor the model does not have is refused.
 inline void load_weights(Model& model, const std::filesystem::path& weights) {
   auto params = model.named_parameters();
   auto buffers = model.named_buffers();
+  std::set<std::string> loaded;
   torch::NoGradGuard no_grad;
   for (const auto& [name, t] : load_safetensors(weights)) {
     at::Tensor* dst = params.find(name) ? params.find(name) : buffers.find(name);
     if (!dst) throw std::runtime_error(weights.string() + " holds '" + name + "', which the run's model does not have");
+    if (dst->sizes() != t.sizes())
+      throw std::runtime_error(weights.string() + ": '" + name + "' has shape " + c10::str(t.sizes()) +
+                               ", the run's model's is " + c10::str(dst->sizes()));
     dst->copy_(t);
+    loaded.insert(name);
   }
+  for (const auto& p : params)
+    if (!loaded.count(p.key()))
+      throw std::runtime_error(weights.string() + " lacks parameter '" + p.key() + "' of the run's model");
 }
 
 }  // namespace tk

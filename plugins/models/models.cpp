@@ -616,7 +616,7 @@ GptShape gpt_shape_of(const Options& o, const DataInfo& d) {
 Published pretrained_of(const Options& o, const DataInfo& d) {
   Published p;
   try {
-    p = read_published(o.get_path("pretrained"));
+    p = read_published_shape(o.get_path("pretrained"));
   } catch (const std::exception& e) {
     o.fail("pretrained", message_of(e));
   }
@@ -651,6 +651,11 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
   require_parameters_fit(o, pretrained ? "pretrained" : o.get_int("context") > 0 ? "context" : "width", s.parameters());
   auto model = std::make_shared<Gpt>(s);
   if (!published) return model;
+  try {
+    read_published_tensors(*published);  // after the size check: a checkpoint too large is refused unread
+  } catch (const std::exception& e) {
+    o.fail("pretrained", message_of(e));
+  }
   // A float64 checkpoint keeps its precision in a float64 run: the model takes its widest dtype
   // before the values are copied (the run converts the model to its own dtype afterwards).
   for (const auto& [name, t] : published->tensors)

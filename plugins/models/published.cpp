@@ -4,13 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include <cstring>
+#include <algorithm>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
-#include <regex>
 #include <set>
-#include <sstream>
 
 #include <tk/error.h>
 
@@ -69,7 +68,6 @@ class Config {
     }
     if (!j_.is_object()) throw Error(file_ + ": expected a JSON object");
   }
-  std::string model_type() const { return j_.value("model_type", std::string()); }
   const std::string& file() const { return file_; }
 
   int64_t count(const char* key, std::optional<int64_t> def = std::nullopt) {
@@ -164,6 +162,13 @@ GptShape llama_shape(Config& c) {
   s.context = c.count("max_position_embeddings", 2048);
   s.norm_eps = c.number("rms_norm_eps", 1e-6);
   s.rotary_base = c.number("rope_theta", 10000.0);
+  // Newer configurations keep the rotary settings in one object.
+  if (const json* rope = c.find("rope_parameters"); rope && rope->is_object()) {
+    if (rope->contains("rope_theta") && (*rope)["rope_theta"].is_number()) s.rotary_base = (*rope)["rope_theta"].get<double>();
+    const std::string type = rope->value("rope_type", std::string("default"));
+    if (type != "default")
+      c.problems.add("'rope_parameters' has rope_type \"" + type + "\": rotary angles are not rescaled (trainkit honours \"default\")");
+  }
   s.tied = c.flag("tie_word_embeddings", false);
   s.rotary = s.rms_norm = true;
   s.mlp = "swiglu";
@@ -182,70 +187,128 @@ GptShape llama_shape(Config& c) {
   return s;
 }
 
-// ---------------------------------------------------------------- names
+// ---------------------------------------------------------------- names, both ways
 
-/// Where a checkpoint's tensor goes: a trainkit parameter, or a piece of one (`slot` of `slots`,
-/// joined along the first dimension), transposed or not. An empty name: a tensor to skip.
-struct Target {
-  std::string name;
+/// A tensor of a published layout and the trainkit parameter it is, or a piece of (`slot` of
+/// `slots`, stacked along the first dimension), transposed (GPT-2's Conv1D) or not.
+struct Rule {
+  std::string theirs, ours;
   int slot = 0, slots = 1;
   bool transpose = false;
 };
 
-/// Hugging Face GPT-2's name -> trainkit's (GPT2Model's names, or GPT2LMHeadModel's under
-/// "transformer."); std::nullopt for a name GPT-2 does not have. Its Conv1D keeps weights as
-/// [in, out], transposed from a Linear's.
-std::optional<Target> gpt2_target(const std::string& name, int64_t layers) {
-  static const std::regex layer(R"(^(?:transformer\.)?h\.(\d+)\.(.+)$)");
-  static const std::map<std::string, Target> per_layer = {
-      {"ln_1.weight", {"ln1.weight"}}, {"ln_1.bias", {"ln1.bias"}},
-      {"attn.c_attn.weight", {"attn.qkv.weight", 0, 1, true}}, {"attn.c_attn.bias", {"attn.qkv.bias"}},
-      {"attn.c_proj.weight", {"attn.proj.weight", 0, 1, true}}, {"attn.c_proj.bias", {"attn.proj.bias"}},
-      {"ln_2.weight", {"ln2.weight"}}, {"ln_2.bias", {"ln2.bias"}},
-      {"mlp.c_fc.weight", {"fc.weight", 0, 1, true}}, {"mlp.c_fc.bias", {"fc.bias"}},
-      {"mlp.c_proj.weight", {"proj.weight", 0, 1, true}}, {"mlp.c_proj.bias", {"proj.bias"}},
-      {"attn.bias", {""}}, {"attn.masked_bias", {""}}};  // the causal mask, a buffer
-  static const std::map<std::string, Target> top = {{"wte.weight", {"wte.weight"}}, {"wpe.weight", {"wpe.weight"}},
-                                                    {"ln_f.weight", {"ln_f.weight"}}, {"ln_f.bias", {"ln_f.bias"}}};
-  std::smatch m;
-  if (std::regex_match(name, m, layer)) {
-    auto it = per_layer.find(m[2]);
-    if (it == per_layer.end() || std::stoll(m[1]) >= layers) return std::nullopt;
-    Target t = it->second;
-    if (!t.name.empty()) t.name = "blocks." + m[1].str() + "." + t.name;
-    return t;
+/// A Hugging Face family's names: each layer's under `layer_prefix` N ".", and the model's own.
+struct Family {
+  std::string name;             // for messages
+  std::string optional_prefix;  // a prefix some saves put before every name ("transformer.")
+  std::string layer_prefix;
+  std::vector<Rule> layer, top;
+  std::vector<std::string> skipped;  // per-layer buffers that are no parameters
+};
+
+/// GPT-2 (GPT2Model's names; GPT2LMHeadModel's put "transformer." before them). Its Conv1D keeps
+/// weights as [in, out], transposed from a Linear's; the causal mask is a buffer of every layer.
+const Family& gpt2_family() {
+  static const Family f{"Hugging Face GPT-2", "transformer.", "h.",
+                        {{"ln_1.weight", "ln1.weight"}, {"ln_1.bias", "ln1.bias"},
+                         {"attn.c_attn.weight", "attn.qkv.weight", 0, 1, true}, {"attn.c_attn.bias", "attn.qkv.bias"},
+                         {"attn.c_proj.weight", "attn.proj.weight", 0, 1, true}, {"attn.c_proj.bias", "attn.proj.bias"},
+                         {"ln_2.weight", "ln2.weight"}, {"ln_2.bias", "ln2.bias"},
+                         {"mlp.c_fc.weight", "fc.weight", 0, 1, true}, {"mlp.c_fc.bias", "fc.bias"},
+                         {"mlp.c_proj.weight", "proj.weight", 0, 1, true}, {"mlp.c_proj.bias", "proj.bias"}},
+                        {{"wte.weight", "wte.weight"}, {"wpe.weight", "wpe.weight"}, {"ln_f.weight", "ln_f.weight"},
+                         {"ln_f.bias", "ln_f.bias"}, {"lm_head.weight", "head.weight"}},
+                        {"attn.bias", "attn.masked_bias"}};
+  return f;
+}
+
+/// Llama: q, k and v are stacked into attn.qkv, the gate and up projections into fc (gate first).
+/// Hugging Face keeps q and k in the half-split rotary layout trainkit's rotary positions use, so
+/// no row is permuted.
+const Family& llama_family() {
+  static const Family f{"Hugging Face Llama", "", "model.layers.",
+                        {{"input_layernorm.weight", "ln1.weight"},
+                         {"self_attn.q_proj.weight", "attn.qkv.weight", 0, 3},
+                         {"self_attn.k_proj.weight", "attn.qkv.weight", 1, 3},
+                         {"self_attn.v_proj.weight", "attn.qkv.weight", 2, 3},
+                         {"self_attn.o_proj.weight", "attn.proj.weight"},
+                         {"post_attention_layernorm.weight", "ln2.weight"},
+                         {"mlp.gate_proj.weight", "fc.weight", 0, 2}, {"mlp.up_proj.weight", "fc.weight", 1, 2},
+                         {"mlp.down_proj.weight", "proj.weight"}},
+                        {{"model.embed_tokens.weight", "wte.weight"}, {"model.norm.weight", "ln_f.weight"},
+                         {"lm_head.weight", "head.weight"}},
+                        {"self_attn.rotary_emb.inv_freq"}};
+  return f;
+}
+
+/// The rows of each piece of a stacked parameter (a per-layer trainkit name) in shape `s`.
+std::vector<int64_t> piece_rows(const GptShape& s, const std::string& ours) {
+  const int64_t d = s.head_dim();
+  if (ours == "attn.qkv.weight") return {s.heads * d, s.kv_heads * d, s.kv_heads * d};
+  if (ours == "fc.weight") return {s.mlp_width, s.mlp_width};
+  return {};
+}
+
+/// "blocks.N.rest" -> (N, rest); nullopt for another name.
+std::optional<std::pair<std::string, std::string>> split_layer(const std::string& name, const std::string& prefix) {
+  if (name.rfind(prefix, 0) != 0) return std::nullopt;
+  const size_t dot = name.find('.', prefix.size());
+  const std::string index = name.substr(prefix.size(), dot == std::string::npos ? 0 : dot - prefix.size());
+  if (index.empty() || index.size() > 6 || index.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::make_pair(index, name.substr(dot + 1));
+}
+
+/// The rule for a checkpoint's `name`, its trainkit name complete; nullopt for a name the family
+/// does not have (or of a layer past `layers`); a rule naming nothing for a buffer to skip.
+std::optional<Rule> rule_for(const Family& f, std::string name, int64_t layers) {
+  if (!f.optional_prefix.empty() && name.rfind(f.optional_prefix, 0) == 0) name = name.substr(f.optional_prefix.size());
+  if (auto layer = split_layer(name, f.layer_prefix)) {
+    const auto& [index, rest] = *layer;
+    if (std::stoll(index) >= layers) return std::nullopt;
+    if (std::find(f.skipped.begin(), f.skipped.end(), rest) != f.skipped.end()) return Rule{name, ""};
+    for (const Rule& r : f.layer)
+      if (r.theirs == rest) {
+        Rule out = r;
+        out.ours = "blocks." + index + "." + r.ours;
+        return out;
+      }
+    return std::nullopt;
   }
-  const std::string bare = name.rfind("transformer.", 0) == 0 ? name.substr(12) : name;
-  if (auto it = top.find(bare); it != top.end()) return it->second;
-  if (name == "lm_head.weight") return Target{"head.weight"};
+  for (const Rule& r : f.top)
+    if (r.theirs == name) return r;
   return std::nullopt;
 }
 
-/// Hugging Face Llama's name -> trainkit's: q, k and v join into attn.qkv, the gate and up
-/// projections into fc (gate first). Hugging Face keeps q and k in the half-split rotary layout
-/// trainkit's rotary positions use, so no row is permuted.
-std::optional<Target> llama_target(const std::string& name, int64_t layers) {
-  static const std::regex layer(R"(^model\.layers\.(\d+)\.(.+)$)");
-  static const std::map<std::string, Target> per_layer = {
-      {"input_layernorm.weight", {"ln1.weight"}},
-      {"self_attn.q_proj.weight", {"attn.qkv.weight", 0, 3}}, {"self_attn.k_proj.weight", {"attn.qkv.weight", 1, 3}},
-      {"self_attn.v_proj.weight", {"attn.qkv.weight", 2, 3}}, {"self_attn.o_proj.weight", {"attn.proj.weight"}},
-      {"post_attention_layernorm.weight", {"ln2.weight"}},
-      {"mlp.gate_proj.weight", {"fc.weight", 0, 2}}, {"mlp.up_proj.weight", {"fc.weight", 1, 2}},
-      {"mlp.down_proj.weight", {"proj.weight"}}, {"self_attn.rotary_emb.inv_freq", {""}}};
-  std::smatch m;
-  if (std::regex_match(name, m, layer)) {
-    auto it = per_layer.find(m[2]);
-    if (it == per_layer.end() || std::stoll(m[1]) >= layers) return std::nullopt;
-    Target t = it->second;
-    if (!t.name.empty()) t.name = "blocks." + m[1].str() + "." + t.name;
-    return t;
+/// Trainkit's parameters under the family's names: stacked ones split, Conv1D weights transposed
+/// back, the table's (and head's) padding rows dropped.
+NamedTensors to_family(const Family& f, const GptShape& s, const NamedTensors& params) {
+  NamedTensors out;
+  for (const auto& [name, t] : params) {
+    const at::Tensor v = t.detach().cpu();
+    if (auto layer = split_layer(name, "blocks.")) {
+      const auto& [index, rest] = *layer;
+      std::vector<const Rule*> rules;
+      for (const Rule& r : f.layer)
+        if (r.ours == rest) rules.push_back(&r);
+      if (rules.empty()) throw Error(f.name + " has no name for parameter '" + name + "'");
+      const std::vector<int64_t> rows = piece_rows(s, rest);
+      int64_t from = 0;
+      for (const Rule* r : rules) {
+        at::Tensor piece = rules.size() == 1 ? v : v.narrow(0, from, rows.at(static_cast<size_t>(r->slot)));
+        if (rules.size() > 1) from += rows.at(static_cast<size_t>(r->slot));
+        out.emplace_back(f.layer_prefix + index + "." + r->theirs, (r->transpose ? piece.t() : piece).contiguous());
+      }
+      continue;
+    }
+    const auto r = std::find_if(f.top.begin(), f.top.end(), [&](const Rule& x) { return x.ours == name; });
+    if (r == f.top.end()) throw Error(f.name + " has no name for parameter '" + name + "'");
+    const bool table = name == "wte.weight" || name == "head.weight";
+    out.emplace_back(r->theirs, table ? v.narrow(0, 0, s.vocab).contiguous() : v);
   }
-  if (name == "model.embed_tokens.weight") return Target{"wte.weight"};
-  if (name == "model.norm.weight") return Target{"ln_f.weight"};
-  if (name == "lm_head.weight") return Target{"head.weight"};
-  return std::nullopt;
+  return out;
 }
+
+// ---------------------------------------------------------------- reading
 
 /// The safetensors files of a Hugging Face folder: model.safetensors, or the shards its index names.
 std::vector<fs::path> weight_files(const fs::path& dir) {
@@ -262,7 +325,7 @@ std::vector<fs::path> weight_files(const fs::path& dir) {
   } catch (const json::exception& e) {
     throw Error(index.string() + ": not JSON (" + e.what() + ")");
   }
-  if (!j.contains("weight_map") || !j["weight_map"].is_object())
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     throw Error(index.string() + ": no \"weight_map\" object (tensor name -> file)");
   std::set<std::string> files;
   for (const auto& [name, file] : j["weight_map"].items()) {
@@ -279,101 +342,147 @@ std::vector<fs::path> weight_files(const fs::path& dir) {
   return out;
 }
 
-using TargetOf = std::optional<Target> (*)(const std::string&, int64_t);
-
-/// A Hugging Face folder's tensors by trainkit's names, pieces joined; unknown names refused.
-void map_tensors(Published& p, const std::vector<fs::path>& files, TargetOf target_of, const std::string& family) {
+/// A Hugging Face folder's tensors by trainkit's names, pieces stacked; refuses unknown names,
+/// pieces of other rows, a tied head that is not the table.
+void read_family(Published& p, const Family& f) {
   Problems problems;
   std::map<std::string, std::vector<at::Tensor>> pieces;
   std::map<std::string, std::vector<std::string>> origins;
   at::Tensor table, head;
   std::string head_origin;
-  for (const auto& file : files) {
+  for (const auto& file : weight_files(p.source)) {
     for (auto& [name, t] : load_safetensors(file)) {
       const std::string where = file.filename().string() + " '" + name + "'";
-      const auto target = target_of(name, p.shape.layers);
-      if (!target) {
-        problems.add(where + ": " + family + " has no such tensor (or not in a model of " + std::to_string(p.shape.layers) + " layers)");
+      const auto rule = rule_for(f, name, p.shape.layers);
+      if (!rule) {
+        problems.add(where + ": " + f.name + " has no such tensor (or not in a model of " + std::to_string(p.shape.layers) + " layers)");
         continue;
       }
-      if (target->name.empty()) continue;
-      if (target->name == "head.weight" && p.shape.tied) {  // a tied head saved as well: it must be the table
+      if (rule->ours.empty()) continue;
+      if (rule->ours == "head.weight" && p.shape.tied) {  // a tied head saved as well: it must be the table
         head = t;
         head_origin = where;
         continue;
       }
-      auto& slots = pieces[target->name];
-      slots.resize(static_cast<size_t>(target->slots));
-      origins[target->name].resize(static_cast<size_t>(target->slots));
-      if (slots[static_cast<size_t>(target->slot)].defined()) problems.add(where + ": given twice");
-      slots[static_cast<size_t>(target->slot)] = target->transpose && t.dim() == 2 ? t.t().contiguous() : t;
-      origins[target->name][static_cast<size_t>(target->slot)] = where + (target->transpose ? " (transposed)" : "");
-      if (target->name == "wte.weight") table = t;
+      const bool transpose = rule->transpose && t.dim() == 2;
+      if (rule->transpose && !transpose) problems.add(where + ": " + std::to_string(t.dim()) + " dimensions, a Conv1D weight has 2");
+      auto& slots = pieces[rule->ours];
+      auto& from = origins[rule->ours];
+      slots.resize(static_cast<size_t>(rule->slots));
+      from.resize(static_cast<size_t>(rule->slots));
+      const auto slot = static_cast<size_t>(rule->slot);
+      if (slots[slot].defined()) problems.add(where + ": given twice");
+      slots[slot] = transpose ? t.t().contiguous() : t;
+      from[slot] = where + (transpose ? " (transposed)" : "");
+      if (rule->ours == "wte.weight") table = t;
     }
   }
-  if (head.defined() && table.defined() && (head.sizes() != table.sizes() || !at::equal(head, table)))
+  if (head.defined() && table.defined() &&
+      (head.sizes() != table.sizes() || head.scalar_type() != table.scalar_type() || !at::equal(head, table)))
     problems.add(head_origin + ": the configuration ties the head to the token table, but this tensor differs from it");
   for (auto& [name, slots] : pieces) {
-    std::string from;
+    const auto& from = origins[name];
+    std::string said;
     bool whole = true;
     for (size_t i = 0; i < slots.size(); ++i) {
-      from += (i ? " + " : "") + (slots[i].defined() ? origins[name][i] : std::string("(missing piece)"));
+      said += (i ? " + " : "") + (slots[i].defined() ? from[i] : std::string("(missing piece)"));
       whole = whole && slots[i].defined();
     }
     if (!whole) {
-      problems.add("'" + name + "' is made of " + std::to_string(slots.size()) + " tensors, the checkpoint gives " + from);
+      problems.add("'" + name + "' is made of " + std::to_string(slots.size()) + " tensors, the checkpoint gives " + said);
       continue;
     }
     if (slots.size() > 1) {
-      for (const auto& s : slots)
-        if (s.dim() != 2 || s.size(1) != slots[0].size(1) || s.scalar_type() != slots[0].scalar_type())
-          problems.add(from + ": pieces of '" + name + "' that do not stack (" + c10::str(s.sizes()) + " " +
-                       c10::toString(s.scalar_type()) + " and " + c10::str(slots[0].sizes()) + ")");
+      const auto layer = split_layer(name, "blocks.");
+      const std::vector<int64_t> rows = piece_rows(p.shape, layer->second);
+      bool stack = true;
+      for (size_t i = 0; i < slots.size(); ++i)
+        if (slots[i].dim() != 2 || slots[i].size(0) != rows[i] || slots[i].size(1) != p.shape.width ||
+            slots[i].scalar_type() != slots[0].scalar_type()) {
+          problems.add(from[i] + ": shape " + c10::str(slots[i].sizes()) + " " + c10::toString(slots[i].scalar_type()) +
+                       ", a piece of '" + name + "' is [" + std::to_string(rows[i]) + ", " + std::to_string(p.shape.width) +
+                       "] like its other pieces");
+          stack = false;
+        }
+      if (!stack) continue;
     }
     p.tensors.emplace_back(name, slots.size() > 1 ? at::cat(slots, 0) : slots[0]);
-    p.origin[name] = from;
+    p.origin[name] = said;
   }
   problems.raise(p.source + ": tensors trainkit cannot place:");
 }
 
-Published read_huggingface(const fs::path& dir) {
+Published huggingface_shape(const fs::path& dir) {
   if (!fs::exists(dir / "config.json"))
     throw Error(dir.string() + ": no config.json (a Hugging Face model folder has one, with the model's shape)");
   Config c(dir / "config.json");
   Published p;
   p.source = dir.string();
-  const std::string type = c.model_type();
+  const std::string type = c.text("model_type", "");
   if (type == "gpt2") {
-    p.format = "Hugging Face GPT-2";
+    p.format = gpt2_family().name;
     p.shape = gpt2_shape(c);
   } else if (type == "llama") {
-    p.format = "Hugging Face Llama";
+    p.format = llama_family().name;
     p.shape = llama_shape(c);
   } else {
+    c.problems.raise(c.file() + ":");
     throw Error(c.file() + ": 'model_type' is \"" + type + "\"; trainkit reads \"gpt2\" and \"llama\"");
   }
   c.problems.raise(c.file() + ": fields trainkit's GPT cannot honour:");
-  map_tensors(p, weight_files(dir), type == "gpt2" ? gpt2_target : llama_target, p.format);
   return p;
 }
 
-// ---------------------------------------------------------------- llm.c
+/// llm.c's GPT-2 parameters in the order train_gpt2.py's write_tensors writes them: each kind
+/// across all layers; the table has `s.rows` rows.
+struct LlmcEntry {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool per_layer;
+};
+std::vector<LlmcEntry> llmc_order(const GptShape& s) {
+  const int64_t C = s.width;
+  return {{"wte.weight", {s.rows, C}, false}, {"wpe.weight", {s.context, C}, false}, {"ln1.weight", {C}, true},
+          {"ln1.bias", {C}, true}, {"attn.qkv.weight", {3 * C, C}, true}, {"attn.qkv.bias", {3 * C}, true},
+          {"attn.proj.weight", {C, C}, true}, {"attn.proj.bias", {C}, true}, {"ln2.weight", {C}, true},
+          {"ln2.bias", {C}, true}, {"fc.weight", {4 * C, C}, true}, {"fc.bias", {4 * C}, true},
+          {"proj.weight", {C, 4 * C}, true}, {"proj.bias", {C}, true}, {"ln_f.weight", {C}, false},
+          {"ln_f.bias", {C}, false}};
+}
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int64_t llmc_elements(const GptShape& s) {
+  int64_t total = 0;
+  for (const auto& e : llmc_order(s)) total += numel(e.shape) * (e.per_layer ? s.layers : 1);
+  return total;
+}
+
+constexpr int32_t kLlmcMagic = 20240326;
 
 /// llm.c's GPT-2 checkpoint (train_gpt2.py's write_model): 256 int32 of header (magic 20240326,
 /// version 3 for float32 or 5 for bfloat16, context, vocabulary, layers, heads, width, padded
-/// vocabulary), then every parameter in Linear layout, a kind at a time across the layers.
-Published read_llmc(const fs::path& file) {
+/// vocabulary), then every parameter in Linear layout.
+Published llmc_shape(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error(file.string() + ": cannot read it");
   std::vector<int32_t> h(256);
   if (!in.read(reinterpret_cast<char*>(h.data()), 1024))
     throw Error(file.string() + ": shorter than llm.c's 1024-byte header");
-  if (h[0] != 20240326)
-    throw Error(file.string() + ": not an llm.c GPT-2 checkpoint (its magic number is " + std::to_string(h[0]) + ", not 20240326)");
+  if (h[0] != kLlmcMagic)
+    throw Error(file.string() + ": not an llm.c GPT-2 checkpoint (its magic number is " + std::to_string(h[0]) +
+                ", not 20240326)");
   if (h[1] != 3 && h[1] != 5)
     throw Error(file.string() + ": llm.c checkpoint version " + std::to_string(h[1]) +
                 "; trainkit reads 3 (float32) and 5 (bfloat16), with the padded vocabulary");
-  for (int i = 2; i <= 7; ++i)
-    if (h[static_cast<size_t>(i)] < 1) throw Error(file.string() + ": header entry " + std::to_string(i) + " is " + std::to_string(h[static_cast<size_t>(i)]));
+  const char* fields[] = {"", "", "context", "vocabulary", "layers", "heads", "width", "padded vocabulary"};
+  for (size_t i = 2; i <= 7; ++i)
+    if (h[i] < 1 || h[i] > (1 << 24))
+      throw Error(file.string() + ": its header's " + fields[i] + " is " + std::to_string(h[i]));
   Published p;
   p.format = "llm.c GPT-2";
   p.source = file.string();
@@ -386,55 +495,47 @@ Published read_llmc(const fs::path& file) {
   s.rows = h[7];
   s.mlp_width = 4 * s.width;
   s.mlp = "gelu_tanh";
-  if (s.rows < s.vocab)
-    throw Error(file.string() + ": its padded vocabulary (" + std::to_string(s.rows) + ") is smaller than its vocabulary (" + std::to_string(s.vocab) + ")");
-  if (s.width % s.heads != 0)
-    throw Error(file.string() + ": width " + std::to_string(s.width) + " is not divisible by " + std::to_string(s.heads) + " heads");
-  const int64_t L = s.layers, C = s.width, V = s.rows, T = s.context;
-  // The order train_gpt2.py's write_tensors writes: each kind across all layers.
-  struct Entry {
-    std::string name;
-    std::vector<int64_t> shape;
-    bool per_layer;
-  };
-  const std::vector<Entry> order = {
-      {"wte.weight", {V, C}, false}, {"wpe.weight", {T, C}, false}, {"ln1.weight", {C}, true}, {"ln1.bias", {C}, true},
-      {"attn.qkv.weight", {3 * C, C}, true}, {"attn.qkv.bias", {3 * C}, true}, {"attn.proj.weight", {C, C}, true},
-      {"attn.proj.bias", {C}, true}, {"ln2.weight", {C}, true}, {"ln2.bias", {C}, true},
-      {"fc.weight", {4 * C, C}, true}, {"fc.bias", {4 * C}, true}, {"proj.weight", {C, 4 * C}, true},
-      {"proj.bias", {C}, true}, {"ln_f.weight", {C}, false}, {"ln_f.bias", {C}, false}};
-  const auto numel = [](const std::vector<int64_t>& shape) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    return n;
-  };
-  int64_t total = 0;
-  for (const auto& e : order) total += numel(e.shape) * (e.per_layer ? L : 1);
-  const auto dtype = h[1] == 3 ? at::kFloat : at::kBFloat16;
+  if (const std::string why = shape_problem(s); !why.empty()) throw Error(file.string() + ": " + why);
   const int64_t item = h[1] == 3 ? 4 : 2;
   const auto size = static_cast<int64_t>(fs::file_size(file));
-  if (size != 1024 + total * item)
-    throw Error(file.string() + ": " + std::to_string(size) + " bytes, but a " + std::to_string(L) + "-layer GPT-2 of width " +
-                std::to_string(C) + ", context " + std::to_string(T) + " and " + std::to_string(V) + " padded tokens takes " +
-                std::to_string(1024 + total * item));
-  at::Tensor all = at::empty({total}, at::TensorOptions().dtype(dtype));
-  if (!in.read(static_cast<char*>(all.data_ptr()), static_cast<std::streamsize>(total * item)))
-    throw Error(file.string() + ": cannot read its parameters");
+  const double wanted = 1024.0 + static_cast<double>(llmc_elements(s)) * static_cast<double>(item);
+  if (static_cast<double>(size) != wanted)
+    throw Error(file.string() + ": " + std::to_string(size) + " bytes, but a " + std::to_string(s.layers) +
+                "-layer GPT-2 of width " + std::to_string(s.width) + ", context " + std::to_string(s.context) + " and " +
+                std::to_string(s.rows) + " padded tokens takes " + std::to_string(static_cast<int64_t>(wanted)));
+  return p;
+}
+
+void read_llmc(Published& p) {
+  const GptShape& s = p.shape;
+  std::ifstream in(p.source, std::ios::binary);
+  std::vector<int32_t> h(256);
+  in.read(reinterpret_cast<char*>(h.data()), 1024);
+  const int64_t total = llmc_elements(s);
+  at::Tensor all = at::empty({total}, at::TensorOptions().dtype(h[1] == 3 ? at::kFloat : at::kBFloat16));
+  if (!in.read(static_cast<char*>(all.data_ptr()), static_cast<std::streamsize>(all.nbytes())))
+    throw Error(p.source + ": cannot read its parameters");
   int64_t at = 0;
-  for (const auto& e : order) {
-    for (int64_t l = 0; l < (e.per_layer ? L : 1); ++l) {
+  const std::string file = fs::path(p.source).filename().string();
+  for (const auto& e : llmc_order(s)) {
+    for (int64_t l = 0; l < (e.per_layer ? s.layers : 1); ++l) {
       const std::string full = e.per_layer ? "blocks." + std::to_string(l) + "." + e.name : e.name;
       p.tensors.emplace_back(full, all.narrow(0, at, numel(e.shape)).view(e.shape));
-      p.origin[full] = file.filename().string() + " at element " + std::to_string(at);
+      p.origin[full] = file + " at element " + std::to_string(at);
       at += numel(e.shape);
     }
   }
-  return p;
 }
 
 // ---------------------------------------------------------------- writing
 
-/// What keeps a shape out of a family: "" when it fits.
+std::string joined(const std::vector<std::string>& parts) {
+  std::string out;
+  for (const auto& w : parts) out += (out.empty() ? "" : ", ") + w;
+  return out;
+}
+
+/// What keeps a shape out of GPT-2's form: "" when it fits.
 std::string gpt2_misfit(const GptShape& s) {
   std::vector<std::string> why;
   if (s.rotary) why.push_back("rotary positions (GPT-2 learns a position table)");
@@ -442,9 +543,7 @@ std::string gpt2_misfit(const GptShape& s) {
   if (!s.bias) why.push_back("no biases (GPT-2 has them)");
   if (s.mlp == "swiglu") why.push_back("a SwiGLU MLP (GPT-2's is GELU)");
   if (s.kv_heads != s.heads) why.push_back("grouped-query attention");
-  std::string out;
-  for (const auto& w : why) out += (out.empty() ? "" : ", ") + w;
-  return out;
+  return joined(why);
 }
 
 std::string llama_misfit(const GptShape& s) {
@@ -453,88 +552,69 @@ std::string llama_misfit(const GptShape& s) {
   if (!s.rms_norm) why.push_back("LayerNorm (Llama has RMSNorm)");
   if (s.bias) why.push_back("biases (Llama has none)");
   if (s.mlp != "swiglu") why.push_back("a GELU MLP (Llama's is SwiGLU)");
-  std::string out;
-  for (const auto& w : why) out += (out.empty() ? "" : ", ") + w;
-  return out;
+  return joined(why);
 }
 
-/// Hugging Face's names for trainkit's parameters, pieces split, Conv1D weights transposed.
-NamedTensors huggingface_tensors(const GptShape& s, const NamedTensors& params, bool gpt2) {
-  static const std::regex layer(R"(^blocks\.(\d+)\.(.+)$)");
-  NamedTensors out;
-  const int64_t d = s.head_dim();
-  for (const auto& [name, t] : params) {
-    const at::Tensor v = t.detach().cpu();
-    std::smatch m;
-    if (!std::regex_match(name, m, layer)) {
-      if (gpt2) {
-        if (name == "head.weight") out.emplace_back("lm_head.weight", v.narrow(0, 0, s.vocab));
-        else out.emplace_back(name, name == "wte.weight" ? v.narrow(0, 0, s.vocab) : v);
-      } else {
-        const std::map<std::string, std::string> top = {
-            {"wte.weight", "model.embed_tokens.weight"}, {"ln_f.weight", "model.norm.weight"}, {"head.weight", "lm_head.weight"}};
-        out.emplace_back(top.at(name), name == "ln_f.weight" ? v : v.narrow(0, 0, s.vocab));
-      }
-      continue;
-    }
-    const std::string i = m[1], rest = m[2];
-    if (gpt2) {
-      static const std::map<std::string, std::pair<std::string, bool>> names = {
-          {"ln1.weight", {"ln_1.weight", false}}, {"ln1.bias", {"ln_1.bias", false}},
-          {"attn.qkv.weight", {"attn.c_attn.weight", true}}, {"attn.qkv.bias", {"attn.c_attn.bias", false}},
-          {"attn.proj.weight", {"attn.c_proj.weight", true}}, {"attn.proj.bias", {"attn.c_proj.bias", false}},
-          {"ln2.weight", {"ln_2.weight", false}}, {"ln2.bias", {"ln_2.bias", false}},
-          {"fc.weight", {"mlp.c_fc.weight", true}}, {"fc.bias", {"mlp.c_fc.bias", false}},
-          {"proj.weight", {"mlp.c_proj.weight", true}}, {"proj.bias", {"mlp.c_proj.bias", false}}};
-      const auto& [hf, transpose] = names.at(rest);
-      out.emplace_back("h." + i + "." + hf, transpose ? v.t().contiguous() : v);
-      continue;
-    }
-    const std::string p = "model.layers." + i + ".";
-    if (rest == "attn.qkv.weight") {
-      out.emplace_back(p + "self_attn.q_proj.weight", v.narrow(0, 0, s.heads * d).contiguous());
-      out.emplace_back(p + "self_attn.k_proj.weight", v.narrow(0, s.heads * d, s.kv_heads * d).contiguous());
-      out.emplace_back(p + "self_attn.v_proj.weight", v.narrow(0, (s.heads + s.kv_heads) * d, s.kv_heads * d).contiguous());
-    } else if (rest == "fc.weight") {
-      out.emplace_back(p + "mlp.gate_proj.weight", v.narrow(0, 0, s.mlp_width).contiguous());
-      out.emplace_back(p + "mlp.up_proj.weight", v.narrow(0, s.mlp_width, s.mlp_width).contiguous());
-    } else {
-      static const std::map<std::string, std::string> names = {
-          {"ln1.weight", "input_layernorm.weight"}, {"attn.proj.weight", "self_attn.o_proj.weight"},
-          {"ln2.weight", "post_attention_layernorm.weight"}, {"proj.weight", "mlp.down_proj.weight"}};
-      out.emplace_back(p + names.at(rest), v);
-    }
+std::string torch_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return "float32";
   }
-  return out;
 }
 
 json huggingface_config(const GptShape& s, bool gpt2, at::ScalarType dtype) {
-  const std::string torch_dtype = dtype == at::kDouble ? "float64" : dtype == at::kBFloat16 ? "bfloat16" : "float32";
   if (gpt2)
     return {{"model_type", "gpt2"}, {"architectures", {"GPT2LMHeadModel"}}, {"vocab_size", s.vocab},
             {"n_positions", s.context}, {"n_ctx", s.context}, {"n_embd", s.width}, {"n_layer", s.layers},
             {"n_head", s.heads}, {"n_inner", s.mlp_width == 4 * s.width ? json(nullptr) : json(s.mlp_width)},
             {"activation_function", s.mlp == "gelu" ? "gelu" : "gelu_new"}, {"layer_norm_epsilon", s.norm_eps},
             {"resid_pdrop", s.dropout}, {"embd_pdrop", s.dropout}, {"attn_pdrop", s.dropout},
-            {"scale_attn_weights", true}, {"tie_word_embeddings", s.tied}, {"torch_dtype", torch_dtype}};
+            {"scale_attn_weights", true}, {"tie_word_embeddings", s.tied}, {"torch_dtype", torch_dtype(dtype)}};
   return {{"model_type", "llama"}, {"architectures", {"LlamaForCausalLM"}}, {"vocab_size", s.vocab},
           {"hidden_size", s.width}, {"intermediate_size", s.mlp_width}, {"num_hidden_layers", s.layers},
           {"num_attention_heads", s.heads}, {"num_key_value_heads", s.kv_heads},
           {"max_position_embeddings", s.context}, {"rms_norm_eps", s.norm_eps}, {"rope_theta", s.rotary_base},
           {"hidden_act", "silu"}, {"attention_bias", false}, {"mlp_bias", false}, {"rope_scaling", nullptr},
-          {"tie_word_embeddings", s.tied}, {"attention_dropout", s.dropout}, {"torch_dtype", torch_dtype}};
+          {"tie_word_embeddings", s.tied}, {"attention_dropout", s.dropout}, {"torch_dtype", torch_dtype(dtype)}};
 }
 
-/// Writes `text` to `file` through a temporary beside it, so that the file is whole or absent.
-void write_text(const fs::path& file, const std::string& text) {
-  const fs::path partial = file.string() + ".partial";
-  {
-    std::ofstream out(partial, std::ios::binary);
-    out << text;
-    if (!out.flush()) throw Error("cannot write " + partial.string());
-  }
-  fs::rename(partial, file);
+/// Writes `file` through `fill`, refusing a write that failed (a full disk shows at close).
+void write_all(const fs::path& file, const std::function<void(std::ofstream&)>& fill) {
+  std::ofstream out(file, std::ios::binary);
+  fill(out);
+  out.close();
+  if (!out) throw Error("cannot write " + file.string());
 }
+
+/// A folder for `where`, made beside it and renamed into place when whole: a killed export leaves
+/// the whole folder or none. `where` must not hold anything yet.
+class NewFolder {
+ public:
+  explicit NewFolder(fs::path where) : where_(std::move(where)), partial_(where_.string() + ".partial") {
+    if (fs::exists(where_) && !(fs::is_directory(where_) && fs::is_empty(where_)))
+      throw Error(where_.string() + " exists and is not an empty folder: export into a new one");
+    fs::remove_all(partial_);
+    fs::create_directories(partial_);
+  }
+  ~NewFolder() {
+    std::error_code ec;
+    if (!done_) fs::remove_all(partial_, ec);
+  }
+  NewFolder(const NewFolder&) = delete;
+  NewFolder& operator=(const NewFolder&) = delete;
+  const fs::path& path() const { return partial_; }
+  void finish() {
+    if (fs::exists(where_)) fs::remove(where_);  // the empty folder it may be
+    fs::rename(partial_, where_);
+    done_ = true;
+  }
+
+ private:
+  fs::path where_, partial_;
+  bool done_ = false;
+};
 
 void write_huggingface(const GptShape& s, const NamedTensors& params, const fs::path& dir, int64_t max_file_bytes) {
   const std::string gpt2_why = gpt2_misfit(s), llama_why = llama_misfit(s);
@@ -542,14 +622,15 @@ void write_huggingface(const GptShape& s, const NamedTensors& params, const fs::
     throw Error("a Hugging Face folder holds GPT-2 or Llama, and this GPT is neither: as GPT-2 it has " + gpt2_why +
                 "; as Llama it has " + llama_why);
   const bool gpt2 = gpt2_why.empty();
-  const NamedTensors tensors = huggingface_tensors(s, params, gpt2);
-  fs::create_directories(dir);
-  write_text(dir / "config.json", huggingface_config(s, gpt2, params.front().second.scalar_type()).dump(2) + "\n");
+  const NamedTensors tensors = to_family(gpt2 ? gpt2_family() : llama_family(), s, params);
+  NewFolder folder(dir);
+  const std::string config = huggingface_config(s, gpt2, params.front().second.scalar_type()).dump(2) + "\n";
+  write_all(folder.path() / "config.json", [&](std::ofstream& out) { out << config; });
   // Files of at most max_file_bytes (a tensor larger than that gets a file of its own).
   std::vector<NamedTensors> files(1);
   int64_t in_file = 0, total = 0;
   for (const auto& nt : tensors) {
-    const int64_t bytes = static_cast<int64_t>(nt.second.nbytes());
+    const auto bytes = static_cast<int64_t>(nt.second.nbytes());
     if (in_file > 0 && in_file + bytes > max_file_bytes) {
       files.emplace_back();
       in_file = 0;
@@ -559,63 +640,89 @@ void write_huggingface(const GptShape& s, const NamedTensors& params, const fs::
     total += bytes;
   }
   const Metadata meta = {{"format", "pt"}};
-  if (files.size() == 1) return save_safetensors(dir / "model.safetensors", files.front(), meta);
-  json index = {{"metadata", {{"total_size", total}}}, {"weight_map", json::object()}};
-  char name[64];
-  for (size_t f = 0; f < files.size(); ++f) {
-    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", f + 1, files.size());
-    save_safetensors(dir / name, files[f], meta);
-    for (const auto& nt : files[f]) index["weight_map"][nt.first] = name;
+  if (files.size() == 1) {
+    save_safetensors(folder.path() / "model.safetensors", files.front(), meta);
+  } else {
+    json index = {{"metadata", {{"total_size", total}}}, {"weight_map", json::object()}};
+    char name[64];
+    for (size_t f = 0; f < files.size(); ++f) {
+      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", f + 1, files.size());
+      save_safetensors(folder.path() / name, files[f], meta);
+      for (const auto& nt : files[f]) index["weight_map"][nt.first] = name;
+    }
+    const std::string text = index.dump(2) + "\n";
+    write_all(folder.path() / "model.safetensors.index.json", [&](std::ofstream& out) { out << text; });
   }
-  write_text(dir / "model.safetensors.index.json", index.dump(2) + "\n");
+  folder.finish();
 }
 
-/// llm.c's .bin: the header, then every parameter in float32, in the order read_llmc reads.
+/// llm.c's .bin: the header, then every parameter in float32, in llmc_order, streamed to a file
+/// beside `file` and renamed into place when whole.
 void write_llmc(const GptShape& s, const NamedTensors& params, const fs::path& file) {
-  std::string why = gpt2_misfit(s);
-  if (s.mlp == "gelu") why += std::string(why.empty() ? "" : ", ") + "exact GELU (llm.c computes its tanh form)";
-  if (s.mlp_width != 4 * s.width) why += std::string(why.empty() ? "" : ", ") + "an MLP not 4x as wide";
-  if (!s.tied) why += std::string(why.empty() ? "" : ", ") + "an untied head";
-  if (!why.empty()) throw Error("llm.c's .bin holds GPT-2, and this GPT has " + why);
+  std::vector<std::string> why;
+  if (const std::string misfit = gpt2_misfit(s); !misfit.empty()) why.push_back(misfit);
+  if (s.mlp == "gelu") why.push_back("exact GELU (llm.c computes its tanh form)");
+  if (s.mlp_width != 4 * s.width) why.push_back("an MLP not 4x as wide");
+  if (!s.tied) why.push_back("an untied head");
+  if (s.norm_eps != 1e-5) why.push_back("LayerNorm's epsilon " + std::to_string(s.norm_eps) + " (llm.c's is 1e-5)");
+  if (!why.empty()) throw Error("llm.c's .bin holds GPT-2, and this GPT has " + joined(why));
   std::map<std::string, at::Tensor> by_name;
   for (const auto& [name, t] : params) by_name[name] = t.detach().cpu().to(at::kFloat).contiguous();
   // A padded table keeps its rows; an unpadded one is padded to a multiple of 128, as llm.c does.
-  const int64_t padded = s.rows > s.vocab ? s.rows : (s.rows + 127) / 128 * 128;
+  GptShape padded = s;
+  padded.rows = s.rows > s.vocab ? s.rows : (s.rows + 127) / 128 * 128;
+  at::Tensor& table = by_name.at("wte.weight");
+  if (padded.rows > s.rows) table = at::cat({table, at::zeros({padded.rows - s.rows, s.width}, table.options())});
   std::vector<int32_t> h(256, 0);
-  const std::vector<int64_t> fields = {20240326, 3, s.context, s.vocab, s.layers, s.heads, s.width, padded};
+  const std::vector<int64_t> fields = {kLlmcMagic, 3, s.context, s.vocab, s.layers, s.heads, s.width, padded.rows};
   for (size_t i = 0; i < fields.size(); ++i) h[i] = static_cast<int32_t>(fields[i]);
-  std::string bytes(reinterpret_cast<const char*>(h.data()), 1024);
-  const auto put = [&](const at::Tensor& t) {
-    bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  };
-  at::Tensor table = by_name.at("wte.weight");
-  if (padded > s.rows) table = at::cat({table, at::zeros({padded - s.rows, s.width}, table.options())});
-  put(table);
-  put(by_name.at("wpe.weight"));
-  for (const char* kind : {"ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
-                           "attn.proj.bias", "ln2.weight", "ln2.bias", "fc.weight", "fc.bias", "proj.weight", "proj.bias"})
-    for (int64_t l = 0; l < s.layers; ++l) put(by_name.at("blocks." + std::to_string(l) + "." + kind));
-  put(by_name.at("ln_f.weight"));
-  put(by_name.at("ln_f.bias"));
   if (file.has_parent_path()) fs::create_directories(file.parent_path());
-  write_text(file, bytes);
+  const fs::path partial = file.string() + ".partial";
+  try {
+    write_all(partial, [&](std::ofstream& out) {
+      out.write(reinterpret_cast<const char*>(h.data()), 1024);
+      for (const auto& e : llmc_order(padded))
+        for (int64_t l = 0; l < (e.per_layer ? s.layers : 1); ++l) {
+          const at::Tensor& t = by_name.at(e.per_layer ? "blocks." + std::to_string(l) + "." + e.name : e.name);
+          out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+        }
+    });
+    fs::rename(partial, file);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(partial, ec);
+    throw;
+  }
 }
 
 }  // namespace
 
-std::vector<std::string> published_formats() { return {"huggingface", "llmc"}; }
-
-void write_published(const GptShape& s, const NamedTensors& params, const std::string& format, const fs::path& where,
-                     int64_t max_file_bytes) {
-  if (format == "huggingface") return write_huggingface(s, params, where, max_file_bytes);
-  if (format == "llmc") return write_llmc(s, params, where);
-  throw Error("no export format '" + format + "' (formats: huggingface, llmc)");
+std::string shape_problem(const GptShape& s) {
+  const auto n = [](int64_t v) { return std::to_string(v); };
+  if (s.width % s.heads != 0) return "width " + n(s.width) + " is not divisible by " + n(s.heads) + " heads";
+  if (s.heads % s.kv_heads != 0) return n(s.kv_heads) + " key/value heads do not divide " + n(s.heads) + " heads";
+  if (s.rows < s.vocab) return n(s.rows) + " table rows, fewer than the vocabulary of " + n(s.vocab);
+  if (s.rotary && s.head_dim() % 2 != 0)
+    return "rotary positions turn pairs of features, but each head has " + n(s.head_dim());
+  if (s.rotary && !(s.rotary_base > 1.0)) return "the rotary base is " + std::to_string(s.rotary_base) + ", not > 1";
+  if (!(s.norm_eps > 0.0)) return "the norms' epsilon is " + std::to_string(s.norm_eps) + ", not > 0";
+  return "";
 }
 
-Published read_published(const fs::path& where) {
-  if (fs::is_directory(where)) return read_huggingface(where);
+Published read_published_shape(const fs::path& where) {
+  if (fs::is_directory(where)) {
+    Published p = huggingface_shape(where);
+    if (const std::string why = shape_problem(p.shape); !why.empty()) throw Error(where.string() + "/config.json: " + why);
+    return p;
+  }
   if (!fs::exists(where)) throw Error(where.string() + ": no such file or folder");
-  return read_llmc(where);
+  return llmc_shape(where);
+}
+
+void read_published_tensors(Published& p) {
+  if (p.format == gpt2_family().name) return read_family(p, gpt2_family());
+  if (p.format == llama_family().name) return read_family(p, llama_family());
+  read_llmc(p);
 }
 
 void load_published(const Published& from, const std::vector<std::pair<std::string, at::Tensor>>& params) {
@@ -645,6 +752,15 @@ void load_published(const Published& from, const std::vector<std::pair<std::stri
   }
   for (const auto& [name, t] : given) problems.add("'" + name + "'" + origin(name) + ": the model has no such parameter");
   problems.raise(from.source + " (" + from.format + ") does not fit the model its configuration describes:");
+}
+
+std::vector<std::string> published_formats() { return {"huggingface", "llmc"}; }
+
+void write_published(const GptShape& s, const NamedTensors& params, const std::string& format, const fs::path& where,
+                     int64_t max_file_bytes) {
+  if (format == "huggingface") return write_huggingface(s, params, where, max_file_bytes);
+  if (format == "llmc") return write_llmc(s, params, where);
+  throw Error("no export format '" + format + "' (formats: huggingface, llmc)");
 }
 
 }  // namespace tk::models

@@ -46,11 +46,19 @@ struct Published {
   std::map<std::string, std::string> origin;  // trainkit's name -> the file and tensor(s) it came from
 };
 
-/// Reads the checkpoint at `where`: a Hugging Face folder (config.json and model.safetensors, or
-/// the shards model.safetensors.index.json names) of model_type gpt2 or llama, or llm.c's .bin.
-/// Configuration fields trainkit cannot honour, and tensors it has no place for, are refused in
-/// one Error, a line each, naming the file and the field or tensor.
-Published read_published(const std::filesystem::path& where);
+/// What is wrong with a shape (a width the heads do not divide, ...): "" when nothing.
+std::string shape_problem(const GptShape& s);
+
+/// The shape of the checkpoint at `where`, from its configuration alone: a Hugging Face folder
+/// (config.json, with model.safetensors or the shards model.safetensors.index.json names) of
+/// model_type gpt2 or llama, or llm.c's .bin (its header, and its size checked). Configuration
+/// fields trainkit cannot honour are refused in one Error, a line each, naming the file and field.
+Published read_published_shape(const std::filesystem::path& where);
+
+/// Reads the tensors of a checkpoint whose shape read_published_shape read, into trainkit's names;
+/// tensors it has no place for, pieces that do not stack, and a tied head that is not the table
+/// are refused in one Error, a line each, naming the file and the tensor.
+void read_published_tensors(Published& p);
 
 /// Fills `params` (trainkit's names) from `from`, checking every tensor: one line each for a
 /// parameter the checkpoint lacks, a tensor of another shape, and a tensor that is not floating

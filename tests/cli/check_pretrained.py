@@ -9,6 +9,9 @@ configuration field trainkit cannot honour, a recipe that sets a shape option to
 
 With NANOGPT_MODEL_PY (nanoGPT's model.py) set, the GPT-2 folder (with exact GELU, as nanoGPT has)
 is also checked against nanoGPT's GPT, its weights loaded as nanoGPT's from_pretrained maps them.
+With LLMC_TRAIN_LLAMA3 (llm.c's train_llama3.py) set, the Llama folder is checked against its LLaMA
+(Meta's interleaved RoPE, the weights un-permuted from Hugging Face's layout by its own code); its
+RoPE and RMSNorm compute in float32 by design, so there the logits agree to float32's precision.
 
 Out the same way: `tk-export RECIPE --format huggingface|llmc` writes each model back; the files
 hold the checkpoint's tensors exactly (llm.c's .bin byte for byte), a Llama exported past
@@ -71,6 +74,7 @@ def write_shard(path, vocab, count):
 
 
 def recipe(folder, pretrained, vocab, seq_len, extra=""):
+    folder.mkdir(exist_ok=True)
     shard = folder / "train_000.bin"
     write_shard(shard, vocab, 4 * (seq_len + 1))
     text = f"""[run]
@@ -207,7 +211,6 @@ out = tk_export(gpt2 / "recipe.toml", "huggingface", WORK / "gpt2-out")
 same_tensors("GPT-2 exported as a Hugging Face folder", read_folder(out), sd)
 exported = json.loads((out / "config.json").read_text())
 assert exported["model_type"] == "gpt2" and exported["activation_function"] == "gelu_new" and exported["n_layer"] == L
-(WORK / "gpt2-again").mkdir()
 assert torch.equal(tk_logits(recipe(WORK / "gpt2-again", out, V, T), ids), gpt2_logits)
 
 # llm.c's .bin of the same weights: Linear layout ([out, in]), the table padded to 320 rows.
@@ -232,7 +235,7 @@ print("llm.c GPT-2 exported: the same bytes as the .bin it was read from")
 
 # ---------------------------------------------------------------- Llama (Hugging Face)
 
-KV, I, theta, eps = 2, 80, 500000.0, 1e-5
+KV, I, theta, eps = 2, 96, 500000.0, 1e-5  # I: what llm.c's MLP sizing gives for width 32, multiple_of 16
 w = lambda *s: (torch.randn(*s) * 0.2).float()  # noqa: E731
 D = C // H
 llama_sd = {"model.embed_tokens.weight": w(V, C), "model.norm.weight": 1 + w(C), "lm_head.weight": w(V, C)}
@@ -295,7 +298,10 @@ assert len(set(index["weight_map"].values())) > 2, "expected shards past --max-s
 for f in out.glob("*.safetensors"):  # a file holds 40 KB at most, or one tensor larger than that
     assert f.stat().st_size <= 40 * 1024 + 4096 or len(read_safetensors(f)) == 1, f
 same_tensors(f"Llama exported in {len(set(index['weight_map'].values()))} shards", read_folder(out), llama_sd)
-(WORK / "llama-again").mkdir()
+exported = json.loads((out / "config.json").read_text())
+for key in ("num_key_value_heads", "num_attention_heads", "intermediate_size", "rope_theta", "rms_norm_eps",
+            "tie_word_embeddings", "vocab_size", "hidden_size", "num_hidden_layers"):
+    assert exported[key] == llama_config[key], (key, exported[key], llama_config[key])
 assert torch.equal(tk_logits(recipe(WORK / "llama-again", out, V, T), ids), llama_logits)
 
 # ---------------------------------------------------------------- nanoGPT's GPT, when given
@@ -321,6 +327,67 @@ if os.environ.get("NANOGPT_MODEL_PY"):
         ref, _ = model(x, targets=x)  # with targets, the logits of every position
     agree("Hugging Face GPT-2 (exact GELU) against nanoGPT's model.py", tk_logits(recipe(exact, exact, V, T), ids), ref[0])
 
+# ---------------------------------------------------------------- llm.c's LLaMA, when given
+
+if os.environ.get("LLMC_TRAIN_LLAMA3"):
+    # Its model's definitions alone (the file also imports tiktoken and torch 2's inductor).
+    source = pathlib.Path(os.environ["LLMC_TRAIN_LLAMA3"]).read_text()
+    start, end = source.index("def repeat_kv"), source.index("class Tokenizer")
+    import dataclasses
+    import typing
+    space = {"math": math, "torch": torch, "nn": torch.nn, "F": F, "dataclass": dataclasses.dataclass,
+             "Tuple": typing.Tuple, "Optional": typing.Optional, "List": typing.List, "Path": pathlib.Path}
+    exec(compile(source[start:end], os.environ["LLMC_TRAIN_LLAMA3"], "exec"), space)
+    cfg = space["LlamaConfig"](block_size=T, vocab_size=V, n_layer=L, n_head=H, n_kv_head=KV, n_embd=C,
+                               ffn_dim_multiplier=None, multiple_of=16, norm_eps=eps, rope_theta=theta,
+                               use_scaled_rope=False, use_kv=False, flash=False)
+    model = space["LLaMA"](cfg)
+    state = space["LLaMA"].adapt_llama_state_dict_keys_hf(dict(llama_sd), cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    model.double().eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref, _ = model(x, targets=x)
+    ref, tk = ref[0].double(), llama_logits
+    diff = (tk - ref).abs().max().item()
+    print(f"Hugging Face Llama against llm.c's train_llama3.py: largest difference {diff:.3g} (its RoPE and RMSNorm in float32)")
+    assert diff <= 1e-5 * max(1.0, ref.abs().max().item()), "llm.c's LLaMA disagrees with trainkit's"
+
+# ---------------------------------------------------------------- other shapes of the same layouts
+
+# GPT-2 with an MLP of n_inner, exact GELU and another epsilon.
+inner = gpt2_weights(L, C, V, T, 48)
+folder = WORK / "gpt2-inner"
+folder.mkdir()
+(folder / "config.json").write_text(json.dumps(config | {"n_inner": 48, "activation_function": "gelu",
+                                                         "layer_norm_epsilon": 1e-6}))
+write_safetensors(folder / "model.safetensors", inner)
+agree("Hugging Face GPT-2 (n_inner 48, exact GELU, epsilon 1e-6)", tk_logits(recipe(folder, folder, V, T), ids),
+      gpt2_reference(inner, ids, L, H, 1e-6, False, V))
+
+# llm.c's bfloat16 checkpoint (version 5): the reference computes with the bfloat16 values.
+rounded = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+lin16 = {k: (v.T.contiguous() if k.endswith("weight") and ("c_attn" in k or "c_proj" in k or "c_fc" in k) else v)
+         for k, v in rounded.items()}
+table16 = torch.cat([lin16["wte.weight"], torch.zeros(Vp - V, C, dtype=torch.bfloat16)])
+blob = b"".join((table16 if n == "wte.weight" else lin16[n]).contiguous().view(torch.int16).numpy().tobytes()
+                for group in order for n in group)
+folder = WORK / "llmc-bf16"
+folder.mkdir()
+(folder / "gpt2.bin").write_bytes(struct.pack("<256i", *([20240326, 5, T, V, L, H, C, Vp] + [0] * 248)) + blob)
+agree("llm.c GPT-2 in bfloat16 (version 5)", tk_logits(recipe(folder, folder / "gpt2.bin", V, T), ids),
+      gpt2_reference({k: v.double() for k, v in rounded.items()}, ids, L, H, 1e-5, True, V))
+
+# Llama with its head tied to the table (no lm_head.weight saved).
+tied = {k: v for k, v in llama_sd.items() if k != "lm_head.weight"}
+folder = WORK / "llama-tied"
+folder.mkdir()
+(folder / "config.json").write_text(json.dumps(llama_config | {"tie_word_embeddings": True}))
+write_safetensors(folder / "model.safetensors", tied)
+agree("Hugging Face Llama (tied head)", tk_logits(recipe(folder, folder, V, T), ids),
+      llama_reference(tied | {"lm_head.weight": tied["model.embed_tokens.weight"]}, ids))
+
 # ---------------------------------------------------------------- refusals
 
 
@@ -343,10 +410,23 @@ tk_refuses(variant("unhonoured", sd, config | {"scale_attn_by_inverse_layer_idx"
            "config.json", "'scale_attn_by_inverse_layer_idx' = true")
 tk_refuses(variant("shape-set", sd, extra="layers = 3\n"), "model.layers", "is set by the checkpoint")
 tk_refuses(variant("untied-head", sd | {"lm_head.weight": w(V, C)}), "ties the head to the token table")
+swapped = dict(llama_sd)
+swapped["model.layers.0.self_attn.q_proj.weight"] = w(KV * D, C)  # a query projection with the keys' rows
+swapped["model.layers.0.self_attn.k_proj.weight"] = w(H * D, C)
+folder = WORK / "llama-swapped"
+folder.mkdir()
+(folder / "config.json").write_text(json.dumps(llama_config))
+write_safetensors(folder / "model.safetensors", swapped)
+tk_refuses(recipe(folder, folder, V, T), "'model.layers.0.self_attn.q_proj.weight': shape [16, 32]",
+           "a piece of 'blocks.0.attn.qkv.weight' is [32, 32]")
+tk_refuses(variant("heads-5", sd, config | {"n_head": 5}), "config.json: width 32 is not divisible by 5 heads")
 short = WORK / "short.bin"
 short.write_bytes((llmc / "gpt2.bin").read_bytes()[:-4])
-tk_refuses(recipe(WORK / "short-bin" if (WORK / "short-bin").mkdir() is None else None, short, V, T), "bytes, but a 2-layer GPT-2")
+tk_refuses(recipe(WORK / "short-bin", short, V, T), "bytes, but a 2-layer GPT-2")
 r = subprocess.run([TK_EXPORT, str(llama / "recipe.toml"), "--format", "llmc", "--out", str(WORK / "x.bin")],
                    capture_output=True, text=True)
 assert r.returncode == 1 and "llm.c's .bin holds GPT-2, and this GPT has rotary positions" in r.stderr, r.stderr
+r = subprocess.run([TK_EXPORT, str(gpt2 / "recipe.toml"), "--format", "huggingface", "--out", str(WORK / "gpt2-out")],
+                   capture_output=True, text=True)
+assert r.returncode == 1 and "exists and is not an empty folder" in r.stderr, r.stderr
 print("published checkpoints: all agree, all refusals name what is wrong, every export reads back the same")

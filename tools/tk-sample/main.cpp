@@ -297,8 +297,9 @@ int sample(const Options& o) {
   torch::NoGradGuard no_grad;
   model.eval();
   const int64_t vocab = trainer.data().info.vocab;
-  const Tokenizer tok(o.ids.empty() ? find_tokenizer(o, recipe, vocab) : std::string());
-  if (tok.bytes() && vocab < 256)
+  // Logits of given ids need no tokenizer; a sample is decoded with the run's.
+  const Tokenizer tok(o.ids.empty() || o.logits.empty() ? find_tokenizer(o, recipe, vocab) : std::string());
+  if (tok.bytes() && vocab < 256 && o.logits.empty())
     throw std::runtime_error("the model's vocabulary is " + std::to_string(vocab) + " tokens, fewer than the 256 bytes");
   const auto& shape = trainer.data().info.input_shape;
   const int64_t context = shape.empty() ? 1024 : shape.front();

@@ -3,6 +3,8 @@
 #include <spdlog/spdlog.h>
 #include <torch/cuda.h>
 
+#include <fnmatch.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
@@ -94,7 +96,40 @@ OptionSpecs model_specs() {
                                "dict of tensors saved by torch.save (\"\": the model's own initialization)"),
           opt_bool("init_partial", false,
                    "let init lack some of the model's tensors, hold others, or hold them in other shapes: those keep "
-                   "the model's initialization, and the log lists them")};
+                   "the model's initialization, and the log lists them"),
+          opt_strings("trainable", {}, "train only the parameters whose names match one of these patterns (shell "
+                                       "wildcards: \"blocks.11.*\", \"ln_f.*\"); [] trains every parameter"),
+          opt_strings("freeze", {}, "parameters whose names match one of these patterns are not trained (applied "
+                                    "after trainable)")};
+}
+
+/// `[model] trainable` and `freeze`: parameters by name pattern, before any plugin's setup (which
+/// may freeze more). A pattern that matches nothing is refused: a misspelt name would otherwise
+/// train what it meant to freeze.
+void choose_trainable(Run& r) {
+  const auto& keep = r.model_opts.get_strings("trainable");
+  const auto& freeze = r.model_opts.get_strings("freeze");
+  if (keep.empty() && freeze.empty()) return;
+  const auto params = r.model->named_parameters();
+  const auto matches = [](const std::vector<std::string>& patterns, const std::string& name) {
+    return std::any_of(patterns.begin(), patterns.end(),
+                       [&](const std::string& p) { return ::fnmatch(p.c_str(), name.c_str(), 0) == 0; });
+  };
+  for (const char* key : {"trainable", "freeze"})
+    for (const auto& pattern : r.model_opts.get_strings(key)) {
+      const bool used = std::any_of(params.begin(), params.end(),
+                                    [&](const auto& p) { return ::fnmatch(pattern.c_str(), p.key().c_str(), 0) == 0; });
+      if (!used)
+        r.model_opts.fail(key, "'" + pattern + "' matches no parameter of model '" + r.model_name + "' (its first: '" +
+                                   (params.is_empty() ? std::string() : params.begin()->key()) + "')");
+    }
+  int64_t trained = 0, frozen = 0;
+  for (const auto& p : params) {
+    const bool train = (keep.empty() || matches(keep, p.key())) && !matches(freeze, p.key());
+    if (!train) p.value().set_requires_grad(false);
+    (train ? trained : frozen) += p.value().numel();
+  }
+  spdlog::info("model: {} parameters trained, {} frozen (model.trainable, model.freeze)", trained, frozen);
 }
 
 /// `[model] init`: the model's parameters and buffers from a file, by name (before any plugin's
@@ -266,6 +301,7 @@ void build_components(Run& r, const Recipe& recipe) {
   if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
   r.model->to(r.device, r.dtype);
   load_init(r);
+  choose_trainable(r);
   r.model->train();
 
   const auto& lc = section(r, recipe, Kind::Loss, r.data.info.default_loss, r.registry.losses(), r.loss_name,
