@@ -13,6 +13,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -620,8 +621,18 @@ Published pretrained_of(const Options& o, const DataInfo& d) {
   } catch (const std::exception& e) {
     o.fail("pretrained", message_of(e));
   }
-  for (const char* k : kShapeOptions)
-    if (o.is_set(k)) o.fail(k, "is set by the checkpoint (" + p.source + "): remove it from the recipe");
+  // A shape option set to anything but its default is refused; one at its default is what a run's
+  // recipe.toml lists for every option, and the checkpoint's shape stands.
+  const OptionSpecs specs = gpt_specs();
+  for (const char* k : kShapeOptions) {
+    const auto spec = std::find_if(specs.begin(), specs.end(), [&](const OptionSpec& x) { return x.name == k; });
+    const OptionValue& def = spec->default_value;
+    const bool moved = spec->type == OptionType::Int      ? o.get_int(k) != std::get<int64_t>(def)
+                       : spec->type == OptionType::Float  ? o.get_float(k) != std::get<double>(def)
+                       : spec->type == OptionType::Bool   ? o.get_bool(k) != std::get<bool>(def)
+                                                          : o.get_string(k) != std::get<std::string>(def);
+    if (o.is_set(k) && moved) o.fail(k, "is set by the checkpoint (" + p.source + "): remove it from the recipe");
+  }
   if (p.shape.vocab != d.vocab)
     o.fail("pretrained", p.source + " (" + p.format + ") predicts a vocabulary of " + std::to_string(p.shape.vocab) +
                              " tokens, the data's is " + std::to_string(d.vocab) + ": tokenize the data with the "

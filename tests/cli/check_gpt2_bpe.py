@@ -14,7 +14,6 @@ OpenAI named its files (encoder.json, vocab.bpe) and as a Hugging Face tokenizer
 back the bytes; bad tokenizers and text that is not UTF-8 are refused, naming the file or document;
 a GPT trained on the shards is sampled by tk-sample, which finds the tokenizer beside them.
 """
-import collections
 import importlib.util
 import json
 import os
@@ -27,60 +26,11 @@ import unicodedata
 
 import regex
 
+from gpt2_vocab import BYTES, PATTERN, UNBYTES, learn, pieces, vocabulary, write_vocabulary
+
 tokenize, tk_run, tk_sample, work = sys.argv[1], sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
 shutil.rmtree(work, ignore_errors=True)
 work.mkdir(parents=True)
-
-PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-
-
-def byte_table():
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-BYTES = byte_table()
-UNBYTES = {c: b for b, c in BYTES.items()}
-
-
-def pieces(text):
-    return ["".join(BYTES[b] for b in p.encode("utf-8")) for p in PATTERN.findall(text)]
-
-
-def learn(texts, merges_wanted):
-    """Merges by frequency over the pieces of `texts` (ties broken by the pair's text)."""
-    words = collections.Counter(tuple(p) for t in texts for p in pieces(t))
-    merges = []
-    while len(merges) < merges_wanted:
-        pairs = collections.Counter()
-        for w, n in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[a, b] += n
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        merged = collections.Counter()
-        for w, n in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            merged[tuple(out)] += n
-        words = merged
-    return merges
-
 
 class Reference:
     """GPT-2's encoder as published: the lowest-ranked adjacent pair is merged everywhere, again
@@ -141,17 +91,13 @@ docs += [
     "<|endoftext|> inside a text is text",
 ]
 merges = learn(docs, 600)
-vocab = {c: i for i, c in enumerate(BYTES[b] for b in range(256))}
-for a, b in merges:
-    vocab.setdefault(a + b, len(vocab))
-vocab["<|endoftext|>"] = len(vocab)
+vocab = vocabulary(merges)
 eos = vocab["<|endoftext|>"]
 ref = Reference(vocab, merges)
 
 gpt2 = work / "gpt2"
 gpt2.mkdir()
-(gpt2 / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-(gpt2 / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+write_vocabulary(gpt2, vocab, merges)
 
 expected = [ref.encode(d) for d in docs]
 if os.environ.get("GPT2_ENCODER_PY"):  # GPT-2's own encoder.py, when a copy is at hand
