@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "support.h"
@@ -260,6 +261,33 @@ name = "fake_sync"
                           .describe(),
                       doctest::Contains("fifo.safetensors is not a regular file"));
     fs::remove_all(out);
+  }
+
+  TEST_CASE("[model] trainable and freeze choose the parameters that train by name pattern; one that matches nothing is refused") {
+    tk::Trainer untrained(tkt::recipe(), tkt::quiet());
+    untrained.describe();  // the same seed: the same initial weights
+    std::map<std::string, at::Tensor> start;
+    for (const auto& p : untrained.model().named_parameters()) start[p.key()] = p.value().detach().clone();
+    tk::Trainer frozen(tkt::recipe({"model.freeze=[\"layers.0.*\"]"}), tkt::quiet());
+    frozen.fit();
+    int moved = 0;
+    for (const auto& p : frozen.model().named_parameters()) {
+      CAPTURE(p.key());
+      const bool first = p.key().rfind("layers.0.", 0) == 0;
+      CHECK(p.value().requires_grad() == !first);
+      CHECK(torch::equal(p.value(), start.at(p.key())) == first);
+      moved += !first;
+    }
+    CHECK(moved >= 2);
+    tk::Trainer only(tkt::recipe({"model.trainable=[\"head.*\"]", "model.freeze=[\"head.bias\"]"}), tkt::quiet());
+    only.describe();
+    for (const auto& p : only.model().named_parameters()) CHECK(p.value().requires_grad() == (p.key() == "head.weight"));
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.freeze=[\"layer.0.*\"]"}), tkt::quiet()).describe(),
+                      doctest::Contains("'layer.0.*' matches no parameter of model 'mlp' (it has 'head.weight', 'head.bias', 'layers.0.weight'"));
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.trainable=[\"nothing\"]"}), tkt::quiet()).describe(),
+                      doctest::Contains("model.trainable"));
+    CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.freeze=[\"*\"]"}), tkt::quiet()).describe(),
+                      doctest::Contains("every parameter has requires_grad = false"));
   }
 
   TEST_CASE("a run resumes with the other exact optimizer step form, bit-identical") {

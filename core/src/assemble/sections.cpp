@@ -119,9 +119,12 @@ void choose_trainable(Run& r) {
     for (const auto& pattern : r.model_opts.get_strings(key)) {
       const bool used = std::any_of(params.begin(), params.end(),
                                     [&](const auto& p) { return ::fnmatch(pattern.c_str(), p.key().c_str(), 0) == 0; });
-      if (!used)
-        r.model_opts.fail(key, "'" + pattern + "' matches no parameter of model '" + r.model_name + "' (its first: '" +
-                                   (params.is_empty() ? std::string() : params.begin()->key()) + "')");
+      if (!used) {
+        std::string some;
+        for (size_t i = 0; i < std::min<size_t>(params.size(), 4); ++i) some += (i ? ", '" : "'") + params[i].key() + "'";
+        if (params.size() > 4) some += " and " + std::to_string(params.size() - 4) + " more";
+        r.model_opts.fail(key, "'" + pattern + "' matches no parameter of model '" + r.model_name + "' (it has " + some + ")");
+      }
     }
   int64_t trained = 0, frozen = 0;
   for (const auto& p : params) {
