@@ -2,9 +2,12 @@
 // llm.c's GPT-2 .bin.
 #include "published.h"
 
+#include "torch_save.h"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -241,6 +244,20 @@ const Family& llama_family() {
   return f;
 }
 
+/// nanoGPT's GPT (model.py): GPT-2's names under "transformer.", in Linear layout (its from_pretrained
+/// transposes GPT-2's Conv1D weights into it), the causal mask a buffer where flash attention is
+/// not used.
+const Family& nanogpt_family() {
+  static const Family f = [] {
+    Family n = gpt2_family();
+    n.name = "nanoGPT";
+    for (Rule& r : n.layer) r.transpose = false;
+    n.skipped = {"attn.bias"};
+    return n;
+  }();
+  return f;
+}
+
 /// The rows of each piece of a stacked parameter (a per-layer trainkit name) in shape `s`.
 std::vector<int64_t> piece_rows(const GptShape& s, const std::string& ours) {
   const int64_t d = s.head_dim();
@@ -342,17 +359,18 @@ std::vector<fs::path> weight_files(const fs::path& dir) {
   return out;
 }
 
-/// A Hugging Face folder's tensors by trainkit's names, pieces stacked; refuses unknown names,
-/// pieces of other rows, a tied head that is not the table.
-void read_family(Published& p, const Family& f) {
+/// Tensors named as `f` names them (from each source: a label for messages, and its tensors) by
+/// trainkit's names, pieces stacked; refuses unknown names, pieces of other rows, a tied head that
+/// is not the table.
+void read_family(Published& p, const Family& f, const std::vector<std::pair<std::string, NamedTensors>>& sources) {
   Problems problems;
   std::map<std::string, std::vector<at::Tensor>> pieces;
   std::map<std::string, std::vector<std::string>> origins;
   at::Tensor table, head;
   std::string head_origin;
-  for (const auto& file : weight_files(p.source)) {
-    for (auto& [name, t] : load_safetensors(file)) {
-      const std::string where = file.filename().string() + " '" + name + "'";
+  for (const auto& [label, tensors] : sources) {
+    for (const auto& [name, t] : tensors) {
+      const std::string where = label + " '" + name + "'";
       const auto rule = rule_for(f, name, p.shape.layers);
       if (!rule) {
         problems.add(where + ": " + f.name + " has no such tensor (or not in a model of " + std::to_string(p.shape.layers) + " layers)");
@@ -709,6 +727,48 @@ std::string shape_problem(const GptShape& s) {
   return "";
 }
 
+/// nanoGPT's ckpt.pt (train.py's torch.save): a dict whose 'model' is the state dict (under
+/// "_orig_mod." when the model was compiled) and whose 'model_args' give the shape.
+Published nanogpt_shape(const fs::path& file) {
+  const PyValue ckpt = read_torch_save(file);
+  const PyValue* model = ckpt.get("model");
+  const PyValue* args = ckpt.get("model_args");
+  if (!model || !args || model->kind != PyValue::Kind::Dict || args->kind != PyValue::Kind::Dict)
+    throw Error(file.string() + ": a torch.save file, but not nanoGPT's checkpoint (a dict with 'model' and 'model_args', "
+                "got a " + ckpt.type_name() + "); a plain dict of tensors by trainkit's names loads with [model] init");
+  Problems problems;
+  const auto count = [&](const char* key) -> int64_t {
+    const PyValue* v = args->get(key);
+    if (!v || v->kind != PyValue::Kind::Int || v->i < 1) {
+      problems.add(std::string("model_args['") + key + "']: expected a whole number >= 1, got " + (v ? v->type_name() : "nothing"));
+      return 1;
+    }
+    return v->i;
+  };
+  Published p;
+  p.format = nanogpt_family().name;
+  p.source = file.string();
+  GptShape& s = p.shape;
+  s.layers = count("n_layer");
+  s.heads = s.kv_heads = count("n_head");
+  s.width = count("n_embd");
+  s.context = count("block_size");
+  s.vocab = s.rows = count("vocab_size");
+  s.mlp_width = 4 * s.width;
+  s.mlp = "gelu";  // nn.GELU(), exact
+  const PyValue* bias = args->get("bias");
+  if (bias && bias->kind != PyValue::Kind::Bool) problems.add("model_args['bias']: expected True or False, got " + bias->type_name());
+  s.bias = !bias || bias->kind != PyValue::Kind::Bool || bias->b;
+  problems.raise(file.string() + ": nanoGPT's model_args:");
+  for (const auto& [key, value] : *model->entries) {
+    if (key.kind != PyValue::Kind::String || value.kind != PyValue::Kind::Tensor)
+      throw Error(file.string() + ": its 'model' holds a " + key.type_name() + " -> " + value.type_name() + " entry, not name -> tensor");
+    const std::string name = key.s.rfind("_orig_mod.", 0) == 0 ? key.s.substr(10) : key.s;  // torch.compile's prefix
+    p.raw.emplace_back(name, value.tensor);
+  }
+  return p;
+}
+
 Published read_published_shape(const fs::path& where) {
   if (fs::is_directory(where)) {
     Published p = huggingface_shape(where);
@@ -716,12 +776,27 @@ Published read_published_shape(const fs::path& where) {
     return p;
   }
   if (!fs::exists(where)) throw Error(where.string() + ": no such file or folder");
+  char magic[4] = {};
+  std::ifstream(where, std::ios::binary).read(magic, 4);
+  if (std::memcmp(magic, "PK\x03\x04", 4) == 0) {  // a zip: torch.save's format
+    Published p = nanogpt_shape(where);
+    if (const std::string why = shape_problem(p.shape); !why.empty()) throw Error(where.string() + ": " + why);
+    return p;
+  }
   return llmc_shape(where);
 }
 
 void read_published_tensors(Published& p) {
-  if (p.format == gpt2_family().name) return read_family(p, gpt2_family());
-  if (p.format == llama_family().name) return read_family(p, llama_family());
+  if (p.format == nanogpt_family().name) {
+    const NamedTensors raw = std::move(p.raw);
+    p.raw.clear();
+    return read_family(p, nanogpt_family(), {{fs::path(p.source).filename().string(), raw}});
+  }
+  if (p.format == gpt2_family().name || p.format == llama_family().name) {
+    std::vector<std::pair<std::string, NamedTensors>> sources;
+    for (const auto& file : weight_files(p.source)) sources.emplace_back(file.filename().string(), load_safetensors(file));
+    return read_family(p, p.format == gpt2_family().name ? gpt2_family() : llama_family(), sources);
+  }
   read_llmc(p);
 }
 

@@ -39,11 +39,12 @@ struct GptShape {
 
 /// A published checkpoint, read.
 struct Published {
-  std::string format;  // "Hugging Face GPT-2", "Hugging Face Llama", "llm.c GPT-2"
+  std::string format;  // "Hugging Face GPT-2", "Hugging Face Llama", "nanoGPT", "llm.c GPT-2"
   std::string source;  // the folder or file it was read from
   GptShape shape;      // vocab and rows as the checkpoint holds them; dropout 0
   NamedTensors tensors;  // by trainkit's names, in the checkpoint's dtypes
   std::map<std::string, std::string> origin;  // trainkit's name -> the file and tensor(s) it came from
+  NamedTensors raw;  // by the checkpoint's names, where reading the shape read them too (nanoGPT's pickle)
 };
 
 /// What is wrong with a shape (a width the heads do not divide, ...): "" when nothing.
@@ -51,7 +52,8 @@ std::string shape_problem(const GptShape& s);
 
 /// The shape of the checkpoint at `where`, from its configuration alone: a Hugging Face folder
 /// (config.json, with model.safetensors or the shards model.safetensors.index.json names) of
-/// model_type gpt2 or llama, or llm.c's .bin (its header, and its size checked). Configuration
+/// model_type gpt2 or llama, nanoGPT's ckpt.pt (its model_args), or llm.c's .bin (its header, and
+/// its size checked). Configuration
 /// fields trainkit cannot honour are refused in one Error, a line each, naming the file and field.
 Published read_published_shape(const std::filesystem::path& where);
 

@@ -19,6 +19,7 @@ hold the checkpoint's tensors exactly (llm.c's .bin byte for byte), a Llama expo
 same logits.
 
 usage: python3 check_pretrained.py TK_SAMPLE TK_EXPORT WORK"""
+import collections
 import importlib.util
 import json
 import math
@@ -174,20 +175,22 @@ def gpt2_weights(L, C, V, T, inner):
 
 
 def gpt2_reference(sd, ids, L, H, eps, tanh, vocab):
-    """GPT-2 as published: Conv1D (x @ W + b), pre-LayerNorm blocks, tied head."""
+    """GPT-2 as published: Conv1D (x @ W + b), pre-LayerNorm blocks, tied head; a bias the weights
+    lack is none (nanoGPT's bias = False)."""
     sd = {k: v.double() for k, v in sd.items()}
+    b = lambda name: sd.get(name, 0.0)  # noqa: E731
     x = sd["wte.weight"][ids] + sd["wpe.weight"][: len(ids)]
-    ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], eps)  # noqa: E731
+    ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd.get(p + ".bias"), eps)  # noqa: E731
     for i in range(L):
         p = f"h.{i}."
         t, c = x.shape
-        q, k, v = (ln(x, p + "ln_1") @ sd[p + "attn.c_attn.weight"] + sd[p + "attn.c_attn.bias"]).split(c, -1)
+        q, k, v = (ln(x, p + "ln_1") @ sd[p + "attn.c_attn.weight"] + b(p + "attn.c_attn.bias")).split(c, -1)
         q, k, v = (z.view(t, H, c // H).transpose(0, 1) for z in (q, k, v))
         y = causal(q, k, v).transpose(0, 1).reshape(t, c)
-        x = x + y @ sd[p + "attn.c_proj.weight"] + sd[p + "attn.c_proj.bias"]
-        h = ln(x, p + "ln_2") @ sd[p + "mlp.c_fc.weight"] + sd[p + "mlp.c_fc.bias"]
+        x = x + y @ sd[p + "attn.c_proj.weight"] + b(p + "attn.c_proj.bias")
+        h = ln(x, p + "ln_2") @ sd[p + "mlp.c_fc.weight"] + b(p + "mlp.c_fc.bias")
         h = F.gelu(h, approximate="tanh") if tanh else F.gelu(h)
-        x = x + h @ sd[p + "mlp.c_proj.weight"] + sd[p + "mlp.c_proj.bias"]
+        x = x + h @ sd[p + "mlp.c_proj.weight"] + b(p + "mlp.c_proj.bias")
     return ln(x, "ln_f") @ sd["wte.weight"][:vocab].T
 
 
@@ -326,6 +329,52 @@ if os.environ.get("NANOGPT_MODEL_PY"):
     with torch.no_grad():
         ref, _ = model(x, targets=x)  # with targets, the logits of every position
     agree("Hugging Face GPT-2 (exact GELU) against nanoGPT's model.py", tk_logits(recipe(exact, exact, V, T), ids), ref[0])
+    # nanoGPT's own state_dict(), saved as its train.py saves it.
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    model.float()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": dict(n_layer=L, n_head=H, n_embd=C, block_size=T, bias=True, vocab_size=V, dropout=0.0),
+                "iter_num": 0, "best_val_loss": 1e9, "config": {}}, WORK / "nano-own.pt")
+    agree("nanoGPT's model.py, its state_dict() saved as train.py saves it", tk_logits(
+        recipe(WORK / "nano-own", WORK / "nano-own.pt", V, T), ids), ref[0])
+
+# ---------------------------------------------------------------- nanoGPT's ckpt.pt
+
+def nanogpt_checkpoint(path, weights, args, compiled=False):
+    """What nanoGPT's train.py saves: the model's state_dict() (an OrderedDict with _metadata, the
+    tied head listed as well, the causal-mask buffers), AdamW's state, model_args, the loop's
+    counters and its config."""
+    conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+    state = collections.OrderedDict()
+    for k, v in weights.items():
+        name = "transformer." + k
+        state[("_orig_mod." if compiled else "") + name] = v.T.contiguous() if k.endswith(conv1d) else v
+        if k.endswith("ln_2.weight"):
+            state[("_orig_mod." if compiled else "") + name.replace("ln_2.weight", "attn.bias")] = \
+                torch.ones(1, 1, T, T).tril()
+    state[("_orig_mod." if compiled else "") + "lm_head.weight"] = state[("_orig_mod." if compiled else "") + "transformer.wte.weight"]
+    state._metadata = collections.OrderedDict({"": {"version": 1}})
+    params = [torch.nn.Parameter(v.clone()) for v in list(weights.values())[:3]]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    torch.save({"model": state, "optimizer": opt.state_dict(), "model_args": args, "iter_num": 250,
+                "best_val_loss": torch.tensor(1.4697), "config": {"out_dir": "out", "compile": compiled, "lr": 6e-4}}, path)
+
+
+nano = WORK / "nanogpt"
+nano.mkdir()
+args = dict(n_layer=L, n_head=H, n_embd=C, block_size=T, bias=True, vocab_size=V, dropout=0.0)
+nanogpt_checkpoint(nano / "ckpt.pt", sd, args, compiled=True)
+agree("nanoGPT's ckpt.pt (compiled: _orig_mod. names)", tk_logits(recipe(nano, nano / "ckpt.pt", V, T), ids),
+      gpt2_reference(sd, ids, L, H, 1e-5, False, V))
+unbiased = {k: v for k, v in sd.items() if not k.endswith("bias")}
+nano = WORK / "nanogpt-bias-false"
+nano.mkdir()
+nanogpt_checkpoint(nano / "ckpt.pt", unbiased, args | {"bias": False})
+agree("nanoGPT's ckpt.pt (bias = False)", tk_logits(recipe(nano, nano / "ckpt.pt", V, T), ids),
+      gpt2_reference(unbiased, ids, L, H, 1e-5, False, V))
+torch.save({"wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"]}, WORK / "plain.pt")
+tk_refuses(recipe(WORK / "plain", WORK / "plain.pt", V, T), "not nanoGPT's checkpoint", "[model] init")
 
 # ---------------------------------------------------------------- llm.c's LLaMA, when given
 
