@@ -101,7 +101,6 @@ class RankAgreement final : public Plugin {
   std::string difference;  ///< "" while every rank agrees
 };
 
-/// A contract that orders a plugin after every gradient plugin.
 /// The contract's checks of one library, each returning "" when it holds, else why not.
 class ContractChecks {
  public:
