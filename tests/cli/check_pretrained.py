@@ -376,6 +376,80 @@ agree("nanoGPT's ckpt.pt (bias = False)", tk_logits(recipe(nano, nano / "ckpt.pt
 torch.save({"wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"]}, WORK / "plain.pt")
 tk_refuses(recipe(WORK / "plain", WORK / "plain.pt", V, T), "not nanoGPT's checkpoint", "[model] init")
 
+# ---------------------------------------------------------------- a few accumulated steps
+
+def train_reference(weights, seqs, steps, per_step, forward):
+    """AdamW on a published layout's own forward in float64: each step the mean next-token loss of
+    `per_step` sequences, as trainkit's window of micro-batches takes it."""
+    params = {k: v.double().clone().requires_grad_(True) for k, v in weights.items()}
+    opt = torch.optim.AdamW(params.values(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(steps):
+        batch = seqs[step * per_step:(step + 1) * per_step]
+        loss = sum(F.cross_entropy(forward(params, b[:-1].tolist()), b[1:], reduction="sum")
+                   for b in batch) / (per_step * T)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+train = WORK / "steps-data"
+train.mkdir()
+count = 12 * T + 1
+write_shard(train / "train_000.bin", V, count)
+raw = (train / "train_000.bin").read_bytes()
+tokens = torch.frombuffer(bytearray(raw[1024:1024 + 2 * count]), dtype=torch.int16).to(torch.int64) & 0xFFFF
+seqs = tokens[torch.arange(12).unsqueeze(1) * T + torch.arange(T + 1)]
+
+
+def train_steps(name, pretrained, forward, weights):
+    """3 steps of trainkit from `pretrained` (float64, 2 micro-batches of 2 accumulated, AdamW), its
+    weights exported, against train_reference's."""
+    folder = WORK / name
+    folder.mkdir()
+    (folder / "recipe.toml").write_text(f"""[run]
+name = "{name}"
+output = "{folder / 'run'}"
+steps = 3
+dtype = "float64"
+validate_every = 0
+
+[model]
+pretrained = "{pretrained}"
+
+[data]
+name = "tokens"
+train = "{train / 'train_000.bin'}"
+vocab = {V}
+seq_len = {T}
+shuffle = false
+
+[batch]
+micro_batch = 2
+accumulation = 2
+
+[optimizer]
+name = "adamw"
+lr = 0.001
+betas = [0.9, 0.95]
+eps = 1e-8
+weight_decay = 0.1
+
+[[plugins]]
+name = "grad_accum"
+""")
+    r = subprocess.run([str(pathlib.Path(TK_SAMPLE).parent / "tk-run"), str(folder / "recipe.toml")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    trained = read_folder(tk_export(folder / "run", "huggingface", folder / "exported"))
+    want = train_reference(weights, seqs, 3, 4, forward)
+    worst = max((trained[k] - want[k]).abs().max().item() for k in want)
+    print(f"{name}: 3 AdamW steps of 2 micro-batches x 2 sequences, float64: weights within {worst:.3g} of the reference's")
+    assert sorted(trained) == sorted(want) and worst <= 1e-10, worst
+
+
+train_steps("gpt2-steps", gpt2, lambda p, ids: gpt2_reference(p, ids, L, H, 1e-5, True, V), sd)
+train_steps("llama-steps", llama, llama_reference, llama_sd)
+
 # ---------------------------------------------------------------- llm.c's LLaMA, when given
 
 if os.environ.get("LLMC_TRAIN_LLAMA3"):
