@@ -95,7 +95,8 @@ inline torch::Tensor weights(const std::filesystem::path& dir) {
   return torch::cat(parts);
 }
 
-/// Every record of a metrics.jsonl, without what differs between identical runs (time, memory).
+/// Every record of a metrics.jsonl, without what differs between identical runs (time, memory: every
+/// "*_ms" among them).
 inline std::vector<nlohmann::json> records(const std::filesystem::path& file) {
   std::ifstream in(file);
   std::vector<nlohmann::json> out;
@@ -104,9 +105,22 @@ inline std::vector<nlohmann::json> records(const std::filesystem::path& file) {
     for (const char* timed : {"wall_time", "peak_rss_mib", "examples_per_s", "tokens_per_s", "gflops", "mfu", "data_ms",
                               "forward_ms", "backward_ms", "boundary_ms", "optimizer_ms", "validation_ms"})
       j.erase(timed);
+    for (auto it = j.begin(); it != j.end();)  // a plugin's times too (ddp_wait_ms, ...)
+      it = it.key().size() > 3 && it.key().compare(it.key().size() - 3, 3, "_ms") == 0 ? j.erase(it) : std::next(it);
     out.push_back(j);
   }
   return out;
+}
+
+/// The same run in DIR/out as in REFERENCE/out: weights and every record (but time and memory) alike.
+inline void check_same_run(const std::filesystem::path& dir, const std::filesystem::path& reference) {
+  CHECK(torch::equal(weights(dir), weights(reference)));
+  const auto got = records(dir / "out/metrics.jsonl"), want = records(reference / "out/metrics.jsonl");
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("record " << i);
+    CHECK(got[i] == want[i]);
+  }
 }
 
 /// The whole text of a file ("" when missing).

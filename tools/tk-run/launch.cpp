@@ -103,7 +103,7 @@ std::pair<int64_t, std::string> failure_record(const std::string& dir, int r) {
 bool stopped_on_signal(const Worker& w) {
   if (w.running || !WIFEXITED(w.status)) return false;
   const int code = WEXITSTATUS(w.status);
-  return code == 128 + SIGINT || code == 128 + SIGTERM || code == 128 + SIGHUP;
+  return code == 128 + SIGINT || code == 128 + SIGTERM || code == 128 + SIGHUP || code == 128 + SIGUSR1;
 }
 
 /// Whether a worker that ended did so as it should: done, or stopped on a signal.
@@ -230,7 +230,7 @@ class Launch {
     std::fflush(stderr);
     struct sigaction sa {};
     sa.sa_handler = on_signal;
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) sigaction(sig, &sa, nullptr);
     char dir_template[] = "/tmp/tk-run-XXXXXX";
     if (!mkdtemp(dir_template)) throw std::runtime_error("cannot make a temporary folder");
     failure_dir_ = dir_template;
@@ -275,6 +275,7 @@ class Launch {
       setenv("GROUP_WORLD_SIZE", std::to_string(opts_.nnodes).c_str(), 1);
       setenv("MASTER_ADDR", opts_.master_addr.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port_).c_str(), 1);
+      setenv("TK_RESTART_COUNT", std::to_string(opts_.restart).c_str(), 1);
       setenv("OMP_NUM_THREADS", threads_.c_str(), 0);  // share the cores unless told otherwise
       std::vector<char*> args;
       for (const auto& a : argv_) args.push_back(const_cast<char*>(a.c_str()));
@@ -525,6 +526,16 @@ class Launch {
 
 }  // namespace
 
-int launch_workers(const std::vector<std::string>& argv, const LaunchOptions& opts) { return Launch(argv, opts).run(); }
+int launch_workers(const std::vector<std::string>& argv, const LaunchOptions& opts) {
+  LaunchOptions attempt = opts;
+  for (;; ++attempt.restart) {
+    const int rc = Launch(argv, attempt).run();
+    // Done, refused (the same recipe would be refused again), or stopped on a signal: no restart.
+    if (rc != 1 || g_signal || attempt.restart >= opts.max_restarts) return rc;
+    std::fprintf(stderr, "%s: restart %d of %d: starting the %d workers again; they resume from the run's newest "
+                 "checkpoint\n", opts.program.c_str(), attempt.restart + 1, opts.max_restarts, opts.nproc);
+    std::fflush(stderr);
+  }
+}
 
 }  // namespace tk

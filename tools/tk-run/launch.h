@@ -15,6 +15,8 @@ struct LaunchOptions {
   double stop_grace_s = 10.0; ///< after a rank fails, seconds the others get to stop before SIGKILL
   int only_rank = -1;         ///< >= 0: start only this rank of the world (a dry run prints its plan)
   std::string program = "tk-run";  ///< who speaks in the launcher's own lines ("tk-run: rank 1 failed ...")
+  int max_restarts = 0;       ///< times the workers are started again after a failure (one node)
+  int restart = 0;            ///< which start this is (TK_RESTART_COUNT of the workers)
 };
 
 /// Runs `argv` (this program, without the launch options) as `nproc` workers with torchrun's
@@ -25,8 +27,11 @@ struct LaunchOptions {
 /// line by line with a "[rank i]" prefix. When a worker fails (non-zero exit or a signal), stops the
 /// others (SIGTERM, then SIGKILL after the grace period) and returns non-zero with that rank's
 /// error (2 when that rank refused the run before training, else 1); never waits forever. When the first failure is a timeout, the ranks that never failed
-/// by themselves and had to be killed are named as the ones that hung. SIGINT/SIGTERM/SIGHUP to
+/// by themselves and had to be killed are named as the ones that hung. SIGINT/SIGTERM/SIGHUP/SIGUSR1 to
 /// tk-run are forwarded to the workers; the workers die with the launcher (PR_SET_PDEATHSIG).
+/// With max_restarts > 0, a failed launch (exit 1: not a refusal, not a stop on a signal) starts
+/// every worker again, up to that many times, each with TK_RESTART_COUNT = its restart, as
+/// torchrun's --max-restarts does; a worker of a restart resumes the run by itself.
 int launch_workers(const std::vector<std::string>& argv, const LaunchOptions& opts);
 
 /// Writes the current CLOCK_MONOTONIC time and `kind` ("error", or "timeout" for a collective that

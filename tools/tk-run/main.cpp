@@ -34,7 +34,9 @@ namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
 
-/// First SIGINT/SIGTERM/SIGHUP: stop at the next boundary with a checkpoint. Second: stop now.
+/// First SIGINT/SIGTERM/SIGHUP/SIGUSR1 (Slurm's warning before a preemption or the time limit,
+/// sbatch --signal=USR1@SECONDS): stop at the next boundary with a checkpoint, exit 128 + the
+/// signal. Second: stop now.
 void on_stop_signal(int sig) {
   if (g_stop_signal) {
     std::signal(sig, SIG_DFL);
@@ -85,7 +87,8 @@ std::vector<std::string> args_without(int argc, char** argv, const std::vector<s
 }
 
 /// The launcher's options, which its workers do not get.
-const std::vector<std::string> kLaunchOptions = {"--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port"};
+const std::vector<std::string> kLaunchOptions = {"--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                                                 "--max-restarts"};
 
 void print_specs(const tk::OptionSpecs& specs) {
   for (const auto& s : specs) {
@@ -223,8 +226,10 @@ void add_options(CLI::App& app, Cli& c) {
                "when the run ends (completed, stopped or failed), write report.html into its output folder: its "
                "charts and summary (tk-report)");
   app.add_option("--resume", c.resume,
-                 "continue a run from a checkpoint folder, or \"latest\" (of the recipe's output); with the same "
-                 "recipe, the result is bit-identical to an uninterrupted run")
+                 "continue a run from a checkpoint folder, \"latest\" (of the recipe's output), or \"auto\" (the "
+                 "newest checkpoint of the recipe's output when there is one, else start: right for a job's first "
+                 "start and its restarts; a restart under torchrun or tk-run --max-restarts does this by itself); "
+                 "with the same recipe, the result is bit-identical to an uninterrupted run")
       ->type_name("CKPT");
   app.add_flag("--overwrite", c.topts.overwrite,
                "start over in an output folder that holds another run, deleting that run's metrics, checkpoints, "
@@ -256,6 +261,11 @@ void add_options(CLI::App& app, Cli& c) {
                  "port after it")
       ->type_name("PORT")
       ->check(CLI::Range(1, 65534));
+  app.add_option("--max-restarts", c.launch.max_restarts,
+                 "when a worker fails, start every worker again, up to N times (as torchrun's --max-restarts); each "
+                 "restart resumes the run from its newest checkpoint (--resume auto); one node only")
+      ->type_name("N")
+      ->check(CLI::Range(0, 1000000));
   app.add_option("--log-level", c.level, "trace, debug, info (default), warn, error or off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--progress", c.progress, "auto (default: a live line on a terminal), bar, plain or none")
@@ -269,14 +279,30 @@ int die_usage(const std::string& msg) {
   return kExitUsage;
 }
 
+/// Which restart of its job this process is (TORCHELASTIC_RESTART_COUNT, or TK_RESTART_COUNT of
+/// tk-run's own launcher): 0 for a first start.
+int restart_count() {
+  for (const char* name : {"TK_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"})
+    if (const char* v = std::getenv(name); v && *v) return std::atoi(v);
+  return 0;
+}
+
 /// The options that only make sense together, checked; "" when they do.
 std::string check_combination(Cli& c) {
   if (c.recipe_path.empty()) return "no recipe given";
+  // A restart of the job (torchrun's, or tk-run --max-restarts') continues what the first start wrote.
+  if (const int restart = restart_count(); restart > 0 && c.resume.empty()) {
+    c.topts.overwrite = false;  // it applied to the first start; this one continues it
+    c.resume = "auto";
+  }
   if (!c.resume.empty()) c.topts.resume = c.resume;
   c.topts.join_world = !c.dry_run;  // a dry run plans alone (under --nproc, rank 0 alone is started)
   if (!c.topts.allow_changes.empty() && c.resume.empty()) return "--allow-change needs --resume";
   if (c.topts.overwrite && !c.resume.empty()) return "--overwrite starts a run over; it cannot go with --resume";
-  if ((c.launch.nproc > 1 || c.launch.nnodes > 1) && c.worker) return "--nproc or --nnodes inside a worker";
+  if ((c.launch.nproc > 1 || c.launch.nnodes > 1 || c.launch.max_restarts > 0) && c.worker)
+    return "--nproc, --nnodes or --max-restarts inside a worker";
+  if (c.launch.max_restarts > 0 && c.launch.nnodes > 1)
+    return "--max-restarts restarts the workers of one node; across nodes, launch with torchrun --max-restarts";
   if (c.launch.node_rank >= c.launch.nnodes)
     return "--node-rank " + std::to_string(c.launch.node_rank) + " is outside --nnodes " +
            std::to_string(c.launch.nnodes) + " (node ranks go from 0 to " + std::to_string(c.launch.nnodes - 1) + ")";
@@ -315,7 +341,7 @@ int print_dry_run(const std::string& plan) {
 /// rank 0 of that world prints its plan).
 int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
   const auto caps = tk::plugin_capabilities(recipe, c.topts);
-  if (!caps.count(tk::cap::kGradsSynced.name()))
+  if (c.launch.nproc * c.launch.nnodes > 1 && !caps.count(tk::cap::kGradsSynced.name()))
     return die_usage("--nproc " + std::to_string(c.launch.nproc) + " needs a plugin that sums the gradients across "
                      "the processes (" + tk::cap::kGradsSynced.name() + "), such as ddp: add [[plugins]] name = \"ddp\" to "
                      "the recipe; this one would train " + std::to_string(c.launch.nproc) + " independent copies of "
@@ -416,7 +442,7 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
     return kExitUsage;
   }
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_stop_signal);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) std::signal(sig, on_stop_signal);
   try {
     return report_fit(argc, argv, c, *trainer, trainer->fit());
   } catch (const tk::RunRefused& e) {
@@ -453,7 +479,7 @@ int main(int argc, char** argv) {
   try {
     recipe.emplace(tk::Recipe::from_file(c.recipe_path));
     for (const auto& o : c.overrides) recipe->apply_override(o);
-    if (c.launch.nproc > 1 || c.launch.nnodes > 1) return launch(argc, argv, c, *recipe);
+    if (c.launch.nproc > 1 || c.launch.nnodes > 1 || c.launch.max_restarts > 0) return launch(argc, argv, c, *recipe);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
     return kExitUsage;

@@ -8,10 +8,11 @@ namespace tk::detail {
 CheckpointPolicy::CheckpointPolicy(Run& run, RunOutputs& outputs)
     : r_(run), outputs_(outputs), every_(run.run.get_int("checkpoint_every")) {}
 
-std::optional<std::filesystem::path> CheckpointPolicy::after_step(const Counters& c, int64_t epoch, int64_t b,
+std::optional<std::filesystem::path> CheckpointPolicy::after_step(const Counters& c, const WorldSeen& seen,
+                                                                  int64_t epoch, int64_t b,
                                                                   bool last) {
   if (!outputs_.writes() || !(last || (every_ > 0 && c.step % every_ == 0))) return std::nullopt;
-  if (outputs_.active()) return outputs_.checkpoint(r_, c, epoch, b);
+  if (outputs_.active()) return outputs_.checkpoint(r_, c, seen, epoch, b);
   // A checkpoint is the world's: every rank's optimizer saves (one whose state is spread over the
   // ranks gathers it to rank 0 there), rank 0 alone writes.
   if (r_.plan.world_size > 1) {

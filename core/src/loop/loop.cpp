@@ -63,6 +63,7 @@ class Loop {
   std::optional<Progress> progress_;
   std::optional<Prefetcher> prefetch_;
   int64_t validate_every_ = 0;
+  WorldSeen seen_;  // what the world trained on so far
   int64_t order_epoch_ = -1;
   at::Tensor order_;
   bool done_ = false, in_window_ = false;  // checkpoints and resumes are at boundaries
@@ -94,10 +95,12 @@ void Loop::validate(StepRecord& line) {
 
 void Loop::end_window(int64_t epoch, int64_t b) {
   const bool skipped = engine_.step([&] { return non_finite_loss(r_, s_, window_indices_); });
+  seen_.samples += s_.totals.samples;  // the world's, once a sync plugin summed the totals
+  seen_.tokens += s_.totals.tokens;
   result_.window_losses.push_back(s_.window_loss);
   result_.step_metrics.emplace_back(s_.step.metrics.begin(), s_.step.metrics.end());
   const double t = stop_.elapsed();
-  StepRecord line = recorder_.make(s_, epoch, skipped, t);
+  StepRecord line = recorder_.make(s_, seen_, epoch, skipped, t);
   const Counters& c = s_.counters;
   done_ = c.step >= r_.total_steps;
   if (r_.data.validation && ((validate_every_ > 0 && c.step % validate_every_ == 0) || done_)) validate(line);
@@ -114,7 +117,7 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   phases_.record(line);
   // The step's record first: a checkpoint never holds a step whose record could be lost.
   outputs_->record(line.line());
-  if (auto dir = checkpoints_->after_step(c, epoch, b, done_)) result_.checkpoint = *dir;
+  if (auto dir = checkpoints_->after_step(c, seen_, epoch, b, done_)) result_.checkpoint = *dir;
   progress_->update(c.step, epoch, s_.window_loss, s_.lr, static_cast<double>(c.samples_seen) / std::max(t, 1e-9), t,
                     recorder_.last_mfu());
 }
@@ -182,7 +185,7 @@ void Loop::train_epoch(int64_t epoch, int64_t first) {
   if (first == 0) events_.emit(Event::EpochStart);
   for (int64_t b = first; b < r_.batches_per_epoch && !done_;) {
     if (!in_window_) {
-      auto w = r_.windows->start(epoch, b, s_.counters.step, s_.counters.samples_seen * r_.plan.world_size);
+      auto w = r_.windows->start(epoch, b, s_.counters.step, seen_.samples);
       if (!w) break;  // the policy drops the rest of this epoch
       s_.window = *w;
       open_window(epoch, b);
@@ -245,7 +248,14 @@ void record_failure(const RunOutputs& outputs, int64_t step) noexcept {
 std::optional<Checkpoint> Loop::resume(RunOutputs& outputs) {
   std::optional<Checkpoint> resumed;
   // Model, optimizer and RNG come back now, plugin states before fit_start.
-  if (opts_.resume) resumed = resume_from(r_, *opts_.resume, outputs.dir(), outputs.identity(), opts_.allow_changes);
+  if (outputs.resumes_auto()) {  // the newest checkpoint of this run, or a fresh start
+    if (auto dir = checkpoint_to_continue(r_, outputs.dir()))
+      resumed = resume_from(r_, dir->string(), outputs.dir(), outputs.identity(), opts_.allow_changes);
+    else
+      outputs.start_afresh();
+  } else if (opts_.resume) {
+    resumed = resume_from(r_, *opts_.resume, outputs.dir(), outputs.identity(), opts_.allow_changes);
+  }
   if (outputs.active()) result_.output_dir = s_.output_dir = outputs.dir();
   return resumed;
 }
@@ -288,6 +298,7 @@ Start Loop::start_from(const std::optional<Checkpoint>& resumed) {
     rebatch(r_, saved_m);
   }
   s_.counters = resumed->position.counters;
+  seen_ = resumed->position.seen;
   const Start start{resumed->position.next_epoch, resumed->position.next_batch};
   spdlog::info("resuming from {} at step {} (epoch {}, micro-batch {})", resumed->dir.string(), s_.counters.step,
                start.epoch + 1, start.batch);

@@ -69,7 +69,8 @@ class StepRecorder {
   /// What the next record says of a back-off (the micro-batch before and after).
   void note_backoff(std::string note) { backoff_note_ = std::move(note); }
   /// The record of the step just taken (state.counters.step) in `epoch`, at `wall_time` seconds.
-  StepRecord make(const LoopState& state, int64_t epoch, bool skipped, double wall_time);
+  /// `seen`: the world's examples and tokens so far (a step's record counts the world's).
+  StepRecord make(const LoopState& state, const WorldSeen& seen, int64_t epoch, bool skipped, double wall_time);
   /// Starts a new memory stretch (validation's memory is not the next step's).
   void restart_peak();
   /// The last record's mfu (NaN when it had none).
@@ -147,7 +148,8 @@ class CheckpointPolicy {
   /// After the record of the step that `counters` count, in `epoch` at micro-batch `b`: the
   /// checkpoint when one is due (`last`: the run ends here). Returns its folder when this rank
   /// wrote one.
-  std::optional<std::filesystem::path> after_step(const Counters& counters, int64_t epoch, int64_t b, bool last);
+  std::optional<std::filesystem::path> after_step(const Counters& counters, const WorldSeen& seen, int64_t epoch,
+                                                  int64_t b, bool last);
 
  private:
   Run& r_;

@@ -63,7 +63,7 @@ void StepRecorder::add_rates(StepRecord& line, const LoopState& s) {
   }
 }
 
-StepRecord StepRecorder::make(const LoopState& s, int64_t epoch, bool skipped, double wall_time) {
+StepRecord StepRecorder::make(const LoopState& s, const WorldSeen& seen, int64_t epoch, bool skipped, double wall_time) {
   StepRecord line;
   line.add(metric::kStep, s.counters.step)
       .add(metric::kEpoch, epoch)
@@ -71,8 +71,8 @@ StepRecord StepRecorder::make(const LoopState& s, int64_t epoch, bool skipped, d
       .add(metric::kLr, s.lr)
       .add(metric::kMicroBatches, s.totals.micro_batches)
       .add(metric::kEffectiveBatch, s.totals.samples)
-      .add(metric::kSamples, s.counters.samples_seen)
-      .add(metric::kTokens, s.counters.tokens_seen)
+      .add(metric::kSamples, seen.samples)
+      .add(metric::kTokens, seen.tokens)
       .add(metric::kWallTime, wall_time)
       .add(metric::kPeakRssMib, peak_rss_mib())
       .add(metric::kHostReads, s.host_reads);

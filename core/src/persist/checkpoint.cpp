@@ -58,17 +58,18 @@ namespace {
 NamedTensors position_tensors(const TrainingPosition& p) {
   const Counters& c = p.counters;
   auto t = torch::tensor({c.step, c.micro_step, c.epoch, c.batch_in_epoch, c.samples_seen, c.tokens_seen,
-                          c.skipped_steps, c.schedule_step, c.total_steps, p.next_epoch, p.next_batch, p.micro_batch},
+                          c.skipped_steps, c.schedule_step, c.total_steps, p.next_epoch, p.next_batch, p.micro_batch,
+                          p.accumulation, p.world_size, p.seen.samples, p.seen.tokens},
                          torch::kLong);
   NamedTensors out{{"position", t}};
   for (auto& named : detail::rng_tensors()) out.push_back(std::move(named));
   return out;
 }
 
-TrainingPosition position_from(const torch::Tensor& t) {
-  // 11 fields: written before the micro-batch was recorded.
-  if (t.numel() != 11 && t.numel() != 12)
-    throw Error("checkpoint position has " + std::to_string(t.numel()) + " fields, expected 12");
+TrainingPosition position_from(const torch::Tensor& t, int64_t world_size) {
+  // 11 fields: written before the micro-batch was recorded; 12: before the window and the world.
+  if (t.numel() != 11 && t.numel() != 12 && t.numel() != 16)
+    throw Error("checkpoint position has " + std::to_string(t.numel()) + " fields, expected 16");
   auto v = t.to(torch::kLong);
   auto at = [&](int i) { return v[i].item<int64_t>(); };
   TrainingPosition p;
@@ -83,7 +84,15 @@ TrainingPosition position_from(const torch::Tensor& t) {
   p.counters.total_steps = at(8);
   p.next_epoch = at(9);
   p.next_batch = at(10);
-  if (t.numel() == 12) p.micro_batch = at(11);
+  if (t.numel() >= 12) p.micro_batch = at(11);
+  if (t.numel() >= 16) {
+    p.accumulation = at(12);
+    p.world_size = at(13);
+    p.seen = {at(14), at(15)};
+  } else {  // every rank read as many examples (and, mostly, tokens) as rank 0
+    p.world_size = world_size;
+    p.seen = {p.counters.samples_seen * world_size, p.counters.tokens_seen * world_size};
+  }
   return p;
 }
 
@@ -138,20 +147,23 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
   return final_dir;
 }
 
-fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, std::string* note) {
-  const fs::path root = arg == "latest" ? output_dir / "checkpoints" : fs::path(arg);
+std::optional<fs::path> find_checkpoint(const fs::path& root, std::string* note) {
   if (is_complete(root)) return root;
   std::string latest;
   std::ifstream(root / "latest") >> latest;
   if (!latest.empty() && is_complete(root / latest)) return root / latest;
   const auto all = complete_checkpoints(root);  // empty when `root` is no folder
-  if (!all.empty()) {
-    if (note)
-      *note = (latest.empty() ? "'" + (root / "latest").string() + "' is missing"
-                              : "'" + (root / "latest").string() + "' names '" + latest + "', which is not a complete checkpoint") +
-              "; taking the newest complete one, " + all.back().filename().string();
-    return all.back();
-  }
+  if (all.empty()) return std::nullopt;
+  if (note)
+    *note = (latest.empty() ? "'" + (root / "latest").string() + "' is missing"
+                            : "'" + (root / "latest").string() + "' names '" + latest + "', which is not a complete checkpoint") +
+            "; taking the newest complete one, " + all.back().filename().string();
+  return all.back();
+}
+
+fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, std::string* note) {
+  const fs::path root = arg == "latest" ? output_dir / "checkpoints" : fs::path(arg);
+  if (auto found = find_checkpoint(root, note)) return *found;
   throw RunRefused("no checkpoint at '" + root.string() + "' (expected a folder with trainer.pt, or a checkpoints folder "
               "with step-<N> folders" + (arg == "latest" ? ", under the run's output folder" : "") + ")");
 }
@@ -200,7 +212,8 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   }
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
-  ck.position = position_from(trainer.at("position"));
+  const auto identity = read_run_identity(dir);
+  ck.position = position_from(trainer.at("position"), identity ? identity->world_size : 1);
   detail::load_rng_tensors(trainer, (dir / "trainer.pt").string());
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string f = e.path().filename().string();

@@ -19,11 +19,20 @@
 
 namespace tk {
 /// Where training stands at a boundary: the counters and the next micro-batch to read.
+/// What the whole world has trained on so far (a rank's Counters count its own share).
+struct WorldSeen {
+  int64_t samples = 0;  ///< examples, every rank's
+  int64_t tokens = 0;   ///< counted target items, every rank's
+};
+
 struct TrainingPosition {
   Counters counters;
   int64_t next_epoch = 0;
   int64_t next_batch = 0;
-  int64_t micro_batch = 0;  ///< examples per micro-batch (per rank) that next_batch counts in (0: not recorded)
+  int64_t micro_batch = 0;   ///< examples per micro-batch (per rank) that next_batch counts in (0: not recorded)
+  int64_t accumulation = 0;  ///< micro-batches per window on each rank (0: not recorded)
+  int64_t world_size = 0;    ///< the ranks that trained it (0: not recorded)
+  WorldSeen seen;            ///< the world's counts (recorded, or a rank's times the world size)
 };
 
 /// What determines a run, recorded in each checkpoint (run.json) so that resuming it with anything
@@ -57,6 +66,11 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, Model& 
                                       const std::vector<std::pair<std::string, StateDict>>& plugin_states,
                                       const TrainingPosition& position, const RunIdentity& identity, int64_t keep);
 
+/// The checkpoint at `root` (a checkpoint folder, or a checkpoints folder: its latest); when
+/// `latest` is missing or names no complete checkpoint, the newest complete `step-<N>`, and `note`
+/// says so. None when there is no complete checkpoint there.
+std::optional<std::filesystem::path> find_checkpoint(const std::filesystem::path& root, std::string* note = nullptr);
+
 /// The checkpoint folder `arg` names: a checkpoint folder, a checkpoints root (its latest), or
 /// "latest" (the latest under `output_dir`/checkpoints). When a root's `latest` file is missing or
 /// names no complete checkpoint, the newest complete `step-<N>` is taken and `note` says so. The
@@ -88,6 +102,15 @@ RunIdentity run_identity(const Run& run);
 /// rank 0's and the world refuses the run when one differs, that rank naming its keys and values
 /// (launchers given different recipes or --set options). Nothing to compare in a world of one.
 void agree_on_identity(World& world, const RunIdentity& identity);
+/// A checkpoint written by another number of ranks than this run's: the micro-batch and window
+/// re-derived so that every step ahead takes the examples it takes on the ranks that wrote it
+/// (the checkpoint's micro-batch with another window where the run may accumulate, else its window
+/// with another micro-batch), the windows reshaped and the position converted; refused, naming
+/// why and the world sizes that would go on exactly, when no split does. Nothing on the same world.
+void continue_on_world(Run& run, Checkpoint& checkpoint);
+/// The checkpoint "--resume auto" continues: the newest complete one under `output_dir`, none when
+/// there is none; refused when the ranks of a world find different ones.
+std::optional<std::filesystem::path> checkpoint_to_continue(Run& run, const std::filesystem::path& output_dir);
 /// Restores model, optimizer, RNG and plugin states from the checkpoint `which` names (a folder or
 /// "latest" of `output_dir`); refuses, listing each difference, a checkpoint whose run differs from
 /// `identity` in anything but the keys `allowed` names.
@@ -110,9 +133,15 @@ class RunOutputs {
   /// What determines this run, as its checkpoints record it.
   const RunIdentity& identity() const noexcept { return identity_; }
   /// Creates the folder and locks it for this run's life (another live run there is refused,
-  /// naming its PID). Unless resuming, a folder that holds another run is refused, or with
-  /// `overwrite` cleared of that run's files (the plugins' among them).
+  /// naming its PID). Unless resuming (or resuming "auto"), a folder that holds another run is
+  /// refused, or with `overwrite` cleared of that run's files (the plugins' among them).
   void claim();
+  /// Whether the run resumes "auto": from its newest checkpoint, or afresh when it has none.
+  bool resumes_auto() const noexcept { return auto_; }
+  /// A run resumed "auto" that finds no checkpoint starts afresh: over the files of a run of this
+  /// very resolved recipe (one that stopped before its first checkpoint), deleting them; a folder
+  /// that holds another run is refused as claim() refuses it.
+  void start_afresh();
   /// Writes the resolved recipe and opens metrics.jsonl (when resuming: cut back to the
   /// checkpoint's step, a torn last line dropped).
   void open(const std::optional<Checkpoint>& resumed);
@@ -120,7 +149,7 @@ class RunOutputs {
   void record(const JsonLine& line);
   /// Checkpoints the run after micro-batch `b` of `epoch`, the records so far synced to disk first;
   /// returns the checkpoint folder.
-  std::filesystem::path checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b);
+  std::filesystem::path checkpoint(Run& run, const Counters& counters, const WorldSeen& seen, int64_t epoch, int64_t b);
   /// weights.pt, trace.jsonl when tracing, and for a completed run every plugin's files
   /// (Plugin::write_files).
   void finish(Run& run, const std::vector<TraceEntry>& trace, bool completed);
@@ -149,7 +178,11 @@ class RunOutputs {
   Manifest& manifest() const;
   void wrote(const std::string& file);
 
-  bool active_ = false, writes_ = false, resuming_ = false, overwrite_ = false;
+  /// Clears the folder for a new run (claim()): `same_run_may_restart` lets a run of this very
+  /// resolved recipe be deleted without `overwrite`.
+  void clear_for_new_run(bool same_run_may_restart);
+
+  bool active_ = false, writes_ = false, resuming_ = false, auto_ = false, overwrite_ = false;
   std::filesystem::path dir_;
   const Recipe& recipe_;
   const ResolvedRecipe& resolved_;

@@ -41,6 +41,24 @@ int64_t text_hash(const std::string& s) { return static_cast<int64_t>(abi::text_
 
 }  // namespace
 
+std::optional<fs::path> checkpoint_to_continue(Run& r, const fs::path& output_dir) {
+  std::string note;
+  const auto found = find_checkpoint(output_dir / "checkpoints", &note);
+  if (!note.empty()) r.warn(note);
+  // Every rank continues the same checkpoint, or none: the folder is one that all of them read.
+  const int64_t mine = found ? text_hash(found->filename().string()) : -1;
+  World& world = *r.world;
+  if (world.size() > 1) {
+    const int64_t most = world.max(mine), least = -world.max(-mine);
+    if (most != least)
+      throw RunRefused("--resume auto: rank " + std::to_string(world.rank()) + " finds " +
+                       (found ? "checkpoint " + found->string() : "no checkpoint in " + (output_dir / "checkpoints").string()) +
+                       ", another rank finds another: every rank must see the run's output folder (run.output) on "
+                       "one shared file system");
+  }
+  return found;
+}
+
 void agree_on_identity(World& world, const RunIdentity& identity) {
   if (world.size() < 2) return;
   std::vector<int64_t> mine;  // key hash, value hash, ...
@@ -145,10 +163,7 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
   }
   for (const auto& [k, v] : before)
     if (!now.retired.count(k)) (is_allowed(k) ? out.allowed : out.refused).push_back(k + ": " + v + " -> (not set)");
-  if (saved.world_size != now.world_size)
-    (is_allowed("world_size") ? out.allowed : out.refused)
-        .push_back("world_size: " + std::to_string(saved.world_size) + " -> " + std::to_string(now.world_size));
-  return out;
+  return out;  // another world size is continue_on_world's to judge
 }
 
 /// One item a line, indented, for a message.
@@ -191,6 +206,7 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
                      "changes: resume without the ones the error above concerns");
   }
   restore_plugin_states(r, resumed);
+  continue_on_world(r, resumed);
   if (resumed.position.counters.total_steps != r.total_steps)
     throw RunRefused(resumed.dir.string() + ": the checkpoint is of a run of " +
                 std::to_string(resumed.position.counters.total_steps) + " steps, this one has " +

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <ctime>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 
@@ -19,6 +20,15 @@
 namespace fs = std::filesystem;
 
 namespace tk::detail {
+namespace {
+
+/// The whole text of `file` ("" when it cannot be read).
+std::string text_of(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
 
 fs::path output_dir_of(const Run& run) {
   const std::string& o = run.run.get_string("output");
@@ -26,7 +36,11 @@ fs::path output_dir_of(const Run& run) {
 }
 
 RunOutputs::RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts)
-    : resuming_(opts.resume.has_value()), overwrite_(opts.overwrite), recipe_(recipe), resolved_(run.resolved) {
+    : resuming_(opts.resume.has_value() && *opts.resume != "auto"),
+      auto_(opts.resume.has_value() && *opts.resume == "auto"),
+      overwrite_(opts.overwrite),
+      recipe_(recipe),
+      resolved_(run.resolved) {
   dir_ = output_dir_of(run);
   writes_ = opts.write_outputs;
   active_ = writes_ && run.plan.rank == 0;  // one rank writes for the world
@@ -39,9 +53,17 @@ void RunOutputs::claim() {
   fs::create_directories(dir_, ec);
   if (ec) throw Error("cannot create output folder '" + dir_.string() + "': " + ec.message());
   lock_.acquire(dir_);
-  if (resuming_) return;
+  if (!resuming_ && !auto_) clear_for_new_run(false);
+}
+
+void RunOutputs::start_afresh() {
+  if (active_) clear_for_new_run(true);
+}
+
+void RunOutputs::clear_for_new_run(bool same_run_may_restart) {
   const FolderSurvey found = survey_folder(dir_);
   auto listed = [](const std::vector<std::string>& v) { return join(v.data(), v.data() + v.size()); };
+  std::error_code ec;
   if (!found.foreign.empty())
     throw RunRefused("the output folder '" + dir_.string() + "' holds files trainkit did not write where it writes (" +
                      listed(found.foreign) + "): trainkit never writes over them nor deletes them, with or without "
@@ -51,11 +73,22 @@ void RunOutputs::claim() {
     fs::remove(dir_ / "checkpoints", ec);
     return;
   }
-  if (!overwrite_)
+  // A start of this very recipe that wrote no checkpoint yet: its records are trained again, the same.
+  const bool same_run = same_run_may_restart && text_of(dir_ / "recipe.toml") == resolved_.toml(recipe_.source());
+  if (same_run)
+    spdlog::info("--resume auto: '{}' holds no checkpoint of this run yet; starting it again from step 0",
+                 dir_.string());
+  else if (same_run_may_restart)
+    throw RunRefused("the output folder '" + dir_.string() + "' holds another run (" + listed(found.run) +
+                     ") and no checkpoint: --resume auto continues only a run of this same recipe, and its "
+                     "recipe.toml differs from this run's; give this run another run.output, or start over with "
+                     "--overwrite");
+  else if (!overwrite_)
     throw RunRefused("the output folder '" + dir_.string() + "' holds another run (" + listed(found.run) +
                      "): continue it with --resume latest, replace it with --overwrite, or give this run another "
                      "run.output");
-  spdlog::warn("--overwrite: deleting the run in '{}' ({})", dir_.string(), listed(found.run));
+  else
+    spdlog::warn("--overwrite: deleting the run in '{}' ({})", dir_.string(), listed(found.run));
   // Its files only, each as the survey found it, files.json last: a failed deletion leaves the rest listed.
   for (const auto& p : found.deletable) {
     fs::remove_all(p, ec);
@@ -110,10 +143,9 @@ void RunOutputs::record(const JsonLine& line) {
   fault_point("metrics-written");
 }
 
-fs::path RunOutputs::checkpoint(Run& run, const Counters& counters, int64_t epoch, int64_t b) {
-  TrainingPosition pos{counters, epoch, b + 1, run.plan.micro_batch};
-  if (pos.next_batch >= run.batches_per_epoch ||
-      !run.windows->start(epoch, pos.next_batch, counters.step, counters.samples_seen * run.plan.world_size)) {
+fs::path RunOutputs::checkpoint(Run& run, const Counters& counters, const WorldSeen& seen, int64_t epoch, int64_t b) {
+  TrainingPosition pos{counters, epoch, b + 1, run.plan.micro_batch, run.plan.accumulation, run.plan.world_size, seen};
+  if (pos.next_batch >= run.batches_per_epoch || !run.windows->start(epoch, pos.next_batch, counters.step, seen.samples)) {
     pos.next_epoch = epoch + 1;
     pos.next_batch = 0;
   }

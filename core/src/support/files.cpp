@@ -150,6 +150,9 @@ void FolderLock::release() {
 bool fault_due(const char* name) {
   static const std::pair<std::string, long> target = [] {
     const char* v = std::getenv("TK_FAULT");
+    // A job's restart (tk-run --max-restarts, torchrun) runs through: the fault is its first start's.
+    for (const char* restart : {"TK_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"})
+      if (const char* r = std::getenv(restart); r && *r && std::strcmp(r, "0") != 0) v = nullptr;
     if (!v) return std::pair<std::string, long>{};
     const std::string s = v;
     const auto colon = s.rfind(':');

@@ -103,6 +103,36 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const Placement& p) {
   return c10d::ProcessGroupGloo::createDeviceForHostname(mine);
 }
 
+/// The first host of a Slurm node list ("node[01-04,07],gpu2" -> "node01"), where an srun step's
+/// rendezvous runs when MASTER_ADDR is not set; refuses a list it cannot read, naming it.
+std::string first_host(const std::string& list) {
+  // The first entry: up to the first comma outside brackets.
+  std::string entry;
+  int depth = 0;
+  for (char ch : list) {
+    if (ch == ',' && depth == 0) break;
+    depth += ch == '[' ? 1 : ch == ']' ? -1 : 0;
+    entry += ch;
+  }
+  // Each bracketed range set becomes its first value, its zero padding kept: "n[01-04,07]" -> "n01".
+  std::string host;
+  for (size_t i = 0; i < entry.size(); ++i) {
+    if (entry[i] != '[') {
+      host += entry[i];
+      continue;
+    }
+    const size_t close = entry.find(']', i);
+    if (close == std::string::npos) throw Error("cannot read the Slurm node list '" + list + "': a '[' is not closed");
+    const std::string first = entry.substr(i + 1, entry.find_first_of(",-]", i + 1) - i - 1);
+    if (first.empty() || first.find_first_not_of("0123456789") != std::string::npos)
+      throw Error("cannot read the Slurm node list '" + list + "': '" + entry.substr(i, close - i + 1) +
+                  "' is not a range of numbers");
+    host += first;
+    i = close;
+  }
+  return host;
+}
+
 c10d::ReduceOp c10d_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::Max: return c10d::ReduceOp::MAX;
@@ -146,8 +176,14 @@ Placement placement_from_environment() {
     p.rank = env_int("SLURM_PROCID", 0);
     p.local_rank = env_int("SLURM_LOCALID", 0);
     p.source = "SLURM_PROCID/SLURM_NTASKS";
-    if (p.size > 1 && !env("MASTER_ADDR"))
-      throw Error("under Slurm, set MASTER_ADDR (e.g. the first host of $SLURM_JOB_NODELIST) and MASTER_PORT");
+    if (const char* node = env("SLURM_NODEID")) p.source += ", node " + std::string(node);
+    // The rendezvous is on the step's first node, unless MASTER_ADDR says otherwise.
+    const char* nodes = env("SLURM_STEP_NODELIST") ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
+    if (p.size > 1 && !env("MASTER_ADDR")) {
+      if (!nodes) throw Error("under Slurm without SLURM_JOB_NODELIST, set MASTER_ADDR (the first node's address)");
+      p.addr = first_host(nodes);
+      p.source += ", rendezvous on the first node of " + std::string(nodes);
+    }
   }
   if (const char* a = env("MASTER_ADDR")) p.addr = a;
   p.port = env_int("MASTER_PORT", 29500);

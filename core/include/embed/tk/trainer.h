@@ -42,7 +42,10 @@ struct TrainerOptions {
   /// Called after each optimizer step but the last: true stops the run there, with that step kept
   /// and checkpointed (SIGINT/SIGTERM); FitResult::stopped is then "signal".
   std::function<bool()> stop_requested;
-  /// Continue from a checkpoint: its folder, a checkpoints folder, or "latest" (of the run's output).
+  /// Continue from a checkpoint: its folder, a checkpoints folder, "latest" (of the run's output),
+  /// or "auto": the newest complete checkpoint of the run's output when there is one, else a fresh
+  /// start (over a run of this same recipe that had written no checkpoint yet): one setting right
+  /// for a job's first start and for each of its restarts.
   std::optional<std::string> resume;
   /// Start a new run in an output folder that holds another one, deleting that run's files
   /// (metrics, checkpoints, weights, trace); without it such a run is refused.
