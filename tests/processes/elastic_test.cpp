@@ -142,6 +142,17 @@ TEST_SUITE("elastic") {
     CHECK(five.rc == 2);
     CHECK(has(five, "on 5 with the same steps: its 12 examples a step do not divide over 5 ranks; it continues "
                     "exactly on 1, 2, 3, 4, 6 ranks"));
+    // 22 examples in micro-batches of 3, 6 a step: alone, step 4 is micro-batches of 3 and 1 (a mean loss weighs
+    // the last example 1/2), on 2 ranks one of 2 and 2 (1/4 each): the same examples, another step.
+    const std::string ragged = "--set data.samples=22 --set batch.micro_batch=3 --set batch.effective_batch=6 "
+                               "--set run.steps=8 --set run.checkpoint_every=2 ";
+    CHECK(tk_run(root / "ragged", kEffective, ragged, "TK_FAULT=checkpoint-done:1").rc == 128 + 9);
+    auto ragged_two = tk_run(root / "ragged", kEffective, ragged + "--nproc 2 --resume auto");
+    INFO(ragged_two.out);
+    CHECK(ragged_two.rc == 2);
+    CHECK(has(ragged_two, "on 2 with the same steps: step 4 would take other examples on 2 ranks (micro-batches of 3 x 1), "
+                          "or weigh them otherwise"));
+    CHECK(has(ragged_two, "it continues exactly on 1 rank\n"));
     auto rederived = tk_run(per_rank, kPerRank, "--resume auto");
     INFO(rederived.out);
     REQUIRE(rederived.rc == 0);

@@ -291,9 +291,12 @@ int restart_count() {
 std::string check_combination(Cli& c) {
   if (c.recipe_path.empty()) return "no recipe given";
   // A restart of the job (torchrun's, or tk-run --max-restarts') continues what the first start wrote.
-  if (const int restart = restart_count(); restart > 0 && c.resume.empty()) {
+  if (const int restart = restart_count(); restart > 0 && (c.resume.empty() || c.resume == "latest")) {
     c.topts.overwrite = false;  // it applied to the first start; this one continues it
     c.resume = "auto";
+  } else if (restart > 0 && c.resume != "auto") {
+    std::fprintf(stderr, "tk-run: warning: restart %d resumes %s again, as given; --resume auto continues from the "
+                 "run's newest checkpoint\n", restart, c.resume.c_str());
   }
   if (!c.resume.empty()) c.topts.resume = c.resume;
   c.topts.join_world = !c.dry_run;  // a dry run plans alone (under --nproc, rank 0 alone is started)
@@ -459,6 +462,8 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Slurm's warning may come while the run is still being set up: it stops at the first boundary.
+  std::signal(SIGUSR1, on_stop_signal);
   prefer_passive_openmp(argv);
   keep_freed_memory();
   // Past a file-size limit (ulimit -f) a write fails with EFBIG, which the run reports like a full

@@ -91,7 +91,7 @@ TrainingPosition position_from(const torch::Tensor& t, int64_t world_size) {
     p.seen = {at(14), at(15)};
   } else {  // every rank read as many examples (and, mostly, tokens) as rank 0
     p.world_size = world_size;
-    p.seen = {p.counters.samples_seen * world_size, p.counters.tokens_seen * world_size};
+    p.seen = {p.counters.samples_seen * std::max<int64_t>(world_size, 1), p.counters.tokens_seen * std::max<int64_t>(world_size, 1)};
   }
   return p;
 }
@@ -213,7 +213,7 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
   const auto identity = read_run_identity(dir);
-  ck.position = position_from(trainer.at("position"), identity ? identity->world_size : 1);
+  ck.position = position_from(trainer.at("position"), identity ? identity->world_size : 0);  // 0: unknown
   detail::load_rng_tensors(trainer, (dir / "trainer.pt").string());
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string f = e.path().filename().string();

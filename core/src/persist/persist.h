@@ -181,6 +181,8 @@ class RunOutputs {
   /// Clears the folder for a new run (claim()): `same_run_may_restart` lets a run of this very
   /// resolved recipe be deleted without `overwrite`.
   void clear_for_new_run(bool same_run_may_restart);
+  /// Refuses a start over when checkpoints/ holds a step-<N> folder (none of them complete).
+  void refuse_unfinished_checkpoints() const;
 
   bool active_ = false, writes_ = false, resuming_ = false, auto_ = false, overwrite_ = false;
   std::filesystem::path dir_;

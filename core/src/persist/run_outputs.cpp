@@ -60,6 +60,23 @@ void RunOutputs::start_afresh() {
   if (active_) clear_for_new_run(true);
 }
 
+void RunOutputs::refuse_unfinished_checkpoints() const {
+  // A checkpoint folder that is not complete (a damaged one, or a file system that failed to list
+  // it) is never taken for "no checkpoint": starting over would delete it.
+  std::error_code ec;
+  std::vector<std::string> found;
+  for (fs::directory_iterator it(dir_ / "checkpoints", ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("step-", 0) == 0 && it->path().extension() != ".tmp") found.push_back(name);
+  }
+  if (ec && ec != std::errc::no_such_file_or_directory)
+    throw Error("cannot list '" + (dir_ / "checkpoints").string() + "': " + ec.message());
+  if (!found.empty())
+    throw RunRefused("--resume auto: '" + (dir_ / "checkpoints").string() + "' holds " +
+                     join(found.data(), found.data() + found.size()) + " and none is a complete checkpoint; move "
+                     "them away to start the run over, or resume one of them by its folder");
+}
+
 void RunOutputs::clear_for_new_run(bool same_run_may_restart) {
   const FolderSurvey found = survey_folder(dir_);
   auto listed = [](const std::vector<std::string>& v) { return join(v.data(), v.data() + v.size()); };
@@ -73,8 +90,12 @@ void RunOutputs::clear_for_new_run(bool same_run_may_restart) {
     fs::remove(dir_ / "checkpoints", ec);
     return;
   }
-  // A start of this very recipe that wrote no checkpoint yet: its records are trained again, the same.
-  const bool same_run = same_run_may_restart && text_of(dir_ / "recipe.toml") == resolved_.toml(recipe_.source());
+  // A start of this very recipe that wrote no checkpoint yet: its records are trained again, the same
+  // (the first line says where the recipe was read from, which another spelling of its path changes).
+  auto body = [](const std::string& text) { return text.substr(std::min(text.find('\n'), text.size())); };
+  const bool same_run =
+      same_run_may_restart && body(text_of(dir_ / "recipe.toml")) == body(resolved_.toml(recipe_.source()));
+  if (same_run) refuse_unfinished_checkpoints();
   if (same_run)
     spdlog::info("--resume auto: '{}' holds no checkpoint of this run yet; starting it again from step 0",
                  dir_.string());

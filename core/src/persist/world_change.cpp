@@ -1,16 +1,20 @@
 // A run continued on another number of ranks (persist.h): every step after the checkpoint takes
-// the examples it would have taken on the ranks that wrote it, computed by other ranks. The
-// examples of an epoch are one order over the whole world (rank r reads positions r, r + N, ...),
-// so a window is a stretch of that order whoever computes it; what can change with the world is
-// how many examples an epoch leaves out (fewer than N), where its micro-batches end and how a
-// short window or a ramp is cut. Each is compared by walking the rest of the run on both worlds.
+// the examples it would have taken on the ranks that wrote it, with the same weights, computed by
+// other ranks. The examples of an epoch are one order over the whole world (rank r reads positions
+// r, r + N, ...), so a window is a stretch of that order whoever computes it; what can change with
+// the world is how many examples an epoch leaves out (fewer than N), where its micro-batches end
+// (a mean loss weighs an example by its micro-batch's size), how a short window or a ramp is cut.
+// Each is compared by walking the rest of the run on both worlds, step by step.
 #include <spdlog/spdlog.h>
+
+#include <ATen/ops/eq.h>
 
 #include <algorithm>
 #include <memory>
 
 #include "persist/persist.h"
 #include "planning/planning.h"
+#include "tk/model.h"
 
 namespace tk::detail {
 namespace {
@@ -39,60 +43,79 @@ Shape shape_on(const Run& r, int64_t world, int64_t m, int64_t k) {
   return s;
 }
 
-int64_t steps_of(const Run& r, const Shape& s) {
-  return r.bound.by_steps() ? r.bound.count : s.windows->steps_in(r.bound.count);
-}
-
 /// Where a resumed run starts: the next window's first micro-batch, and what came before it.
 struct From {
   int64_t epoch = 0, batch = 0, step = 0, samples = 0, total = 0;
 };
 
-/// The examples of each step from `f` to the run's end, as the training loop takes them: pieces
-/// (epoch, first, end) of positions in the epoch's order over every rank, each step closed by -1.
-std::vector<int64_t> steps_ahead(const Run& r, const Shape& s, From f) {
-  std::vector<int64_t> out;
-  bool open = false;
-  Window w;
-  for (int64_t e = f.epoch; f.step < f.total && (r.bound.by_steps() || e < r.bound.count); ++e) {
-    for (int64_t i = e == f.epoch ? f.batch : 0; i < s.per_epoch && f.step < f.total; ++i) {
+/// The steps from `From` to the run's end as the training loop takes them (loop.cpp), one at a
+/// time: each step's examples as pieces (epoch, first, end, weight) of positions in the epoch's
+/// order over every rank. With a mean loss an example's weight is 1 / (its micro-batch's size x
+/// the window's micro-batches over the world); with a sum loss every example weighs the same.
+class Walk {
+ public:
+  Walk(const Run& r, const Shape& s, From f) : r_(r), s_(s), f_(f), e_(f.epoch), i_(f.batch) {
+    mean_ = r.plan.reduction == Reduction::Mean;
+  }
+
+  /// The next step's pieces into `out`; false after the last step.
+  bool next(std::vector<int64_t>& out) {
+    out.clear();
+    std::vector<int64_t> sizes;  // each micro-batch's examples on a rank, in the window
+    bool open = false;
+    Window w;
+    while (f_.step < f_.total && (r_.bound.by_steps() || e_ < r_.bound.count)) {
+      if (i_ >= s_.per_epoch) {
+        ++e_;
+        i_ = 0;
+        continue;
+      }
       if (!open) {
-        const auto next = s.windows->start(e, i, f.step, f.samples);
-        if (!next) break;  // the policy drops the rest of the epoch
-        w = *next;
+        const auto start = s_.windows->start(e_, i_, f_.step, f_.samples);
+        if (!start) {  // the policy drops the rest of the epoch
+          i_ = s_.per_epoch;
+          continue;
+        }
+        w = *start;
         open = true;
       } else {
         ++w.index;
       }
-      const int64_t first = s.world * i * s.m, end = s.world * std::min((i + 1) * s.m, s.n);
-      const size_t z = out.size();
-      if (z >= 3 && out[z - 1] == first && out[z - 3] == e)
-        out[z - 1] = end;  // the stretch goes on
-      else
-        out.insert(out.end(), {e, first, end});
-      f.samples += end - first;
+      const int64_t first = s_.world * i_ * s_.m, size = std::min((i_ + 1) * s_.m, s_.n) - i_ * s_.m;
+      out.insert(out.end(), {e_, first, first + s_.world * size, size});
+      f_.samples += s_.world * size;
+      ++i_;
       if (w.is_last()) {
-        open = false;
-        out.push_back(-1);
-        ++f.step;
+        ++f_.step;
+        weigh(out, static_cast<int64_t>(out.size() / 4) * s_.world);
+        return true;
       }
     }
+    return false;
   }
-  return out;
-}
 
-/// The micro-batch and window that make `per_rank` examples a step: the plan's own when they do,
-/// else the checkpoint's micro-batch `m0` with another window (where the run may accumulate), else
-/// its window `k0` with another micro-batch; {0, 0} when none does.
-std::pair<int64_t, int64_t> split(const Run& r, int64_t world, int64_t per_rank, int64_t m0, int64_t k0) {
-  const PlanValues& p = r.plan;
-  if (world == p.world_size && p.micro_batch > 0 && p.micro_batch * p.accumulation == per_rank)
-    return {p.micro_batch, p.accumulation};
-  const bool may_accumulate = !(p.reduction == Reduction::Mean && !p.has(cap::kGradsNormalized));
-  if (per_rank % m0 == 0 && (per_rank / m0 == 1 || may_accumulate)) return {m0, per_rank / m0};
-  if (per_rank % k0 == 0) return {per_rank / k0, k0};
-  return {0, 0};
-}
+ private:
+  /// Each piece's size becomes its examples' weight's denominator (0 for a sum loss); contiguous
+  /// pieces of one weight become one.
+  void weigh(std::vector<int64_t>& pieces, int64_t micro_batches) const {
+    std::vector<int64_t> merged;
+    for (size_t p = 0; p < pieces.size(); p += 4) {
+      const int64_t weight = mean_ ? pieces[p + 3] * micro_batches : 0;
+      const size_t z = merged.size();
+      if (z >= 4 && merged[z - 4] == pieces[p] && merged[z - 2] == pieces[p + 1] && merged[z - 1] == weight)
+        merged[z - 2] = pieces[p + 2];
+      else
+        merged.insert(merged.end(), {pieces[p], pieces[p + 1], pieces[p + 2], weight});
+    }
+    pieces.swap(merged);
+  }
+
+  const Run& r_;
+  const Shape& s_;
+  From f_;
+  int64_t e_, i_;
+  bool mean_ = true;
+};
 
 /// How the checkpoint's run goes on with `world` ranks, or why it cannot with the same steps.
 struct Fit {
@@ -106,37 +129,32 @@ class WorldChange {
       : r_(r), pos_(pos), before_(shape_on(r, pos.world_size, pos.micro_batch, pos.accumulation)) {
     batch_ = pos.micro_batch * pos.accumulation * pos.world_size;
     from_ = {pos.next_epoch, pos.next_batch, pos.counters.step, pos.seen.samples, pos.counters.total_steps};
-    expected_ = steps_ahead(r, before_, from_);
   }
 
+  /// The first split of the step over `world` ranks that takes the same steps: the plan's own,
+  /// the checkpoint's micro-batch with another window (where the run may accumulate), its window
+  /// with another micro-batch.
   Fit on(int64_t world) const {
-    Fit f;
-    const std::string b = std::to_string(batch_), w = std::to_string(world);
-    if (batch_ % world != 0) return why(f, "its " + b + " examples a step do not divide over " + w + " ranks");
-    std::tie(f.m, f.k) = split(r_, world, batch_ / world, pos_.micro_batch, pos_.accumulation);
-    if (f.m == 0)
-      return why(f, std::to_string(batch_ / world) + " examples per rank are neither micro-batches of " +
-                        std::to_string(pos_.micro_batch) + " nor " + std::to_string(pos_.accumulation) +
-                        " equal micro-batches");
-    const int64_t at = pos_.next_batch * pos_.micro_batch * pos_.world_size;  // the next window's first position
-    if (at % (f.m * world) != 0)
-      return why(f, "the next step starts at example " + std::to_string(at) + " of its epoch, inside a micro-batch of " +
-                        w + " ranks");
-    f.next_batch = at / (f.m * world);
-    const Shape after = shape_on(r_, world, f.m, f.k);
-    const int64_t used_before = before_.n * before_.world, used_after = after.n * world;
-    if (used_before != used_after)
-      return why(f, "an epoch of " + std::to_string(r_.data.train->size()) + " examples is " + std::to_string(used_before) +
-                        " examples on " + std::to_string(before_.world) + " ranks (each reads as many), " +
-                        std::to_string(used_after) + " on " + w);
-    if (!after.windows || steps_of(r_, after) != from_.total)
-      return why(f, "the run would have another number of steps on " + w + " ranks");
-    From from = from_;
-    from.batch = f.next_batch;
-    if (steps_ahead(r_, after, from) != expected_)
-      return why(f, "the steps ahead would take other examples on " + w + " ranks (micro-batches of " +
-                        std::to_string(f.m) + " cut the epoch's end or the ramp elsewhere)");
-    return f;
+    if (batch_ % world != 0)
+      return why("its " + std::to_string(batch_) + " examples a step do not divide over " + std::to_string(world) + " ranks");
+    const int64_t per_rank = batch_ / world, m0 = pos_.micro_batch, k0 = pos_.accumulation;
+    const PlanValues& p = r_.plan;
+    const bool may_accumulate = !(p.reduction == Reduction::Mean && !p.has(cap::kGradsNormalized));
+    std::vector<std::pair<int64_t, int64_t>> splits;
+    if (world == p.world_size && p.micro_batch > 0 && p.micro_batch * p.accumulation == per_rank)
+      splits.emplace_back(p.micro_batch, p.accumulation);
+    if (per_rank % m0 == 0 && (per_rank / m0 == 1 || may_accumulate)) splits.emplace_back(m0, per_rank / m0);
+    if (per_rank % k0 == 0) splits.emplace_back(per_rank / k0, k0);
+    if (splits.empty())
+      return why(std::to_string(per_rank) + " examples per rank are neither micro-batches of " + std::to_string(m0) +
+                 " nor " + std::to_string(k0) + " equal micro-batches");
+    Fit first;
+    for (const auto& [m, k] : splits) {
+      Fit f = with(world, m, k);
+      if (f.why.empty()) return f;
+      if (first.why.empty()) first = std::move(f);
+    }
+    return first;
   }
 
   /// The world sizes up to 64 on which the run goes on exactly, as "1, 2, 4" ("" when none).
@@ -150,8 +168,41 @@ class WorldChange {
   int64_t batch() const noexcept { return batch_; }
 
  private:
-  static Fit why(Fit f, std::string what) {
+  static Fit why(std::string what) {
+    Fit f;
     f.why = std::move(what);
+    return f;
+  }
+
+  Fit with(int64_t world, int64_t m, int64_t k) const {
+    const std::string w = std::to_string(world), split = std::to_string(m) + " x " + std::to_string(k);
+    const int64_t at = pos_.next_batch * pos_.micro_batch * pos_.world_size;  // the next window's first position
+    if (at % (m * world) != 0)
+      return why("the next step starts at example " + std::to_string(at) + " of its epoch, inside a micro-batch of " +
+                 w + " ranks of " + std::to_string(m));
+    const Shape after = shape_on(r_, world, m, k);
+    const int64_t used_before = before_.n * before_.world, used_after = after.n * world;
+    if (used_before != used_after)
+      return why("an epoch of " + std::to_string(r_.data.train->size()) + " examples is " + std::to_string(used_before) +
+                 " examples on " + std::to_string(before_.world) + " ranks (each reads as many), " +
+                 std::to_string(used_after) + " on " + w);
+    if (!after.windows || (r_.bound.by_steps() ? r_.bound.count : after.windows->steps_in(r_.bound.count)) != from_.total)
+      return why("the run would have another number of steps on " + w + " ranks");
+    From from = from_;
+    from.batch = at / (m * world);
+    Walk expected(r_, before_, from_), got(r_, after, from);
+    std::vector<int64_t> a, b;
+    for (int64_t step = from_.step + 1;; ++step) {
+      const bool more = expected.next(a);
+      if (more != got.next(b) || a != b)
+        return why("step " + std::to_string(step) + " would take other examples on " + w + " ranks (micro-batches of " +
+                   split + "), or weigh them otherwise: an epoch's end, a short window or the ramp cut elsewhere");
+      if (!more) break;
+    }
+    Fit f;
+    f.m = m;
+    f.k = k;
+    f.next_batch = from.batch;
     return f;
   }
 
@@ -160,25 +211,44 @@ class WorldChange {
   Shape before_;
   int64_t batch_ = 0;
   From from_;
-  std::vector<int64_t> expected_;
 };
+
+/// Why the micro-batches of another world would change the step whatever their sizes, or "": they
+/// are regrouped (a rank of 2 holds examples 0, 2, ..., one process 0, 1, ...), which BatchNorm's
+/// statistics and a mean over items that do not all count (padding) depend on.
+std::string regrouping_changes_step(Run& r) {
+  if (has_batchnorm(*r.model)) return "the model has BatchNorm, whose statistics are of each micro-batch's examples";
+  const auto& info = r.data.info;
+  if (r.plan.reduction != Reduction::Mean || !info.ignore_index) return "";
+  const auto* t = dynamic_cast<const TensorDataset*>(r.data.train.get());
+  if (t && (at::isFloatingType(t->targets().scalar_type()) || !t->targets().eq(*info.ignore_index).any().item<bool>()))
+    return "";
+  return "a mean loss over items of which some do not count (ignore_index) weighs each by its micro-batch's count; "
+         "a sum loss normalized by the window's counted items takes the same step on any world";
+}
 
 }  // namespace
 
 void continue_on_world(Run& r, Checkpoint& ck) {
   TrainingPosition& pos = ck.position;
   const int64_t before = pos.world_size, now = r.plan.world_size;
-  if (before <= 0 || before == now) return;
+  if (before <= 0) {  // a checkpoint that does not say: of this world, as before its world was recorded
+    pos.world_size = now;
+    pos.seen = {pos.counters.samples_seen * now, pos.counters.tokens_seen * now};
+  }
+  if (before <= 0 || before == now || pos.counters.step >= pos.counters.total_steps) return;
   const std::string dir = ck.dir.string(), ranks = std::to_string(before) + (before == 1 ? " rank" : " ranks");
+  const std::string refused = "cannot continue " + dir + ", trained on " + ranks + ", on " + std::to_string(now) +
+                              " with the same steps: ";
   if (pos.accumulation <= 0 || pos.micro_batch <= 0)
-    throw RunRefused(dir + " was written by " + ranks + " with a trainkit that did not record its window: resume it on " +
-                     ranks);
+    throw RunRefused(refused + "it was written by a trainkit that did not record its window; resume it on " + ranks);
+  if (const std::string why = regrouping_changes_step(r); !why.empty()) throw RunRefused(refused + why);
   const WorldChange change(r, pos);
   const Fit fit = change.on(now);
   if (!fit.why.empty()) {
     const std::string fits = change.worlds_that_fit();
-    throw RunRefused("cannot continue " + dir + ", trained on " + ranks + ", on " + std::to_string(now) +
-                     " with the same steps: " + fit.why + (fits.empty() ? "" : "; it continues exactly on " + fits + " ranks"));
+    throw RunRefused(refused + fit.why +
+                     (fits.empty() ? "" : "; it continues exactly on " + fits + (fits == "1" ? " rank" : " ranks")));
   }
   r.plan.micro_batch = fit.m;
   r.plan.accumulation = fit.k;
