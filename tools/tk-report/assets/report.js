@@ -109,7 +109,8 @@
         let amount = 0, ok = true;
         for (let q = from + 1; q <= j; ++q) if (isNum(wall[q]) && wall[q] < wall[q - 1]) ok = false;  // a resume between
         if (cumulative) {
-          // tokens are counted per rank; the effective batch over the samples gives the world
+          // tokens and samples count the world's (records before that counted one rank's: the
+          // effective batch over the samples scales those to the world, and is 1 now)
           const ds = isNum(smp && smp[j]) && isNum(smp && smp[from]) ? smp[j] - smp[from] : 0;
           let ebs = 0;
           for (let q = from + 1; q <= j; ++q) ebs += isNum(eb && eb[q]) ? eb[q] : 0;
