@@ -74,40 +74,17 @@ class Config {
   const std::string& file() const { return file_; }
 
   int64_t count(const char* key, std::optional<int64_t> def = std::nullopt) {
-    const json* v = find(key);
-    if (!v && def) return *def;
-    if (!v || !v->is_number_integer() || v->get<int64_t>() < 1) {
-      problems.add(std::string("'") + key + "': expected a whole number >= 1, got " + (v ? v->dump() : "nothing"));
-      return 1;
-    }
-    return v->get<int64_t>();
+    return get<int64_t>(key, def, int64_t{1}, "a whole number >= 1",
+                        [](const json& v) { return v.is_number_integer() && v.get<int64_t>() >= 1; });
   }
   double number(const char* key, double def) {
-    const json* v = find(key);
-    if (!v) return def;
-    if (!v->is_number() || !(v->get<double>() > 0.0)) {
-      problems.add(std::string("'") + key + "': expected a number > 0, got " + v->dump());
-      return def;
-    }
-    return v->get<double>();
+    return get<double>(key, def, def, "a number > 0", [](const json& v) { return v.is_number() && v.get<double>() > 0.0; });
   }
   bool flag(const char* key, bool def) {
-    const json* v = find(key);
-    if (!v) return def;
-    if (!v->is_boolean()) {
-      problems.add(std::string("'") + key + "': expected true or false, got " + v->dump());
-      return def;
-    }
-    return v->get<bool>();
+    return get<bool>(key, def, def, "true or false", [](const json& v) { return v.is_boolean(); });
   }
   std::string text(const char* key, const std::string& def) {
-    const json* v = find(key);
-    if (!v) return def;
-    if (!v->is_string()) {
-      problems.add(std::string("'") + key + "': expected a string, got " + v->dump());
-      return def;
-    }
-    return v->get<std::string>();
+    return get<std::string>(key, def, def, "a string", [](const json& v) { return v.is_string(); });
   }
   /// A field that changes the computation in a way trainkit's GPT does not: refused unless absent,
   /// null or `honoured`.
@@ -129,6 +106,19 @@ class Config {
   Problems problems;
 
  private:
+  /// Field `key` as a T where `fits` accepts it. Absent: `def`, or without one a problem. Of another
+  /// kind: a problem naming what was `expected`, and `fallback` (the run is refused either way).
+  template <class T>
+  T get(const char* key, std::optional<T> def, T fallback, const char* expected, bool (*fits)(const json&)) {
+    const json* v = find(key);
+    if (!v && def) return *def;
+    if (!v || !fits(*v)) {
+      problems.add(std::string("'") + key + "': expected " + expected + ", got " + (v ? v->dump() : "nothing"));
+      return fallback;
+    }
+    return v->get<T>();
+  }
+
   std::string file_;
   json j_;
 };

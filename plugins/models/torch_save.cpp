@@ -322,10 +322,13 @@ class Unpickler {
       const std::string record = "data/" + key;
       if (!archive_.hasRecord(record)) fail("its storage " + record + " is not in the archive");
       auto [data, bytes] = archive_.getRecord(record);
+      // Checked before anything is allocated: a damaged count must not ask for the memory it names.
+      const size_t element = c10::elementSize(dtype);
+      if (n < 0 || static_cast<uint64_t>(n) > bytes / element)
+        fail("storage " + record + " holds " + std::to_string(bytes) + " bytes, not the " +
+             (n < 0 ? std::string("(negative)") : std::to_string(static_cast<uint64_t>(n) * element)) + " of its " +
+             std::to_string(n) + " elements");
       at::Tensor t = at::empty({n}, at::TensorOptions().dtype(dtype));
-      if (n < 0 || bytes < t.nbytes())
-        fail("storage " + record + " holds " + std::to_string(bytes) + " bytes, not the " + std::to_string(t.nbytes()) +
-             " of its " + std::to_string(n) + " elements");
       std::memcpy(t.data_ptr(), data.get(), t.nbytes());
       cached = storages_.emplace(key, t).first;
     }

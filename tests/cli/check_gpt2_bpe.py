@@ -19,7 +19,6 @@ import json
 import os
 import pathlib
 import shutil
-import struct
 import subprocess
 import sys
 import unicodedata
@@ -27,6 +26,7 @@ import unicodedata
 import regex
 
 from gpt2_vocab import BYTES, PATTERN, UNBYTES, learn, pieces, vocabulary, write_vocabulary
+from shards import read_shard as shard
 
 tokenize, tk_run, tk_sample, work = sys.argv[1], sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
 shutil.rmtree(work, ignore_errors=True)
@@ -69,14 +69,6 @@ def run(*args, ok=True, stdin=None):
     p = subprocess.run([tokenize, *map(str, args)], capture_output=True, input=stdin)
     assert (p.returncode == 0) == ok, (args, p.returncode, p.stdout, p.stderr)
     return p
-
-
-def shard(path):
-    raw = pathlib.Path(path).read_bytes()
-    magic, version, count = struct.unpack("<3i", raw[:12])
-    assert magic == 20240520, magic
-    width = {1: 2, 2: 4}[version]
-    return list(struct.unpack(f"<{count}{'H' if width == 2 else 'I'}", raw[1024:1024 + width * count]))
 
 
 fortunes = pathlib.Path("/usr/share/games/fortunes/cookie").read_text(encoding="utf-8")

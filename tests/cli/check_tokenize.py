@@ -15,11 +15,11 @@ import math
 import pathlib
 import random
 import shutil
-import struct
 import subprocess
 import sys
 
 import sentencepiece as spm
+from shards import read_shard as shard
 
 tokenize, tk_run, tk_sample, work = sys.argv[1], sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
 shutil.rmtree(work, ignore_errors=True)
@@ -33,15 +33,6 @@ def run(*args, ok=True):
     p = subprocess.run([tokenize, *map(str, args)], capture_output=True, text=True)
     assert (p.returncode == 0) == ok, (args, p.returncode, p.stdout, p.stderr)
     return p
-
-
-def shard(path):
-    raw = pathlib.Path(path).read_bytes()
-    magic, version, count = struct.unpack("<3i", raw[:12])
-    assert magic == 20240520, magic
-    width = {1: 2, 2: 4}[version]
-    assert len(raw) == 1024 + width * count, (len(raw), count)
-    return list(struct.unpack(f"<{count}{'H' if width == 2 else 'I'}", raw[1024:]))
 
 
 out = run(corpus, "--vocab", 500, "--separator", "\\n%\\n", "--out", work / "bpe").stdout

@@ -18,6 +18,18 @@
 namespace tk::detail {
 namespace {
 
+/// The first `shown` of `names`, then how many more there are.
+std::string first_of(const std::vector<std::string>& names, size_t shown) {
+  const size_t n = std::min(names.size(), shown);
+  return join(names.data(), names.data() + n) + (names.size() > n ? " and " + std::to_string(names.size() - n) + " more" : "");
+}
+
+/// Whether `name` matches one of the shell-wildcard `patterns`.
+bool matches(const std::vector<std::string>& patterns, const std::string& name) {
+  return std::any_of(patterns.begin(), patterns.end(),
+                     [&](const std::string& p) { return ::fnmatch(p.c_str(), name.c_str(), 0) == 0; });
+}
+
 OptionSpecs run_specs() {
   return {opt_string("name", "run", "name of the run"),
           opt_int("seed", 0, "seed of initialization, data order and synthetic data"),
@@ -111,20 +123,14 @@ void choose_trainable(Run& r) {
   const auto& freeze = r.model_opts.get_strings("freeze");
   if (keep.empty() && freeze.empty()) return;
   const auto params = r.model->named_parameters();
-  const auto matches = [](const std::vector<std::string>& patterns, const std::string& name) {
-    return std::any_of(patterns.begin(), patterns.end(),
-                       [&](const std::string& p) { return ::fnmatch(p.c_str(), name.c_str(), 0) == 0; });
-  };
+  std::vector<std::string> names;
+  for (const auto& p : params) names.push_back("'" + p.key() + "'");
   for (const char* key : {"trainable", "freeze"})
     for (const auto& pattern : r.model_opts.get_strings(key)) {
-      const bool used = std::any_of(params.begin(), params.end(),
-                                    [&](const auto& p) { return ::fnmatch(pattern.c_str(), p.key().c_str(), 0) == 0; });
-      if (!used) {
-        std::string some;
-        for (size_t i = 0; i < std::min<size_t>(params.size(), 4); ++i) some += (i ? ", '" : "'") + params[i].key() + "'";
-        if (params.size() > 4) some += " and " + std::to_string(params.size() - 4) + " more";
-        r.model_opts.fail(key, "'" + pattern + "' matches no parameter of model '" + r.model_name + "' (it has " + some + ")");
-      }
+      const bool used = std::any_of(params.begin(), params.end(), [&](const auto& p) { return matches({pattern}, p.key()); });
+      if (!used)
+        r.model_opts.fail(key, "'" + pattern + "' matches no parameter of model '" + r.model_name + "' (it has " +
+                                   first_of(names, 4) + ")");
     }
   int64_t trained = 0, frozen = 0;
   for (const auto& p : params) {
@@ -169,14 +175,10 @@ void load_init(Run& r) {
   for (auto& b : r.model->named_buffers()) take(b.key(), b.value());
   std::vector<std::string> extra;
   for (const auto& [name, t] : by_name) extra.push_back("'" + name + "'");
-  auto some = [](const std::vector<std::string>& v) {
-    const size_t n = std::min<size_t>(v.size(), 5);
-    return join(v.data(), v.data() + n) + (v.size() > n ? " and " + std::to_string(v.size() - n) + " more" : "");
-  };
   std::string why;
-  if (!missing.empty()) why += "; it lacks " + some(missing);
-  if (!misshapen.empty()) why += "; other shapes: " + some(misshapen);
-  if (!extra.empty()) why += "; the model has no " + some(extra);
+  if (!missing.empty()) why += "; it lacks " + first_of(missing, 5);
+  if (!misshapen.empty()) why += "; other shapes: " + first_of(misshapen, 5);
+  if (!extra.empty()) why += "; the model has no " + first_of(extra, 5);
   const size_t loaded = saved.size() - extra.size() - misshapen.size();
   if (!why.empty() && !partial)
     r.model_opts.fail("init", file + " does not fit model '" + r.model_name + "'" + why +
@@ -413,6 +415,8 @@ void clear_grads(Run& r) {
 }
 
 void complete_grads(Run& r) {
+  // Sharded gradients: a rank holds its own part only, which the sharding plugin completed.
+  if (r.plan.has(cap::kGradsSharded.name())) return;
   for (auto& group : r.optimizer->param_groups())
     for (auto& p : group.params())
       if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p, at::MemoryFormat::Preserve);
