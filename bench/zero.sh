@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The optimizer state under data parallel, whole on every rank (ddp) and sharded (the shard plugin
-# at stage 1): the GPT of bench/gpt-memory.sh (4 layers x 256) with AdamW on 1, 2 and 4 ranks (Gloo,
-# loopback). Per configuration: the optimizer state rank 0 holds (optimizer_state_mib), the
-# largest share any rank updates (from each rank's log), peak resident memory of rank 0, time per
-# step, and whether the sharded run's losses equal the unsharded one's (they must, bit for bit).
+# The optimizer state and the gradients under data parallel, whole on every rank (ddp) and sharded
+# (the shard plugin at stages 1 and 2): the GPT of bench/gpt-memory.sh (4 layers x 256) with AdamW
+# on 1, 2 and 4 ranks (Gloo, loopback). Per configuration: the optimizer state and the gradients
+# rank 0 holds at the step (optimizer_state_mib, grad_mib), the largest share any rank updates
+# (from each rank's log), peak resident memory of rank 0, time per step, and whether the sharded
+# run's losses equal the unsharded one's (stage 1: bit for bit; stage 2 sums in another order: to
+# 1e-5, float32).
 #   bash bench/zero.sh [STEPS]      (after tools/build.sh; STEPS default 6, at least 3)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -24,39 +26,42 @@ log = open(sys.argv[2]).read()
 ranks, stage = int(sys.argv[3]), int(sys.argv[4])
 ms = 1000 * (rows[-1]["wall_time"] - rows[1]["wall_time"]) / (len(rows) - 2)
 state = rows[-1].get("optimizer_state_mib")
-if state is None:
-    sys.exit("no optimizer_state_mib in the records")
+grads = rows[-1].get("grad_mib")
+if state is None or grads is None:
+    sys.exit("no optimizer_state_mib or grad_mib in the records")
 shares = [int(m) / 2**20 for m in re.findall(r"this rank updates \d+ of \d+ tensors \((\d+) of", log)]
-if stage == 1 and len(shares) != ranks:
+if stage >= 1 and len(shares) != ranks:
     sys.exit(f"expected {ranks} sharding lines in the log, found {len(shares)}")
 largest = f"{2 * max(shares):.2f}" if shares else f"{state:.2f}"
 losses = ",".join(f"{r['loss']:.10f}" for r in rows)
-print(f"{state:.2f} {largest} {rows[-1]['peak_rss_mib']:.0f} {ms:.0f} {losses}")
+print(f"{state:.2f} {grads:.2f} {largest} {rows[-1]['peak_rss_mib']:.0f} {ms:.0f} {losses}")
 PY
 }
 
 echo "GPT 4 layers x 256, 8 heads, 128-token sequences (fortunes, bytes), AdamW (float32 state), micro-batch 4 per rank, $steps steps"
 bench_cpu
-echo "| ranks | stage | optimizer state, rank 0 (MiB) | largest rank's state (MiB) | total / ranks (MiB) | peak RSS, rank 0 (MiB) | ms / step | losses equal |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| ranks | stage | optimizer state, rank 0 (MiB) | gradients, rank 0 (MiB) | largest rank's state (MiB) | total / ranks (MiB) | peak RSS, rank 0 (MiB) | ms / step | losses equal |"
+echo "|---|---|---|---|---|---|---|---|---|"
 declare -A whole
 for ranks in 1 2 4; do
-  for stage in 0 1; do
+  for stage in 0 1 2; do
     args=("$bench_work/gpt.toml" --progress none --log-level info "${model[@]}" --set plugins.shard.stage="$stage")
     if [ "$ranks" -gt 1 ]; then args+=(--nproc "$ranks"); fi
     bench_tk "r$ranks-z$stage" "$steps" "${args[@]}"
     cat "$tk_out" "$tk_err" >"$bench_work/log-$ranks-$stage"
-    read -r state largest rss ms losses <<<"$(summary "$tk_dir/metrics.jsonl" "$bench_work/log-$ranks-$stage" "$ranks" "$stage")"
+    read -r state grads largest rss ms losses <<<"$(summary "$tk_dir/metrics.jsonl" "$bench_work/log-$ranks-$stage" "$ranks" "$stage")"
     if [ "$stage" = 0 ]; then
       whole[$ranks]=$state
       whole_losses=$losses
       equal="-"
     elif [ "$losses" = "$whole_losses" ]; then
       equal="yes"
+    elif [ "$stage" = 2 ] && /usr/bin/python3 -c "import sys; a, b = ([float(x) for x in s.split(',')] for s in sys.argv[1:]); sys.exit(any(abs(x - y) > 1e-5 * max(1, abs(y)) for x, y in zip(a, b)))" "$losses" "$whole_losses"; then
+      equal="to 1e-5"
     else
       bench_die "ranks $ranks: the sharded run's losses differ from the unsharded run's: $losses vs $whole_losses"
     fi
     per=$(/usr/bin/python3 -c "print(f'{${whole[$ranks]} / $ranks:.2f}')")
-    echo "| $ranks | $stage | $state | $largest | $per | $rss | $ms | $equal |"
+    echo "| $ranks | $stage | $state | $grads | $largest | $per | $rss | $ms | $equal |"
   done
 done

@@ -7,6 +7,7 @@
 // The arithmetic follows torch.nn.utils.clip_grad_norm_ / clip_grad_value_.
 #include <tk/abi.h>
 #include <tk/kernels.h>
+#include <tk/world.h>
 
 #include <cmath>
 #include <limits>
@@ -38,12 +39,14 @@ class Clip final : public tk::Plugin {
     return c;
   }
 
+  void configure(tk::RunPlan& plan) override { sharded_ = plan.has(tk::cap::kGradsSharded) && plan.world_size() > 1; }
+
   void on_boundary(tk::BoundaryContext& ctx) override {
     std::vector<torch::Tensor> grads = ctx.gradients();
-    if (grads.empty()) return;
+    if (grads.empty() && !sharded_) return;
     torch::NoGradGuard no_grad;
     // Everything stays on the device: the norm goes to the record through the core's one read.
-    const torch::Tensor norm = total_norm(grads);
+    const torch::Tensor norm = sharded_ ? world_norm(ctx.world(), grads) : total_norm(grads);
     ctx.metric("grad_norm", norm);
     if (ctx.step_vetoed()) return;  // the step will not be taken (e.g. an overflow found on the host)
     if (max_value_ > 0) {
@@ -62,14 +65,30 @@ class Clip final : public tk::Plugin {
   void load_state(const tk::StateDict& s) override { clipped_steps_ = s.at("clipped_steps").to(at::kLong).reshape({}); }
 
  private:
+  /// Each gradient's norm in its own dtype (as clip_grad_norm_ takes them), in float64.
+  torch::Tensor norms(const std::vector<torch::Tensor>& grads) const {
+    return at::stack(at::_foreach_norm(grads, norm_type_)).to(at::kDouble);
+  }
+
   /// The total norm of the gradients, a float64 scalar on their device.
   torch::Tensor total_norm(const std::vector<torch::Tensor>& grads) const {
-    // Each gradient's norm in its own dtype (as clip_grad_norm_ takes them), then in float64.
-    auto all = at::stack(at::_foreach_norm(grads, norm_type_)).to(at::kDouble);
+    const auto all = norms(grads);
     return std::isinf(norm_type_) ? all.max() : at::linalg_vector_norm(all, norm_type_);
   }
 
+  /// The same over gradients sharded across the world: each rank's part (its max, or its sum of
+  /// p-th powers) reduced over the ranks, on every rank. A rank that holds no gradient adds 0.
+  torch::Tensor world_norm(tk::World& world, const std::vector<torch::Tensor>& grads) const {
+    const bool inf = std::isinf(norm_type_);
+    torch::Tensor part = grads.empty() ? torch::zeros({1}, at::kDouble)
+                         : inf        ? norms(grads).max().reshape({1})
+                                      : norms(grads).pow(norm_type_).sum().reshape({1});
+    world.all_reduce(part, inf ? tk::ReduceOp::Max : tk::ReduceOp::Sum);
+    return inf ? part.reshape({}) : part.pow(1.0 / norm_type_).reshape({});
+  }
+
   double max_norm_ = 1.0, norm_type_ = 2.0, max_value_ = 0.0;
+  bool sharded_ = false;  // each rank holds its share of the gradients: the norm is reduced over the world
   torch::Tensor clipped_steps_ = torch::zeros({}, at::kLong);  // steps whose gradients were scaled down
 };
 

@@ -156,6 +156,8 @@ class Ddp final : public tk::Plugin {
   tk::Contract contract() const override {
     tk::Contract c;
     c.provides = {tk::cap::kGradsSynced};
+    // Gradients sharded by another plugin are summed onto their owners before the window's totals.
+    c.after = {tk::cap::kGradsSharded};
     return c;
   }
 
@@ -163,8 +165,10 @@ class Ddp final : public tk::Plugin {
     // Without a normalizer, a mean loss is averaged over ranks here, as single-process training
     // would average it over the global batch; a sum loss stays a sum.
     average_ = !plan.has(tk::cap::kGradsNormalized) && plan.reduction() == tk::Reduction::Mean;
+    // Sharded gradients are summed by the plugin that shards them: no reducer here.
+    sharded_grads_ = plan.has(tk::cap::kGradsSharded);
     // The reducer makes the gradients views of its buckets, which must outlive each step.
-    if (plan.world_size() > 1) plan.keep_gradients();
+    if (plan.world_size() > 1 && !sharded_grads_) plan.keep_gradients();
   }
 
   void on_fit_start(tk::FitStartContext& ctx) override {
@@ -173,7 +177,17 @@ class Ddp final : public tk::Plugin {
     if (world_->size() == 1 || !world_->process_group()) return;
     check_same_model(ctx.model());
     broadcast_from_rank0(ctx.model());
-    build_reducer(ctx);
+    for (const auto& p : ctx.model().named_parameters())
+      if (p.value().requires_grad()) {
+        param_names_.push_back(p.key());
+        params_.push_back(p.value());
+      }
+    if (params_.empty()) throw std::runtime_error("the model has no trainable parameter: nothing for data parallel to sum");
+    if (sharded_grads_)
+      ctx.info("the gradients are sharded: each is summed onto the rank that updates it by the plugin that shards them, "
+               "and data parallel sums the windows' counts");
+    else
+      build_reducer(ctx);
   }
 
   void on_loss(tk::LossContext& ctx) override {
@@ -212,7 +226,7 @@ class Ddp final : public tk::Plugin {
   }
 
   void on_boundary(tk::BoundaryContext& ctx) override {
-    if (!reducer_) return decline(tk::Event::Boundary);
+    if (params_.empty()) return decline(tk::Event::Boundary);
     const auto t0 = Clock::now();
     torch::NoGradGuard no_grad;
     if (average_)
@@ -233,8 +247,15 @@ class Ddp final : public tk::Plugin {
     t.samples = std::llround(counts[1]);
     t.tokens = std::llround(counts[2]);
     t.loss = totals.select(0, 4);
-    search_note(ctx, std::llround(counts[3]));
     ++syncs_;
+    if (!reducer_) {  // the gradients were summed by the plugin that shards them: the totals alone
+      allreduces_ += 1;
+      ctx.metric("ddp_boundary_ms", ms_between(t0, Clock::now()));
+      ctx.metric("ddp_syncs", static_cast<double>(syncs_));
+      ctx.metric("ddp_allreduces", static_cast<double>(allreduces_));
+      return;
+    }
+    search_note(ctx, std::llround(counts[3]));
     // The buckets, the used-map the unused-parameter search sums, and the totals.
     allreduces_ += buckets_ + (find_unused_ ? 1 : 0) + 1;
     ctx.metric("ddp_boundary_ms", ms_between(t0, Clock::now()));
@@ -249,7 +270,7 @@ class Ddp final : public tk::Plugin {
   }
 
   void on_step_end(tk::StepEndContext& ctx) override {
-    if (!reducer_ || check_every_ == 0) return decline(tk::Event::StepEnd);
+    if (params_.empty() || check_every_ == 0) return decline(tk::Event::StepEnd);
     if (ctx.counters().step % check_every_ == 0) check_same(ctx);
   }
   void on_fit_end(tk::FitEndContext&) override { leave(); }
@@ -320,13 +341,7 @@ class Ddp final : public tk::Plugin {
 
   void build_reducer(tk::Context& ctx) {
     std::unordered_map<size_t, std::string> names;
-    for (const auto& p : ctx.model().named_parameters())
-      if (p.value().requires_grad()) {
-        names[params_.size()] = p.key();
-        param_names_.push_back(p.key());
-        params_.push_back(p.value());
-      }
-    if (params_.empty()) throw std::runtime_error("the model has no trainable parameter: nothing for data parallel to sum");
+    for (size_t i = 0; i < param_names_.size(); ++i) names[i] = param_names_[i];
     // Buckets in the reverse order of definition, which approximates the order gradients become
     // ready in backward: the first (small) bucket is launched earliest.
     std::vector<at::Tensor> reversed(params_.rbegin(), params_.rend());
@@ -417,6 +432,7 @@ class Ddp final : public tk::Plugin {
   tk::World* world_ = nullptr;  // the run's, from on_fit_start on
   int64_t bucket_bytes_ = 25 << 20, first_bucket_bytes_ = 1 << 20;
   bool average_ = false;
+  bool sharded_grads_ = false;  // another plugin sums the gradients onto their owners (tk::cap::kGradsSharded)
   int64_t syncs_ = 0, allreduces_ = 0;
   // The reducer, the parameters it sums (trainable ones, in model order) and their names.
   std::unique_ptr<WindowReducer> reducer_;

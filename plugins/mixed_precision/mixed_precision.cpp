@@ -9,6 +9,7 @@
 // unscaling. bf16 needs no scaler.
 #include <tk/abi.h>
 #include <tk/compat.h>
+#include <tk/world.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -99,6 +100,7 @@ class MixedPrecision final : public tk::Plugin {
   }
 
   void configure(tk::RunPlan& plan) override {
+    sharded_ = plan.has(tk::cap::kGradsSharded) && plan.world_size() > 1;
     device_ = plan.device();
     if (device_ != at::kCPU && device_ != at::kCUDA)
       fail_option(dtype_, std::string("autocast works on CPU and CUDA, not ") + c10::DeviceTypeName(device_));
@@ -226,9 +228,17 @@ class MixedPrecision final : public tk::Plugin {
     return at::logical_not(at::isfinite(at::stack(at::_foreach_norm(nonempty, INFINITY)))).any().reshape({1});
   }
 
+  /// Whether any rank found an overflow: with sharded gradients each rank checked its share only.
+  at::Tensor over_world(tk::Context& ctx, at::Tensor found) const {
+    if (!sharded_) return found;
+    found = found.to(at::kFloat);  // a flag of any dtype (bool: the CPU's); backends reduce numbers
+    ctx.world().all_reduce(found, tk::ReduceOp::Max);
+    return found;
+  }
+
   /// With check_every_micro_batch: a host read per micro-batch, as that option asks.
   bool all_finite(tk::BackwardContext& ctx) const {
-    return ctx.read(unscale_and_find_inf(ctx.gradients(), 1.0)).front() == 0.0;
+    return ctx.read(over_world(ctx, unscale_and_find_inf(ctx.gradients(), 1.0))).front() == 0.0;
   }
 
   void boundary(tk::BoundaryContext& ctx) {
@@ -240,7 +250,7 @@ class MixedPrecision final : public tk::Plugin {
     } else {
       // Unscaled and checked on the device; the core reads the flag with the step's other values
       // and skips the step when it is set. The scale follows in on_step_end.
-      ctx.veto_step_if(unscale_and_find_inf(ctx.gradients(), 1.0 / scale_),
+      ctx.veto_step_if(over_world(ctx, unscale_and_find_inf(ctx.gradients(), 1.0 / scale_)),
                        "gradient overflow (inf or NaN) at loss scale " + format(used_), advance_on_skip_);
     }
     overflow_ = false;
@@ -276,6 +286,7 @@ class MixedPrecision final : public tk::Plugin {
   bool check_each_ = false, advance_on_skip_ = false;
   // Derived from them, and state.
   bool fp16_ = false, scaling_ = false;
+  bool sharded_ = false;  // each rank holds its share of the gradients: overflow is decided over the world
   double used_ = 65536.0;
   int64_t tracker_ = 0, skipped_ = 0;
   bool overflow_ = false, vetoed_here_ = false;

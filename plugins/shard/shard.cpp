@@ -1,7 +1,9 @@
-// Sharded data parallel: the optimizer's state split across the ranks of the run's world (ZeRO
-// stage 1). The recipe chooses the stage; the run's optimizer becomes the recipe's over this
-// rank's share of the parameters (sharded.h), stepped on the gradients another plugin summed
-// across the ranks (ddp), and every rank gets the parameters their owners updated.
+// Sharded data parallel over the ranks of the run's world (ZeRO). The recipe chooses the stage:
+// at 1 the optimizer's state is split (the run's optimizer becomes the recipe's over this rank's
+// share of the parameters, sharded.h), stepped on the gradients another plugin summed across the
+// ranks (ddp); at 2 the gradients are split too: after a backward each is summed onto the rank that
+// updates it and released on the others. Either way every rank gets the parameters their owners
+// updated.
 #include <tk/abi.h>
 #include <tk/world.h>
 
@@ -12,55 +14,105 @@
 
 namespace {
 
+constexpr double kMiB = 1024.0 * 1024.0;
+
+int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
+  int64_t n = 0;
+  for (const auto& t : tensors)
+    if (t.defined()) n += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+  return n;
+}
+
 class Shard final : public tk::Plugin {
  public:
   void bind(tk::OptionBinder& o) override {
     o.add("stage", stage_,
           "what is split across the ranks: 0 nothing (every rank keeps the whole optimizer state); 1 the "
           "optimizer's state (ZeRO stage 1): each rank keeps and updates the state of its share of the parameters, "
-          "then broadcasts them");
+          "then broadcasts them; 2 the gradients too (ZeRO stage 2): each gradient is summed onto the rank that "
+          "updates it, and the others release theirs");
+    o.add("reduce", reduce_,
+          "stage 2, with accumulation: when the gradients are summed onto their owners. \"micro_batch\": after every "
+          "backward, so that between backwards a rank holds only its share (least memory); \"window\": after the "
+          "window's last backward, each rank accumulating whole gradients until then (least traffic)",
+          {"micro_batch", "window"});
   }
 
   void init() override {
-    if (stage_ != 0 && stage_ != 1)
-      fail_option(stage_, "must be 0 or 1 (1 shards the optimizer state; gradients and parameters stay whole on "
-                          "every rank), got " + std::to_string(stage_));
+    if (stage_ < 0 || stage_ > 2)
+      fail_option(stage_, "must be 0, 1 or 2 (1 shards the optimizer state, 2 the gradients too; parameters stay "
+                          "whole on every rank), got " + std::to_string(stage_));
+    if (option_given(reduce_) && stage_ != 2)
+      note_ = "reduce = \"" + reduce_ + "\" is ignored: only stage 2 sums the gradients itself (stage is " +
+              std::to_string(stage_) + ")";
   }
 
   tk::Contract contract() const override {
     tk::Contract c;
     c.provides = {tk::cap::kOptimizerSharded};
-    c.after = {tk::cap::kGradsSynced};
+    if (stage_ >= 1) c.requires_ = {tk::cap::kGradsSynced};  // the data-parallel plugin: the world's totals
+    // Stage 2 sums the gradients itself, before the sync plugin's boundary (which then sums the
+    // window's counts alone) and so before everything that runs after it.
+    if (stage_ == 2)
+      c.provides.push_back(tk::cap::kGradsSharded);
+    else
+      c.after = {tk::cap::kGradsSynced};
     return c;
   }
 
-  /// At stage 1 the run's optimizer is the recipe's over this rank's share only.
+  /// From stage 1 on, the run's optimizer is the recipe's over this rank's share only.
   void setup(tk::SetupContext& setup) override {
     if (stage_ == 0) return;
     tk::World* world = &setup.world();
-    setup.wrap_optimizer([world](std::vector<at::Tensor> trainable, const tk::OptimizerFactory& inner)
+    setup.wrap_optimizer([this, world](std::vector<at::Tensor> trainable, const tk::OptimizerFactory& inner)
                              -> std::unique_ptr<torch::optim::Optimizer> {
-      return tk::shard::ShardedOptimizer::make(std::move(trainable), *world, inner);
+      auto made = tk::shard::ShardedOptimizer::make(std::move(trainable), *world, inner);
+      made_ = made.get();
+      return made;
     });
   }
 
   void on_fit_start(tk::FitStartContext& ctx) override {
-    sharded_ = dynamic_cast<const tk::shard::ShardedOptimizer*>(&ctx.optimizer());
+    // The run's optimizer is the last one this plugin made (after trial steps the core makes another).
+    sharded_ = &ctx.optimizer() == made_ ? made_ : nullptr;
+    if (stage_ >= 1 && !sharded_)
+      throw std::runtime_error("stage " + std::to_string(stage_) + ": the run's optimizer is not the sharded one this "
+                               "plugin made (another plugin replaced or wrapped it after)");
+    if (!note_.empty() && !ctx.trial()) ctx.warn(note_);
     if (!sharded_ || ctx.trial()) return;
     const int size = ctx.world_size(), rank = ctx.rank();
     int64_t total = 0;
     for (int r = 0; r < size; ++r) total += sharded_->owned_bytes(r);
     const auto& owners = sharded_->owners();
     std::ostringstream m;
-    m << "stage 1: the optimizer state is sharded over " << size << " rank" << (size == 1 ? "" : "s")
-      << "; this rank updates " << std::count(owners.begin(), owners.end(), rank) << " of " << owners.size()
-      << " tensors (" << sharded_->owned_bytes(rank) << " of " << total << " bytes of parameters)";
+    m << "stage " << stage_ << ": the optimizer state" << (stage_ == 2 ? " and the gradients are" : " is")
+      << " sharded over " << size << " rank" << (size == 1 ? "" : "s") << "; this rank updates "
+      << std::count(owners.begin(), owners.end(), rank) << " of " << owners.size() << " tensors ("
+      << sharded_->owned_bytes(rank) << " of " << total << " bytes of parameters)";
+    if (stage_ == 2) m << "; gradients summed onto their owners after " << (reduce_ == "window" ? "each window" : "every backward");
     ctx.info(m.str());
   }
 
+  void on_backward(tk::BackwardContext& ctx) override {
+    if (stage_ != 2 || !sharded_) return decline(tk::Event::Backward);
+    const bool last = ctx.window().is_last(), each = reduce_ == "micro_batch";
+    if (last || each) sharded_->reduce_gradients(!each || ctx.window().is_first(), last);
+  }
+
+  /// This rank's bytes of parameters and of the gradients the step will apply, for every stage.
+  void on_boundary(tk::BoundaryContext& ctx) override {
+    int64_t params = 0;
+    for (const auto& p : ctx.model().parameters()) params += bytes_of({p});
+    ctx.metric("param_mib", static_cast<double>(params) / kMiB);
+    ctx.metric("grad_mib", static_cast<double>(bytes_of(ctx.gradients())) / kMiB);
+  }
+
   void on_step_end(tk::StepEndContext& ctx) override {
-    if (!sharded_ || ctx.world_size() == 1) return decline(tk::Event::StepEnd);
-    if (!ctx.step_vetoed()) ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
+    if (!sharded_ || ctx.world_size() == 1 || ctx.step_vetoed()) return;
+    ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
+    if (stage_ != 2) return;
+    ctx.metric("shard_grad_reduce_ms", sharded_->reduce_ms());
+    ctx.metric("shard_grad_reduces", static_cast<double>(sharded_->reduces()));
   }
 
   // The optimizer is the core's: made anew after trial steps, released with the run.
@@ -68,10 +120,14 @@ class Shard final : public tk::Plugin {
 
  private:
   int64_t stage_ = 0;
-  const tk::shard::ShardedOptimizer* sharded_ = nullptr;
+  std::string reduce_ = "micro_batch";
+  std::string note_;
+  tk::shard::ShardedOptimizer* made_ = nullptr;    // the optimizer this plugin made last
+  tk::shard::ShardedOptimizer* sharded_ = nullptr;  // the run's, from on_fit_start to on_fit_end
 };
 
 }  // namespace
 
-TK_PLUGIN(Shard, "shard", "0.1.0",
-          "sharded data parallel: the optimizer state split across the ranks (ZeRO stage 1), exact against ddp")
+TK_PLUGIN(Shard, "shard", "0.2.0",
+          "sharded data parallel (ZeRO): the optimizer state (stage 1) and the gradients (stage 2) split across the "
+          "ranks, exact against ddp")

@@ -161,6 +161,28 @@ TEST_SUITE("elastic") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("ZeRO stage 2: a sharded checkpoint of 2 ranks goes on on 3 ranks, then in 1 process, with the steps of one process to 1e-12") {
+    const fs::path root = tkt::temp_dir("resize-zero");
+    REQUIRE(tk_run(root / "whole", kEffective, "").rc == 0);
+    const std::string sharded = kEffective + "[[plugins]]\nname = \"shard\"\nstage = 2\n";
+    const fs::path dir = root / "sharded";
+    // Rank 0 killed after its second checkpoint each time: steps 8 and 16.
+    auto two = tk_run(dir, sharded, "--nproc 2 --resume auto", "TK_FAULT=checkpoint-done:2");
+    INFO(two.out);
+    REQUIRE(two.rc == 1);
+    auto three = tk_run(dir, sharded, "--nproc 3 --resume auto", "TK_FAULT=checkpoint-done:2");
+    INFO(three.out);
+    REQUIRE(three.rc == 1);
+    CHECK(has(three, "continuing the run of 2 ranks on 3: 12 examples a step, micro-batches of 2 x 2 per rank"));
+    CHECK(has(three, "stage 2: the optimizer state and the gradients are sharded over 3 ranks"));
+    auto alone = tk_run(dir, sharded, "--resume auto");
+    INFO(alone.out);
+    REQUIRE(alone.rc == 0);
+    CHECK(has(alone, "continuing the run of 3 ranks on 1: 12 examples a step, micro-batches of 2 x 6 per rank"));
+    check_same_steps(dir, root / "whole", 1e-12);
+    fs::remove_all(root);
+  }
+
   TEST_CASE("tk-run --max-restarts: a worker killed mid-run restarts the world, which resumes by itself and ends identical") {
     const fs::path root = tkt::temp_dir("restarts");
     REQUIRE(tk_run(root / "whole", kEffective, "--nproc 2").rc == 0);

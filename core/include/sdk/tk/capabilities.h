@@ -39,12 +39,17 @@ inline const Capability kGradsClipped{"grads.clipped"};           ///< norm or v
 inline const Capability kLossScale{"loss.scale"};                 ///< multiplies the loss before backward
 inline const Capability kAutocast{"autocast"};                    ///< runs forward under autocast
 inline const Capability kOptimizerSharded{"optimizer.sharded"};   ///< the optimizer's state split across the ranks
+/// Gradients split across the ranks: from the window's sync on, each rank holds the gradients of
+/// the parameters it updates and no others. A plugin that combines gradients (a norm, an overflow
+/// check) combines its rank's part and reduces the result over the world. The core leaves a
+/// parameter without a gradient at the boundary as it is (no zeros are made for it).
+inline const Capability kGradsSharded{"grads.sharded"};
 
 /// Every name above. A name in `after` or `requires_` that is neither one of these nor provided
 /// by a plugin of the run is reported (a warning for `after`, part of the error for `requires_`):
 /// most likely a typo in a plugin's own name, which would silently drop an ordering.
-inline const Capability kKnown[] = {kWindow,       kGradsSynced, kGradsNormalized, kGradsUnscaled,
-                                    kGradsClipped, kLossScale,   kAutocast,        kOptimizerSharded};
+inline const Capability kKnown[] = {kWindow,    kGradsSynced, kGradsNormalized,  kGradsUnscaled, kGradsClipped,
+                                    kLossScale, kAutocast,    kOptimizerSharded, kGradsSharded};
 
 }  // namespace cap
 }  // namespace tk
