@@ -3,7 +3,9 @@
 # (the shard plugin at stages 1 and 2): the GPT of bench/gpt-memory.sh (4 layers x 256) with AdamW
 # on 1, 2 and 4 ranks (Gloo, loopback). Per configuration: the optimizer state and the gradients
 # rank 0 holds at the step (optimizer_state_mib, grad_mib), the largest share any rank updates
-# (from each rank's log), peak resident memory of rank 0, time per step, and whether the sharded
+# (from each rank's log), rank 0's peak of tensor memory in a step (step_peak_mib: 2 micro-batches
+# a step, stage 2 summing after each backward) and its peak resident memory, time per step, and
+# whether the sharded
 # run's losses equal the unsharded one's (stage 1: bit for bit; stage 2 sums in another order: to
 # 1e-5, float32).
 #   bash bench/zero.sh [STEPS]      (after tools/build.sh; STEPS default 6, at least 3)
@@ -14,7 +16,7 @@ steps=${1:-6}
 bench_int STEPS "$steps" 3
 model=(--set model.layers=4 --set model.width=256 --set model.heads=8 --set data.seq_len=128
        --set run.epochs=0 --set run.steps="$steps" --set run.validate_every=0 --set data.validation_fraction=0.0
-       --set batch.micro_batch=4 --set batch.accumulation=1 --set run.checkpoint_every=0)
+       --set batch.micro_batch=4 --set batch.accumulation=2 --set run.checkpoint_every=0 --set run.measure_memory=true)
 sed '/^\[\[plugins\]\]/,$d' "$bench_root/recipes/gpt-tiny.toml" >"$bench_work/gpt.toml"
 printf '[[plugins]]\nname = "grad_accum"\nnormalize = "tokens"\n[[plugins]]\nname = "ddp"\n[[plugins]]\nname = "shard"\n' >>"$bench_work/gpt.toml"
 
@@ -34,14 +36,14 @@ if stage >= 1 and len(shares) != ranks:
     sys.exit(f"expected {ranks} sharding lines in the log, found {len(shares)}")
 largest = f"{2 * max(shares):.2f}" if shares else f"{state:.2f}"
 losses = ",".join(f"{r['loss']:.10f}" for r in rows)
-print(f"{state:.2f} {grads:.2f} {largest} {rows[-1]['peak_rss_mib']:.0f} {ms:.0f} {losses}")
+print(f"{state:.2f} {grads:.2f} {largest} {max(r['step_peak_mib'] for r in rows[1:]):.1f} {rows[-1]['peak_rss_mib']:.0f} {ms:.0f} {losses}")
 PY
 }
 
-echo "GPT 4 layers x 256, 8 heads, 128-token sequences (fortunes, bytes), AdamW (float32 state), micro-batch 4 per rank, $steps steps"
+echo "GPT 4 layers x 256, 8 heads, 128-token sequences (fortunes, bytes), AdamW (float32 state), micro-batch 4 x 2 per rank, $steps steps"
 bench_cpu
-echo "| ranks | stage | optimizer state, rank 0 (MiB) | gradients, rank 0 (MiB) | largest rank's state (MiB) | total / ranks (MiB) | peak RSS, rank 0 (MiB) | ms / step | losses equal |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| ranks | stage | optimizer state, rank 0 (MiB) | gradients at the step, rank 0 (MiB) | largest rank's state (MiB) | total / ranks (MiB) | step's tensor peak, rank 0 (MiB) | peak RSS, rank 0 (MiB) | ms / step | losses equal |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 declare -A whole
 for ranks in 1 2 4; do
   for stage in 0 1 2; do
@@ -49,7 +51,7 @@ for ranks in 1 2 4; do
     if [ "$ranks" -gt 1 ]; then args+=(--nproc "$ranks"); fi
     bench_tk "r$ranks-z$stage" "$steps" "${args[@]}"
     cat "$tk_out" "$tk_err" >"$bench_work/log-$ranks-$stage"
-    read -r state grads largest rss ms losses <<<"$(summary "$tk_dir/metrics.jsonl" "$bench_work/log-$ranks-$stage" "$ranks" "$stage")"
+    read -r state grads largest peak rss ms losses <<<"$(summary "$tk_dir/metrics.jsonl" "$bench_work/log-$ranks-$stage" "$ranks" "$stage")"
     if [ "$stage" = 0 ]; then
       whole[$ranks]=$state
       whole_losses=$losses
@@ -62,6 +64,6 @@ for ranks in 1 2 4; do
       bench_die "ranks $ranks: the sharded run's losses differ from the unsharded run's: $losses vs $whole_losses"
     fi
     per=$(/usr/bin/python3 -c "print(f'{${whole[$ranks]} / $ranks:.2f}')")
-    echo "| $ranks | $stage | $state | $grads | $largest | $per | $rss | $ms | $equal |"
+    echo "| $ranks | $stage | $state | $grads | $largest | $per | $peak | $rss | $ms | $equal |"
   done
 done

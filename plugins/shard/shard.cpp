@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "grad_shards.h"
 #include "sharded.h"
 
 namespace {
@@ -78,6 +79,9 @@ class Shard final : public tk::Plugin {
     if (stage_ >= 1 && !sharded_)
       throw std::runtime_error("stage " + std::to_string(stage_) + ": the run's optimizer is not the sharded one this "
                                "plugin made (another plugin replaced or wrapped it after)");
+    if (stage_ == 2)  // trial steps too: the memory planner measures the step as it will be
+      grads_ = std::make_unique<tk::shard::GradientShards>(sharded_->param_groups().front().params(),
+                                                           sharded_->owners(), ctx.world());
     if (!note_.empty() && !ctx.trial()) ctx.warn(note_);
     if (!sharded_ || ctx.trial()) return;
     const int size = ctx.world_size(), rank = ctx.rank();
@@ -89,14 +93,21 @@ class Shard final : public tk::Plugin {
       << " sharded over " << size << " rank" << (size == 1 ? "" : "s") << "; this rank updates "
       << std::count(owners.begin(), owners.end(), rank) << " of " << owners.size() << " tensors ("
       << sharded_->owned_bytes(rank) << " of " << total << " bytes of parameters)";
-    if (stage_ == 2) m << "; gradients summed onto their owners after " << (reduce_ == "window" ? "each window" : "every backward");
+    if (stage_ == 2) m << "; gradients summed onto their owners during " << (reduce_ == "window" ? "each window's last backward" : "every backward");
     ctx.info(m.str());
   }
 
-  void on_backward(tk::BackwardContext& ctx) override {
-    if (stage_ != 2 || !sharded_) return decline(tk::Event::Backward);
+  /// Stage 2: the coming backward sums the gradients onto their owners as it makes them (every
+  /// backward, or only the window's last).
+  void on_loss(tk::LossContext& ctx) override {
+    if (!grads_) return decline(tk::Event::Loss);
     const bool last = ctx.window().is_last(), each = reduce_ == "micro_batch";
-    if (last || each) sharded_->reduce_gradients(!each || ctx.window().is_first(), last);
+    grads_->arm(each || last, !each || ctx.window().is_first(), last);
+  }
+
+  void on_backward(tk::BackwardContext&) override {
+    if (!grads_) return decline(tk::Event::Backward);
+    grads_->finish();
   }
 
   /// This rank's bytes of parameters and of the gradients the step will apply, for every stage.
@@ -110,13 +121,18 @@ class Shard final : public tk::Plugin {
   void on_step_end(tk::StepEndContext& ctx) override {
     if (!sharded_ || ctx.world_size() == 1 || ctx.step_vetoed()) return;
     ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
-    if (stage_ != 2) return;
-    ctx.metric("shard_grad_reduce_ms", sharded_->reduce_ms());
-    ctx.metric("shard_grad_reduces", static_cast<double>(sharded_->reduces()));
+    if (!grads_) return;
+    ctx.metric("shard_grad_reduce_ms", grads_->reduce_ms());
+    ctx.metric("shard_grad_reduces", static_cast<double>(grads_->reduces()));
+    ctx.metric("shard_grad_sent_in_backward", static_cast<double>(grads_->sent_in_backward()));
   }
 
-  // The optimizer is the core's: made anew after trial steps, released with the run.
-  void on_fit_end(tk::FitEndContext&) override { sharded_ = nullptr; }
+  // The optimizer is the core's: made anew after trial steps, released with the run (after the
+  // hooks on its parameters are gone).
+  void on_fit_end(tk::FitEndContext&) override {
+    grads_.reset();
+    sharded_ = nullptr;
+  }
 
  private:
   int64_t stage_ = 0;
@@ -124,6 +140,7 @@ class Shard final : public tk::Plugin {
   std::string note_;
   tk::shard::ShardedOptimizer* made_ = nullptr;    // the optimizer this plugin made last
   tk::shard::ShardedOptimizer* sharded_ = nullptr;  // the run's, from on_fit_start to on_fit_end
+  std::unique_ptr<tk::shard::GradientShards> grads_;  // stage 2, as long as sharded_
 };
 
 }  // namespace

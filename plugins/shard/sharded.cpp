@@ -1,6 +1,5 @@
-// ZeRO stages 1 and 2: the recipe's optimizer over this rank's share of the parameters, at stage 2
-// the gradients summed onto their owners, the updated parameters broadcast by their owners, and
-// checkpoints that hold every share.
+// ZeRO stage 1: the recipe's optimizer over this rank's share of the parameters, the updated
+// parameters broadcast by their owners, and checkpoints that hold every share.
 #include "sharded.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -19,8 +18,7 @@
 namespace tk::shard {
 namespace {
 
-/// Parameters broadcast together after a step, and gradients reduced together (as PyTorch DDP's
-/// bucket_cap_mb).
+/// Parameters broadcast together after a step (as PyTorch DDP's bucket_cap_mb).
 constexpr size_t kBucketBytes = 25u << 20;
 
 int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()); }
@@ -84,17 +82,6 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, std::vector<i
       make_(std::move(make)),
       comm_(comm) {
   for (size_t i = 0; i < params_.size(); ++i) by_rank_[static_cast<size_t>(owners_[i])].push_back(params_[i]);
-  for (int r = 0; r < world_; ++r)
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (owners_[i] != r) continue;
-      const at::Tensor& p = params_[i];
-      const bool fits = !buckets_.empty() && buckets_.back().owner == r &&
-                        params_[buckets_.back().params.front()].options().type_equal(p.options()) &&
-                        (buckets_.back().numel + p.numel()) * p.element_size() <= static_cast<int64_t>(kBucketBytes);
-      if (!fits) buckets_.push_back(Bucket{r, {}, 0});
-      buckets_.back().params.push_back(i);
-      buckets_.back().numel += p.numel();
-    }
 }
 
 int64_t ShardedOptimizer::owned_bytes(int r) const {
@@ -118,60 +105,6 @@ at::Tensor ShardedOptimizer::step(LossClosure closure) {
   }
   broadcast_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return {};
-}
-
-void ShardedOptimizer::reduce_gradients(bool first, bool last) {
-  torch::NoGradGuard no_grad;
-  const auto t0 = std::chrono::steady_clock::now();
-  if (first) {  // nothing of an earlier window stays (one redone after running out of memory, say)
-    reduce_ms_ = 0.0;
-    reduces_ = 0;
-    sums_.assign(buckets_.size(), at::Tensor());
-  }
-  const auto group = world_ > 1 ? comm_.process_group() : c10::intrusive_ptr<c10d::ProcessGroup>();
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const Bucket& k = buckets_[b];
-    at::Tensor flat = at::empty({k.numel}, params_[k.params.front()].options());
-    int64_t offset = 0;
-    for (size_t i : k.params) {
-      at::Tensor& grad = params_[i].mutable_grad();
-      at::Tensor slot = flat.slice(0, offset, offset + params_[i].numel());
-      offset += params_[i].numel();
-      if (grad.defined() && grad.is_sparse())
-        throw Error("stage 2 sums dense gradients: parameter " + std::to_string(i) + " has a sparse one");
-      if (grad.defined())
-        slot.copy_(grad.reshape(-1));
-      else
-        slot.zero_();
-      grad = at::Tensor();  // released here as its bucket is sent: full gradients never all wait at once
-    }
-    if (group) {
-      std::vector<at::Tensor> tensors{flat};
-      c10d::ReduceOptions options;
-      options.reduceOp = c10d::ReduceOp::SUM;
-      options.rootRank = k.owner;
-      group->reduce(tensors, options)->wait();
-      ++reduces_;
-    }
-    if (k.owner != rank_) continue;
-    if (sums_[b].defined())
-      sums_[b].add_(flat);
-    else
-      sums_[b] = flat;
-  }
-  if (last) {
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      if (buckets_[b].owner != rank_) continue;
-      int64_t offset = 0;
-      for (size_t i : buckets_[b].params) {
-        const at::Tensor& p = params_[i];
-        p.mutable_grad() = sums_[b].slice(0, offset, offset + p.numel()).view_as(p);
-        offset += p.numel();
-      }
-    }
-    sums_.clear();  // the gradients hold them now; the core releases them after the step
-  }
-  reduce_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 at::Device ShardedOptimizer::shard_device() const {

@@ -1,9 +1,8 @@
 #pragma once
-// ZeRO stages 1 and 2: the optimizer's state, and at stage 2 the gradients, split across the ranks
-// of the run's world. Each rank builds the recipe's optimizer over its own share of the parameters
-// (whole tensors), steps it on the gradients summed across ranks (by ddp at stage 1; at stage 2
-// each gradient is summed onto its owner alone, reduce_gradients), and broadcasts the parameters
-// it updated to the others.
+// ZeRO stage 1: the optimizer's state split across the ranks of the run's world. Each rank builds
+// the recipe's optimizer over its own share of the parameters (whole tensors), steps it on the
+// gradients summed across ranks (by ddp; at stage 2 onto their owners alone, grad_shards.h), and
+// broadcasts the parameters it updated to the others.
 #include <c10/util/intrusive_ptr.h>
 #include <torch/optim/optimizer.h>
 #include <tk/components.h>
@@ -39,17 +38,6 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
   void load(torch::serialize::InputArchive& archive) override;
   int64_t state_bytes() const override;
 
-  /// Stage 2, after a backward: each gradient summed over the ranks onto the rank that updates it
-  /// and released everywhere (one reduce per bucket of one owner's parameters, the same buckets in
-  /// the same order on every rank; a parameter without a gradient here adds zeros). This rank's
-  /// sums are added to those of the window's earlier backwards (none when this is its `first`
-  /// reduce); after the window's `last` backward, its parameters get them as their gradients and
-  /// the others have none.
-  void reduce_gradients(bool first, bool last);
-  /// The time the reduces of the last window took, and how many there were.
-  double reduce_ms() const noexcept { return reduce_ms_; }
-  int64_t reduces() const noexcept { return reduces_; }
-
   const std::vector<int>& owners() const noexcept { return owners_; }
   /// Bytes of the parameters rank `r` updates.
   int64_t owned_bytes(int r) const;
@@ -75,16 +63,6 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
   tk::OptimizerFactory make_;
   tk::World& comm_;
   double broadcast_ms_ = 0.0;
-  /// Stage 2's unit of reduction: parameters of one owner, dtype and device, in model order.
-  struct Bucket {
-    int owner;
-    std::vector<size_t> params;  // indices into params_
-    int64_t numel = 0;
-  };
-  std::vector<Bucket> buckets_;
-  std::vector<at::Tensor> sums_;  // per bucket this rank owns: the window's reduced gradients so far
-  double reduce_ms_ = 0.0;
-  int64_t reduces_ = 0;
 };
 
 }  // namespace tk::shard

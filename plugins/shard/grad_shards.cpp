@@ -1,0 +1,148 @@
+// ZeRO stage 2's gradients (grad_shards.h): summed onto their owners bucket by bucket as backward
+// makes them, from hooks on the parameters' grad accumulators (as c10d's Reducer is driven).
+#include "grad_shards.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <tk/error.h>
+
+namespace tk::shard {
+namespace {
+
+/// Gradients summed together (as PyTorch DDP's bucket_cap_mb).
+constexpr int64_t kBucketBytes = int64_t{25} << 20;
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+}  // namespace
+
+GradientShards::GradientShards(std::vector<at::Tensor> params, const std::vector<int>& owners, tk::World& world)
+    : params_(std::move(params)), bucket_of_(params_.size()), world_(world) {
+  if (owners.size() != params_.size())
+    throw Error("stage 2: " + std::to_string(owners.size()) + " owners for " + std::to_string(params_.size()) +
+                " parameters");
+  if (world.size() > 1) group_ = world.process_group();
+  for (size_t k = params_.size(); k-- > 0;) {
+    const at::Tensor& p = params_[k];
+    const bool fits = !buckets_.empty() && buckets_.back().owner == owners[k] &&
+                      params_[buckets_.back().params.front()].options().type_equal(p.options()) &&
+                      (buckets_.back().numel + p.numel()) * p.element_size() <= kBucketBytes;
+    if (!fits) buckets_.push_back(Bucket{owners[k], {}, 0, 0});
+    buckets_.back().params.push_back(k);
+    buckets_.back().numel += p.numel();
+    bucket_of_[k] = buckets_.size() - 1;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+    if (!accumulator) throw Error("stage 2: trainable parameter " + std::to_string(i) + " has no gradient accumulator");
+    hooks_.push_back(accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          ready(i);
+          return outputs;
+        })));
+    accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+GradientShards::~GradientShards() {
+  for (size_t i = 0; i < hooks_.size(); ++i) accumulators_[i]->del_post_hook(hooks_[i]);
+  if (in_flight_ && in_flight_->work) {
+    try {
+      in_flight_->work->wait();  // a run that failed mid-backward: its peers are told by the launcher
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+void GradientShards::arm(bool send, bool first, bool last) {
+  if (in_flight_) complete();  // left by a backward that failed midway
+  if (first) {
+    sums_.assign(buckets_.size(), at::Tensor());
+    reduces_ = sent_early_ = 0;
+    reduce_ms_ = 0.0;
+  }
+  armed_ = send;
+  last_ = last;
+  next_ = 0;
+  for (auto& b : buckets_) b.waiting = static_cast<int64_t>(b.params.size());
+}
+
+void GradientShards::ready(size_t i) {
+  if (!armed_) return;
+  const size_t b = bucket_of_[i];
+  if (b < next_)
+    throw Error("stage 2: parameter " + std::to_string(i) + " got more gradient after its bucket was sent in this "
+                "backward (its grad accumulator ran twice): it cannot be summed during backward");
+  if (--buckets_[b].waiting > 0) return;
+  while (next_ < buckets_.size() && buckets_[next_].waiting == 0) {
+    send(next_++);
+    ++sent_early_;
+  }
+}
+
+void GradientShards::send(size_t b) {
+  const auto t0 = Clock::now();
+  at::NoGradGuard no_grad;
+  if (in_flight_) complete();  // one reduce in flight at a time: its buffer is all the memory it adds
+  const Bucket& k = buckets_[b];
+  at::Tensor flat = at::empty({k.numel}, params_[k.params.front()].options());
+  int64_t offset = 0;
+  for (size_t i : k.params) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    at::Tensor slot = flat.slice(0, offset, offset + params_[i].numel());
+    offset += params_[i].numel();
+    if (grad.defined() && grad.is_sparse())
+      throw Error("stage 2 sums dense gradients: trainable parameter " + std::to_string(i) + " has a sparse one");
+    if (grad.defined())
+      slot.copy_(grad.reshape(-1));
+    else
+      slot.zero_();  // no gradient here: this rank adds nothing
+    grad = at::Tensor();
+  }
+  in_flight_ = std::make_unique<InFlight>(InFlight{b, flat, {}});
+  if (group_) {
+    std::vector<at::Tensor> tensors{flat};
+    c10d::ReduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    options.rootRank = k.owner;
+    in_flight_->work = group_->reduce(tensors, options);
+    ++reduces_;
+  }
+  reduce_ms_ += ms_since(t0);
+}
+
+void GradientShards::complete() {
+  const std::unique_ptr<InFlight> f = std::move(in_flight_);
+  if (f->work) f->work->wait();
+  if (buckets_[f->bucket].owner != world_.rank()) return;
+  at::Tensor& sum = sums_[f->bucket];
+  if (sum.defined())
+    sum.add_(f->flat);
+  else
+    sum = f->flat;
+}
+
+void GradientShards::finish() {
+  if (!armed_) return;
+  armed_ = false;
+  while (next_ < buckets_.size()) send(next_++);
+  const auto t0 = Clock::now();
+  if (in_flight_) complete();
+  reduce_ms_ += ms_since(t0);
+  if (!last_) return;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].owner != world_.rank()) continue;
+    int64_t offset = 0;
+    for (size_t i : buckets_[b].params) {
+      const at::Tensor& p = params_[i];
+      p.mutable_grad() = sums_[b].slice(0, offset, offset + p.numel()).view_as(p);
+      offset += p.numel();
+    }
+  }
+  sums_.clear();  // the gradients hold them now; the core releases them after the step
+}
+
+}  // namespace tk::shard
