@@ -167,6 +167,17 @@ a, b = (load_file(f) for f in sys.argv[1:3])
 sys.exit(0 if a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) else 1)
 PY
 }
+close() {  # close A B TOL: the weights of runs A and B agree to TOL (relative to the largest weight)
+  "$py" - "$work/$1/weights.safetensors" "$work/$2/weights.safetensors" "$3" <<'PY'
+import sys, torch
+from safetensors.torch import load_file
+a, b = (load_file(f) for f in sys.argv[1:3])
+tol = float(sys.argv[3])
+ok = a.keys() == b.keys() and all(
+    (a[k].double() - b[k].double()).abs().max() <= tol * max(1.0, b[k].double().abs().max().item()) for k in a)
+sys.exit(0 if ok else 1)
+PY
+}
 recipe_with() {  # recipe_with NAME BASE EXTRA_TOML: a recipe file of BASE with EXTRA_TOML appended
   cat "$2" > "$work/$1.toml"; printf '%b' "$3" >> "$work/$1.toml"; echo "$work/$1.toml"
 }
@@ -244,8 +255,9 @@ elif run ddp "$root/recipes/ddp.toml" "${quick[@]}" --set world.backend=nccl --n
 then pass "ddp over NCCL, two ranks on two GPUs"
 else fail "ddp over NCCL, two ranks (see $work/ddp.log)"; fi
 
-# 7b. The sharded optimizer (the shard plugin at stage 1) on the GPT: a world of one on CUDA, and 2
-# ranks over NCCL where 2 GPUs are visible; the weights equal those of stage 0, bit for bit.
+# 7b. The sharded optimizer (the shard plugin at stage 1) and the sharded gradients (stage 2) on the
+# GPT: a world of one on CUDA, and 2 ranks over NCCL where 2 GPUs are visible; the weights equal
+# those of stage 0, bit for bit (stage 2 over NCCL: to float32's rounding).
 gpt_quick=(--set run.epochs=0 --set run.steps=20 --set run.validate_every=0 --set data.validation_fraction=0.0
            --set data.path="$deps/usr/share/games/fortunes/cookie")
 r=$(recipe_with gpt_ddp "$root/recipes/gpt-tiny.toml" '\n[[plugins]]\nname = "ddp"\n[[plugins]]\nname = "shard"\n')
@@ -259,6 +271,18 @@ elif run zero1n "$r" "${gpt_quick[@]}" --set plugins.shard.stage=1 --set world.b
      run zero0n "$r" "${gpt_quick[@]}" --set world.backend=nccl --nproc 2 && same zero1n zero0n
 then pass "GPT with the sharded optimizer over NCCL, two ranks, equals ddp alone"
 else fail "GPT with the sharded optimizer over NCCL (see $work/zero1n.log)"; fi
+# Stage 2 (the gradients summed onto their owners during backward): a world of one equals stage 0
+# bit for bit; over NCCL its sums come in another order, so to float32's rounding after 20 steps.
+if run zero2 "$r" "${gpt_quick[@]}" --set plugins.shard.stage=2 && same zero2 zero0 &&
+   grep -q '"grad_mib"' "$work/zero2/metrics.jsonl"
+then pass "GPT with the gradients sharded (stage 2) on CUDA (a world of one) equals the unsharded one"
+else fail "GPT with the gradients sharded (stage 2) on CUDA (see $work/zero2.log)"; fi
+if [ "${gpus:-0}" -lt 2 ]; then
+  skip "gradients sharded (stage 2) over NCCL: needs 2 GPUs, $gpus visible"
+elif run zero2n "$r" "${gpt_quick[@]}" --set plugins.shard.stage=2 --set world.backend=nccl --nproc 2 &&
+     close zero2n zero0n 1e-4
+then pass "GPT with the gradients sharded (stage 2) over NCCL, two ranks, equals ddp alone to 1e-4"
+else fail "GPT with the gradients sharded (stage 2) over NCCL (see $work/zero2n.log)"; fi
 
 # 7c. Recomputation on CUDA: the GPT of bench/recompute.sh (4 x 256, 256-token sequences, dropout)
 # with every block recomputed, against the run without it (the CUDA generator replayed), and its GPU

@@ -729,6 +729,9 @@ TEST_SUITE("zero") {
     resume("whole", "plain-4", 0);      // the reference: LibTorch's own load, unsharded
     CHECK(torch::equal(weights(root / "sharded-4"), weights(root / "plain-4")));
     CHECK(torch::equal(weights(root / "whole-4"), weights(root / "plain-4")));
+    // Stage 1's checkpoint goes on at stage 2 (the same files): the gradients summed onto their owners.
+    resume("sharded", "stage2-4", 2);
+    CHECK((weights(root / "stage2-4") - weights(root / "plain-4")).abs().max().item<double>() <= 1e-12);
     // A sharded checkpoint that LibTorch's own optimizer cannot read: the change let through is named.
     auto unsharded = tk_run(root / "unsharded", recipe,
                             "--nproc 2 --set plugins.shard.stage=0 --allow-change plugins.shard.stage " + sets +
