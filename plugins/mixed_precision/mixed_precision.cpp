@@ -129,6 +129,9 @@ class MixedPrecision final : public tk::Plugin {
   }
   void on_backward(tk::BackwardContext& ctx) override {
     if (!scaling_ || !check_each_) return decline(tk::Event::Backward);  // nothing to check per micro-batch
+    // Sharded gradients are a rank's sums only after the window's last backward (before it, they
+    // may all be sent away already): the earlier ones are checked there, in the sums.
+    if (sharded_ && !ctx.window().is_last()) return;
     if (!overflow_ && !all_finite(ctx)) {
       overflow_ = true;
       ctx.info("gradient overflow at micro-batch " + std::to_string(ctx.window().index + 1) + " of " +

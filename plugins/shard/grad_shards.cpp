@@ -8,6 +8,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tk/error.h>
 
+#include <algorithm>
+
 namespace tk::shard {
 namespace {
 
@@ -19,11 +21,17 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 
 }  // namespace
 
-GradientShards::GradientShards(std::vector<at::Tensor> params, const std::vector<int>& owners, tk::World& world)
-    : params_(std::move(params)), bucket_of_(params_.size()), world_(world) {
-  if (owners.size() != params_.size())
-    throw Error("stage 2: " + std::to_string(owners.size()) + " owners for " + std::to_string(params_.size()) +
-                " parameters");
+GradientShards::GradientShards(std::vector<at::Tensor> params, std::vector<std::string> names,
+                               const std::vector<int>& owners, tk::World& world)
+    : params_(std::move(params)), names_(std::move(names)), bucket_of_(params_.size()), fired_(params_.size(), 0),
+      world_(world) {
+  if (owners.size() != params_.size() || names_.size() != params_.size())
+    throw Error("stage 2: " + std::to_string(owners.size()) + " owners and " + std::to_string(names_.size()) +
+                " names for " + std::to_string(params_.size()) + " parameters");
+  for (size_t i = 1; i < params_.size(); ++i)
+    if (params_[i].device() != params_[0].device())
+      throw Error("stage 2 sums the gradients of a model on one device: '" + names_[0] + "' is on " +
+                  params_[0].device().str() + ", '" + names_[i] + "' on " + params_[i].device().str());
   if (world.size() > 1) group_ = world.process_group();
   for (size_t k = params_.size(); k-- > 0;) {
     const at::Tensor& p = params_[k];
@@ -37,7 +45,7 @@ GradientShards::GradientShards(std::vector<at::Tensor> params, const std::vector
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
-    if (!accumulator) throw Error("stage 2: trainable parameter " + std::to_string(i) + " has no gradient accumulator");
+    if (!accumulator) throw Error("stage 2: trainable parameter '" + names_[i] + "' has no gradient accumulator");
     hooks_.push_back(accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
           ready(i);
@@ -48,13 +56,9 @@ GradientShards::GradientShards(std::vector<at::Tensor> params, const std::vector
 }
 
 GradientShards::~GradientShards() {
+  // A reduce still in flight (a run that failed mid-backward) is dropped unwaited: its peers may
+  // never come, and the launcher stops them.
   for (size_t i = 0; i < hooks_.size(); ++i) accumulators_[i]->del_post_hook(hooks_[i]);
-  if (in_flight_ && in_flight_->work) {
-    try {
-      in_flight_->work->wait();  // a run that failed mid-backward: its peers are told by the launcher
-    } catch (const std::exception&) {
-    }
-  }
 }
 
 void GradientShards::arm(bool send, bool first, bool last) {
@@ -68,14 +72,16 @@ void GradientShards::arm(bool send, bool first, bool last) {
   last_ = last;
   next_ = 0;
   for (auto& b : buckets_) b.waiting = static_cast<int64_t>(b.params.size());
+  std::fill(fired_.begin(), fired_.end(), 0);
 }
 
 void GradientShards::ready(size_t i) {
   if (!armed_) return;
+  if (fired_[i])
+    throw Error("stage 2: the gradient of '" + names_[i] + "' was accumulated twice in one backward (its grad "
+                "accumulator ran again): its bucket may be sent already, so it cannot be summed during backward");
+  fired_[i] = 1;
   const size_t b = bucket_of_[i];
-  if (b < next_)
-    throw Error("stage 2: parameter " + std::to_string(i) + " got more gradient after its bucket was sent in this "
-                "backward (its grad accumulator ran twice): it cannot be summed during backward");
   if (--buckets_[b].waiting > 0) return;
   while (next_ < buckets_.size() && buckets_[next_].waiting == 0) {
     send(next_++);
@@ -95,7 +101,7 @@ void GradientShards::send(size_t b) {
     at::Tensor slot = flat.slice(0, offset, offset + params_[i].numel());
     offset += params_[i].numel();
     if (grad.defined() && grad.is_sparse())
-      throw Error("stage 2 sums dense gradients: trainable parameter " + std::to_string(i) + " has a sparse one");
+      throw Error("stage 2 sums dense gradients: '" + names_[i] + "' has a sparse one");
     if (grad.defined())
       slot.copy_(grad.reshape(-1));
     else

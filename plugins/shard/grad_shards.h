@@ -1,12 +1,14 @@
 #pragma once
 // ZeRO stage 2's gradients: each summed over the ranks onto the rank that updates its parameter,
-// during backward, and released on every rank as it is sent.
+// during backward, and released on every rank as it is sent. Backward's hooks run on one thread
+// (the caller's on the CPU, the device's on CUDA): the model is on one device.
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <tk/world.h>
 
 #include <chrono>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace c10d {
@@ -30,7 +32,9 @@ namespace tk::shard {
 /// window's last, its parameters get them as their gradients; the other ranks have none.
 class GradientShards {
  public:
-  GradientShards(std::vector<at::Tensor> params, const std::vector<int>& owners, tk::World& world);
+  /// `names`: each parameter's, for errors. Refuses parameters on more than one device.
+  GradientShards(std::vector<at::Tensor> params, std::vector<std::string> names, const std::vector<int>& owners,
+                 tk::World& world);
   ~GradientShards();
   GradientShards(const GradientShards&) = delete;
   GradientShards& operator=(const GradientShards&) = delete;
@@ -64,7 +68,9 @@ class GradientShards {
   void complete();
 
   std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
   std::vector<size_t> bucket_of_;  // the bucket of each parameter
+  std::vector<char> fired_;        // whether each parameter's accumulator ran in this backward
   std::vector<Bucket> buckets_;
   tk::World& world_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // null in a world of one

@@ -1,13 +1,14 @@
 // Sharded data parallel over the ranks of the run's world (ZeRO). The recipe chooses the stage:
 // at 1 the optimizer's state is split (the run's optimizer becomes the recipe's over this rank's
 // share of the parameters, sharded.h), stepped on the gradients another plugin summed across the
-// ranks (ddp); at 2 the gradients are split too: after a backward each is summed onto the rank that
-// updates it and released on the others. Either way every rank gets the parameters their owners
-// updated.
+// ranks (ddp); at 2 the gradients are split too: during backward each is summed onto the rank that
+// updates it (grad_shards.h) and released on every rank, the owner keeping the sum. Either way
+// every rank gets the parameters their owners updated.
 #include <tk/abi.h>
 #include <tk/world.h>
 
 #include <algorithm>
+#include <map>
 #include <sstream>
 
 #include "grad_shards.h"
@@ -17,11 +18,11 @@ namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
-int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
+double mib_of(const std::vector<at::Tensor>& tensors) {
   int64_t n = 0;
   for (const auto& t : tensors)
-    if (t.defined()) n += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
-  return n;
+    if (t.defined()) n += tk::shard::bytes_of(t);
+  return static_cast<double>(n) / kMiB;
 }
 
 class Shard final : public tk::Plugin {
@@ -30,12 +31,12 @@ class Shard final : public tk::Plugin {
     o.add("stage", stage_,
           "what is split across the ranks: 0 nothing (every rank keeps the whole optimizer state); 1 the "
           "optimizer's state (ZeRO stage 1): each rank keeps and updates the state of its share of the parameters, "
-          "then broadcasts them; 2 the gradients too (ZeRO stage 2): each gradient is summed onto the rank that "
-          "updates it, and the others release theirs");
+          "then broadcasts them; 2 the gradients too (ZeRO stage 2): during backward each gradient is summed onto "
+          "the rank that updates it and released everywhere, the owner keeping the sum");
     o.add("reduce", reduce_,
-          "stage 2, with accumulation: when the gradients are summed onto their owners. \"micro_batch\": after every "
-          "backward, so that between backwards a rank holds only its share (least memory); \"window\": after the "
-          "window's last backward, each rank accumulating whole gradients until then (least traffic)",
+          "stage 2, with accumulation: which backwards sum the gradients onto their owners. \"micro_batch\": every "
+          "backward, so that between backwards a rank holds only its share (least memory); \"window\": the "
+          "window's last, each rank accumulating whole gradients until then (least traffic)",
           {"micro_batch", "window"});
   }
 
@@ -67,7 +68,7 @@ class Shard final : public tk::Plugin {
     tk::World* world = &setup.world();
     setup.wrap_optimizer([this, world](std::vector<at::Tensor> trainable, const tk::OptimizerFactory& inner)
                              -> std::unique_ptr<torch::optim::Optimizer> {
-      auto made = tk::shard::ShardedOptimizer::make(std::move(trainable), *world, inner);
+      auto made = tk::shard::ShardedOptimizer::make(std::move(trainable), *world, inner, static_cast<int>(stage_));
       made_ = made.get();
       return made;
     });
@@ -79,9 +80,17 @@ class Shard final : public tk::Plugin {
     if (stage_ >= 1 && !sharded_)
       throw std::runtime_error("stage " + std::to_string(stage_) + ": the run's optimizer is not the sharded one this "
                                "plugin made (another plugin replaced or wrapped it after)");
-    if (stage_ == 2)  // trial steps too: the memory planner measures the step as it will be
-      grads_ = std::make_unique<tk::shard::GradientShards>(sharded_->param_groups().front().params(),
-                                                           sharded_->owners(), ctx.world());
+    if (stage_ == 2) {  // trial steps too: the memory planner measures the step as it will be
+      std::map<const c10::TensorImpl*, std::string> name_of;
+      for (const auto& p : ctx.model().named_parameters()) name_of.emplace(p.value().unsafeGetTensorImpl(), p.key());
+      const auto& params = sharded_->param_groups().front().params();
+      std::vector<std::string> names;
+      for (const auto& p : params) {
+        auto it = name_of.find(p.unsafeGetTensorImpl());
+        names.push_back(it == name_of.end() ? "(a parameter outside the model)" : it->second);
+      }
+      grads_ = std::make_unique<tk::shard::GradientShards>(params, std::move(names), sharded_->owners(), ctx.world());
+    }
     if (!note_.empty() && !ctx.trial()) ctx.warn(note_);
     if (!sharded_ || ctx.trial()) return;
     const int size = ctx.world_size(), rank = ctx.rank();
@@ -112,14 +121,13 @@ class Shard final : public tk::Plugin {
 
   /// This rank's bytes of parameters and of the gradients the step will apply, for every stage.
   void on_boundary(tk::BoundaryContext& ctx) override {
-    int64_t params = 0;
-    for (const auto& p : ctx.model().parameters()) params += bytes_of({p});
-    ctx.metric("param_mib", static_cast<double>(params) / kMiB);
-    ctx.metric("grad_mib", static_cast<double>(bytes_of(ctx.gradients())) / kMiB);
+    ctx.metric("param_mib", mib_of(ctx.model().parameters()));
+    ctx.metric("grad_mib", mib_of(ctx.gradients()));
   }
 
   void on_step_end(tk::StepEndContext& ctx) override {
-    if (!sharded_ || ctx.world_size() == 1 || ctx.step_vetoed()) return;
+    if (!sharded_ || ctx.world_size() == 1) return decline(tk::Event::StepEnd);
+    if (ctx.step_vetoed()) return;
     ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
     if (!grads_) return;
     ctx.metric("shard_grad_reduce_ms", grads_->reduce_ms());

@@ -21,8 +21,6 @@ namespace {
 /// Parameters broadcast together after a step (as PyTorch DDP's bucket_cap_mb).
 constexpr size_t kBucketBytes = 25u << 20;
 
-int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()); }
-
 const char* const kWorldKey = "zero_world_size";
 const char* const kOwnersKey = "zero_owners";
 std::string shard_key(int r) { return "zero_shard_" + std::to_string(r); }
@@ -35,6 +33,30 @@ at::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& key
 }
 
 }  // namespace
+
+int64_t bytes_of(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()); }
+
+std::vector<int> contiguous_partition(const std::vector<at::Tensor>& params, int world) {
+  int64_t total = 0;
+  for (const auto& p : params) total += bytes_of(p);
+  std::vector<int> owners(params.size(), 0);
+  int r = 0;
+  size_t first = 0;     // rank r's first tensor
+  int64_t before = 0;   // bytes of the tensors before i
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t b = bytes_of(params[i]);
+    const bool past = static_cast<double>(before) + static_cast<double>(b) / 2 >
+                      static_cast<double>(total) * (r + 1) / world;  // its middle lies beyond rank r's stretch
+    const bool needed = params.size() - i == static_cast<size_t>(world - 1 - r);  // one left for each later rank
+    if (r < world - 1 && i > first && (past || needed)) {
+      ++r;
+      first = i;
+    }
+    owners[i] = r;
+    before += b;
+  }
+  return owners;
+}
 
 std::vector<int> partition(const std::vector<at::Tensor>& params, int world) {
   std::vector<size_t> order(params.size());
@@ -52,19 +74,20 @@ std::vector<int> partition(const std::vector<at::Tensor>& params, int world) {
 }
 
 std::unique_ptr<ShardedOptimizer> ShardedOptimizer::make(std::vector<at::Tensor> params, tk::World& comm,
-                                                         tk::OptimizerFactory inner) {
+                                                         tk::OptimizerFactory inner, int stage) {
   const int rank = comm.rank(), world = comm.size();
+  const std::string named = "stage " + std::to_string(stage);
   if (static_cast<int64_t>(params.size()) < world)
-    throw Error("stage 1 shards whole tensors: the model has " + std::to_string(params.size()) +
+    throw Error(named + " shards whole tensors: the model has " + std::to_string(params.size()) +
                 " trainable tensors for " + std::to_string(world) + " ranks; use fewer ranks or stage = 0");
-  std::vector<int> owners = partition(params, world);
+  std::vector<int> owners = stage == 2 ? contiguous_partition(params, world) : partition(params, world);
   std::vector<at::Tensor> mine;
   for (size_t i = 0; i < params.size(); ++i)
     if (owners[i] == rank) mine.push_back(params[i]);
   auto shard = inner(mine);
-  if (!shard) throw Error("stage 1: the recipe's optimizer factory made no optimizer");
+  if (!shard) throw Error(named + ": the recipe's optimizer factory made no optimizer");
   if (dynamic_cast<const torch::optim::LBFGS*>(shard.get()))
-    throw Error("stage 1 cannot shard LBFGS: its step looks at every parameter at once");
+    throw Error(named + " cannot shard LBFGS: its step looks at every parameter at once");
   return std::unique_ptr<ShardedOptimizer>(
       new ShardedOptimizer(std::move(params), std::move(owners), comm, std::move(shard), std::move(inner)));
 }
@@ -93,7 +116,7 @@ int64_t ShardedOptimizer::owned_bytes(int r) const {
 int64_t ShardedOptimizer::state_bytes() const { return tk::optimizer_state_bytes(*shard_); }
 
 at::Tensor ShardedOptimizer::step(LossClosure closure) {
-  if (closure) throw Error("the sharded optimizer (shard stage = 1) takes no closure");
+  if (closure) throw Error("the sharded optimizer (the shard plugin's stage 1 or 2) takes no closure");
   // The core set the learning rate on this optimizer's group; the shard's groups follow it.
   const double lr = param_groups().front().options().get_lr();
   for (auto& g : shard_->param_groups()) g.options().set_lr(lr);

@@ -14,10 +14,18 @@
 
 namespace tk::shard {
 
+/// Bytes of `t`'s elements.
+int64_t bytes_of(const at::Tensor& t);
+
 /// The rank that owns each of `params`: whole tensors, the largest first, each to the rank that
 /// holds the fewest bytes so far (ties: the lowest rank). Every rank computes the same partition
 /// from the same model.
 std::vector<int> partition(const std::vector<at::Tensor>& params, int world);
+
+/// The same in contiguous runs of model order (stage 2, whose gradients are summed in buckets of
+/// one owner's neighbouring parameters: few buckets): rank r takes the tensors whose middle byte
+/// falls in the r-th of `world` equal stretches of all the bytes, each rank at least one tensor.
+std::vector<int> contiguous_partition(const std::vector<at::Tensor>& params, int world);
 
 /// The run's optimizer under ZeRO stage 1. Its one parameter group lists every trainable
 /// parameter (the core sets the learning rate and zeroes gradients through it); the optimizer it
@@ -28,10 +36,10 @@ std::vector<int> partition(const std::vector<at::Tensor>& params, int world);
 class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateSize {
  public:
   /// Refuses a world with more ranks than trainable tensors and an optimizer whose step is not
-  /// one per parameter (LBFGS).
-  /// Over the ranks of `world`, which outlives it (the run's).
+  /// one per parameter (LBFGS). Over the ranks of `world`, which outlives it (the run's), for the
+  /// shard plugin's `stage` (1: partition(), 2: contiguous_partition()).
   static std::unique_ptr<ShardedOptimizer> make(std::vector<at::Tensor> params, tk::World& world,
-                                                tk::OptimizerFactory inner);
+                                                tk::OptimizerFactory inner, int stage);
 
   at::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
