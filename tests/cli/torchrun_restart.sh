@@ -91,21 +91,26 @@ TK_FAULT=checkpoint-done:3 torchrun 2 1 restarted > "$work/restarted.log" 2>&1 |
 grep -q "resuming from .*step-00000015" "$work/restarted.log" || { cat "$work/restarted.log"; fail "the restart did not resume step 15"; }
 same restarted whole 0
 
-# 2. Five kills of a random worker at random moments, each after the job made progress again.
+# 2. Five kills of a random worker at random moments. A kill waits until the restart the previous
+#    kill caused has resumed (its "resuming from" line) and the new workers then wrote a checkpoint:
+#    a kill that lands on workers already going down (a checkpoint finishing after its peer died)
+#    would cost no restart of its own.
 torchrun 2 5 killed --set run.steps=3000 --set run.checkpoint_every=20 > "$work/killed.log" 2>&1 &
 job=$!
 kills=0 last=""
-for _ in $(seq 1 600); do
+resumes() { local n; n=$(grep -c '\[rank 0\] \[info\] resuming from' "$work/killed.log" 2>/dev/null || true); echo "${n:-0}"; }
+for _ in $(seq 1 1200); do
   [ $kills -ge 5 ] && break
   kill -0 $job 2>/dev/null || break
   now=$(cat "$work/killed/checkpoints/latest" 2>/dev/null || true)
-  if [ -n "$now" ] && [ "$now" != "$last" ]; then
+  if [ -z "$last" ] && [ "$(resumes)" = $kills ]; then
+    last=${now:-none}
+  elif [ -n "$last" ] && [ -n "$now" ] && [ "$now" != "$last" ]; then
     sleep "0.$(( RANDOM % 4 ))"
     victim=$(pgrep -f -- "^$tk_run .*run.output=\"$work/killed\"" | shuf -n 1 || true)
-    if [ -n "$victim" ]; then kill -KILL "$victim" 2>/dev/null && kills=$((kills + 1)); fi
-    last=$(cat "$work/killed/checkpoints/latest" 2>/dev/null || true)
+    if [ -n "$victim" ] && kill -KILL "$victim" 2>/dev/null; then kills=$((kills + 1)) last=""; fi
   fi
-  sleep 0.2
+  sleep 0.1
 done
 set +e
 wait $job
