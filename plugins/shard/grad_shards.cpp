@@ -9,6 +9,7 @@
 #include <tk/error.h>
 
 #include <algorithm>
+#include <chrono>
 
 namespace tk::shard {
 namespace {
@@ -24,7 +25,7 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 GradientShards::GradientShards(std::vector<at::Tensor> params, std::vector<std::string> names,
                                const std::vector<int>& owners, tk::World& world)
     : params_(std::move(params)), names_(std::move(names)), bucket_of_(params_.size()), fired_(params_.size(), 0),
-      world_(world) {
+      rank_(world.rank()) {
   if (owners.size() != params_.size() || names_.size() != params_.size())
     throw Error("stage 2: " + std::to_string(owners.size()) + " owners and " + std::to_string(names_.size()) +
                 " names for " + std::to_string(params_.size()) + " parameters");
@@ -123,7 +124,7 @@ void GradientShards::send(size_t b) {
 void GradientShards::complete() {
   const std::unique_ptr<InFlight> f = std::move(in_flight_);
   if (f->work) f->work->wait();
-  if (buckets_[f->bucket].owner != world_.rank()) return;
+  if (buckets_[f->bucket].owner != rank_) return;
   at::Tensor& sum = sums_[f->bucket];
   if (sum.defined())
     sum.add_(f->flat);
@@ -140,7 +141,7 @@ void GradientShards::finish() {
   reduce_ms_ += ms_since(t0);
   if (!last_) return;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (buckets_[b].owner != world_.rank()) continue;
+    if (buckets_[b].owner != rank_) continue;
     int64_t offset = 0;
     for (size_t i : buckets_[b].params) {
       const at::Tensor& p = params_[i];

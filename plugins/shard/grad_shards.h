@@ -6,7 +6,6 @@
 #include <c10/util/intrusive_ptr.h>
 #include <tk/world.h>
 
-#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,7 +71,7 @@ class GradientShards {
   std::vector<size_t> bucket_of_;  // the bucket of each parameter
   std::vector<char> fired_;        // whether each parameter's accumulator ran in this backward
   std::vector<Bucket> buckets_;
-  tk::World& world_;
+  int rank_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // null in a world of one
   // The hooks on each parameter's grad accumulator, kept alive until removed.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;

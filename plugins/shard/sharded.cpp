@@ -195,16 +195,51 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   }
   const int64_t world = saved_world.item<int64_t>();
   const at::Tensor owners = read_tensor(archive, kOwnersKey);
-  if (owners.numel() != static_cast<int64_t>(params_.size()))
-    throw Error("the sharded optimizer state in the checkpoint covers " + std::to_string(owners.numel()) +
-                " parameters; this model has " + std::to_string(params_.size()) + " trainable ones");
-  auto load_share = [&](int64_t r, torch::optim::Optimizer& into) {
+  const std::vector<int64_t> saved(owners.data_ptr<int64_t>(), owners.data_ptr<int64_t>() + owners.numel());
+  load_resharded(world, saved, [&](int64_t r, torch::optim::Optimizer& into) {
     const at::Tensor bytes = read_tensor(archive, shard_key(static_cast<int>(r))).contiguous();
     torch::serialize::InputArchive share;
     share.load_from(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
     into.load(share);
-  };
+  });
+}
+
+void ShardedOptimizer::save_share(torch::serialize::OutputArchive& share) const {
+  share.write(kWorldKey, at::tensor(std::vector<int64_t>{world_}), /*is_buffer=*/true);
+  share.write(kOwnersKey, at::tensor(std::vector<int64_t>(owners_.begin(), owners_.end())), /*is_buffer=*/true);
+  torch::serialize::OutputArchive state;
+  shard_->save(state);
+  share.write("state", state);
+}
+
+void ShardedOptimizer::load_shares(int64_t count, const ShareReader& read) {
+  // Every share records the layout: the first says it for all.
+  torch::serialize::InputArchive first;
+  read(0, first);
+  const int64_t world = read_tensor(first, kWorldKey).item<int64_t>();
+  if (world != count)
+    throw Error("the checkpoint holds " + std::to_string(count) + " shares of the optimizer state, whose first says "
+                "it is one of " + std::to_string(world) + ": it is damaged");
+  const at::Tensor owners = read_tensor(first, kOwnersKey);
   const std::vector<int64_t> saved(owners.data_ptr<int64_t>(), owners.data_ptr<int64_t>() + owners.numel());
+  load_resharded(world, saved, [&](int64_t r, torch::optim::Optimizer& into) {
+    torch::serialize::InputArchive share, state;
+    read(r, share);
+    if (!share.try_read("state", state))
+      throw Error("share " + std::to_string(r) + " of the optimizer state in the checkpoint has no 'state': it is damaged");
+    into.load(state);
+  });
+}
+
+void ShardedOptimizer::load_resharded(int64_t world, const std::vector<int64_t>& saved,
+                                      const std::function<void(int64_t, torch::optim::Optimizer&)>& load_share) {
+  if (saved.size() != params_.size())
+    throw Error("the sharded optimizer state in the checkpoint covers " + std::to_string(saved.size()) +
+                " parameters; this model has " + std::to_string(params_.size()) + " trainable ones");
+  for (int64_t owner : saved)
+    if (owner < 0 || owner >= world)
+      throw Error("the sharded optimizer state in the checkpoint gives a parameter to rank " + std::to_string(owner) +
+                  " of " + std::to_string(world) + ": it is damaged");
   if (world == world_ && std::equal(saved.begin(), saved.end(), owners_.begin())) {
     load_share(rank_, *shard_);
     return;

@@ -7,8 +7,10 @@
 #include <torch/optim/optimizer.h>
 #include <tk/components.h>
 #include <tk/context.h>
+#include <tk/sharded_state.h>
 #include <tk/world.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -29,11 +31,11 @@ std::vector<int> contiguous_partition(const std::vector<at::Tensor>& params, int
 
 /// The run's optimizer under ZeRO stage 1. Its one parameter group lists every trainable
 /// parameter (the core sets the learning rate and zeroes gradients through it); the optimizer it
-/// holds is the recipe's, over this rank's share only. Checkpoints hold every rank's share (rank
-/// 0 gathers them in save(), which the core calls on every rank), and load() re-shards exactly: a
-/// resume with another world size, or from an unsharded checkpoint, gives each parameter the state
-/// it was saved with.
-class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateSize {
+/// holds is the recipe's, over this rank's share only. A checkpoint holds every rank's share, each
+/// written by its own rank (save_share(), tk/sharded_state.h); save() gathers them all to rank 0
+/// instead, for a caller that wants one archive. Loading re-shards exactly: a resume with another
+/// world size, or from an unsharded checkpoint, gives each parameter the state it was saved with.
+class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateSize, public tk::ShardedState {
  public:
   /// Refuses a world with more ranks than trainable tensors and an optimizer whose step is not
   /// one per parameter (LBFGS). Over the ranks of `world`, which outlives it (the run's), for the
@@ -44,6 +46,8 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
   at::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+  void save_share(torch::serialize::OutputArchive& share) const override;
+  void load_shares(int64_t count, const ShareReader& read) override;
   int64_t state_bytes() const override;
 
   const std::vector<int>& owners() const noexcept { return owners_; }
@@ -62,6 +66,11 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
   /// Moves the state of this rank's parameters out of `from` (an optimizer over `from_params`,
   /// loaded from a checkpoint) into the shard.
   void adopt(torch::optim::Optimizer& from);
+  /// Loads the state of this rank's parameters from the shares of a world of `world` ranks that
+  /// updated them as `saved` says; `load_share(r, into)` loads share r into an optimizer over
+  /// rank r's saved parameters.
+  void load_resharded(int64_t world, const std::vector<int64_t>& saved,
+                      const std::function<void(int64_t, torch::optim::Optimizer&)>& load_share);
 
   std::vector<at::Tensor> params_;               // every trainable parameter, in model order
   std::vector<int> owners_;                      // the rank that updates each

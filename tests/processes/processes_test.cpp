@@ -704,6 +704,29 @@ TEST_SUITE("zero") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("killed while the ranks write their shares of a checkpoint: that checkpoint is absent, the one before resumes bit-identical") {
+    const fs::path root = tkt::temp_dir("zero-share-killed");
+    const std::string recipe = base_with(kAdamW) + kAccumulate2 + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 2\n";
+    const std::string sets = "--nproc 2 --set run.steps=12 --set run.checkpoint_every=4 ";
+    auto whole = tk_run(root / "whole", recipe, sets);
+    INFO(whole.out);
+    REQUIRE(whole.rc == 0);
+    // Every rank kills itself once its share of the second checkpoint (step 8) is written.
+    auto killed = tk_run(root / "killed", recipe, sets, "TK_FAULT=checkpoint-share:2");
+    INFO(killed.out);
+    REQUIRE(killed.rc != 0);
+    const fs::path checkpoints = root / "killed/out/checkpoints";
+    CHECK(fs::is_regular_file(checkpoints / "step-00000004/optimizer-share-1.pt"));
+    CHECK_FALSE(fs::exists(checkpoints / "step-00000008"));
+    auto resumed = tk_run(root / "killed", recipe, sets + "--resume latest");
+    INFO(resumed.out);
+    REQUIRE(resumed.rc == 0);
+    CHECK(resumed.out.find("step-00000004 at step 4") != std::string::npos);
+    CHECK(torch::equal(weights(root / "killed"), weights(root / "whole")));
+    CHECK(tkt::metric(root / "killed/out/metrics.jsonl", "loss") == tkt::metric(root / "whole/out/metrics.jsonl", "loss"));
+    fs::remove_all(root);
+  }
+
   TEST_CASE("a resume re-shards exactly: 2 sharded ranks -> 4, and an unsharded checkpoint -> sharded") {
     // 256 examples, 16 per step on 2 ranks (4 x 2) and on 4 (4 x 1): step 16 ends epoch 1, where a
     // resume on another world starts epoch 2 from its beginning.
@@ -740,7 +763,9 @@ TEST_SUITE("zero") {
                                 "--resume " + (root / "sharded/out/checkpoints/step-00000016").string());
     INFO(unsharded.out);
     CHECK(unsharded.rc == 2);
-    CHECK(unsharded.out.find("optimizer.pt: damaged, or saved for another optimizer") != std::string::npos);
+    CHECK(unsharded.out.find("optimizer.pt: the optimizer state was saved in 2 shares (optimizer-share-<rank>.pt), "
+                             "one per rank of an optimizer sharded over the ranks; this run's optimizer is not "
+                             "sharded") != std::string::npos);
     CHECK(unsharded.out.find("  plugins.shard.stage: 1 -> 0") != std::string::npos);
     fs::remove_all(root);
   }
@@ -877,18 +902,30 @@ void then_rank0_named(const fs::path& root, const Proc& killed) {
   CHECK(tkt::metric(root / "two/out/metrics.jsonl", "ddp_syncs") == tkt::metric(root / "one/out/metrics.jsonl", "ddp_syncs"));
 }
 
-/// The checkpoint holds every rank's share of the sharded optimizer state.
+/// The checkpoint holds every rank's share of the sharded optimizer state, each in its own file
+/// (each rank wrote its own), and optimizer.pt only their count.
 void then_every_share_saved(const fs::path& root, const Proc&) {
+  const fs::path dir = root / "two/out/checkpoints/step-00000008";
   torch::serialize::InputArchive archive;
-  archive.load_from((root / "two/out/checkpoints/step-00000008/optimizer.pt").string());
-  at::Tensor world, share;
-  REQUIRE(archive.try_read("zero_world_size", world, /*is_buffer=*/true));
-  CHECK(world.item<int64_t>() == 2);
-  for (const char* key : {"zero_shard_0", "zero_shard_1"}) {
-    CAPTURE(key);
-    REQUIRE(archive.try_read(key, share, /*is_buffer=*/true));
-    CHECK(share.numel() > 0);
+  archive.load_from((dir / "optimizer.pt").string());
+  at::Tensor count, world, owners;
+  REQUIRE(archive.try_read("tk_optimizer_shares", count, /*is_buffer=*/true));
+  CHECK(count.item<int64_t>() == 2);
+  CHECK_FALSE(archive.try_read("zero_shard_0", world, /*is_buffer=*/true));  // no rank gathered the others' shares
+  std::vector<at::Tensor> layouts;
+  for (const char* file : {"optimizer-share-0.pt", "optimizer-share-1.pt"}) {
+    CAPTURE(file);
+    torch::serialize::InputArchive share, state;
+    share.load_from((dir / file).string());
+    REQUIRE(share.try_read("zero_world_size", world, /*is_buffer=*/true));
+    CHECK(world.item<int64_t>() == 2);
+    REQUIRE(share.try_read("zero_owners", owners, /*is_buffer=*/true));
+    layouts.push_back(owners);
+    CHECK(share.try_read("state", state));
   }
+  CHECK(torch::equal(layouts[0], layouts[1]));
+  CHECK(layouts[0].min().item<int64_t>() == 0);  // both ranks own a part
+  CHECK(layouts[0].max().item<int64_t>() == 1);
 }
 
 /// And recomputation changed nothing: the run without it is the same.

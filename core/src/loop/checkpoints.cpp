@@ -2,6 +2,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include "loop/loop.h"
+#include "tk/sharded_state.h"
 
 namespace tk::detail {
 
@@ -13,9 +14,12 @@ std::optional<std::filesystem::path> CheckpointPolicy::after_step(const Counters
                                                                   bool last) {
   if (!outputs_.writes() || !(last || (every_ > 0 && c.step % every_ == 0))) return std::nullopt;
   if (outputs_.active()) return outputs_.checkpoint(r_, c, seen, epoch, b);
-  // A checkpoint is the world's: every rank's optimizer saves (one whose state is spread over the
-  // ranks gathers it to rank 0 there), rank 0 alone writes.
-  if (r_.plan.world_size > 1) {
+  // A checkpoint is the world's: rank 0 writes it. An optimizer sharded over the ranks has each
+  // rank write its own share beside rank 0 at the same time; any other optimizer saves on every
+  // rank (one whose state is spread over the ranks may gather it to rank 0 there).
+  if (const auto* sharded = dynamic_cast<const ShardedState*>(r_.optimizer.get())) {
+    save_checkpoint_share(outputs_.dir() / "checkpoints", c.step, *sharded, *r_.world);
+  } else if (r_.plan.world_size > 1) {
     torch::serialize::OutputArchive discarded;
     r_.optimizer->save(discarded);
   }

@@ -15,6 +15,7 @@
 
 #include "tk/error.h"
 #include "tk/output.h"
+#include "tk/sharded_state.h"
 #include "tk/tensor_io.h"
 #include "support/support.h"
 
@@ -25,6 +26,10 @@ namespace {
 
 constexpr const char* kPluginPrefix = "plugin-";
 constexpr const char* kIdentityFile = "run.json";
+/// optimizer.pt's key for the number of shares an optimizer sharded over the ranks saved.
+constexpr const char* kSharesKey = "tk_optimizer_shares";
+
+std::string share_file(int64_t r) { return "optimizer-share-" + std::to_string(r) + ".pt"; }
 
 /// A checkpoint folder that was moved into place whole (a partial one is still `<name>.tmp`).
 bool is_complete(const fs::path& dir) {
@@ -49,6 +54,29 @@ std::string step_name(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
   return buf;
+}
+
+/// Every rank at once: its share of `state` into `tmp`, the checkpoint's temporary folder (rank 0
+/// made it before the first barrier; rank 0 moves it into place after the last). A rank that
+/// cannot write its share makes every rank throw, so none waits for it.
+void write_shares(const fs::path& tmp, const ShardedState& state, World& world) {
+  world.barrier();
+  std::string failure;
+  try {
+    torch::serialize::OutputArchive archive;
+    state.save_share(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    detail::write_file_atomic(tmp / share_file(world.rank()), bytes.str());
+  } catch (const std::exception& e) {
+    failure = message_of(e);
+  }
+  detail::fault_point("checkpoint-share");
+  if (world.max(int64_t{failure.empty() ? 0 : 1}) == 0) return;
+  throw Error(failure.empty() ? "another rank could not write its share of the optimizer state into '" + tmp.string() +
+                                    "'; this checkpoint is not written (the earlier ones are kept)"
+                              : "rank " + std::to_string(world.rank()) + " could not write its share of the optimizer "
+                                "state: " + failure);
 }
 
 }  // namespace
@@ -98,7 +126,7 @@ TrainingPosition position_from(const torch::Tensor& t, int64_t world_size) {
 
 }  // namespace
 
-fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optimizer& optimizer,
+fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optimizer& optimizer, World& world,
                          const std::vector<std::pair<std::string, StateDict>>& plugin_states,
                          const TrainingPosition& position, const RunIdentity& identity, int64_t keep) {
   std::error_code ec;
@@ -116,7 +144,12 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
     save_tensor_dict(tmp / "model.pt", state);
     detail::fault_point("checkpoint-partial");
     torch::serialize::OutputArchive archive;
-    optimizer.save(archive);
+    if (const auto* sharded = dynamic_cast<const ShardedState*>(&optimizer)) {
+      write_shares(tmp, *sharded, world);
+      archive.write(kSharesKey, at::tensor(std::vector<int64_t>{world.size()}), /*is_buffer=*/true);
+    } else {
+      optimizer.save(archive);
+    }
     std::ostringstream bytes;
     archive.save_to(bytes);
     detail::write_file_atomic(tmp / "optimizer.pt", bytes.str());
@@ -145,6 +178,10 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
   const auto all = complete_checkpoints(root);
   for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i], ec);
   return final_dir;
+}
+
+void save_checkpoint_share(const fs::path& root, int64_t step, const ShardedState& state, World& world) {
+  write_shares(root / (step_name(step) + ".tmp"), state, world);
 }
 
 std::optional<fs::path> find_checkpoint(const fs::path& root, std::string* note) {
@@ -182,6 +219,41 @@ std::optional<RunIdentity> read_run_identity(const fs::path& dir) {
   }
 }
 
+namespace {
+
+/// optimizer.pt: the optimizer's state, or the number of shares the ranks of a sharded optimizer
+/// wrote beside it.
+void load_optimizer(const fs::path& dir, torch::optim::Optimizer& optimizer) {
+  const std::string file = (dir / "optimizer.pt").string();
+  torch::serialize::InputArchive archive;
+  at::Tensor shares;
+  try {
+    archive.load_from(file);
+    if (!archive.try_read(kSharesKey, shares, /*is_buffer=*/true)) return optimizer.load(archive);
+  } catch (const c10::Error& e) {
+    throw RunRefused(file + ": damaged, or saved for another optimizer: " + message_of(e));
+  }
+  const int64_t count = shares.item<int64_t>();
+  auto* sharded = dynamic_cast<ShardedState*>(&optimizer);
+  if (!sharded)
+    throw RunRefused(file + ": the optimizer state was saved in " + std::to_string(count) +
+                     " shares (optimizer-share-<rank>.pt), one per rank of an optimizer sharded over the ranks; this "
+                     "run's optimizer is not sharded, and cannot read them");
+  sharded->load_shares(count, [&](int64_t r, torch::serialize::InputArchive& share) {
+    const fs::path path = dir / share_file(r);
+    if (r < 0 || r >= count || !fs::is_regular_file(path))
+      throw RunRefused(path.string() + ": missing; the checkpoint holds " + std::to_string(count) + " shares of the "
+                       "optimizer state, 0 to " + std::to_string(count - 1));
+    try {
+      share.load_from(path.string());
+    } catch (const c10::Error& e) {
+      throw RunRefused(path.string() + ": damaged: " + message_of(e));
+    }
+  });
+}
+
+}  // namespace
+
 Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Optimizer& optimizer) {
   Checkpoint ck;
   ck.dir = dir;
@@ -203,13 +275,7 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   for (auto& b : model.named_buffers()) restore(b.key(), b.value());
   if (!saved.empty())
     throw RunRefused(dir.string() + ": the checkpoint has '" + saved.begin()->first + "', which the model does not");
-  try {
-    torch::serialize::InputArchive archive;
-    archive.load_from((dir / "optimizer.pt").string());
-    optimizer.load(archive);
-  } catch (const c10::Error& e) {
-    throw RunRefused((dir / "optimizer.pt").string() + ": damaged, or saved for another optimizer: " + message_of(e));
-  }
+  load_optimizer(dir, optimizer);
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
   const auto identity = read_run_identity(dir);

@@ -18,6 +18,8 @@
 // ---- checkpoint.cpp: checkpoints at optimizer-step boundaries, all a run needs to continue bit-identically
 
 namespace tk {
+class ShardedState;
+
 /// Where training stands at a boundary: the counters and the next micro-batch to read.
 /// What the whole world has trained on so far (a rank's Counters count its own share).
 struct WorldSeen {
@@ -61,10 +63,17 @@ struct Checkpoint {
 /// through a temporary folder, fsync and a rename, so that a crash or a full disk mid-write leaves
 /// the previous checkpoints intact (the partial folder is removed on a failure); then points
 /// `<root>/latest` at it and keeps the newest `keep` checkpoints.
+/// An optimizer sharded over the ranks (tk::ShardedState) has every rank write its own share
+/// (optimizer-share-<rank>.pt) at the same time: rank 0 here, the others in
+/// save_checkpoint_share(); optimizer.pt then holds their count.
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, Model& model,
-                                      torch::optim::Optimizer& optimizer,
+                                      torch::optim::Optimizer& optimizer, World& world,
                                       const std::vector<std::pair<std::string, StateDict>>& plugin_states,
                                       const TrainingPosition& position, const RunIdentity& identity, int64_t keep);
+
+/// A rank other than 0, while rank 0 writes the checkpoint of `step` under `root`: its share of
+/// the optimizer state. Throws on every rank when any rank could not write its share.
+void save_checkpoint_share(const std::filesystem::path& root, int64_t step, const ShardedState& state, World& world);
 
 /// The checkpoint at `root` (a checkpoint folder, or a checkpoints folder: its latest); when
 /// `latest` is missing or names no complete checkpoint, the newest complete `step-<N>`, and `note`

@@ -175,7 +175,7 @@ fs::path RunOutputs::checkpoint(Run& run, const Counters& counters, const WorldS
     if (slot.plugin) states.emplace_back(slot.name, slot.plugin->state());
   metrics_.sync();  // a checkpoint never gets ahead of the records of the steps it holds
   own("checkpoints");
-  return save_checkpoint(dir_ / "checkpoints", *run.model, *run.optimizer, states, pos, identity_,
+  return save_checkpoint(dir_ / "checkpoints", *run.model, *run.optimizer, *run.world, states, pos, identity_,
                          run.run.get_int("checkpoint_keep"));
 }
 
