@@ -204,30 +204,24 @@ void ShardedOptimizer::load(torch::serialize::InputArchive& archive) {
   });
 }
 
-void ShardedOptimizer::save_share(torch::serialize::OutputArchive& share) const {
-  share.write(kWorldKey, at::tensor(std::vector<int64_t>{world_}), /*is_buffer=*/true);
-  share.write(kOwnersKey, at::tensor(std::vector<int64_t>(owners_.begin(), owners_.end())), /*is_buffer=*/true);
-  torch::serialize::OutputArchive state;
-  shard_->save(state);
-  share.write("state", state);
+void ShardedOptimizer::save_share(torch::serialize::OutputArchive& share) const { shard_->save(share); }
+
+void ShardedOptimizer::save_layout(torch::serialize::OutputArchive& layout) const {
+  layout.write(kWorldKey, at::tensor(std::vector<int64_t>{world_}), /*is_buffer=*/true);
+  layout.write(kOwnersKey, at::tensor(std::vector<int64_t>(owners_.begin(), owners_.end())), /*is_buffer=*/true);
 }
 
-void ShardedOptimizer::load_shares(int64_t count, const ShareReader& read) {
-  // Every share records the layout: the first says it for all.
-  torch::serialize::InputArchive first;
-  read(0, first);
-  const int64_t world = read_tensor(first, kWorldKey).item<int64_t>();
+void ShardedOptimizer::load_shares(torch::serialize::InputArchive& layout, int64_t count, const ShareReader& read) {
+  const int64_t world = read_tensor(layout, kWorldKey).item<int64_t>();
   if (world != count)
-    throw Error("the checkpoint holds " + std::to_string(count) + " shares of the optimizer state, whose first says "
-                "it is one of " + std::to_string(world) + ": it is damaged");
-  const at::Tensor owners = read_tensor(first, kOwnersKey);
+    throw Error("the checkpoint holds " + std::to_string(count) + " shares of the optimizer state for a world of " +
+                std::to_string(world) + " ranks: it is damaged");
+  const at::Tensor owners = read_tensor(layout, kOwnersKey).to(at::kLong).contiguous();
   const std::vector<int64_t> saved(owners.data_ptr<int64_t>(), owners.data_ptr<int64_t>() + owners.numel());
   load_resharded(world, saved, [&](int64_t r, torch::optim::Optimizer& into) {
-    torch::serialize::InputArchive share, state;
+    torch::serialize::InputArchive share;
     read(r, share);
-    if (!share.try_read("state", state))
-      throw Error("share " + std::to_string(r) + " of the optimizer state in the checkpoint has no 'state': it is damaged");
-    into.load(state);
+    into.load(share);
   });
 }
 

@@ -47,7 +47,8 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
   void save_share(torch::serialize::OutputArchive& share) const override;
-  void load_shares(int64_t count, const ShareReader& read) override;
+  void save_layout(torch::serialize::OutputArchive& layout) const override;
+  void load_shares(torch::serialize::InputArchive& layout, int64_t count, const ShareReader& read) override;
   int64_t state_bytes() const override;
 
   const std::vector<int>& owners() const noexcept { return owners_; }

@@ -373,12 +373,20 @@ TEST_SUITE("ddp") {
 
   /// Two launchers on 127.0.0.1 as node 0 and node 1 of one world, 2 workers each: node 0's
   /// output in out, node 1's in DIR/node1.log (its exit status on the last line of out).
+  /// `private1`: node 1 runs in a mount namespace of its own, with a file system of its own over the
+  /// output folder (a machine that does not share node 0's).
   Proc two_nodes(const fs::path& dir, const std::string& recipe, const std::string& args, int nproc1 = 2,
-                 const std::string& args1 = "") {
+                 const std::string& args1 = "", bool private1 = false) {
     const std::string nodes = " --nnodes 2 --master-addr 127.0.0.1 --master-port " + std::to_string(free_port_pair()) +
                               " " + args;
-    const std::string node1 =
+    std::string node1 =
         tkt::tk_run_command(dir, recipe, nodes + " --node-rank 1 --nproc " + std::to_string(nproc1) + args1);
+    if (private1) {
+      fs::create_directories(dir / "out");
+      std::ofstream(dir / "node1.sh") << node1 << "\n";
+      node1 = "unshare -m --propagation private sh -c 'mount -t tmpfs tmpfs " + (dir / "out").string() + " && exec sh " +
+              (dir / "node1.sh").string() + "'";
+    }
     const std::string node0 = tkt::tk_run_command(dir, recipe, nodes + " --node-rank 0 --nproc 2");
     return tkt::shell("{ " + node1 + " > " + (dir / "node1.log").string() + " 2>&1; echo \"node 1 exited $?\" >> " +
                       (dir / "node1.log").string() + "; } & n1=$!; " + node0 + " 2>&1; rc=$?; wait $n1; exit $rc");
@@ -447,6 +455,23 @@ TEST_SUITE("ddp") {
     CHECK(p.rc == 1);
     CHECK(p.out.find("tk-run: the world failed: node 1 stopped answering") != std::string::npos);
     CHECK_FALSE(reports_timeout(p.out));  // the launcher stopped the world, not a collective's timeout
+    fs::remove_all(root);
+  }
+
+  TEST_CASE("with a sharded optimizer, a node that does not see the output folder of rank 0 is refused before training (may skip)") {
+    TK_SKIP_IF(std::system("unshare -m --propagation private true > /dev/null 2>&1") != 0,
+               "no private mount namespace here (unshare -m needs root): no file system that only one node sees");
+    const fs::path root = tkt::temp_dir("ddp-nodes-unshared");
+    auto p = two_nodes(root, base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\n" + kLongTimeout +
+                                 "[[plugins]]\nname = \"shard\"\nstage = 1\n", "", 2, "", true);
+    const std::string node1 = tkt::read_text(root / "node1.log");
+    INFO(p.out);
+    INFO(node1);
+    CHECK(p.rc == 2);
+    CHECK(p.out.find("rank 0 does not see what rank 2 writes in the checkpoint folder '" + (root / "out/checkpoints").string() +
+                     "': with an optimizer sharded over the ranks each rank writes its own share") != std::string::npos);
+    CHECK(node1.find("node 1 exited 2") != std::string::npos);
+    CHECK(p.out.find("step 1/") == std::string::npos);  // before the first step
     fs::remove_all(root);
   }
 
@@ -724,6 +749,22 @@ TEST_SUITE("zero") {
     CHECK(resumed.out.find("step-00000004 at step 4") != std::string::npos);
     CHECK(torch::equal(weights(root / "killed"), weights(root / "whole")));
     CHECK(tkt::metric(root / "killed/out/metrics.jsonl", "loss") == tkt::metric(root / "whole/out/metrics.jsonl", "loss"));
+    // A share missing, or damaged: refused, naming the file.
+    const fs::path step4 = root / "whole/out/checkpoints/step-00000004";
+    const std::string from = "--resume " + step4.string();
+    fs::rename(step4 / "optimizer-share-1.pt", root / "share-1.pt");
+    auto missing = tk_run(root / "missing", recipe, sets + from);
+    INFO(missing.out);
+    CHECK(missing.rc == 2);
+    CHECK(missing.out.find((step4 / "optimizer-share-1.pt").string() + ": missing; the checkpoint holds 2 shares of the "
+                           "optimizer state, 0 to 1") != std::string::npos);
+    // Damaged: read by the rank it belongs to (one process reads both).
+    std::ofstream(step4 / "optimizer-share-1.pt") << "not an archive";
+    auto damaged = tk_run(root / "damaged", recipe, "--set run.steps=12 --set run.checkpoint_every=4 " + from);
+    INFO(damaged.out);
+    CHECK(damaged.rc == 2);
+    CHECK(damaged.out.find((step4 / "optimizer-share-1.pt").string() + ": damaged, or saved for another optimizer") !=
+          std::string::npos);
     fs::remove_all(root);
   }
 
@@ -908,24 +949,21 @@ void then_every_share_saved(const fs::path& root, const Proc&) {
   const fs::path dir = root / "two/out/checkpoints/step-00000008";
   torch::serialize::InputArchive archive;
   archive.load_from((dir / "optimizer.pt").string());
-  at::Tensor count, world, owners;
+  at::Tensor count, world, owners, unexpected;
   REQUIRE(archive.try_read("tk_optimizer_shares", count, /*is_buffer=*/true));
   CHECK(count.item<int64_t>() == 2);
-  CHECK_FALSE(archive.try_read("zero_shard_0", world, /*is_buffer=*/true));  // no rank gathered the others' shares
-  std::vector<at::Tensor> layouts;
+  REQUIRE(archive.try_read("zero_world_size", world, /*is_buffer=*/true));
+  CHECK(world.item<int64_t>() == 2);
+  REQUIRE(archive.try_read("zero_owners", owners, /*is_buffer=*/true));
+  CHECK(owners.min().item<int64_t>() == 0);  // both ranks own a part
+  CHECK(owners.max().item<int64_t>() == 1);
+  CHECK_FALSE(archive.try_read("zero_shard_0", unexpected, /*is_buffer=*/true));  // no rank gathered the others' shares
   for (const char* file : {"optimizer-share-0.pt", "optimizer-share-1.pt"}) {
     CAPTURE(file);
-    torch::serialize::InputArchive share, state;
+    torch::serialize::InputArchive share, groups;
     share.load_from((dir / file).string());
-    REQUIRE(share.try_read("zero_world_size", world, /*is_buffer=*/true));
-    CHECK(world.item<int64_t>() == 2);
-    REQUIRE(share.try_read("zero_owners", owners, /*is_buffer=*/true));
-    layouts.push_back(owners);
-    CHECK(share.try_read("state", state));
+    CHECK(share.try_read("param_groups", groups));  // the recipe's AdamW over this rank's share
   }
-  CHECK(torch::equal(layouts[0], layouts[1]));
-  CHECK(layouts[0].min().item<int64_t>() == 0);  // both ranks own a part
-  CHECK(layouts[0].max().item<int64_t>() == 1);
 }
 
 /// And recomputation changed nothing: the run without it is the same.

@@ -7,7 +7,12 @@
 namespace tk::detail {
 
 CheckpointPolicy::CheckpointPolicy(Run& run, RunOutputs& outputs)
-    : r_(run), outputs_(outputs), every_(run.run.get_int("checkpoint_every")) {}
+    : r_(run), outputs_(outputs), every_(run.run.get_int("checkpoint_every")) {
+  // Every rank writes its share of such an optimizer's state into the checkpoints: they must see
+  // the folder rank 0 writes in.
+  if (outputs_.writes() && dynamic_cast<const ShardedState*>(r_.optimizer.get()))
+    check_folder_shared(outputs_.dir() / "checkpoints", *r_.world);
+}
 
 std::optional<std::filesystem::path> CheckpointPolicy::after_step(const Counters& c, const WorldSeen& seen,
                                                                   int64_t epoch, int64_t b,

@@ -5,7 +5,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -56,27 +59,52 @@ std::string step_name(int64_t step) {
   return buf;
 }
 
+/// Makes `dir` (and the folders above it).
+void make_folder(const fs::path& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw Error("cannot create checkpoint folder '" + dir.string() + "': " + ec.message());
+}
+
 /// Every rank at once: its share of `state` into `tmp`, the checkpoint's temporary folder (rank 0
-/// made it before the first barrier; rank 0 moves it into place after the last). A rank that
-/// cannot write its share makes every rank throw, so none waits for it.
-void write_shares(const fs::path& tmp, const ShardedState& state, World& world) {
+/// made it before the first barrier; rank 0 moves it into place after the last). `failed`: what
+/// stopped this rank before (rank 0 making the folder). A rank that failed makes every rank
+/// throw, so none waits for it.
+void write_shares(const fs::path& tmp, const ShardedState& state, World& world, std::string failed = "") {
   world.barrier();
-  std::string failure;
-  try {
-    torch::serialize::OutputArchive archive;
-    state.save_share(archive);
-    std::ostringstream bytes;
-    archive.save_to(bytes);
-    detail::write_file_atomic(tmp / share_file(world.rank()), bytes.str());
-  } catch (const std::exception& e) {
-    failure = message_of(e);
+  if (failed.empty()) {
+    try {
+      make_folder(tmp);  // rank 0 made it: made here too, a network file system may not list it yet
+      torch::serialize::OutputArchive archive;
+      state.save_share(archive);
+      std::ostringstream bytes;
+      archive.save_to(bytes);
+      detail::write_file_atomic(tmp / share_file(world.rank()), bytes.str());
+    } catch (const std::exception& e) {
+      failed = "rank " + std::to_string(world.rank()) + " could not write its share of the optimizer state: " +
+               message_of(e);
+    }
   }
   detail::fault_point("checkpoint-share");
-  if (world.max(int64_t{failure.empty() ? 0 : 1}) == 0) return;
-  throw Error(failure.empty() ? "another rank could not write its share of the optimizer state into '" + tmp.string() +
-                                    "'; this checkpoint is not written (the earlier ones are kept)"
-                              : "rank " + std::to_string(world.rank()) + " could not write its share of the optimizer "
-                                "state: " + failure);
+  if (world.max(int64_t{failed.empty() ? 0 : 1}) == 0) return;
+  throw Error(failed.empty() ? "another rank could not write its share of the optimizer state into '" + tmp.string() +
+                                   "'; this checkpoint is not written (the earlier ones are kept)"
+                             : failed);
+}
+
+/// optimizer.pt: the optimizer's state; for one sharded over the ranks, how many shares the ranks
+/// wrote beside it (write_shares) and how they fit together.
+std::string optimizer_file(const torch::optim::Optimizer& optimizer, const World& world) {
+  torch::serialize::OutputArchive archive;
+  if (const auto* sharded = dynamic_cast<const ShardedState*>(&optimizer)) {
+    archive.write(kSharesKey, at::tensor(std::vector<int64_t>{world.size()}), /*is_buffer=*/true);
+    sharded->save_layout(archive);
+  } else {
+    optimizer.save(archive);
+  }
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  return bytes.str();
 }
 
 }  // namespace
@@ -129,30 +157,27 @@ TrainingPosition position_from(const torch::Tensor& t, int64_t world_size) {
 fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optimizer& optimizer, World& world,
                          const std::vector<std::pair<std::string, StateDict>>& plugin_states,
                          const TrainingPosition& position, const RunIdentity& identity, int64_t keep) {
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) throw Error("cannot create checkpoint folder '" + root.string() + "': " + ec.message());
   const std::string name = step_name(position.counters.step);
   const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
-  fs::remove_all(tmp, ec);
+  const auto* sharded = dynamic_cast<const ShardedState*>(&optimizer);
+  std::error_code ec;
+  std::string failed;  // what stopped this rank before the ranks write their shares together
   try {
-    fs::create_directories(tmp, ec);
-    if (ec) throw Error("cannot create checkpoint folder '" + tmp.string() + "': " + ec.message());
+    make_folder(root);
+    fs::remove_all(tmp, ec);
+    make_folder(tmp);
+  } catch (const std::exception& e) {
+    if (!sharded) throw;
+    failed = message_of(e);
+  }
+  try {
+    if (sharded) write_shares(tmp, *sharded, world, failed);
     NamedTensors state;
     for (const auto& p : model.named_parameters()) state.emplace_back(p.key(), p.value());
     for (const auto& b : model.named_buffers()) state.emplace_back(b.key(), b.value());
     save_tensor_dict(tmp / "model.pt", state);
     detail::fault_point("checkpoint-partial");
-    torch::serialize::OutputArchive archive;
-    if (const auto* sharded = dynamic_cast<const ShardedState*>(&optimizer)) {
-      write_shares(tmp, *sharded, world);
-      archive.write(kSharesKey, at::tensor(std::vector<int64_t>{world.size()}), /*is_buffer=*/true);
-    } else {
-      optimizer.save(archive);
-    }
-    std::ostringstream bytes;
-    archive.save_to(bytes);
-    detail::write_file_atomic(tmp / "optimizer.pt", bytes.str());
+    detail::write_file_atomic(tmp / "optimizer.pt", optimizer_file(optimizer, world));
     save_tensor_dict(tmp / "trainer.pt", position_tensors(position));
     for (const auto& [plugin, s] : plugin_states)
       save_tensor_dict(tmp / (kPluginPrefix + plugin + ".pt"), NamedTensors(s.begin(), s.end()));
@@ -182,6 +207,43 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
 
 void save_checkpoint_share(const fs::path& root, int64_t step, const ShardedState& state, World& world) {
   write_shares(root / (step_name(step) + ".tmp"), state, world);
+}
+
+void check_folder_shared(const fs::path& root, World& world) {
+  if (world.size() == 1) return;
+  // Each rank writes a file of its own, named for this start (rank 0's process id and clock), and
+  // rank 0 looks for them: names it never looked up, which a network file system's cache of
+  // missing names cannot hide.
+  at::Tensor nonce = at::tensor(std::vector<int64_t>{
+      world.rank() == 0 ? (static_cast<int64_t>(::getpid()) << 32) ^ std::chrono::steady_clock::now().time_since_epoch().count()
+                        : 0});
+  world.broadcast(nonce, 0);
+  const auto probe = [&](int64_t r) {
+    return root / (".rank-" + std::to_string(r) + "-" + std::to_string(nonce.item<int64_t>()));
+  };
+  std::string failed;
+  try {
+    make_folder(root);
+    write_atomic(probe(world.rank()), "");
+  } catch (const std::exception& e) {
+    failed = message_of(e);
+  }
+  const int64_t failing = world.max(int64_t{failed.empty() ? -1 : world.rank()});  // also: every probe is written
+  int64_t blind = -1;  // the first rank whose file rank 0 does not see
+  for (int64_t r = 1; failing < 0 && world.rank() == 0 && r < world.size() && blind < 0; ++r)
+    if (!fs::exists(probe(r))) blind = r;
+  blind = world.max(blind);
+  std::error_code ec;
+  fs::remove(probe(world.rank()), ec);
+  if (failing >= 0)
+    throw Error(!failed.empty() ? failed
+                                : "rank " + std::to_string(failing) + " could not write in the checkpoint folder '" +
+                                      root.string() + "'");
+  if (blind >= 0)
+    throw RunRefused("rank 0 does not see what rank " + std::to_string(blind) + " writes in the checkpoint folder '" +
+                     root.string() + "': with an optimizer sharded over the ranks each rank writes its own share of "
+                     "every checkpoint there; put the run's output folder (run.output) on a file system every rank "
+                     "sees");
 }
 
 std::optional<fs::path> find_checkpoint(const fs::path& root, std::string* note) {
@@ -239,17 +301,24 @@ void load_optimizer(const fs::path& dir, torch::optim::Optimizer& optimizer) {
     throw RunRefused(file + ": the optimizer state was saved in " + std::to_string(count) +
                      " shares (optimizer-share-<rank>.pt), one per rank of an optimizer sharded over the ranks; this "
                      "run's optimizer is not sharded, and cannot read them");
-  sharded->load_shares(count, [&](int64_t r, torch::serialize::InputArchive& share) {
-    const fs::path path = dir / share_file(r);
-    if (r < 0 || r >= count || !fs::is_regular_file(path))
-      throw RunRefused(path.string() + ": missing; the checkpoint holds " + std::to_string(count) + " shares of the "
-                       "optimizer state, 0 to " + std::to_string(count - 1));
-    try {
-      share.load_from(path.string());
-    } catch (const c10::Error& e) {
-      throw RunRefused(path.string() + ": damaged: " + message_of(e));
-    }
-  });
+  // Every rank looks for every share, though it may read only its own: a share missing is refused
+  // on every rank alike, before any rank waits on another.
+  for (int64_t r = 0; r < count; ++r)
+    if (!fs::is_regular_file(dir / share_file(r)))
+      throw RunRefused((dir / share_file(r)).string() + ": missing; the checkpoint holds " + std::to_string(count) +
+                       " shares of the optimizer state, 0 to " + std::to_string(count - 1));
+  std::string reading = file;  // the file an error concerns
+  try {
+    sharded->load_shares(archive, count, [&](int64_t r, torch::serialize::InputArchive& share) {
+      if (r < 0 || r >= count) throw Error("share " + std::to_string(r) + " of " + std::to_string(count) + " asked for");
+      reading = (dir / share_file(r)).string();
+      share.load_from(reading);
+    });
+  } catch (const RunRefused&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw RunRefused(reading + ": damaged, or saved for another optimizer: " + message_of(e));
+  }
 }
 
 }  // namespace

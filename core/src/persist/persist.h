@@ -75,6 +75,11 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, Model& 
 /// the optimizer state. Throws on every rank when any rank could not write its share.
 void save_checkpoint_share(const std::filesystem::path& root, int64_t step, const ShardedState& state, World& world);
 
+/// Every rank, before training with an optimizer sharded over the ranks: refuses the run when a
+/// rank does not see the checkpoint folder `root` that rank 0 writes in (a run on several machines
+/// without a shared file system), rather than at its first checkpoint.
+void check_folder_shared(const std::filesystem::path& root, World& world);
+
 /// The checkpoint at `root` (a checkpoint folder, or a checkpoints folder: its latest); when
 /// `latest` is missing or names no complete checkpoint, the newest complete `step-<N>`, and `note`
 /// says so. None when there is no complete checkpoint there.

@@ -2,7 +2,8 @@
 /// An optimizer whose state is spread over the ranks of the run's world (the shard plugin's ZeRO
 /// optimizer) derives from this too. A checkpoint then holds one file per rank, each written by
 /// its own rank at the same time (`optimizer-share-<rank>.pt`), and `optimizer.pt` says how many
-/// there are: no rank ever holds another's share, and the writes go in parallel. The folder is
+/// there are and how they fit together: no rank ever holds another's share, and the writes go in
+/// parallel. The folder is
 /// moved into place once every rank's share is written, so a checkpoint is whole or absent. Its
 /// folder must be one every rank sees (on several machines: a shared filesystem), as it must be
 /// for the ranks to resume from it.
@@ -24,12 +25,14 @@ class ShardedState {
   /// Reads share `r` of a checkpoint into `archive`.
   using ShareReader = std::function<void(int64_t r, torch::serialize::InputArchive& archive)>;
 
-  /// This rank's share of the state, with what it takes to put the shares together again (how
-  /// many there are, which rank held which parameter's state).
+  /// This rank's share of the state (every rank, into its own file).
   virtual void save_share(torch::serialize::OutputArchive& share) const = 0;
-  /// Restores the state from a checkpoint's `count` shares, reading those that hold state of this
-  /// rank's parameters: a checkpoint of another world size is cut anew.
-  virtual void load_shares(int64_t count, const ShareReader& read) = 0;
+  /// How the shares fit together (rank 0, into optimizer.pt): which rank held which parameter's
+  /// state, say.
+  virtual void save_layout(torch::serialize::OutputArchive& layout) const = 0;
+  /// Restores the state from a checkpoint's `layout` and its `count` shares, reading only those
+  /// that hold state of this rank's parameters: a checkpoint of another world size is cut anew.
+  virtual void load_shares(torch::serialize::InputArchive& layout, int64_t count, const ShareReader& read) = 0;
 
  protected:
   ShardedState() = default;
