@@ -18,6 +18,16 @@ namespace {
 
 bool has(const Proc& p, const std::string& text) { return p.out.find(text) != std::string::npos; }
 
+/// A start of the run in `dir` that the fault `fault` (TK_FAULT) stops, ending with exit code `rc`
+/// (128 + 9: one process killed; 1: a launch whose rank was killed): its output.
+Proc killed_start(const fs::path& dir, const std::string& recipe, const std::string& args, const std::string& fault,
+                  int rc) {
+  Proc p = tk_run(dir, recipe, args, "TK_FAULT=" + fault);
+  INFO(p.out);
+  REQUIRE(p.rc == rc);
+  return p;
+}
+
 /// An MLP on 240 examples in float64, 12 examples a step whatever the world (micro-batches of 2),
 /// a checkpoint every 4 steps; 30 steps cross an epoch's end (20 steps an epoch).
 std::string recipe(const std::string& batch) {
@@ -83,7 +93,7 @@ TEST_SUITE("elastic") {
     const std::string one = "--set run.steps=20 ";
     REQUIRE(tk_run(root / "whole", kEffective, one).rc == 0);
     // The first start, killed after its second checkpoint; the same command continues it.
-    CHECK(tk_run(root / "auto", kEffective, one + "--resume auto", "TK_FAULT=checkpoint-done:2").rc == 128 + 9);
+    killed_start(root / "auto", kEffective, one + "--resume auto", "checkpoint-done:2", 128 + 9);
     auto again = tk_run(root / "auto", kEffective, one + "--resume auto");
     INFO(again.out);
     REQUIRE(again.rc == 0);
@@ -94,21 +104,21 @@ TEST_SUITE("elastic") {
     CHECK(done.rc == 0);
     CHECK(has(done, "already complete"));
     // Killed before any checkpoint: its records are trained again, once each.
-    CHECK(tk_run(root / "early", kEffective, one + "--resume auto", "TK_FAULT=metrics-written:2").rc == 128 + 9);
+    killed_start(root / "early", kEffective, one + "--resume auto", "metrics-written:2", 128 + 9);
     auto early = tk_run(root / "early", kEffective, one + "--resume auto");
     INFO(early.out);
     REQUIRE(early.rc == 0);
     CHECK(has(early, "holds no checkpoint of this run yet; starting it again from step 0"));
     check_same_run(root / "early", root / "whole");
     // A restart (TK_RESTART_COUNT > 0) resumes without being told, an --overwrite of its first start ignored.
-    CHECK(tk_run(root / "restart", kEffective, one + "--overwrite", "TK_FAULT=checkpoint-done:1").rc == 128 + 9);
+    killed_start(root / "restart", kEffective, one + "--overwrite", "checkpoint-done:1", 128 + 9);
     auto restart = tk_run(root / "restart", kEffective, one + "--overwrite", "TK_RESTART_COUNT=1");
     INFO(restart.out);
     REQUIRE(restart.rc == 0);
     CHECK(has(restart, "resuming from"));
     check_same_run(root / "restart", root / "whole");
     // Another recipe's run without a checkpoint is not this run's to start over.
-    CHECK(tk_run(root / "other", kEffective, one + "--set optimizer.lr=0.05", "TK_FAULT=metrics-written:2").rc == 128 + 9);
+    killed_start(root / "other", kEffective, one + "--set optimizer.lr=0.05", "metrics-written:2", 128 + 9);
     auto other = tk_run(root / "other", kEffective, one + "--resume auto");
     CHECK(other.rc == 2);
     CHECK(has(other, "--resume auto continues only a run of this same recipe"));
@@ -120,12 +130,9 @@ TEST_SUITE("elastic") {
     REQUIRE(tk_run(root / "whole", kEffective, "").rc == 0);
     const fs::path dir = root / "resized";
     // 2 ranks to step 8 (rank 0 killed after its second checkpoint), 1 process to step 16, 3 ranks to the end.
-    auto two = tk_run(dir, kEffective, "--nproc 2 --resume auto", "TK_FAULT=checkpoint-done:2");
-    INFO(two.out);
-    REQUIRE(two.rc == 1);
-    auto alone = tk_run(dir, kEffective, "--resume auto", "TK_FAULT=checkpoint-done:2");
+    killed_start(dir, kEffective, "--nproc 2 --resume auto", "checkpoint-done:2", 1);
+    auto alone = killed_start(dir, kEffective, "--resume auto", "checkpoint-done:2", 128 + 9);
     INFO(alone.out);
-    CHECK(alone.rc == 128 + 9);
     CHECK(has(alone, "continuing the run of 2 ranks on 1: 12 examples a step, micro-batches of 2 x 6 per rank"));
     auto three = tk_run(dir, kEffective, "--nproc 3 --resume auto");
     INFO(three.out);
@@ -135,7 +142,7 @@ TEST_SUITE("elastic") {
 
     // A window given per rank keeps the checkpoint's 12 examples a step: 2 x 3 on 2 ranks goes on as 2 x 6 alone.
     const fs::path per_rank = root / "per-rank";
-    CHECK(tk_run(per_rank, kPerRank, "--nproc 2", "TK_FAULT=checkpoint-done:2").rc == 1);
+    killed_start(per_rank, kPerRank, "--nproc 2", "checkpoint-done:2", 1);
     // No exact split on 5 ranks: refused before a step, naming the sizes that go on exactly.
     auto five = tk_run(root / "five", kPerRank, "--nproc 5 --resume " + (per_rank / "out/checkpoints").string());
     INFO(five.out);
@@ -146,7 +153,7 @@ TEST_SUITE("elastic") {
     // the last example 1/2), on 2 ranks one of 2 and 2 (1/4 each): the same examples, another step.
     const std::string ragged = "--set data.samples=22 --set batch.micro_batch=3 --set batch.effective_batch=6 "
                                "--set run.steps=8 --set run.checkpoint_every=2 ";
-    CHECK(tk_run(root / "ragged", kEffective, ragged, "TK_FAULT=checkpoint-done:1").rc == 128 + 9);
+    killed_start(root / "ragged", kEffective, ragged, "checkpoint-done:1", 128 + 9);
     auto ragged_two = tk_run(root / "ragged", kEffective, ragged + "--nproc 2 --resume auto");
     INFO(ragged_two.out);
     CHECK(ragged_two.rc == 2);
@@ -167,12 +174,9 @@ TEST_SUITE("elastic") {
     const std::string sharded = kEffective + "[[plugins]]\nname = \"shard\"\nstage = 2\n";
     const fs::path dir = root / "sharded";
     // Rank 0 killed after its second checkpoint each time: steps 8 and 16.
-    auto two = tk_run(dir, sharded, "--nproc 2 --resume auto", "TK_FAULT=checkpoint-done:2");
-    INFO(two.out);
-    REQUIRE(two.rc == 1);
-    auto three = tk_run(dir, sharded, "--nproc 3 --resume auto", "TK_FAULT=checkpoint-done:2");
+    killed_start(dir, sharded, "--nproc 2 --resume auto", "checkpoint-done:2", 1);
+    auto three = killed_start(dir, sharded, "--nproc 3 --resume auto", "checkpoint-done:2", 1);
     INFO(three.out);
-    REQUIRE(three.rc == 1);
     CHECK(has(three, "continuing the run of 2 ranks on 3: 12 examples a step, micro-batches of 2 x 2 per rank"));
     CHECK(has(three, "stage 2: the optimizer state and the gradients are sharded over 3 ranks"));
     auto alone = tk_run(dir, sharded, "--resume auto");
