@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -156,20 +157,24 @@ TrainingPosition position_from(const torch::Tensor& t, int64_t world_size) {
 
 fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optimizer& optimizer, World& world,
                          const std::vector<std::pair<std::string, StateDict>>& plugin_states,
-                         const TrainingPosition& position, const RunIdentity& identity, int64_t keep) {
+                         const TrainingPosition& position, const RunIdentity& identity, int64_t keep,
+                         std::string failed) {
   const std::string name = step_name(position.counters.step);
   const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
   const auto* sharded = dynamic_cast<const ShardedState*>(&optimizer);
   std::error_code ec;
-  std::string failed;  // what stopped this rank before the ranks write their shares together
+  // `failed`: what stopped this rank before the ranks write their shares together.
   try {
-    make_folder(root);
-    fs::remove_all(tmp, ec);
-    make_folder(tmp);
+    if (failed.empty()) {
+      make_folder(root);
+      fs::remove_all(tmp, ec);
+      make_folder(tmp);
+    }
   } catch (const std::exception& e) {
     if (!sharded) throw;
     failed = message_of(e);
   }
+  if (!failed.empty() && !sharded) throw Error(failed);
   try {
     if (sharded) write_shares(tmp, *sharded, world, failed);
     NamedTensors state;
@@ -213,28 +218,36 @@ void check_folder_shared(const fs::path& root, World& world) {
   if (world.size() == 1) return;
   // Each rank writes a file of its own, named for this start (rank 0's process id and clock), and
   // rank 0 looks for them: names it never looked up, which a network file system's cache of
-  // missing names cannot hide.
+  // missing names cannot hide. One left by a start that died here is the run's own
+  // (detail::is_probe_file): the next start deletes it with the folder's other leftovers.
   at::Tensor nonce = at::tensor(std::vector<int64_t>{
-      world.rank() == 0 ? (static_cast<int64_t>(::getpid()) << 32) ^ std::chrono::steady_clock::now().time_since_epoch().count()
+      world.rank() == 0 ? ((static_cast<int64_t>(::getpid()) << 32) ^
+                           std::chrono::steady_clock::now().time_since_epoch().count()) & INT64_MAX
                         : 0});
   world.broadcast(nonce, 0);
   const auto probe = [&](int64_t r) {
-    return root / (".rank-" + std::to_string(r) + "-" + std::to_string(nonce.item<int64_t>()));
+    return root / (std::string(detail::kProbePrefix) + std::to_string(r) + "-" + std::to_string(nonce.item<int64_t>()));
   };
+  struct Remove {
+    fs::path file;
+    ~Remove() {
+      std::error_code ec;
+      fs::remove(file, ec);
+    }
+  } remove{probe(world.rank())};  // however this ends
   std::string failed;
   try {
     make_folder(root);
-    write_atomic(probe(world.rank()), "");
+    write_atomic(remove.file, "");
   } catch (const std::exception& e) {
     failed = message_of(e);
   }
   const int64_t failing = world.max(int64_t{failed.empty() ? -1 : world.rank()});  // also: every probe is written
   int64_t blind = -1;  // the first rank whose file rank 0 does not see
-  for (int64_t r = 1; failing < 0 && world.rank() == 0 && r < world.size() && blind < 0; ++r)
-    if (!fs::exists(probe(r))) blind = r;
-  blind = world.max(blind);
   std::error_code ec;
-  fs::remove(probe(world.rank()), ec);
+  for (int64_t r = 1; failing < 0 && world.rank() == 0 && r < world.size() && blind < 0; ++r)
+    if (!fs::exists(probe(r), ec)) blind = r;  // an error looking counts as not seen
+  blind = world.max(blind);
   if (failing >= 0)
     throw Error(!failed.empty() ? failed
                                 : "rank " + std::to_string(failing) + " could not write in the checkpoint folder '" +

@@ -65,11 +65,13 @@ struct Checkpoint {
 /// `<root>/latest` at it and keeps the newest `keep` checkpoints.
 /// An optimizer sharded over the ranks (tk::ShardedState) has every rank write its own share
 /// (optimizer-share-<rank>.pt) at the same time: rank 0 here, the others in
-/// save_checkpoint_share(); optimizer.pt then holds their count.
+/// save_checkpoint_share(); optimizer.pt then holds their count. `failed`: what stopped rank 0
+/// before it (the checkpoint then fails on every rank, none left waiting).
 std::filesystem::path save_checkpoint(const std::filesystem::path& root, Model& model,
                                       torch::optim::Optimizer& optimizer, World& world,
                                       const std::vector<std::pair<std::string, StateDict>>& plugin_states,
-                                      const TrainingPosition& position, const RunIdentity& identity, int64_t keep);
+                                      const TrainingPosition& position, const RunIdentity& identity, int64_t keep,
+                                      std::string failed = "");
 
 /// A rank other than 0, while rank 0 writes the checkpoint of `step` under `root`: its share of
 /// the optimizer state. Throws on every rank when any rank could not write its share.

@@ -15,6 +15,7 @@
 #include "persist/persist.h"
 #include "planning/planning.h"
 #include "support/support.h"
+#include "tk/sharded_state.h"
 #include "tk/tensor_io.h"
 
 namespace fs = std::filesystem;
@@ -173,10 +174,18 @@ fs::path RunOutputs::checkpoint(Run& run, const Counters& counters, const WorldS
   std::vector<std::pair<std::string, StateDict>> states;
   for (const auto& slot : run.slots)
     if (slot.plugin) states.emplace_back(slot.name, slot.plugin->state());
-  metrics_.sync();  // a checkpoint never gets ahead of the records of the steps it holds
-  own("checkpoints");
+  // A failure here with an optimizer sharded over the ranks is the checkpoint's: the other ranks
+  // are writing their shares of it, and learn of it there rather than wait.
+  std::string failed;
+  try {
+    metrics_.sync();  // a checkpoint never gets ahead of the records of the steps it holds
+    own("checkpoints");
+  } catch (const std::exception& e) {
+    if (!dynamic_cast<const ShardedState*>(run.optimizer.get())) throw;
+    failed = message_of(e);
+  }
   return save_checkpoint(dir_ / "checkpoints", *run.model, *run.optimizer, *run.world, states, pos, identity_,
-                         run.run.get_int("checkpoint_keep"));
+                         run.run.get_int("checkpoint_keep"), failed);
 }
 
 void RunOutputs::wrote(const std::string& file) {

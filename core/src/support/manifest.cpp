@@ -66,11 +66,13 @@ bool survey_checkpoints(const fs::path& dir, bool trainkits, FolderSurvey& out) 
   }
   bool steps = false;
   static const std::regex step("step-[0-9]{8}(\\.tmp)?");
+  static const std::regex probe(std::string("\\") + kProbePrefix + "[0-9]+-[0-9]+(\\.tmp)?");
   for (const auto& e : fs::directory_iterator(root, ec)) {
     const std::string name = e.path().filename().string();
     const auto st = fs::symlink_status(e.path(), ec);
     const bool ours = trainkits && ((std::regex_match(name, step) && fs::is_directory(st)) ||
-                                    ((name == "latest" || name == "latest.tmp") && fs::is_regular_file(st)));
+                                    ((name == "latest" || name == "latest.tmp" || std::regex_match(name, probe)) &&
+                                     fs::is_regular_file(st)));
     if (!ours) {
       out.foreign.push_back("checkpoints/" + name);
       continue;

@@ -47,6 +47,10 @@ class CpuBlockCache {
 
 // ---- files.cpp: durable writes, the folder lock, fault points ------------------------------------
 
+/// The name of the files the ranks write into the checkpoints folder before the first step, to
+/// find whether they all see it (`.rank-<rank>-<number>`): the run's own, deleted with it.
+inline constexpr const char* kProbePrefix = ".rank-";
+
 /// Writes all of `data` to `file`, replacing it: through `<file>.tmp`, fsync, rename and an fsync
 /// of the folder, so that a crash or a kill at any instant leaves either the old or the new file.
 void write_file_atomic(const std::filesystem::path& file, const std::string& data);
