@@ -218,8 +218,8 @@ void check_folder_shared(const fs::path& root, World& world) {
   if (world.size() == 1) return;
   // Each rank writes a file of its own, named for this start (rank 0's process id and clock), and
   // rank 0 looks for them: names it never looked up, which a network file system's cache of
-  // missing names cannot hide. One left by a start that died here is the run's own
-  // (detail::is_probe_file): the next start deletes it with the folder's other leftovers.
+  // missing names cannot hide. One left by a start that died here is the run's own (named with
+  // detail::kProbePrefix, which survey_checkpoints knows): the next start deletes it.
   at::Tensor nonce = at::tensor(std::vector<int64_t>{
       world.rank() == 0 ? ((static_cast<int64_t>(::getpid()) << 32) ^
                            std::chrono::steady_clock::now().time_since_epoch().count()) & INT64_MAX

@@ -3,10 +3,9 @@
 /// optimizer) derives from this too. A checkpoint then holds one file per rank, each written by
 /// its own rank at the same time (`optimizer-share-<rank>.pt`), and `optimizer.pt` says how many
 /// there are and how they fit together: no rank ever holds another's share, and the writes go in
-/// parallel. The folder is
-/// moved into place once every rank's share is written, so a checkpoint is whole or absent. Its
-/// folder must be one every rank sees (on several machines: a shared filesystem), as it must be
-/// for the ranks to resume from it.
+/// parallel. The folder is moved into place once every rank's share is written, so a checkpoint
+/// is whole or absent. Its folder must be one every rank sees (on several machines: a shared
+/// filesystem), as it must be for the ranks to resume from it.
 #include <cstdint>
 #include <functional>
 
