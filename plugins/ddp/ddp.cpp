@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <tk/abi.h>
 #include <tk/compat.h>
+#include <tk/sharded_state.h>
 #include <tk/world.h>
 
 #include <algorithm>
@@ -413,6 +414,8 @@ class Ddp final : public tk::Plugin {
   /// Fails the run when the ranks no longer hold the same parameters.
   void check_same(tk::Context& ctx) {
     torch::NoGradGuard no_grad;
+    // Parameters sharded between uses (ZeRO stage 3) are gathered for the check, on every rank.
+    tk::WholeParameters whole(dynamic_cast<const tk::ShardedParameters*>(&ctx.optimizer()));
     double sum = 0.0;
     for (const auto& p : ctx.model().parameters()) sum += p.to(torch::kDouble).sum().item<double>();
     auto lo = torch::tensor({sum}, torch::kDouble), hi = lo.clone();

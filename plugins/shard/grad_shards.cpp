@@ -82,9 +82,19 @@ void GradientShards::ready(size_t i) {
     throw Error("stage 2: the gradient of '" + names_[i] + "' was accumulated twice in one backward (its grad "
                 "accumulator ran again): its bucket may be sent already, so it cannot be summed during backward");
   fired_[i] = 1;
+  if (when_settled_) return;
   const size_t b = bucket_of_[i];
   if (--buckets_[b].waiting > 0) return;
   while (next_ < buckets_.size() && buckets_[next_].waiting == 0) {
+    send(next_++);
+    ++sent_early_;
+  }
+}
+
+void GradientShards::settle(const std::vector<char>& settled) {
+  if (!armed_) return;
+  while (next_ < buckets_.size() && std::all_of(buckets_[next_].params.begin(), buckets_[next_].params.end(),
+                                                  [&](size_t i) { return settled[i] == 1 || (settled[i] == 2 && fired_[i]); })) {
     send(next_++);
     ++sent_early_;
   }

@@ -44,6 +44,15 @@ class GradientShards {
   /// After that backward: the buckets not yet sent go, in order; after the window's last, this
   /// rank's sums become its parameters' gradients.
   void finish();
+  /// From now on a bucket goes not when its gradients are accumulated but when settle() says they
+  /// are final: at points that every rank reaches in the same order (stage 3, whose gathers in
+  /// backward are collectives too: a rank waiting for a sum its peer sends later, while the peer
+  /// waits for it in a gather, would never go on).
+  void send_when_settled() { when_settled_ = true; }
+  /// In an armed backward: sends, in order, the next buckets whose parameters are all settled
+  /// (by index, `settled` 1: the gradient is final, or there is none here and zeros go; 2: final
+  /// once accumulated, for a parameter whose use is the same on every rank).
+  void settle(const std::vector<char>& settled);
 
   /// The last window's reduces and the time spent in them outside of backward's own compute
   /// (waiting on a peer, and the sends at the end).
@@ -77,7 +86,7 @@ class GradientShards {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hooks_;
   // The backward in progress.
-  bool armed_ = false, last_ = false;
+  bool armed_ = false, last_ = false, when_settled_ = false;
   size_t next_ = 0;  // the next bucket to send
   struct InFlight {
     size_t bucket;

@@ -3,8 +3,11 @@
 // share of the parameters, sharded.h), stepped on the gradients another plugin summed across the
 // ranks (ddp); at 2 the gradients are split too: during backward each is summed onto the rank that
 // updates it (grad_shards.h) and released on every rank, the owner keeping the sum. Either way
-// every rank gets the parameters their owners updated.
+// every rank gets the parameters their owners updated. At 3 the parameters are split too: each
+// is whole only on its owner between uses, and gathered onto the others while a block uses it
+// (param_shards.h); the step broadcasts nothing.
 #include <tk/abi.h>
+#include <tk/blocks.h>
 #include <tk/world.h>
 
 #include <algorithm>
@@ -32,20 +35,22 @@ class Shard final : public tk::Plugin {
           "what is split across the ranks: 0 nothing (every rank keeps the whole optimizer state); 1 the "
           "optimizer's state (ZeRO stage 1): each rank keeps and updates the state of its share of the parameters, "
           "then broadcasts them; 2 the gradients too (ZeRO stage 2): during backward each gradient is summed onto "
-          "the rank that updates it and released everywhere, the owner keeping the sum");
+          "the rank that updates it and released everywhere, the owner keeping the sum; 3 the parameters too (ZeRO "
+          "stage 3): each is whole only on the rank that updates it, and gathered onto the others for the forward "
+          "and the backward of the block that uses it (the parameters of no block: for each micro-batch)");
     o.add("reduce", reduce_,
-          "stage 2, with accumulation: which backwards sum the gradients onto their owners. \"micro_batch\": every "
+          "stages 2 and 3, with accumulation: which backwards sum the gradients onto their owners. \"micro_batch\": every "
           "backward, so that between backwards a rank holds only its share (least memory); \"window\": the "
           "window's last, each rank accumulating whole gradients until then (least traffic)",
           {"micro_batch", "window"});
   }
 
   void init() override {
-    if (stage_ < 0 || stage_ > 2)
-      fail_option(stage_, "must be 0, 1 or 2 (1 shards the optimizer state, 2 the gradients too; parameters stay "
-                          "whole on every rank), got " + std::to_string(stage_));
-    if (option_given(reduce_) && stage_ != 2)
-      note_ = "reduce = \"" + reduce_ + "\" is ignored: only stage 2 sums the gradients itself (stage is " +
+    if (stage_ < 0 || stage_ > 3)
+      fail_option(stage_, "must be 0, 1, 2 or 3 (1 shards the optimizer state, 2 the gradients too, 3 the "
+                          "parameters too), got " + std::to_string(stage_));
+    if (option_given(reduce_) && stage_ < 2)
+      note_ = "reduce = \"" + reduce_ + "\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is " +
               std::to_string(stage_) + ")";
   }
 
@@ -55,10 +60,12 @@ class Shard final : public tk::Plugin {
     if (stage_ >= 1) c.requires_ = {tk::cap::kGradsSynced};  // the data-parallel plugin: the world's totals
     // Stage 2 sums the gradients itself, before the sync plugin's boundary (which then sums the
     // window's counts alone) and so before everything that runs after it.
-    if (stage_ == 2)
+    if (stage_ >= 2)
       c.provides.push_back(tk::cap::kGradsSharded);
     else
       c.after = {tk::cap::kGradsSynced};
+    // Stage 3 gathers each block's parameters around it, however it computes (recomputed or not).
+    if (stage_ == 3) c.provides.push_back(tk::Capability{"model.blocks.around"});
     return c;
   }
 
@@ -80,7 +87,7 @@ class Shard final : public tk::Plugin {
     if (stage_ >= 1 && !sharded_)
       throw std::runtime_error("stage " + std::to_string(stage_) + ": the run's optimizer is not the sharded one this "
                                "plugin made (another plugin replaced or wrapped it after)");
-    if (stage_ == 2) {  // trial steps too: the memory planner measures the step as it will be
+    if (stage_ >= 2) {  // trial steps too: the memory planner measures the step as it will be
       std::map<const c10::TensorImpl*, std::string> name_of;
       for (const auto& p : ctx.model().named_parameters()) name_of.emplace(p.value().unsafeGetTensorImpl(), p.key());
       const auto& params = sharded_->param_groups().front().params();
@@ -89,7 +96,8 @@ class Shard final : public tk::Plugin {
         auto it = name_of.find(p.unsafeGetTensorImpl());
         names.push_back(it == name_of.end() ? "(a parameter outside the model)" : it->second);
       }
-      grads_ = std::make_unique<tk::shard::GradientShards>(params, std::move(names), sharded_->owners(), ctx.world());
+      grads_ = std::make_unique<tk::shard::GradientShards>(params, names, sharded_->owners(), ctx.world());
+      if (stage_ == 3) shard_parameters(ctx, params, std::move(names));
     }
     if (!note_.empty() && !ctx.trial()) ctx.warn(note_);
     if (!sharded_ || ctx.trial()) return;
@@ -98,12 +106,38 @@ class Shard final : public tk::Plugin {
     for (int r = 0; r < size; ++r) total += sharded_->owned_bytes(r);
     const auto& owners = sharded_->owners();
     std::ostringstream m;
-    m << "stage " << stage_ << ": the optimizer state" << (stage_ == 2 ? " and the gradients are" : " is")
+    m << "stage " << stage_ << ": the optimizer state"
+      << (stage_ == 3 ? ", the gradients and the parameters are" : stage_ == 2 ? " and the gradients are" : " is")
       << " sharded over " << size << " rank" << (size == 1 ? "" : "s") << "; this rank updates "
       << std::count(owners.begin(), owners.end(), rank) << " of " << owners.size() << " tensors ("
       << sharded_->owned_bytes(rank) << " of " << total << " bytes of parameters)";
-    if (stage_ == 2) m << "; gradients summed onto their owners during " << (reduce_ == "window" ? "each window's last backward" : "every backward");
+    if (stage_ >= 2) m << "; gradients summed onto their owners during " << (reduce_ == "window" ? "each window's last backward" : "every backward");
+    if (stage_ == 3)
+      m << "; parameters gathered "
+        << (blocks_ ? "for each of the model's " + std::to_string(blocks_->size()) + " blocks in forward and backward, "
+                      "the rest for each micro-batch"
+                    : "whole for each micro-batch (the model lists no blocks, tk/blocks.h)");
     ctx.info(m.str());
+  }
+
+  /// Stage 3: every rank gathers the parameters it does not update for each micro-batch (those
+  /// of no block) and for each block.
+  void on_micro_batch(tk::MicroBatchContext&) override {
+    if (!params_) return decline(tk::Event::MicroBatch);
+    params_->start();
+    if (loose_held_) return;  // a micro-batch redone (out of memory) before its backward
+    params_->gather_loose();
+    loose_held_ = true;
+  }
+
+  void on_validation_start(tk::ValidationStartContext&) override {
+    if (!params_) return decline(tk::Event::ValidationStart);
+    params_->gather_all();
+  }
+
+  void on_validation_end(tk::ValidationEndContext&) override {
+    if (!params_) return decline(tk::Event::ValidationEnd);
+    params_->release_all();
   }
 
   /// Stage 2: the coming backward sums the gradients onto their owners as it makes them (every
@@ -116,19 +150,31 @@ class Shard final : public tk::Plugin {
 
   void on_backward(tk::BackwardContext&) override {
     if (!grads_) return decline(tk::Event::Backward);
+    if (params_) {
+      params_->after_backward();
+      if (loose_held_) params_->release_loose();
+      loose_held_ = false;
+    }
     grads_->finish();
   }
 
   /// This rank's bytes of parameters and of the gradients the step will apply, for every stage.
   void on_boundary(tk::BoundaryContext& ctx) override {
-    ctx.metric("param_mib", mib_of(ctx.model().parameters()));
+    ctx.metric("param_mib", params_ ? static_cast<double>(params_->resident_bytes()) / kMiB : mib_of(ctx.model().parameters()));
     ctx.metric("grad_mib", mib_of(ctx.gradients()));
   }
 
   void on_step_end(tk::StepEndContext& ctx) override {
     if (!sharded_ || ctx.world_size() == 1) return decline(tk::Event::StepEnd);
     if (ctx.step_vetoed()) return;
-    ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
+    if (params_) {
+      const auto t = params_->take_traffic();
+      ctx.metric("shard_param_gathers", static_cast<double>(t.gathers));
+      ctx.metric("shard_param_gather_mib", static_cast<double>(t.bytes) / kMiB);
+      ctx.metric("shard_param_gather_ms", t.ms);
+    } else {
+      ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
+    }
     if (!grads_) return;
     ctx.metric("shard_grad_reduce_ms", grads_->reduce_ms());
     ctx.metric("shard_grad_reduces", static_cast<double>(grads_->reduces()));
@@ -137,9 +183,19 @@ class Shard final : public tk::Plugin {
 
   // The optimizer is the core's: made anew after trial steps, released with the run (after the
   // hooks on its parameters are gone).
-  void on_fit_end(tk::FitEndContext&) override {
+  void on_fit_end(tk::FitEndContext& ctx) override {
+    if (params_) {
+      if (blocks_) blocks_->set_around(nullptr);
+      params_->on_block_done(nullptr);  // it held grads_
+      // Whole again on every rank, for the weights and whatever reads the model next; not after a
+      // failure, whose peers may be gone (the core then writes no weights: parameters_whole()).
+      if (ctx.status() != tk::FitStatus::Failed) params_->gather_all();
+      params_.reset();  // the optimizer keeps it, to say whether the parameters are whole
+    }
     grads_.reset();
     sharded_ = nullptr;
+    blocks_ = nullptr;
+    loose_held_ = false;
   }
 
  private:
@@ -149,10 +205,28 @@ class Shard final : public tk::Plugin {
   tk::shard::ShardedOptimizer* made_ = nullptr;    // the optimizer this plugin made last
   tk::shard::ShardedOptimizer* sharded_ = nullptr;  // the run's, from on_fit_start to on_fit_end
   std::unique_ptr<tk::shard::GradientShards> grads_;  // stage 2, as long as sharded_
+  std::shared_ptr<tk::shard::ParameterShards> params_;  // stage 3, as long as sharded_
+  tk::Blocks* blocks_ = nullptr;                        // the model's, at stage 3 (null: it lists none)
+  bool loose_held_ = false;                              // the parameters of no block gathered for a micro-batch
+
+  /// Stage 3: the parameters of other ranks freed between uses, and gathered around each block.
+  void shard_parameters(tk::FitStartContext& ctx, const std::vector<at::Tensor>& params, std::vector<std::string> names) {
+    blocks_ = tk::blocks_of(ctx.model());
+    params_ = std::make_shared<tk::shard::ParameterShards>(params, std::move(names), sharded_->owners(), ctx.world(), blocks_);
+    sharded_->attach(params_);
+    grads_->send_when_settled();
+    params_->on_block_done([grads = grads_.get(), shards = params_.get()](size_t b) { grads->settle(shards->settled_after(b)); });
+    if (!blocks_) return;
+    std::weak_ptr<tk::shard::ParameterShards> weak = params_;
+    blocks_->set_around([weak](size_t i, const at::Tensor& x, const tk::BlockFn& fn) {
+      auto shards = weak.lock();
+      return shards ? shards->run_block(i, x, fn) : fn(x);
+    });
+  }
 };
 
 }  // namespace
 
-TK_PLUGIN(Shard, "shard", "0.2.0",
-          "sharded data parallel (ZeRO): the optimizer state (stage 1) and the gradients (stage 2) split across the "
-          "ranks, exact against ddp")
+TK_PLUGIN(Shard, "shard", "0.3.0",
+          "sharded data parallel (ZeRO): the optimizer state (stage 1), the gradients (stage 2) and the parameters "
+          "(stage 3) split across the ranks, exact against ddp")

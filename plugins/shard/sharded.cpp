@@ -80,7 +80,7 @@ std::unique_ptr<ShardedOptimizer> ShardedOptimizer::make(std::vector<at::Tensor>
   if (static_cast<int64_t>(params.size()) < world)
     throw Error(named + " shards whole tensors: the model has " + std::to_string(params.size()) +
                 " trainable tensors for " + std::to_string(world) + " ranks; use fewer ranks or stage = 0");
-  std::vector<int> owners = stage == 2 ? contiguous_partition(params, world) : partition(params, world);
+  std::vector<int> owners = stage >= 2 ? contiguous_partition(params, world) : partition(params, world);
   std::vector<at::Tensor> mine;
   for (size_t i = 0; i < params.size(); ++i)
     if (owners[i] == rank) mine.push_back(params[i]);
@@ -89,11 +89,11 @@ std::unique_ptr<ShardedOptimizer> ShardedOptimizer::make(std::vector<at::Tensor>
   if (dynamic_cast<const torch::optim::LBFGS*>(shard.get()))
     throw Error(named + " cannot shard LBFGS: its step looks at every parameter at once");
   return std::unique_ptr<ShardedOptimizer>(
-      new ShardedOptimizer(std::move(params), std::move(owners), comm, std::move(shard), std::move(inner)));
+      new ShardedOptimizer(std::move(params), std::move(owners), comm, std::move(shard), std::move(inner), stage));
 }
 
 ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, std::vector<int> owners, tk::World& comm,
-                                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make)
+                                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make, int stage)
     : Optimizer(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(params)},
                 shard->defaults().clone()),
       params_(std::move(params)),
@@ -103,7 +103,8 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, std::vector<i
       world_(comm.size()),
       shard_(std::move(shard)),
       make_(std::move(make)),
-      comm_(comm) {
+      comm_(comm),
+      stage_(stage) {
   for (size_t i = 0; i < params_.size(); ++i) by_rank_[static_cast<size_t>(owners_[i])].push_back(params_[i]);
 }
 
@@ -116,19 +117,30 @@ int64_t ShardedOptimizer::owned_bytes(int r) const {
 int64_t ShardedOptimizer::state_bytes() const { return tk::optimizer_state_bytes(*shard_); }
 
 at::Tensor ShardedOptimizer::step(LossClosure closure) {
-  if (closure) throw Error("the sharded optimizer (the shard plugin's stage 1 or 2) takes no closure");
+  if (closure) throw Error("the sharded optimizer (the shard plugin's stage 1 to 3) takes no closure");
   // The core set the learning rate on this optimizer's group; the shard's groups follow it.
   const double lr = param_groups().front().options().get_lr();
   for (auto& g : shard_->param_groups()) g.options().set_lr(lr);
   shard_->step();
   const auto t0 = std::chrono::steady_clock::now();
-  if (auto group = world_ > 1 ? comm_.process_group() : c10::intrusive_ptr<c10d::ProcessGroup>()) {
+  // Stage 3: the others gather the updated parameters when they use them.
+  if (auto group = world_ > 1 && stage_ < 3 ? comm_.process_group() : c10::intrusive_ptr<c10d::ProcessGroup>()) {
     torch::NoGradGuard no_grad;
     for (int r = 0; r < world_; ++r) c10d::broadcast_coalesced(group, by_rank_[static_cast<size_t>(r)], kBucketBytes, r);
   }
   broadcast_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return {};
 }
+
+void ShardedOptimizer::gather_parameters() const {
+  if (parameters_) parameters_->gather_all();
+}
+
+void ShardedOptimizer::release_parameters() const {
+  if (parameters_) parameters_->release_all();
+}
+
+bool ShardedOptimizer::parameters_whole() const { return !parameters_ || parameters_->all_whole(); }
 
 at::Device ShardedOptimizer::shard_device() const {
   // Where the backend sends from: the parameters' device (NCCL needs the GPU).

@@ -14,6 +14,8 @@
 #include <memory>
 #include <vector>
 
+#include "param_shards.h"
+
 namespace tk::shard {
 
 /// Bytes of `t`'s elements.
@@ -35,13 +37,24 @@ std::vector<int> contiguous_partition(const std::vector<at::Tensor>& params, int
 /// written by its own rank (save_share(), tk/sharded_state.h); save() gathers them all to rank 0
 /// instead, for a caller that wants one archive. Loading re-shards exactly: a resume with another
 /// world size, or from an unsharded checkpoint, gives each parameter the state it was saved with.
-class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateSize, public tk::ShardedState {
+///
+/// At stage 3 the step updates this rank's parameters and broadcasts nothing: the others gather
+/// them when they use them (param_shards.h, attach()).
+class ShardedOptimizer final : public torch::optim::Optimizer,
+                               public tk::StateSize,
+                               public tk::ShardedState,
+                               public tk::ShardedParameters {
  public:
   /// Refuses a world with more ranks than trainable tensors and an optimizer whose step is not
   /// one per parameter (LBFGS). Over the ranks of `world`, which outlives it (the run's), for the
   /// shard plugin's `stage` (1: partition(), 2: contiguous_partition()).
   static std::unique_ptr<ShardedOptimizer> make(std::vector<at::Tensor> params, tk::World& world,
                                                 tk::OptimizerFactory inner, int stage);
+  /// Stage 3: where the parameters of other ranks live between uses.
+  void attach(std::shared_ptr<ParameterShards> parameters) { parameters_ = std::move(parameters); }
+  void gather_parameters() const override;
+  void release_parameters() const override;
+  bool parameters_whole() const override;
 
   at::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -59,7 +72,7 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
 
  private:
   ShardedOptimizer(std::vector<at::Tensor> params, std::vector<int> owners, tk::World& world,
-                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make);
+                   std::unique_ptr<torch::optim::Optimizer> shard, tk::OptimizerFactory make, int stage);
   /// The device point-to-point messages go on.
   at::Device shard_device() const;
   /// Every rank's share, serialized: all of them on rank 0, none elsewhere.
@@ -80,6 +93,8 @@ class ShardedOptimizer final : public torch::optim::Optimizer, public tk::StateS
   std::unique_ptr<torch::optim::Optimizer> shard_;
   tk::OptimizerFactory make_;
   tk::World& comm_;
+  int stage_;
+  std::shared_ptr<ParameterShards> parameters_;  // stage 3, from the fit's start to its end
   double broadcast_ms_ = 0.0;
 };
 

@@ -168,22 +168,26 @@ TEST_SUITE("elastic") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("ZeRO stage 2: a sharded checkpoint of 2 ranks goes on on 3 ranks, then in 1 process, with the steps of one process to 1e-12") {
+  TEST_CASE("ZeRO stages 2 and 3: a sharded checkpoint of 2 ranks goes on on 3 ranks, then in 1 process, with the steps of one process to 1e-12") {
     const fs::path root = tkt::temp_dir("resize-zero");
     REQUIRE(tk_run(root / "whole", kEffective, "").rc == 0);
-    const std::string sharded = kEffective + "[[plugins]]\nname = \"shard\"\nstage = 2\n";
-    const fs::path dir = root / "sharded";
-    // Rank 0 killed after its second checkpoint each time: steps 8 and 16.
-    killed_start(dir, sharded, "--nproc 2 --resume auto", "checkpoint-done:2", 1);
-    auto three = killed_start(dir, sharded, "--nproc 3 --resume auto", "checkpoint-done:2", 1);
-    INFO(three.out);
-    CHECK(has(three, "continuing the run of 2 ranks on 3: 12 examples a step, micro-batches of 2 x 2 per rank"));
-    CHECK(has(three, "stage 2: the optimizer state and the gradients are sharded over 3 ranks"));
-    auto alone = tk_run(dir, sharded, "--resume auto");
-    INFO(alone.out);
-    REQUIRE(alone.rc == 0);
-    CHECK(has(alone, "continuing the run of 3 ranks on 1: 12 examples a step, micro-batches of 2 x 6 per rank"));
-    check_same_steps(dir, root / "whole", 1e-12);
+    for (int stage : {2, 3}) {
+      CAPTURE(stage);
+      const std::string sharded = kEffective + "[[plugins]]\nname = \"shard\"\nstage = " + std::to_string(stage) + "\n";
+      const fs::path dir = root / ("stage" + std::to_string(stage));
+      // Rank 0 killed after its second checkpoint each time: steps 8 and 16.
+      killed_start(dir, sharded, "--nproc 2 --resume auto", "checkpoint-done:2", 1);
+      auto three = killed_start(dir, sharded, "--nproc 3 --resume auto", "checkpoint-done:2", 1);
+      INFO(three.out);
+      CHECK(has(three, "continuing the run of 2 ranks on 3: 12 examples a step, micro-batches of 2 x 2 per rank"));
+      CHECK(has(three, stage == 2 ? "stage 2: the optimizer state and the gradients are sharded over 3 ranks"
+                                  : "stage 3: the optimizer state, the gradients and the parameters are sharded over 3 ranks"));
+      auto alone = tk_run(dir, sharded, "--resume auto");
+      INFO(alone.out);
+      REQUIRE(alone.rc == 0);
+      CHECK(has(alone, "continuing the run of 3 ranks on 1: 12 examples a step, micro-batches of 2 x 6 per rank"));
+      check_same_steps(dir, root / "whole", 1e-12);
+    }
     fs::remove_all(root);
   }
 

@@ -555,6 +555,8 @@ TEST_SUITE("zero") {
   const char* const kStage1 = "stage = 1\n";
   const char* const kStage2 = "stage = 2\n";                         // summed onto the owners after every backward
   const char* const kStage2Window = "stage = 2\nreduce = \"window\"\n";  // after the window's last
+  const char* const kStage3 = "stage = 3\n";
+  const char* const kStage3Window = "stage = 3\nreduce = \"window\"\n";
 
   /// `recipe` + `plugins` on `ranks` ranks with ddp and the shard plugin given `shard` (ROOT/zero)
   /// and ddp alone (ROOT/ddp), with `sets`: the same weights and the same record of every step, bit
@@ -582,7 +584,8 @@ TEST_SUITE("zero") {
     CHECK(tkt::skipped(root / "zero/out/metrics.jsonl") == tkt::skipped(root / "ddp/out/metrics.jsonl"));
     // Each rank updates its share and broadcasts it: the check of every step saw equal ranks.
     const std::string stage = shard.substr(0, shard.find('\n')).substr(8);
-    CHECK(zero.out.find("stage " + stage + ": the optimizer state" + (stage == "2" ? " and the gradients are" : " is") +
+    const char* what = stage == "3" ? ", the gradients and the parameters are" : stage == "2" ? " and the gradients are" : " is";
+    CHECK(zero.out.find("stage " + stage + ": the optimizer state" + what +
                         " sharded over " + std::to_string(ranks) + (ranks == 1 ? " rank;" : " ranks;")) != std::string::npos);
     return zero;
   }
@@ -650,6 +653,54 @@ TEST_SUITE("zero") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("stage 3 on 1, 2, 3 and 4 ranks, with validation, summed after every backward or every window: the weights of ddp and of one process to 1e-12") {
+    const fs::path root = tkt::temp_dir("zero-stage3");
+    // Two blocks (the hidden layers) and the head, which is of no block: 6 tensors, 316 float64s.
+    std::string recipe = base_with(kAdamW) + "[schedule]\nname = \"warmup_cosine\"\nwarmup_steps = 2\n"
+                         "[[plugins]]\nname = \"clip\"\nmax_norm = 0.5\n[[plugins]]\nname = \"grad_accum\"\n";
+    recipe.replace(recipe.find("hidden = [16]"), 13, "hidden = [16, 8]");
+    const std::string batch = "--set batch.effective_batch=24 --set run.steps=8 --set data.validation_samples=40 "
+                              "--set run.validate_every=3 ";
+    auto one = tk_run(root / "one", recipe, batch);
+    REQUIRE(one.rc == 0);
+    constexpr double kMiB = 1024.0 * 1024.0;
+    for (int ranks : {1, 2, 3, 4}) {
+      const std::string sets = ranks == 4 ? batch + "--set batch.effective_batch=32 " : batch;
+      const fs::path reference = ranks == 4 ? root / "one-32" : root / "one";
+      if (ranks == 4) REQUIRE(tk_run(reference, recipe, sets).rc == 0);
+      for (const char* shard : {kStage3, kStage3Window}) {
+        CAPTURE(ranks);
+        CAPTURE(shard);
+        const fs::path dir = root / (std::to_string(ranks) + (std::string(shard).size() > 10 ? "-window" : "-micro"));
+        auto zero = zero_equals_ddp(dir, recipe, "", ranks, sets, shard, 1e-12);
+        CHECK((weights(dir / "zero") - weights(reference)).abs().max().item<double>() <= 1e-12);
+        const auto x = tkt::metric(dir / "zero/out/metrics.jsonl", "loss"), y = tkt::metric(reference / "out/metrics.jsonl", "loss");
+        REQUIRE(x.size() == y.size());
+        for (size_t i = 0; i < x.size(); ++i) CHECK(std::abs(x[i] - y[i]) <= 1e-12);
+        const auto vx = tkt::metric(dir / "zero/out/metrics.jsonl", "validation_loss"), vy = tkt::metric(reference / "out/metrics.jsonl", "validation_loss");
+        REQUIRE(vx.size() == vy.size());
+        for (size_t i = 0; i < vx.size(); ++i) CHECK(((std::isnan(vx[i]) && std::isnan(vy[i])) || std::abs(vx[i] - vy[i]) <= 1e-12));
+        CHECK(zero.out.find("parameters gathered for each of the model's 2 blocks in forward and backward, the rest for "
+                            "each micro-batch") != std::string::npos);
+        // Between steps rank 0 holds its own parameters alone: as many bytes as the state it steps
+        // has per moment, and fewer than the model's when other ranks update some.
+        const auto held = tkt::metric(dir / "zero/out/metrics.jsonl", "param_mib");
+        const auto state = tkt::metric(dir / "zero/out/metrics.jsonl", "optimizer_state_mib");
+        REQUIRE(!held.empty());
+        CHECK(held.back() * kMiB == doctest::Approx(state.back() * kMiB / 2).epsilon(1e-9));
+        if (ranks > 1) {
+          CHECK(held.back() * kMiB < 316 * 8);
+          CHECK(tkt::metric(dir / "zero/out/metrics.jsonl", "shard_param_gathers").back() > 0);
+        } else {
+          CHECK(held.back() * kMiB == doctest::Approx(316 * 8));
+        }
+      }
+    }
+    // Experts the ranks do not all use in a window, inside the model's one block.
+    zero_equals_ddp(root / "experts", experts_recipe(true), kAccumulate2, 2, "", kStage3, 1e-12);
+    fs::remove_all(root);
+  }
+
   TEST_CASE("SGD with momentum on 3 ranks: samples normalization, a short last window, and a ramp") {
     const fs::path root = tkt::temp_dir("zero-sgd");
     // 256 examples: 85 per rank, 22 micro-batches of 4 per epoch -> windows of 4 and a last one of 2.
@@ -691,9 +742,9 @@ TEST_SUITE("zero") {
     zero_equals_ddp(root / "2", tokens, "[[plugins]]\nname = \"grad_accum\"\nsteps = 4\nnormalize = \"tokens\"\n", 2,
                     "--set data.name=synthetic-tokens --set data.samples=112 --set run.steps=0 --set run.epochs=2 "
                     "--set loss.reduction=sum", kStage2, 1e-12);
-    for (const char* shard : {kStage2, kStage2Window}) {
+    for (const char* shard : {kStage2, kStage2Window, kStage3}) {
       CAPTURE(shard);
-      const fs::path dir = root / (std::string(shard).size() > 10 ? "amp-window" : "amp-micro");
+      const fs::path dir = root / (std::string(shard) == kStage3 ? "amp-3" : std::string(shard).size() > 10 ? "amp-window" : "amp-micro");
       // The overflow looked for after every backward too: the same decisions (sharded, at the last backward).
       zero_equals_ddp(dir, base_with(kAdamW), amp, 2,
                       "--set run.dtype=float32 --set plugins.mixed_precision.check_every_micro_batch=true", shard, 1e-5);
@@ -824,9 +875,9 @@ TEST_SUITE("zero") {
 
   TEST_CASE("bad input: a stage other than 0 to 2, a stage without data parallel, more ranks than tensors, ranks whose models differ") {
     const fs::path root = tkt::temp_dir("zero-bad");
-    auto stage = tk_run(root / "stage", base_with(kAdamW) + "[[plugins]]\nname = \"shard\"\nstage = 3\n", "");
+    auto stage = tk_run(root / "stage", base_with(kAdamW) + "[[plugins]]\nname = \"shard\"\nstage = 4\n", "");
     CHECK(stage.rc != 0);
-    CHECK(stage.out.find("plugins.shard.stage: must be 0, 1 or 2") != std::string::npos);
+    CHECK(stage.out.find("plugins.shard.stage: must be 0, 1, 2 or 3") != std::string::npos);
     CHECK(stage.out.find("recipe.toml:") != std::string::npos);
     // A stage shards across the world that a data-parallel plugin syncs: refused without one, even alone.
     auto alone = tk_run(root / "alone", base_with(kAdamW) + "[[plugins]]\nname = \"shard\"\nstage = 2\n", "");
@@ -836,7 +887,7 @@ TEST_SUITE("zero") {
     auto ignored = tk_run(root / "ignored", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n"
                                                                 "stage = 1\nreduce = \"window\"\n", "");
     CHECK(ignored.rc == 0);
-    CHECK(ignored.out.find("reduce = \"window\" is ignored: only stage 2 sums the gradients itself (stage is 1)") !=
+    CHECK(ignored.out.find("reduce = \"window\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is 1)") !=
           std::string::npos);
     // ddp's zero_stage of earlier versions: refused, saying where the setting went.
     auto moved = tk_run(root / "moved", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\n", "");
@@ -863,11 +914,11 @@ TEST_SUITE("zero") {
 }
 
 TEST_SUITE("recompute") {
-  TEST_CASE("2 DDP ranks with recomputation take the steps of 2 ranks without it, bit for bit (search on, off, ZeRO-1, ZeRO-2)") {
+  TEST_CASE("2 DDP ranks with recomputation take the steps of 2 ranks without it, bit for bit (search on, off, ZeRO-1, ZeRO-2, ZeRO-3)") {
     const fs::path root = tkt::temp_dir("recompute-ddp");
     const std::string base = gpt_recipe(root);
     for (const std::string ddp : {"", "find_unused_parameters = false\n", "[[plugins]]\nname = \"shard\"\nstage = 1\n",
-                                  "[[plugins]]\nname = \"shard\"\nstage = 2\n"}) {
+                                  "[[plugins]]\nname = \"shard\"\nstage = 2\n", "[[plugins]]\nname = \"shard\"\nstage = 3\n"}) {
       CAPTURE(ddp);
       const std::string with_ddp = base + "[[plugins]]\nname = \"ddp\"\n" + ddp;
       auto plain = tk_run(root / "plain", with_ddp, "--nproc 2 --overwrite");

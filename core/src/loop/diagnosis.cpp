@@ -1,5 +1,6 @@
 // Why a window's loss is not finite (loop.h), looked for only once it is not.
 #include "loop/loop.h"
+#include "tk/sharded_state.h"
 
 namespace tk::detail {
 
@@ -7,6 +8,9 @@ std::string non_finite_loss(Run& r, const LoopState& s, const std::vector<at::Te
   const std::string what = "the loss is " + std::to_string(s.window_loss) + " at step " +
                            std::to_string(s.counters.step + 1) + "; nothing was stepped: ";
   torch::NoGradGuard no_grad;
+  // Every rank looks (the window's loss is the world's): parameters sharded between uses are
+  // gathered on each.
+  WholeParameters whole(dynamic_cast<const ShardedParameters*>(r.optimizer.get()));
   for (const auto& idx : window_indices) {
     const Batch b = r.fetch(*r.data.train, idx);
     for (const auto* t : {&b.input, &b.target}) {

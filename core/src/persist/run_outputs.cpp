@@ -193,6 +193,12 @@ void RunOutputs::wrote(const std::string& file) {
 }
 
 void RunOutputs::write_weights(const Run& run) {
+  const auto* sharded = dynamic_cast<const ShardedParameters*>(run.optimizer.get());
+  if (sharded && !sharded->parameters_whole()) {  // a run that failed mid-step: its peers may be gone
+    spdlog::warn("weights.pt and weights.safetensors are not written: the parameters are sharded over the ranks and "
+                 "the run ended before they were gathered; its last checkpoint holds them");
+    return;
+  }
   own("weights.pt");
   own("weights.safetensors");
   NamedTensors tensors;

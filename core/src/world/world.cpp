@@ -29,6 +29,11 @@ namespace tk {
 
 World::~World() = default;
 
+c10::intrusive_ptr<c10d::ProcessGroup> World::side_group(const std::string& purpose) {
+  if (!process_group()) return {};
+  throw Error("this world (" + backend() + ") makes no second process group, which " + purpose + " needs");
+}
+
 int64_t World::max(int64_t v) {
   auto t = at::tensor({v}, at::kLong);
   all_reduce(t, ReduceOp::Max);
@@ -279,20 +284,7 @@ void ProcessWorld::join() {
                 std::to_string(p_.rank) + " of " + std::to_string(p_.size) + ": " + err.what());
   }
   try {
-    if (backend_ == "gloo") {
-      auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
-      opts->devices.push_back(gloo_device(p_));
-      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, p_.rank, p_.size, opts);
-      group_ = compat::process_group(gloo, store_, p_.rank, p_.size, false);
-    }
-#ifdef USE_C10D_NCCL
-    if (backend_ == "nccl") {
-      auto opts = c10d::ProcessGroupNCCL::Options::create();
-      opts->timeout = timeout_;
-      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, p_.rank, p_.size, opts);
-      group_ = compat::process_group(nccl, store_, p_.rank, p_.size, true);
-    }
-#endif
+    group_ = make_group(store_);
   } catch (const std::exception& err) {
     store_.reset();
     throw Error("rank " + std::to_string(p_.rank) + " of " + std::to_string(p_.size) + " met the others at " + p_.addr +
@@ -301,7 +293,41 @@ void ProcessWorld::join() {
   spdlog::info("world: {} joined", describe());
 }
 
+c10::intrusive_ptr<c10d::ProcessGroup> ProcessWorld::make_group(const c10::intrusive_ptr<c10d::Store>& store) {
+  if (backend_ == "gloo") {
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
+    opts->devices.push_back(gloo_device(p_));
+    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, p_.rank, p_.size, opts);
+    return compat::process_group(gloo, store, p_.rank, p_.size, false);
+  }
+#ifdef USE_C10D_NCCL
+  if (backend_ == "nccl") {
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout_;
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, p_.rank, p_.size, opts);
+    return compat::process_group(nccl, store, p_.rank, p_.size, true);
+  }
+#endif
+  return {};
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> ProcessWorld::side_group(const std::string& purpose) {
+  join();
+  if (!joined()) return {};
+  auto& group = side_groups_[purpose];
+  if (group) return group;
+  try {
+    group = make_group(c10::make_intrusive<c10d::PrefixStore>("side/" + purpose, store_));
+  } catch (const std::exception& err) {
+    side_groups_.erase(purpose);
+    throw Error("rank " + std::to_string(p_.rank) + " could not make the " + backend_ + " process group for " + purpose +
+                ": " + err.what());
+  }
+  return group;
+}
+
 void ProcessWorld::leave() noexcept {
+  side_groups_.clear();
   group_.reset();
   store_.reset();
 }

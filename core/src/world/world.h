@@ -5,6 +5,7 @@
 #include <c10/core/Device.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -61,6 +62,7 @@ class ProcessWorld final : public World {
   at::Tensor reduce_scatter(const at::Tensor& t, ReduceOp op) override;
   void barrier() override;
   c10::intrusive_ptr<c10d::ProcessGroup> process_group() override;
+  c10::intrusive_ptr<c10d::ProcessGroup> side_group(const std::string& purpose) override;
 
   /// Settles how the world joins, from the recipe's [world] `settings` and the run's `device`:
   /// the backend ("auto": nccl on CUDA, gloo on the CPU), the timeouts, where small collectives
@@ -82,6 +84,8 @@ class ProcessWorld final : public World {
   /// This join's store: the process's rendezvous store at MASTER_ADDR:MASTER_PORT (made, and met by
   /// every rank, on the first join) under a prefix that numbers the joins.
   c10::intrusive_ptr<c10d::Store> rendezvous();
+  /// A process group of the backend over `store`.
+  c10::intrusive_ptr<c10d::ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store);
 
   Placement p_;
   std::string backend_ = "none";
@@ -90,6 +94,7 @@ class ProcessWorld final : public World {
   at::Device device_ = at::kCPU;  // where small collectives run (NCCL needs the GPU)
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::map<std::string, c10::intrusive_ptr<c10d::ProcessGroup>> side_groups_;
 };
 
 }  // namespace tk::detail

@@ -76,9 +76,16 @@ class Blocks {
   }
 
   /// Runs the blocks whose `selected` entry is true through `runner`; the others as before.
-  /// `selected` has one entry per block. A null runner runs every block directly again.
+  /// `selected` has one entry per block. A null runner runs every block directly again. This is
+  /// how a block computes (recomputed, say): one plugin sets it (capability "model.blocks.runner").
   void set_runner(BlockRunner runner, const std::vector<bool>& selected);
-  /// Whether block i runs through the runner.
+  /// Runs every block through `around`, whose function is the block as set_runner's runner (if
+  /// any) runs it: what a block needs around its computation however it computes (the shard
+  /// plugin's stage 3 gathers the block's parameters before it and frees them after). One plugin
+  /// sets it (capability "model.blocks.around"); a null one removes it. Either setter keeps what
+  /// the other set.
+  void set_around(BlockRunner around);
+  /// Whether block i runs through a runner (set_runner's, or set_around's, which every block does).
   bool runs_through_runner(size_t i) const { return runner_ && blocks_.at(i).through_runner; }
 
  private:

@@ -40,6 +40,48 @@ class ShardedState {
   virtual ~ShardedState() = default;
 };
 
+/// An optimizer whose parameters are whole only on the ranks that update them, and gathered onto
+/// the others while they are used (the shard plugin's stage 3), derives from this too. Between
+/// uses a parameter that another rank updates has its shape but no memory: reading its values
+/// then is an error. Whoever reads every parameter outside a step's forward and backward (the
+/// core's checkpoints, a check that the ranks agree) gathers them first, on every rank at the same
+/// point (WholeParameters).
+class ShardedParameters {
+ public:
+  /// Makes every parameter whole on this rank: a collective, which every rank calls at the same
+  /// point. Nests: each call is undone by one release_parameters(). Const: where a parameter
+  /// lives changes, not its value.
+  virtual void gather_parameters() const = 0;
+  /// Undoes one gather_parameters(): what only that call made whole is freed again (this rank
+  /// alone).
+  virtual void release_parameters() const = 0;
+  /// Whether every parameter is whole on this rank now.
+  virtual bool parameters_whole() const = 0;
+
+ protected:
+  ShardedParameters() = default;
+  ShardedParameters(const ShardedParameters&) = default;
+  ShardedParameters& operator=(const ShardedParameters&) = default;
+  virtual ~ShardedParameters() = default;
+};
+
+/// Every parameter whole for the life of this object (nothing to do for null):
+///     tk::WholeParameters whole(dynamic_cast<const tk::ShardedParameters*>(&ctx.optimizer()));
+class WholeParameters {
+ public:
+  explicit WholeParameters(const ShardedParameters* sharded) : sharded_(sharded) {
+    if (sharded_) sharded_->gather_parameters();
+  }
+  ~WholeParameters() {
+    if (sharded_) sharded_->release_parameters();
+  }
+  WholeParameters(const WholeParameters&) = delete;
+  WholeParameters& operator=(const WholeParameters&) = delete;
+
+ private:
+  const ShardedParameters* sharded_;
+};
+
 }  // namespace tk
 
 #pragma GCC visibility pop

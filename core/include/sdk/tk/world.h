@@ -71,6 +71,12 @@ class World {
   /// c10d's process group (null in a world of one or a dry run; the world joins first), for c10d's own machinery: the data-parallel
   /// Reducer, broadcast_coalesced. Prefer the collectives above.
   virtual c10::intrusive_ptr<c10d::ProcessGroup> process_group() = 0;
+  /// Another process group over the same ranks, for `purpose`: made when first asked for (every
+  /// rank asks for the same purposes in the same order) and kept until the run leaves the world.
+  /// Its collectives are ordered among themselves alone, apart from process_group()'s: a plugin
+  /// whose collectives come from two sequences that interleave differently on each rank (the
+  /// hooks of backward, say) runs one sequence on each. Null where process_group() is.
+  virtual c10::intrusive_ptr<c10d::ProcessGroup> side_group(const std::string& purpose);
 
  protected:
   World() = default;

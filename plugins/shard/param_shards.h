@@ -1,0 +1,101 @@
+#pragma once
+// ZeRO stage 3's parameters: each is whole only on the rank that updates it (its owner). On the
+// others its tensor keeps its shape, dtype and autograd identity, but its memory is freed; it is
+// gathered (broadcast by its owner into memory allocated again) while a block's forward or
+// backward uses it, and freed after.
+//
+// The memory is freed and allocated under the tensor, in its storage: every view of the parameter
+// that autograd saved in forward (a Linear's transposed weight) reads what the backward gather
+// put there, and the parameter's version counter never moves (autograd's checks of saved tensors
+// pass). A block's parameters are gathered just before its forward and freed after it; a hook on
+// the block's output gathers them again when backward reaches it, and a hook on the block's input
+// frees them when backward has gone through the block (its input's gradient is complete). The
+// parameters of no block are gathered for each micro-batch's forward and backward. Gathers nest:
+// each parameter counts its holders and is freed when the last lets go.
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <tk/blocks.h>
+#include <tk/world.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
+namespace tk::shard {
+
+class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
+ public:
+  /// `params`: every trainable parameter, in model order, with `names` (for errors) and `owners`
+  /// (the rank that updates each); `blocks`: the model's (null: it lists none, and every
+  /// parameter is of no block). Every parameter starts whole, held once until start(). Refuses a
+  /// parameter that shares its memory with another tensor (it cannot be freed alone).
+  ParameterShards(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> owners,
+                  tk::World& world, const tk::Blocks* blocks);
+  ~ParameterShards();
+  ParameterShards(const ParameterShards&) = delete;
+  ParameterShards& operator=(const ParameterShards&) = delete;
+
+  /// Drops the hold every parameter started with: from here, those of other ranks are freed
+  /// between uses.
+  void start();
+  /// Every parameter whole / one such hold undone (gather_all is a collective).
+  void gather_all();
+  void release_all();
+  bool all_whole() const;
+
+  /// Runs block `b` (computed by `fn`) on `x` with its parameters gathered (Blocks::set_around).
+  at::Tensor run_block(size_t b, const at::Tensor& x, const tk::BlockFn& fn);
+  /// The parameters of no block: gathered for a micro-batch, released after its backward.
+  void gather_loose();
+  void release_loose();
+  /// After a backward: frees what its gathers still hold (blocks whose input had no gradient).
+  void after_backward();
+  /// Called when backward has gone through block b (its parameters' gradients are final).
+  void on_block_done(std::function<void(size_t b)> done) { done_ = std::move(done); }
+  /// Whether parameter i's gradient is final once backward has gone through block b, for
+  /// GradientShards::settle: 1 if it belongs to blocks b and later alone, 0 if to an earlier
+  /// block, 2 if to none (final once accumulated: models use those alike on every rank).
+  const std::vector<char>& settled_after(size_t b) const { return settled_.at(b); }
+
+  /// Bytes of parameters this rank holds now.
+  int64_t resident_bytes() const;
+  /// Gathers since the last call, their bytes received, and the time they took.
+  struct Traffic {
+    int64_t gathers = 0, bytes = 0;
+    double ms = 0.0;
+  };
+  Traffic take_traffic();
+
+ private:
+  /// Gathers / releases parameters `which` (indices into params_): a gather broadcasts, from each
+  /// owner, those that no one held (every rank makes the same calls in the same order).
+  void gather(const std::vector<size_t>& which);
+  void release(const std::vector<size_t>& which);
+  void allocate(size_t i);
+  void free(size_t i);
+  void backward_gather(size_t b);
+  void backward_done(size_t b);
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<int> owners_;
+  std::vector<size_t> bytes_;    // each parameter's memory when whole
+  std::vector<int64_t> holds_;   // each parameter's holders now
+  std::vector<std::vector<size_t>> blocks_;  // each block's parameters (indices)
+  std::vector<size_t> loose_;                // the parameters of no block
+  std::vector<size_t> all_;
+  std::vector<std::vector<char>> settled_;   // per block: settled_after(b)
+  std::vector<size_t> pending_;              // blocks gathered by backward, not yet released
+  std::function<void(size_t)> done_;
+  int rank_, world_;
+  bool started_ = false;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;  // the gathers' own (World::side_group); null in a world of one
+  Traffic traffic_;
+};
+
+}  // namespace tk::shard
