@@ -2,7 +2,9 @@
 // accumulation, autocast, clipping and the loss scaler, on the GPT with dropout, the MLP and CNN
 // with BatchNorm and a user's model; it keeps less memory; the memory planner weighs it; what it
 // cannot do is refused, saying why.
+#include <tk/blocks.h>
 #include <tk/tensor_io.h>
+#include <torch/nn/modules/linear.h>
 #include <tk/testing.h>
 
 #include <filesystem>
@@ -210,6 +212,56 @@ TEST_SUITE("recompute") {
                          doctest::Contains("plugins.recompute.modules: \"auto\" leaves the number of recomputed blocks to "
                                            "the memory planner, which runs with [batch] micro_batch = \"auto\""),
                          tk::RecipeError);
+  }
+
+  TEST_CASE("tk::Blocks: the around runner wraps the compute runner, set in either order; each setter keeps the other") {
+    tk::Blocks blocks;
+    std::vector<std::string> log;
+    for (int i = 0; i < 3; ++i) {
+      auto layer = std::make_shared<torch::nn::LinearImpl>(2, 2);
+      blocks.add("layer" + std::to_string(i), {layer}, [i, &log](const Tensor& x) {
+        log.push_back("fn" + std::to_string(i));
+        return x + 1;
+      });
+    }
+    const auto compute = [&log](size_t i, const Tensor& x, const tk::BlockFn& fn) {
+      log.push_back("compute" + std::to_string(i));
+      return fn(x);
+    };
+    const auto around = [&log](size_t i, const Tensor& x, const tk::BlockFn& fn) {
+      log.push_back("around" + std::to_string(i) + "(");
+      Tensor y = fn(x);
+      log.push_back(")");
+      return y;
+    };
+    const auto run_all = [&] {
+      log.clear();
+      Tensor x = torch::zeros({1});
+      for (size_t i = 0; i < blocks.size(); ++i) x = blocks.run(i, x);
+      CHECK(x.item<float>() == 3);
+      std::string s;
+      for (const auto& e : log) s += e + " ";
+      return s;
+    };
+    blocks.set_runner(compute, {true, false, true});
+    CHECK(run_all() == "compute0 fn0 fn1 compute2 fn2 ");
+    blocks.set_around(around);
+    CHECK(run_all() == "around0( compute0 fn0 ) around1( fn1 ) around2( compute2 fn2 ) ");
+    CHECK(blocks.runs_through_runner(1));
+    blocks.set_runner(compute, {false, true, false});  // a new selection keeps the around runner
+    CHECK(run_all() == "around0( fn0 ) around1( compute1 fn1 ) around2( fn2 ) ");
+    blocks.set_runner(nullptr, {});
+    CHECK(run_all() == "around0( fn0 ) around1( fn1 ) around2( fn2 ) ");
+    blocks.set_runner(compute, {true, true, false});
+    blocks.set_around(nullptr);  // the compute runner stays, with its selection
+    CHECK(run_all() == "compute0 fn0 compute1 fn1 fn2 ");
+    CHECK(!blocks.runs_through_runner(2));
+    blocks.set_around(around);  // around first, then the compute runner
+    blocks.set_runner(nullptr, {});
+    blocks.set_runner(compute, {false, false, true});
+    CHECK(run_all() == "around0( fn0 ) around1( fn1 ) around2( compute2 fn2 ) ");
+    CHECK_THROWS_WITH_AS(blocks.set_runner(compute, {true}), doctest::Contains("set_runner: 1 selections for 3 blocks"),
+                         std::exception);
   }
 
   TEST_CASE("validation and no-grad forwards run the blocks directly; the plan says what is recomputed") {
