@@ -23,7 +23,7 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 }  // namespace
 
 GradientShards::GradientShards(std::vector<at::Tensor> params, std::vector<std::string> names,
-                               const std::vector<int>& owners, tk::World& world)
+                               const std::vector<int>& owners, tk::World& world, const std::vector<int64_t>& groups)
     : params_(std::move(params)), names_(std::move(names)), bucket_of_(params_.size()), fired_(params_.size(), 0),
       rank_(world.rank()) {
   if (owners.size() != params_.size() || names_.size() != params_.size())
@@ -37,6 +37,7 @@ GradientShards::GradientShards(std::vector<at::Tensor> params, std::vector<std::
   for (size_t k = params_.size(); k-- > 0;) {
     const at::Tensor& p = params_[k];
     const bool fits = !buckets_.empty() && buckets_.back().owner == owners[k] &&
+                      (groups.empty() || groups[buckets_.back().params.front()] == groups[k]) &&
                       params_[buckets_.back().params.front()].options().type_equal(p.options()) &&
                       (buckets_.back().numel + p.numel()) * p.element_size() <= kBucketBytes;
     if (!fits) buckets_.push_back(Bucket{owners[k], {}, 0, 0});
@@ -72,6 +73,7 @@ void GradientShards::arm(bool send, bool first, bool last) {
   armed_ = send;
   last_ = last;
   next_ = 0;
+  sent_.assign(buckets_.size(), 0);
   for (auto& b : buckets_) b.waiting = static_cast<int64_t>(b.params.size());
   std::fill(fired_.begin(), fired_.end(), 0);
 }
@@ -82,7 +84,12 @@ void GradientShards::ready(size_t i) {
     throw Error("stage 2: the gradient of '" + names_[i] + "' was accumulated twice in one backward (its grad "
                 "accumulator ran again): its bucket may be sent already, so it cannot be summed during backward");
   fired_[i] = 1;
-  if (when_settled_) return;
+  if (when_settled_) {
+    if (sent_[bucket_of_[i]])
+      throw Error("stage 3: the gradient of '" + names_[i] + "' came after its bucket was sent: its block ran again "
+                  "after backward went through it, or a parameter of the block is used outside it");
+    return;
+  }
   const size_t b = bucket_of_[i];
   if (--buckets_[b].waiting > 0) return;
   while (next_ < buckets_.size() && buckets_[next_].waiting == 0) {
@@ -93,9 +100,11 @@ void GradientShards::ready(size_t i) {
 
 void GradientShards::settle(const std::vector<char>& settled) {
   if (!armed_) return;
-  while (next_ < buckets_.size() && std::all_of(buckets_[next_].params.begin(), buckets_[next_].params.end(),
-                                                  [&](size_t i) { return settled[i] == 1 || (settled[i] == 2 && fired_[i]); })) {
-    send(next_++);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const auto& params = buckets_[b].params;
+    if (sent_[b] || !std::all_of(params.begin(), params.end(), [&](size_t i) { return settled[i] != 0; })) continue;
+    send(b);
+    sent_[b] = 1;
     ++sent_early_;
   }
 }
@@ -145,7 +154,12 @@ void GradientShards::complete() {
 void GradientShards::finish() {
   if (!armed_) return;
   armed_ = false;
-  while (next_ < buckets_.size()) send(next_++);
+  if (when_settled_) {
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      if (!sent_[b]) send(b);
+  } else {
+    while (next_ < buckets_.size()) send(next_++);
+  }
   const auto t0 = Clock::now();
   if (in_flight_) complete();
   reduce_ms_ += ms_since(t0);

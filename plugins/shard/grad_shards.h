@@ -31,9 +31,10 @@ namespace tk::shard {
 /// window's last, its parameters get them as their gradients; the other ranks have none.
 class GradientShards {
  public:
-  /// `names`: each parameter's, for errors. Refuses parameters on more than one device.
+  /// `names`: each parameter's, for errors. Refuses parameters on more than one device. With
+  /// `groups` (one per parameter), a bucket holds parameters of one group only.
   GradientShards(std::vector<at::Tensor> params, std::vector<std::string> names, const std::vector<int>& owners,
-                 tk::World& world);
+                 tk::World& world, const std::vector<int64_t>& groups = {});
   ~GradientShards();
   GradientShards(const GradientShards&) = delete;
   GradientShards& operator=(const GradientShards&) = delete;
@@ -45,13 +46,12 @@ class GradientShards {
   /// rank's sums become its parameters' gradients.
   void finish();
   /// From now on a bucket goes not when its gradients are accumulated but when settle() says they
-  /// are final: at points that every rank reaches in the same order (stage 3, whose gathers in
-  /// backward are collectives too: a rank waiting for a sum its peer sends later, while the peer
-  /// waits for it in a gather, would never go on).
+  /// are final, or when backward ends: at points that every rank reaches in the same order (stage
+  /// 3, whose gathers in backward are collectives too: a rank waiting for a sum its peer sends
+  /// later, while the peer waits for it in a gather, would never go on).
   void send_when_settled() { when_settled_ = true; }
-  /// In an armed backward: sends, in order, the next buckets whose parameters are all settled
-  /// (by index, `settled` 1: the gradient is final, or there is none here and zeros go; 2: final
-  /// once accumulated, for a parameter whose use is the same on every rank).
+  /// In an armed backward: sends, in bucket order, the buckets not yet sent whose parameters are
+  /// all `settled` (by index: their gradients are final, or there is none here and zeros go).
   void settle(const std::vector<char>& settled);
 
   /// The last window's reduces and the time spent in them outside of backward's own compute
@@ -87,7 +87,8 @@ class GradientShards {
   std::vector<uintptr_t> hooks_;
   // The backward in progress.
   bool armed_ = false, last_ = false, when_settled_ = false;
-  size_t next_ = 0;  // the next bucket to send
+  size_t next_ = 0;         // the next bucket to send
+  std::vector<char> sent_;  // when settled: which buckets went in this backward
   struct InFlight {
     size_t bucket;
     at::Tensor flat;

@@ -3,6 +3,7 @@
 #include "param_shards.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tk/error.h>
@@ -22,18 +23,22 @@ c10::StorageImpl& storage_of(const at::Tensor& t) { return *t.storage().unsafeGe
 }  // namespace
 
 ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std::string> names,
-                                 std::vector<int> owners, tk::World& world, const tk::Blocks* blocks)
+                                 std::vector<int> owners, tk::World& world, const tk::Blocks* blocks, bool prefetch)
     : params_(std::move(params)),
       names_(std::move(names)),
       owners_(std::move(owners)),
       holds_(params_.size(), 1),
       rank_(world.rank()),
-      world_(world.size()) {
+      world_(world.size()),
+      prefetching_(prefetch) {
   std::map<const c10::TensorImpl*, size_t> index;
   std::set<const c10::StorageImpl*> storages;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
     const size_t bytes = static_cast<size_t>(p.numel()) * p.element_size();
+    if (bytes > 0 && storage_of(p).nbytes() == 0)
+      throw Error("stage 3: parameter '" + names_[i] + "' has no memory: a run before this one in the process failed "
+                  "while the parameters were sharded, and left it freed; build the model again");
     if (!p.is_contiguous() || p.storage_offset() != 0 || storage_of(p).nbytes() != bytes ||
         !storages.insert(&storage_of(p)).second || !storage_of(p).allocator())
       throw Error("stage 3 frees the memory of the parameters a rank does not update, which needs each to have "
@@ -60,15 +65,18 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
     if (!in_block[i]) loose_.push_back(i);
   for (size_t b = 0; b < blocks_.size(); ++b) {
     std::vector<char> settled(params_.size(), 0);
-    for (size_t i = 0; i < params_.size(); ++i) settled[i] = in_block[i] ? first[i] >= b : 2;
+    for (size_t i = 0; i < params_.size(); ++i) settled[i] = in_block[i] && first[i] >= b;
     settled_.push_back(std::move(settled));
   }
+  for (size_t i = 0; i < params_.size(); ++i) groups_.push_back(in_block[i] ? static_cast<int64_t>(first[i]) : -1);
+  runs_.assign(blocks_.size(), 0);
   if (world_ > 1) group_ = world.side_group("stage 3's parameter gathers");
 }
 
 ParameterShards::~ParameterShards() = default;
 
 void ParameterShards::allocate(size_t i) {
+  const c10::DeviceGuard on(params_[i].device());  // a GPU allocator allocates on the current device
   c10::StorageImpl& s = storage_of(params_[i]);
   s.set_data_ptr_noswap(s.allocator()->allocate(bytes_[i]));
   s.set_nbytes(bytes_[i]);
@@ -80,41 +88,73 @@ void ParameterShards::free(size_t i) {
   s.set_nbytes(0);
 }
 
-void ParameterShards::gather(const std::vector<size_t>& which) {
-  std::vector<std::vector<size_t>> by_owner(static_cast<size_t>(world_));
+ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which) {
+  // One broadcast per owner and dtype, in that order on every rank.
+  std::map<std::pair<int, int>, std::vector<size_t>> by_owner;
   for (size_t i : which) {
     if (holds_[i]++ > 0) continue;
     if (owners_[i] != rank_) allocate(i);
-    if (params_[i].numel() > 0) by_owner[static_cast<size_t>(owners_[i])].push_back(i);
+    if (params_[i].numel() > 0) by_owner[{owners_[i], static_cast<int>(params_[i].scalar_type())}].push_back(i);
   }
-  if (!group_) return;
+  Flight f;
+  if (!group_) return f;
   const auto t0 = Clock::now();
   at::NoGradGuard no_grad;
-  for (int r = 0; r < world_; ++r) {
-    const auto& mine = by_owner[static_cast<size_t>(r)];
-    if (mine.empty()) continue;
+  for (const auto& [key, mine] : by_owner) {
+    Flight::Part part;
+    part.root = key.first;
     // variable_data(): the parameter's memory under a tensor of its own, whose writes do not count
     // as changes of the parameter (autograd's saved views of it stay valid).
-    std::vector<at::Tensor> parts;
     int64_t numel = 0;
     for (size_t i : mine) {
-      parts.push_back(params_[i].variable_data().view({-1}));
+      part.into.push_back(params_[i].variable_data().view({-1}));
       numel += params_[i].numel();
     }
-    std::vector<at::Tensor> flat{r == rank_ ? at::cat(parts) : at::empty({numel}, parts.front().options())};
+    part.flat = {part.root == rank_ ? at::cat(part.into) : at::empty({numel}, part.into.front().options())};
     c10d::BroadcastOptions options;
-    options.rootRank = r;
-    group_->broadcast(flat, options)->wait();
+    options.rootRank = part.root;
+    part.work = group_->broadcast(part.flat, options);
     ++traffic_.gathers;
-    if (r == rank_) continue;
-    traffic_.bytes += numel * flat.front().element_size();
-    int64_t offset = 0;
-    for (auto& part : parts) {
-      part.copy_(flat.front().slice(0, offset, offset + part.numel()));
-      offset += part.numel();
-    }
+    if (part.root != rank_) traffic_.bytes += numel * part.flat.front().element_size();
+    f.parts.push_back(std::move(part));
   }
   traffic_.ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  return f;
+}
+
+void ParameterShards::land(Flight& f) {
+  const auto t0 = Clock::now();
+  at::NoGradGuard no_grad;
+  for (auto& part : f.parts) {
+    part.work->wait();
+    if (part.root == rank_) continue;
+    int64_t offset = 0;
+    for (auto& into : part.into) {
+      into.copy_(part.flat.front().slice(0, offset, offset + into.numel()));
+      offset += into.numel();
+    }
+  }
+  f.parts.clear();
+  traffic_.ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+void ParameterShards::gather(const std::vector<size_t>& which) {
+  Flight f = launch(which);
+  land(f);
+}
+
+bool ParameterShards::take_prefetched(size_t b, bool backward) {
+  if (!prefetch_) return false;
+  const bool mine = prefetch_->block == b && prefetch_->backward == backward;
+  land(prefetch_->flight);
+  if (!mine) release(blocks_[prefetch_->block]);  // not what came next: its holds go
+  prefetch_.reset();
+  return mine;
+}
+
+void ParameterShards::prefetch(size_t b, bool backward) {
+  if (!prefetching_) return;
+  prefetch_ = Prefetch{b, backward, launch(blocks_[b])};
 }
 
 void ParameterShards::release(const std::vector<size_t>& which) {
@@ -130,7 +170,10 @@ void ParameterShards::start() {
   release(all_);
 }
 
-void ParameterShards::gather_all() { gather(all_); }
+void ParameterShards::gather_all() {
+  take_prefetched(SIZE_MAX, false);
+  gather(all_);
+}
 void ParameterShards::release_all() { release(all_); }
 void ParameterShards::gather_loose() { gather(loose_); }
 void ParameterShards::release_loose() { release(loose_); }
@@ -143,7 +186,19 @@ bool ParameterShards::all_whole() const {
 
 at::Tensor ParameterShards::run_block(size_t b, const at::Tensor& x, const tk::BlockFn& fn) {
   const std::vector<size_t>& which = blocks_.at(b);
-  gather(which);
+  // Backward is through the block once its input's gradient is complete: the hook goes on the
+  // input as the block gets it (a block that changes it in place moves it to its own node). It
+  // counts only if backward comes through the block (the output hooked below).
+  std::weak_ptr<ParameterShards> self = weak_from_this();
+  auto hooked = std::make_shared<bool>(false);
+  if (at::GradMode::is_enabled() && x.requires_grad())
+    x.register_hook([self, b, hooked](const at::Tensor&) {
+      auto s = self.lock();
+      if (s && *hooked) s->backward_done(b);
+    });
+  if (!take_prefetched(b, false)) gather(which);
+  // The next block's parameters come while this one computes (every rank makes the same calls).
+  if (at::GradMode::is_enabled() && b + 1 < blocks_.size()) prefetch(b + 1, false);
   at::Tensor y;
   try {
     y = fn(x);
@@ -153,22 +208,20 @@ at::Tensor ParameterShards::run_block(size_t b, const at::Tensor& x, const tk::B
   }
   release(which);
   if (!at::GradMode::is_enabled() || !y.requires_grad()) return y;
-  // Backward needs the parameters again when it reaches the block's output, and no longer once
-  // its input's gradient is complete (every node of the block has run).
-  std::weak_ptr<ParameterShards> self = weak_from_this();
+  // Backward needs the parameters again when it reaches the block's output.
   y.register_hook([self, b](const at::Tensor&) {
     if (auto s = self.lock()) s->backward_gather(b);
   });
-  if (x.requires_grad())
-    x.register_hook([self, b](const at::Tensor&) {
-      if (auto s = self.lock()) s->backward_done(b);
-    });
+  *hooked = true;
+  ++runs_[b];
   return y;
 }
 
 void ParameterShards::backward_gather(size_t b) {
-  gather(blocks_[b]);
+  if (!take_prefetched(b, true)) gather(blocks_[b]);
   pending_.push_back(b);
+  // Backward reaches the block before next (its output hooked in this forward).
+  if (b > 0 && runs_[b - 1] > 0) prefetch(b - 1, true);
 }
 
 void ParameterShards::backward_done(size_t b) {
@@ -177,12 +230,22 @@ void ParameterShards::backward_done(size_t b) {
     release(blocks_[b]);
     pending_.erase(std::next(it).base());
   }
-  if (done_) done_(b);
+  // A block run more than once in the forward: its gradients are final after the last run's backward.
+  if (runs_[b] > 0 && --runs_[b] == 0 && done_) done_(b);
 }
 
 void ParameterShards::after_backward() {
+  take_prefetched(SIZE_MAX, false);
   for (size_t b : pending_) release(blocks_[b]);
   pending_.clear();
+  std::fill(runs_.begin(), runs_.end(), 0);
+}
+
+void ParameterShards::check_released() const {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (holds_[i] > 0 && owners_[i] != rank_)
+      throw Error("stage 3: parameter '" + names_[i] + "' is still gathered at the step (" + std::to_string(holds_[i]) +
+                  " holders): its values would not follow its owner's update");
 }
 
 int64_t ParameterShards::resident_bytes() const {

@@ -11,7 +11,9 @@
 // the block's output gathers them again when backward reaches it, and a hook on the block's input
 // frees them when backward has gone through the block (its input's gradient is complete). The
 // parameters of no block are gathered for each micro-batch's forward and backward. Gathers nest:
-// each parameter counts its holders and is freed when the last lets go.
+// each parameter counts its holders and is freed when the last lets go. With prefetch, the next
+// block's gather (the one after in forward, the one before in backward) is started before a
+// block computes, and waited for when that block comes.
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <tk/blocks.h>
@@ -19,11 +21,13 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace c10d {
 class ProcessGroup;
+class Work;
 }  // namespace c10d
 
 namespace tk::shard {
@@ -35,7 +39,7 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// parameter is of no block). Every parameter starts whole, held once until start(). Refuses a
   /// parameter that shares its memory with another tensor (it cannot be freed alone).
   ParameterShards(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> owners,
-                  tk::World& world, const tk::Blocks* blocks);
+                  tk::World& world, const tk::Blocks* blocks, bool prefetch);
   ~ParameterShards();
   ParameterShards(const ParameterShards&) = delete;
   ParameterShards& operator=(const ParameterShards&) = delete;
@@ -58,13 +62,20 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// Called when backward has gone through block b (its parameters' gradients are final).
   void on_block_done(std::function<void(size_t b)> done) { done_ = std::move(done); }
   /// Whether parameter i's gradient is final once backward has gone through block b, for
-  /// GradientShards::settle: 1 if it belongs to blocks b and later alone, 0 if to an earlier
-  /// block, 2 if to none (final once accumulated: models use those alike on every rank).
+  /// GradientShards::settle: it belongs to blocks b and later alone (those of no block are final
+  /// when backward ends).
   const std::vector<char>& settled_after(size_t b) const { return settled_.at(b); }
+  /// Each parameter's first block (-1: none), for GradientShards' buckets: one group each, so
+  /// that a bucket's gradients are final together.
+  const std::vector<int64_t>& groups() const noexcept { return groups_; }
+  /// Refuses a parameter of another rank still gathered at the step (between micro-batches none
+  /// is): it would keep its values while its owner updates them.
+  void check_released() const;
 
   /// Bytes of parameters this rank holds now.
   int64_t resident_bytes() const;
-  /// Gathers since the last call, their bytes received, and the time they took.
+  /// Gathers since the last call, their bytes received, and the time this rank spent starting
+  /// them and waiting for them (with prefetch, less than they took).
   struct Traffic {
     int64_t gathers = 0, bytes = 0;
     double ms = 0.0;
@@ -76,6 +87,23 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// owner, those that no one held (every rank makes the same calls in the same order).
   void gather(const std::vector<size_t>& which);
   void release(const std::vector<size_t>& which);
+  /// A gather in two halves: its broadcasts started (the parameters held and allocated), then
+  /// waited for and copied into the parameters.
+  struct Flight {
+    struct Part {
+      int root;
+      std::vector<at::Tensor> flat;  // what is broadcast
+      std::vector<at::Tensor> into;  // the parameters' memory (variable_data)
+      c10::intrusive_ptr<c10d::Work> work;
+    };
+    std::vector<Part> parts;
+  };
+  Flight launch(const std::vector<size_t>& which);
+  void land(Flight& f);
+  /// Whether the gather in flight is block b's (in backward or not), which then holds its
+  /// parameters; any other is waited for and let go.
+  bool take_prefetched(size_t b, bool backward);
+  void prefetch(size_t b, bool backward);
   void allocate(size_t i);
   void free(size_t i);
   void backward_gather(size_t b);
@@ -90,10 +118,19 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   std::vector<size_t> loose_;                // the parameters of no block
   std::vector<size_t> all_;
   std::vector<std::vector<char>> settled_;   // per block: settled_after(b)
+  std::vector<int64_t> groups_;
   std::vector<size_t> pending_;              // blocks gathered by backward, not yet released
+  std::vector<int64_t> runs_;                // per block: forward runs whose backward has not gone through it
   std::function<void(size_t)> done_;
   int rank_, world_;
   bool started_ = false;
+  bool prefetching_;
+  struct Prefetch {
+    size_t block;
+    bool backward;
+    Flight flight;
+  };
+  std::optional<Prefetch> prefetch_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // the gathers' own (World::side_group); null in a world of one
   Traffic traffic_;
 };

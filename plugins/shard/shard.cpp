@@ -43,6 +43,10 @@ class Shard final : public tk::Plugin {
           "backward, so that between backwards a rank holds only its share (least memory); \"window\": the "
           "window's last, each rank accumulating whole gradients until then (least traffic)",
           {"micro_batch", "window"});
+    o.add("prefetch", prefetch_,
+          "stage 3: start gathering the next block's parameters (the one after in forward, the one before in "
+          "backward) before a block computes, so that the broadcast overlaps its computation; false: each block's "
+          "gather starts when the block does (one block's parameters fewer held at a time)");
   }
 
   void init() override {
@@ -52,6 +56,8 @@ class Shard final : public tk::Plugin {
     if (option_given(reduce_) && stage_ < 2)
       note_ = "reduce = \"" + reduce_ + "\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is " +
               std::to_string(stage_) + ")";
+    else if (option_given(prefetch_) && stage_ < 3)
+      note_ = "prefetch is ignored: only stage 3 gathers parameters (stage is " + std::to_string(stage_) + ")";
   }
 
   tk::Contract contract() const override {
@@ -96,8 +102,13 @@ class Shard final : public tk::Plugin {
         auto it = name_of.find(p.unsafeGetTensorImpl());
         names.push_back(it == name_of.end() ? "(a parameter outside the model)" : it->second);
       }
-      grads_ = std::make_unique<tk::shard::GradientShards>(params, names, sharded_->owners(), ctx.world());
-      if (stage_ == 3) shard_parameters(ctx, params, std::move(names));
+      if (stage_ == 3) shard_parameters(ctx, params, names);
+      grads_ = std::make_unique<tk::shard::GradientShards>(params, names, sharded_->owners(), ctx.world(),
+                                                           params_ ? params_->groups() : std::vector<int64_t>{});
+      if (params_) {
+        grads_->send_when_settled();
+        params_->on_block_done([grads = grads_.get(), shards = params_.get()](size_t b) { grads->settle(shards->settled_after(b)); });
+      }
     }
     if (!note_.empty() && !ctx.trial()) ctx.warn(note_);
     if (!sharded_ || ctx.trial()) return;
@@ -160,6 +171,7 @@ class Shard final : public tk::Plugin {
 
   /// This rank's bytes of parameters and of the gradients the step will apply, for every stage.
   void on_boundary(tk::BoundaryContext& ctx) override {
+    if (params_) params_->check_released();
     ctx.metric("param_mib", params_ ? static_cast<double>(params_->resident_bytes()) / kMiB : mib_of(ctx.model().parameters()));
     ctx.metric("grad_mib", mib_of(ctx.gradients()));
   }
@@ -201,6 +213,7 @@ class Shard final : public tk::Plugin {
  private:
   int64_t stage_ = 0;
   std::string reduce_ = "micro_batch";
+  bool prefetch_ = true;
   std::string note_;
   tk::shard::ShardedOptimizer* made_ = nullptr;    // the optimizer this plugin made last
   tk::shard::ShardedOptimizer* sharded_ = nullptr;  // the run's, from on_fit_start to on_fit_end
@@ -212,10 +225,9 @@ class Shard final : public tk::Plugin {
   /// Stage 3: the parameters of other ranks freed between uses, and gathered around each block.
   void shard_parameters(tk::FitStartContext& ctx, const std::vector<at::Tensor>& params, std::vector<std::string> names) {
     blocks_ = tk::blocks_of(ctx.model());
-    params_ = std::make_shared<tk::shard::ParameterShards>(params, std::move(names), sharded_->owners(), ctx.world(), blocks_);
+    params_ = std::make_shared<tk::shard::ParameterShards>(params, std::move(names), sharded_->owners(), ctx.world(),
+                                                           blocks_, prefetch_);
     sharded_->attach(params_);
-    grads_->send_when_settled();
-    params_->on_block_done([grads = grads_.get(), shards = params_.get()](size_t b) { grads->settle(shards->settled_after(b)); });
     if (!blocks_) return;
     std::weak_ptr<tk::shard::ParameterShards> weak = params_;
     blocks_->set_around([weak](size_t i, const at::Tensor& x, const tk::BlockFn& fn) {

@@ -696,6 +696,11 @@ TEST_SUITE("zero") {
         }
       }
     }
+    // Without prefetch the same gathers start later: the same weights, bit for bit.
+    auto late = tk_run(root / "late", recipe + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n" + kStage3 +
+                                          "prefetch = false\n", "--nproc 3 " + batch);
+    REQUIRE(late.rc == 0);
+    CHECK(torch::equal(weights(root / "late"), weights(root / "3-micro/zero")));
     // Experts the ranks do not all use in a window, inside the model's one block.
     zero_equals_ddp(root / "experts", experts_recipe(true), kAccumulate2, 2, "", kStage3, 1e-12);
     fs::remove_all(root);
@@ -873,7 +878,7 @@ TEST_SUITE("zero") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("bad input: a stage other than 0 to 2, a stage without data parallel, more ranks than tensors, ranks whose models differ") {
+  TEST_CASE("bad input: a stage other than 0 to 3, a stage without data parallel, more ranks than tensors, ranks whose models differ") {
     const fs::path root = tkt::temp_dir("zero-bad");
     auto stage = tk_run(root / "stage", base_with(kAdamW) + "[[plugins]]\nname = \"shard\"\nstage = 4\n", "");
     CHECK(stage.rc != 0);
@@ -883,12 +888,16 @@ TEST_SUITE("zero") {
     auto alone = tk_run(root / "alone", base_with(kAdamW) + "[[plugins]]\nname = \"shard\"\nstage = 2\n", "");
     CHECK(alone.rc == 2);
     CHECK(alone.out.find("plugin 'shard' requires 'grads.synced', which no plugin in this run provides") != std::string::npos);
-    // reduce applies to stage 2 alone: said once, not refused.
+    // reduce applies to stages 2 and 3 alone, prefetch to 3: said once, not refused.
     auto ignored = tk_run(root / "ignored", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n"
                                                                 "stage = 1\nreduce = \"window\"\n", "");
     CHECK(ignored.rc == 0);
     CHECK(ignored.out.find("reduce = \"window\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is 1)") !=
           std::string::npos);
+    auto early = tk_run(root / "early", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n"
+                                                            "stage = 2\nprefetch = false\n", "");
+    CHECK(early.rc == 0);
+    CHECK(early.out.find("prefetch is ignored: only stage 3 gathers parameters (stage is 2)") != std::string::npos);
     // ddp's zero_stage of earlier versions: refused, saying where the setting went.
     auto moved = tk_run(root / "moved", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\nzero_stage = 1\n", "");
     CHECK(moved.rc == 2);
