@@ -255,7 +255,8 @@ elif run ddp "$root/recipes/ddp.toml" "${quick[@]}" --set world.backend=nccl --n
 then pass "ddp over NCCL, two ranks on two GPUs"
 else fail "ddp over NCCL, two ranks (see $work/ddp.log)"; fi
 
-# 7b. The sharded optimizer (the shard plugin at stage 1) and the sharded gradients (stage 2) on the
+# 7b. The sharded optimizer (the shard plugin at stage 1), the sharded gradients (stage 2) and the
+# sharded parameters (stage 3) on the
 # GPT: a world of one on CUDA, and 2 ranks over NCCL where 2 GPUs are visible; the weights equal
 # those of stage 0, bit for bit (stage 2 over NCCL: to float32's rounding).
 gpt_quick=(--set run.epochs=0 --set run.steps=20 --set run.validate_every=0 --set data.validation_fraction=0.0
@@ -271,18 +272,24 @@ elif run zero1n "$r" "${gpt_quick[@]}" --set plugins.shard.stage=1 --set world.b
      run zero0n "$r" "${gpt_quick[@]}" --set world.backend=nccl --nproc 2 && same zero1n zero0n
 then pass "GPT with the sharded optimizer over NCCL, two ranks, equals ddp alone"
 else fail "GPT with the sharded optimizer over NCCL (see $work/zero1n.log)"; fi
-# Stage 2 (the gradients summed onto their owners during backward): a world of one equals stage 0
-# bit for bit; over NCCL its sums come in another order, so to float32's rounding after 20 steps.
-if run zero2 "$r" "${gpt_quick[@]}" --set plugins.shard.stage=2 && same zero2 zero0 &&
-   grep -q '"grad_mib"' "$work/zero2/metrics.jsonl"
-then pass "GPT with the gradients sharded (stage 2) on CUDA (a world of one) equals the unsharded one"
-else fail "GPT with the gradients sharded (stage 2) on CUDA (see $work/zero2.log)"; fi
-if [ "${gpus:-0}" -lt 2 ]; then
-  skip "gradients sharded (stage 2) over NCCL: needs 2 GPUs, $gpus visible"
-elif run zero2n "$r" "${gpt_quick[@]}" --set plugins.shard.stage=2 --set world.backend=nccl --nproc 2 &&
-     close zero2n zero0n 1e-4
-then pass "GPT with the gradients sharded (stage 2) over NCCL, two ranks, equals ddp alone to 1e-4"
-else fail "GPT with the gradients sharded (stage 2) over NCCL (see $work/zero2n.log)"; fi
+# Stage 2 (the gradients summed onto their owners during backward) and stage 3 (the parameters too
+# freed on the ranks that do not update them, gathered around each block, the next block's gather
+# started early): a world of one equals stage 0 bit for bit; over NCCL their sums come in another
+# order, so to float32's rounding after 20 steps.
+for stage in 2 3; do
+  if [ "$stage" = 2 ]; then what="the gradients sharded (stage 2)" key=grad_mib
+  else what="the parameters sharded (stage 3)" key=param_mib; fi
+  if run "zero$stage" "$r" "${gpt_quick[@]}" --set plugins.shard.stage="$stage" && same "zero$stage" zero0 &&
+     grep -q "\"$key\"" "$work/zero$stage/metrics.jsonl"
+  then pass "GPT with $what on CUDA (a world of one) equals the unsharded one"
+  else fail "GPT with $what on CUDA (see $work/zero$stage.log)"; fi
+  if [ "${gpus:-0}" -lt 2 ]; then
+    skip "$what over NCCL: needs 2 GPUs, $gpus visible"
+  elif run "zero${stage}n" "$r" "${gpt_quick[@]}" --set plugins.shard.stage="$stage" --set world.backend=nccl --nproc 2 &&
+       close "zero${stage}n" zero0n 1e-4
+  then pass "GPT with $what over NCCL, two ranks, equals ddp alone to 1e-4"
+  else fail "GPT with $what over NCCL (see $work/zero${stage}n.log)"; fi
+done
 
 # 7c. Recomputation on CUDA: the GPT of bench/recompute.sh (4 x 256, 256-token sequences, dropout)
 # with every block recomputed, against the run without it (the CUDA generator replayed), and its GPU
