@@ -3,7 +3,6 @@
 #include "param_shards.h"
 
 #include <ATen/core/grad_mode.h>
-#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tk/error.h>
@@ -40,7 +39,7 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
       throw Error("stage 3: parameter '" + names_[i] + "' has no memory: a run before this one in the process failed "
                   "while the parameters were sharded, and left it freed; build the model again");
     if (!p.is_contiguous() || p.storage_offset() != 0 || storage_of(p).nbytes() != bytes ||
-        !storages.insert(&storage_of(p)).second || !storage_of(p).allocator())
+        !storages.insert(&storage_of(p)).second)
       throw Error("stage 3 frees the memory of the parameters a rank does not update, which needs each to have "
                   "memory of its own: '" + names_[i] + "' shares its memory with another tensor (a view, or a "
                   "slice of a flat buffer); use stage 2");
@@ -75,10 +74,14 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
 
 ParameterShards::~ParameterShards() = default;
 
-void ParameterShards::allocate(size_t i) {
-  const c10::DeviceGuard on(params_[i].device());  // a GPU allocator allocates on the current device
+void ParameterShards::point_into(size_t i, const at::Tensor& flat, int64_t offset) {
+  // The parameter's memory is its part of the buffer the broadcast filled, which lives as long as
+  // any parameter points into it: no copy, and no second buffer.
+  auto* keep = new at::Tensor(flat);
+  void* data = static_cast<char*>(flat.data_ptr()) + offset * flat.element_size();
   c10::StorageImpl& s = storage_of(params_[i]);
-  s.set_data_ptr_noswap(s.allocator()->allocate(bytes_[i]));
+  s.set_data_ptr_noswap(
+      at::DataPtr(data, keep, [](void* held) { delete static_cast<at::Tensor*>(held); }, params_[i].device()));
   s.set_nbytes(bytes_[i]);
 }
 
@@ -93,7 +96,6 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
   std::map<std::pair<int, int>, std::vector<size_t>> by_owner;
   for (size_t i : which) {
     if (holds_[i]++ > 0) continue;
-    if (owners_[i] != rank_) allocate(i);
     if (params_[i].numel() > 0) by_owner[{owners_[i], static_cast<int>(params_[i].scalar_type())}].push_back(i);
   }
   Flight f;
@@ -103,14 +105,15 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
   for (const auto& [key, mine] : by_owner) {
     Flight::Part part;
     part.root = key.first;
-    // variable_data(): the parameter's memory under a tensor of its own, whose writes do not count
-    // as changes of the parameter (autograd's saved views of it stay valid).
+    part.into = mine;
     int64_t numel = 0;
+    std::vector<at::Tensor> own;
     for (size_t i : mine) {
-      part.into.push_back(params_[i].variable_data().view({-1}));
+      // variable_data(): the parameter's values without its autograd history.
+      if (part.root == rank_) own.push_back(params_[i].variable_data().view({-1}));
       numel += params_[i].numel();
     }
-    part.flat = {part.root == rank_ ? at::cat(part.into) : at::empty({numel}, part.into.front().options())};
+    part.flat = {part.root == rank_ ? at::cat(own) : at::empty({numel}, params_[mine.front()].options())};
     c10d::BroadcastOptions options;
     options.rootRank = part.root;
     part.work = group_->broadcast(part.flat, options);
@@ -129,9 +132,9 @@ void ParameterShards::land(Flight& f) {
     part.work->wait();
     if (part.root == rank_) continue;
     int64_t offset = 0;
-    for (auto& into : part.into) {
-      into.copy_(part.flat.front().slice(0, offset, offset + into.numel()));
-      offset += into.numel();
+    for (size_t i : part.into) {
+      point_into(i, part.flat.front(), offset);
+      offset += params_[i].numel();
     }
   }
   f.parts.clear();

@@ -1,12 +1,12 @@
 #pragma once
 // ZeRO stage 3's parameters: each is whole only on the rank that updates it (its owner). On the
 // others its tensor keeps its shape, dtype and autograd identity, but its memory is freed; it is
-// gathered (broadcast by its owner into memory allocated again) while a block's forward or
-// backward uses it, and freed after.
+// gathered (broadcast by its owner into a buffer of the block's parameters, which the parameter's
+// storage then points into) while a block's forward or backward uses it, and freed after.
 //
-// The memory is freed and allocated under the tensor, in its storage: every view of the parameter
-// that autograd saved in forward (a Linear's transposed weight) reads what the backward gather
-// put there, and the parameter's version counter never moves (autograd's checks of saved tensors
+// The memory is freed and set under the tensor, in its storage: every view of the parameter that
+// autograd saved in forward (a Linear's transposed weight) reads what the backward gather put
+// there, and the parameter's version counter never moves (autograd's checks of saved tensors
 // pass). A block's parameters are gathered just before its forward and freed after it; a hook on
 // the block's output gathers them again when backward reaches it, and a hook on the block's input
 // frees them when backward has gone through the block (its input's gradient is complete). The
@@ -87,13 +87,13 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// owner, those that no one held (every rank makes the same calls in the same order).
   void gather(const std::vector<size_t>& which);
   void release(const std::vector<size_t>& which);
-  /// A gather in two halves: its broadcasts started (the parameters held and allocated), then
-  /// waited for and copied into the parameters.
+  /// A gather in two halves: its broadcasts started (the parameters held), then waited for, the
+  /// parameters of other ranks pointed into what came.
   struct Flight {
     struct Part {
       int root;
       std::vector<at::Tensor> flat;  // what is broadcast
-      std::vector<at::Tensor> into;  // the parameters' memory (variable_data)
+      std::vector<size_t> into;      // its parameters, in order
       c10::intrusive_ptr<c10d::Work> work;
     };
     std::vector<Part> parts;
@@ -104,7 +104,8 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// parameters; any other is waited for and let go.
   bool take_prefetched(size_t b, bool backward);
   void prefetch(size_t b, bool backward);
-  void allocate(size_t i);
+  /// Parameter i's memory: `flat` from element `offset` on.
+  void point_into(size_t i, const at::Tensor& flat, int64_t offset);
   void free(size_t i);
   void backward_gather(size_t b);
   void backward_done(size_t b);
