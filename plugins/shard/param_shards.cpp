@@ -182,8 +182,9 @@ void ParameterShards::gather_loose() { gather(loose_); }
 void ParameterShards::release_loose() { release(loose_); }
 
 bool ParameterShards::all_whole() const {
+  // A parameter held by a gather still in flight has no memory yet.
   for (size_t i = 0; i < params_.size(); ++i)
-    if (holds_[i] == 0 && owners_[i] != rank_) return false;
+    if (owners_[i] != rank_ && (holds_[i] == 0 || storage_of(params_[i]).nbytes() != bytes_[i])) return false;
   return true;
 }
 
@@ -194,7 +195,8 @@ at::Tensor ParameterShards::run_block(size_t b, const at::Tensor& x, const tk::B
   // counts only if backward comes through the block (the output hooked below).
   std::weak_ptr<ParameterShards> self = weak_from_this();
   auto hooked = std::make_shared<bool>(false);
-  if (at::GradMode::is_enabled() && x.requires_grad())
+  // (Not on a leaf, whose hooks outlive the graph: one more each micro-batch.)
+  if (at::GradMode::is_enabled() && x.requires_grad() && !x.is_leaf())
     x.register_hook([self, b, hooked](const at::Tensor&) {
       auto s = self.lock();
       if (s && *hooked) s->backward_done(b);
