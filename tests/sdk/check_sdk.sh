@@ -159,7 +159,7 @@ mkdir -p "$own/tests"
 cp "$src/plugins/clip/clip.cpp" "$own/own_clip.cpp"
 sed -i 's/TK_PLUGIN(Clip, "clip",/TK_PLUGIN(Clip, "own_clip",/' "$own/own_clip.cpp"
 printf '%s\n' 'cmake_minimum_required(VERSION 3.18)' 'project(own_main LANGUAGES CXX)' \
-  'find_package(trainkit 0.6 REQUIRED)' 'tk_add_plugin(own_clip SOURCES own_clip.cpp)' 'enable_testing()' \
+  'find_package(trainkit 0.7 REQUIRED)' 'tk_add_plugin(own_clip SOURCES own_clip.cpp)' 'enable_testing()' \
   'tk_add_plugin_test(own_clip NEUTRAL "max_norm = 1e30" TESTS tests/own_main_test.cpp OWN_MAIN)' \
   '# the targets the guide names, given flags of their own' \
   'target_compile_definitions(tk_plugin_own_clip PRIVATE OWN_PLUGIN_FLAG=1)' \
