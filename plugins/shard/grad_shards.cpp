@@ -6,10 +6,12 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <tk/blocks.h>
 #include <tk/error.h>
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 
 namespace tk::shard {
 namespace {
@@ -21,6 +23,16 @@ using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 }  // namespace
+
+std::vector<int64_t> block_groups(const std::vector<at::Tensor>& params, const tk::Blocks* blocks) {
+  std::vector<int64_t> groups(params.size(), -1);
+  std::map<const c10::TensorImpl*, size_t> index;
+  for (size_t i = 0; i < params.size(); ++i) index.emplace(params[i].unsafeGetTensorImpl(), i);
+  for (size_t b = blocks ? blocks->size() : 0; b-- > 0;)  // from the last block: each keeps its first
+    for (const auto& p : blocks->parameters(b))
+      if (auto it = index.find(p.unsafeGetTensorImpl()); it != index.end()) groups[it->second] = static_cast<int64_t>(b);
+  return groups;
+}
 
 GradientShards::GradientShards(std::vector<at::Tensor> params, std::vector<std::string> names,
                                const std::vector<int>& owners, tk::World& world, const std::vector<int64_t>& groups)
@@ -40,7 +52,7 @@ GradientShards::GradientShards(std::vector<at::Tensor> params, std::vector<std::
                       (groups.empty() || groups[buckets_.back().params.front()] == groups[k]) &&
                       params_[buckets_.back().params.front()].options().type_equal(p.options()) &&
                       (buckets_.back().numel + p.numel()) * p.element_size() <= kBucketBytes;
-    if (!fits) buckets_.push_back(Bucket{owners[k], {}, 0, 0});
+    if (!fits) buckets_.push_back(Bucket{owners[k], {}, 0, 0, groups.empty() ? -1 : groups[k]});
     buckets_.back().params.push_back(k);
     buckets_.back().numel += p.numel();
     bucket_of_[k] = buckets_.size() - 1;
@@ -98,11 +110,10 @@ void GradientShards::ready(size_t i) {
   }
 }
 
-void GradientShards::settle(const std::vector<char>& settled) {
+void GradientShards::settle(int64_t block) {
   if (!armed_) return;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    const auto& params = buckets_[b].params;
-    if (sent_[b] || !std::all_of(params.begin(), params.end(), [&](size_t i) { return settled[i] != 0; })) continue;
+    if (sent_[b] || buckets_[b].group < block) continue;  // not final yet, or of no block (-1)
     send(b);
     sent_[b] = 1;
     ++sent_early_;

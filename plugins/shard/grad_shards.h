@@ -4,6 +4,7 @@
 // (the caller's on the CPU, the device's on CUDA): the model is on one device.
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
+#include <tk/blocks.h>
 #include <tk/world.h>
 
 #include <memory>
@@ -19,6 +20,11 @@ struct Node;
 }  // namespace torch::autograd
 
 namespace tk::shard {
+
+/// Each of `params`' first block in `blocks` (-1: of no block, or no blocks), for the buckets'
+/// groups: a bucket then holds one block's gradients, so that stage 2's backward holds about one
+/// block of whole gradients at a time, and stage 3 can send a block's once backward is through it.
+std::vector<int64_t> block_groups(const std::vector<at::Tensor>& params, const tk::Blocks* blocks);
 
 /// The gradients of `params` (every trainable parameter, in model order) split by `owners` (the
 /// rank that updates each) over `world`'s ranks. Buckets of up to 25 MiB hold the parameters of
@@ -50,9 +56,10 @@ class GradientShards {
   /// 3, whose gathers in backward are collectives too: a rank waiting for a sum its peer sends
   /// later, while the peer waits for it in a gather, would never go on).
   void send_when_settled() { when_settled_ = true; }
-  /// In an armed backward: sends, in bucket order, the buckets not yet sent whose parameters are
-  /// all `settled` (by index: their gradients are final, or there is none here and zeros go).
-  void settle(const std::vector<char>& settled);
+  /// In an armed backward, once backward has gone through block b: sends, in bucket order, the
+  /// buckets not yet sent whose group (first block) is b or later: their gradients are final (or
+  /// there is none here and zeros go). Those of no block go when backward ends.
+  void settle(int64_t b);
 
   /// The last window's reduces and the time spent in them outside of backward's own compute
   /// (waiting on a peer, and the sends at the end).
@@ -67,6 +74,7 @@ class GradientShards {
     std::vector<size_t> params;  // indices into params_
     int64_t numel = 0;
     int64_t waiting = 0;         // gradients not yet accumulated in this backward
+    int64_t group = -1;          // its parameters' group (first block), when given groups
   };
   /// Parameter i's gradient is accumulated (from its grad accumulator's hook).
   void ready(size_t i);

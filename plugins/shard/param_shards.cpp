@@ -2,6 +2,8 @@
 // update them, and broadcast by their owners while a block uses them.
 #include "param_shards.h"
 
+#include "grad_shards.h"
+
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -47,27 +49,15 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
     index.emplace(p.unsafeGetTensorImpl(), i);
     all_.push_back(i);
   }
-  std::vector<size_t> first(params_.size(), SIZE_MAX);  // the first block that lists each
-  std::vector<char> in_block(params_.size(), 0);
+  const std::vector<int64_t> groups = block_groups(params_, blocks);
   for (size_t b = 0; blocks && b < blocks->size(); ++b) {
     std::vector<size_t> mine;
-    for (const auto& p : blocks->parameters(b)) {
-      auto it = index.find(p.unsafeGetTensorImpl());
-      if (it == index.end()) continue;  // frozen: whole everywhere
-      mine.push_back(it->second);
-      in_block[it->second] = 1;
-      first[it->second] = std::min(first[it->second], b);
-    }
+    for (const auto& p : blocks->parameters(b))
+      if (auto it = index.find(p.unsafeGetTensorImpl()); it != index.end()) mine.push_back(it->second);  // else frozen: whole everywhere
     blocks_.push_back(std::move(mine));
   }
   for (size_t i = 0; i < params_.size(); ++i)
-    if (!in_block[i]) loose_.push_back(i);
-  for (size_t b = 0; b < blocks_.size(); ++b) {
-    std::vector<char> settled(params_.size(), 0);
-    for (size_t i = 0; i < params_.size(); ++i) settled[i] = in_block[i] && first[i] >= b;
-    settled_.push_back(std::move(settled));
-  }
-  for (size_t i = 0; i < params_.size(); ++i) groups_.push_back(in_block[i] ? static_cast<int64_t>(first[i]) : -1);
+    if (groups[i] < 0) loose_.push_back(i);
   runs_.assign(blocks_.size(), 0);
   if (world_ > 1) group_ = world.side_group("stage 3's parameter gathers");
 }

@@ -61,13 +61,6 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   void after_backward();
   /// Called when backward has gone through block b (its parameters' gradients are final).
   void on_block_done(std::function<void(size_t b)> done) { done_ = std::move(done); }
-  /// Whether parameter i's gradient is final once backward has gone through block b, for
-  /// GradientShards::settle: it belongs to blocks b and later alone (those of no block are final
-  /// when backward ends).
-  const std::vector<char>& settled_after(size_t b) const { return settled_.at(b); }
-  /// Each parameter's first block (-1: none), for GradientShards' buckets: one group each, so
-  /// that a bucket's gradients are final together.
-  const std::vector<int64_t>& groups() const noexcept { return groups_; }
   /// Refuses a parameter of another rank still gathered at the step (between micro-batches none
   /// is): it would keep its values while its owner updates them.
   void check_released() const;
@@ -117,9 +110,7 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   std::vector<int64_t> holds_;   // each parameter's holders now
   std::vector<std::vector<size_t>> blocks_;  // each block's parameters (indices)
   std::vector<size_t> loose_;                // the parameters of no block
-  std::vector<size_t> all_;
-  std::vector<std::vector<char>> settled_;   // per block: settled_after(b)
-  std::vector<int64_t> groups_;
+  std::vector<size_t> all_;                  // every parameter (0 to n-1), for gather and release
   std::vector<size_t> pending_;              // blocks gathered by backward, not yet released
   std::vector<int64_t> runs_;                // per block: forward runs whose backward has not gone through it
   std::function<void(size_t)> done_;

@@ -62,8 +62,10 @@ class Shard final : public tk::Plugin {
 
   tk::Contract contract() const override {
     tk::Contract c;
-    c.provides = {tk::cap::kOptimizerSharded};
-    if (stage_ >= 1) c.requires_ = {tk::cap::kGradsSynced};  // the data-parallel plugin: the world's totals
+    if (stage_ >= 1) {
+      c.provides = {tk::cap::kOptimizerSharded};
+      c.requires_ = {tk::cap::kGradsSynced};  // the data-parallel plugin: the world's totals
+    }
     // Stage 2 sums the gradients itself, before the sync plugin's boundary (which then sums the
     // window's counts alone) and so before everything that runs after it.
     if (stage_ >= 2)
@@ -103,11 +105,12 @@ class Shard final : public tk::Plugin {
         names.push_back(it == name_of.end() ? "(a parameter outside the model)" : it->second);
       }
       if (stage_ == 3) shard_parameters(ctx, params, names);
+      // One block's gradients to a bucket: stage 2's backward holds about one block of them whole.
       grads_ = std::make_unique<tk::shard::GradientShards>(params, names, sharded_->owners(), ctx.world(),
-                                                           params_ ? params_->groups() : std::vector<int64_t>{});
+                                                           tk::shard::block_groups(params, tk::blocks_of(ctx.model())));
       if (params_) {
         grads_->send_when_settled();
-        params_->on_block_done([grads = grads_.get(), shards = params_.get()](size_t b) { grads->settle(shards->settled_after(b)); });
+        params_->on_block_done([grads = grads_.get()](size_t b) { grads->settle(static_cast<int64_t>(b)); });
       }
     }
     if (!note_.empty() && !ctx.trial()) ctx.warn(note_);

@@ -241,6 +241,9 @@ TEST_SUITE("accumulation capabilities") {
     std::string e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("effective_batch = 64\nmemory_budget = \"1kB\""));
     CHECK(e.find("a training step of one micro-batch of 1 takes") != std::string::npos);
     CHECK(e.find("more than the budget of") != std::string::npos);
+    // With the training state, and what sharding over 2 ranks would make of it: not enough here.
+    CHECK(e.find("this step is at ZeRO stage 0. On one rank nothing is sharded; over 2 ranks") != std::string::npos);
+    CHECK(e.find("none fits, over any number of ranks: the rest of the step") != std::string::npos);
     e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("effective_batch = 64"));
     CHECK(e.find("on the CPU needs a memory budget") != std::string::npos);
     e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("effective_batch = 64\nmemory_budget = \"lots\""));

@@ -4,6 +4,7 @@
 #include "support.h"
 
 #include "api/api.h"
+#include "planning/planning.h"
 
 using tk::LastWindow;
 using tk::WindowSchedule;
@@ -150,5 +151,77 @@ TEST_SUITE("plan") {
     CHECK_FALSE(torch::equal(a, tk::epoch_order(100, 6, 2, true)));
     CHECK(torch::equal(std::get<0>(a.sort()), torch::arange(100)));
     CHECK(torch::equal(tk::epoch_order(10, 5, 0, false), torch::arange(10)));
+  }
+
+  TEST_CASE("ZeRO's arithmetic: each stage's bytes per rank, and the stage a refused step is told would fit") {
+    constexpr double kMB = 1024.0 * 1024.0;  // as the figures are written
+    // 1Mi float32 parameters with AdamW: 4 MiB of them, 4 of gradients, 8 of moments; blocks of
+    // 0.5 MiB, 0.5 MiB in none; 100 tensors, the largest of 0.125 MiB.
+    tk::detail::TrainingState s;
+    s.trainable = 4 * kMB;
+    s.optimizer_whole = 8 * kMB;
+    s.largest_block = 0.5 * kMB;
+    s.loose = 0.5 * kMB;
+    s.largest_tensor = 0.125 * kMB;
+    s.tensors = 100;
+    // The state's share as ZeRO counts it (16, 8 + 8/N, 4 + 12/N and 16/N bytes a parameter) plus
+    // the buffers of its sharding: the owners' broadcast (1, 2); a block's gradients and their
+    // copy (2, 3); three blocks and the loose parameters gathered, the loose gradients and their
+    // copy, and the owner's copy of a block (3).
+    const std::vector<double> two = s.per_rank(2), four = s.per_rank(4);
+    REQUIRE(two.size() == 4);
+    CHECK(two[0] == doctest::Approx(16 * kMB));
+    CHECK(two[1] == doctest::Approx((4 + 4 + 4 + 2) * kMB));
+    CHECK(two[2] == doctest::Approx((4 + 6 + 2 + 1) * kMB));
+    CHECK(two[3] == doctest::Approx((8 + 2 + 0.5 + 0.5 + 1 + 0.5) * kMB));
+    CHECK(four[3] == doctest::Approx((4 + 4.5) * kMB));
+    s.frozen = 1 * kMB;  // frozen parameters are whole at every stage
+    for (size_t stage = 0; stage < 4; ++stage) CHECK(s.per_rank(2)[stage] == doctest::Approx(two[stage] + kMB));
+    s.frozen = 0;
+    // A share is never less than the largest tensor's part: over 64 ranks as over 32.
+    CHECK(s.per_rank(64)[3] == doctest::Approx(s.per_rank(32)[3]));
+    CHECK(s.per_rank(32)[3] < s.per_rank(16)[3]);
+    // Without blocks: everything gathered for a micro-batch, the gradients whole until backward ends.
+    tk::detail::TrainingState flat = s;
+    flat.largest_block = 0;
+    flat.loose = 4 * kMB;
+    CHECK(flat.per_rank(2)[3] == doctest::Approx((8 + 4 + 4 + 4) * kMB));
+    CHECK(flat.per_rank(2)[2] == doctest::Approx((4 + 6 + 2 + 8) * kMB));
+
+    // A step of ddp (stage 0) on 2 ranks that measured 17 MiB: 1 MiB beside its state.
+    std::string advice = tk::detail::sharding_advice(s, 17 * kMB, 13.5 * kMB, 2);
+    CHECK(advice.find("the training state is 16 MiB unsharded (parameters 4 MiB, gradients 4 MiB, optimizer state 8 MiB)") != std::string::npos);
+    CHECK(advice.find("at ZeRO stage 0. Over its 2 ranks") != std::string::npos);
+    CHECK(advice.find("17 MiB at stage 0, 15 MiB at stage 1, 14 MiB at stage 2 and 13.5 MiB at stage 3: by these figures "
+                      "stage 3 would fit") != std::string::npos);
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 14 * kMB, 2).find(": by these figures stage 2 would fit") != std::string::npos);
+    // None fits on 2 ranks: over k, stage 3 takes 5.5 + 16/k MiB -> 4 ranks for 9.5 MiB.
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 9.5 * kMB, 2).find("none fits; by these figures stage 3 would over 4 ranks "
+                                                                     "(about 9.5 MiB each)") != std::string::npos);
+    // No rank holds less than its largest tensor's part (1/32 of 16 MiB), nor is there a rank per tensor beyond 100.
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 5.9 * kMB, 2).find("none fits, over any number of ranks: the rest of the "
+                                                                    "step (activations, the parameters gathered) and the "
+                                                                    "least share of the state a rank can hold take 6 MiB") !=
+          std::string::npos);
+    tk::detail::TrainingState few = s;
+    few.tensors = 3;
+    few.largest_tensor = 0.01 * kMB;
+    CHECK(tk::detail::sharding_advice(few, 17 * kMB, 9.5 * kMB, 2).find("none fits, over any number of ranks") != std::string::npos);
+    // On one rank the figures are for 2.
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 13.5 * kMB, 1).find("On one rank nothing is sharded; over 2 ranks") != std::string::npos);
+    // A step at stage 2 that measured 14 MiB: only the stages above it are named.
+    s.stage = 2;
+    advice = tk::detail::sharding_advice(s, 14 * kMB, 14 * kMB, 2);
+    CHECK(advice.find("stage 3 would fit") != std::string::npos);
+    CHECK(advice.find("stage 2 would fit") == std::string::npos);
+    // A step at stage 3 that measured 13.5 MiB on 2 ranks: the same 1 MiB beside its state.
+    s.stage = 3;
+    advice = tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2);
+    CHECK(advice.find("17 MiB at stage 0, 15 MiB at stage 1, 14 MiB at stage 2 and 13.5 MiB at stage 3: none fits; by these "
+                      "figures stage 3 would over 4 ranks (about 9.5 MiB each)") != std::string::npos);
+    // An optimizer that does not report its state's size.
+    s.optimizer_known = false;
+    CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2).find("the optimizer's state not reported by it, counted as none") !=
+          std::string::npos);
   }
 }

@@ -878,6 +878,60 @@ TEST_SUITE("zero") {
     fs::remove_all(root);
   }
 
+  /// The number after `prefix` in `text` (a figure of a log line), or -1.
+  double figure_after(const std::string& text, const std::string& prefix) {
+    const size_t at = text.find(prefix);
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + prefix.size()));
+  }
+
+  TEST_CASE("a memory budget smaller than the unsharded training state: trained at stage 3 on 2 ranks, refused without it naming the stage that fits") {
+    const fs::path root = tkt::temp_dir("zero-budget");
+    // 8 blocks of 256 x 256 in float64 with AdamW: 3.5 MiB of parameters, 14 MiB of training state,
+    // little beside it at a micro-batch of 1.
+    std::string recipe = base_with(kAdamW);
+    recipe.replace(recipe.find("hidden = [16]"), 13, "hidden = [256, 256, 256, 256, 256, 256, 256, 256]");
+    const std::string ddp = recipe + "[[plugins]]\nname = \"ddp\"\n", stage3 = ddp + "[[plugins]]\nname = \"shard\"\nstage = 3\n";
+    const std::string sets = "--nproc 2 --set run.steps=3 --set batch.micro_batch='\"auto\"' --set batch.effective_batch=2 ";
+    auto budget = [](double bytes) { return "--set batch.memory_budget='\"" + std::to_string(static_cast<int64_t>(bytes)) + "\"' "; };
+    constexpr double kMiB = 1024.0 * 1024.0;
+    // What a step at stage 3 takes, measured by the planner given room.
+    auto roomy = tk_run(root / "roomy", stage3, sets + budget(1e9));
+    INFO(roomy.out);
+    REQUIRE(roomy.rc == 0);
+    const double peak = figure_after(roomy.out, "a step's peak ") * kMiB;
+    REQUIRE(peak > 0);
+    // Without sharding, given too little: the step each stage would take, from ddp's measured one.
+    auto probe = tk_run(root / "probe", ddp, sets + budget(kMiB));
+    REQUIRE(probe.rc == 2);
+    const double at2 = figure_after(probe.out, "MiB at stage 1, ") * kMiB, at3 = figure_after(probe.out, "MiB at stage 2 and ") * kMiB;
+    REQUIRE(at2 > std::max(at3, peak));
+    // A budget between the larger of stage 3's estimate and its measurement, and stage 2's
+    // estimate (the planner keeps a 10% margin).
+    const double limit = 1.1 * (std::max(at3, peak) + at2) / 2;
+    auto refused = tk_run(root / "ddp", ddp, sets + budget(limit));
+    INFO(refused.out);
+    CHECK(refused.rc == 2);
+    CHECK(refused.out.find("batch.memory_budget: a training step of one micro-batch of 1 takes") != std::string::npos);
+    CHECK(refused.out.find("this step is at ZeRO stage 0. Over its 2 ranks, with the optimizer state sharded from stage 1, "
+                           "the gradients from 2 and the parameters from 3, the step would take about") != std::string::npos);
+    CHECK(refused.out.find(": by these figures stage 3 would fit (set by a plugin that provides optimizer.sharded") != std::string::npos);
+    const double state = figure_after(refused.out, "the training state is ") * kMiB;
+    CHECK(state > limit);
+    CHECK(refused.out.find("step 1/") == std::string::npos);
+    // The stage named, in the same budget: it trains, holding its own parameters between steps.
+    auto trained = tk_run(root / "stage3", stage3, sets + budget(limit));
+    INFO(trained.out);
+    REQUIRE(trained.rc == 0);
+    const auto held = tkt::metric(root / "stage3/out/metrics.jsonl", "param_mib");
+    REQUIRE(held.size() == 3);
+    CHECK(held.back() * kMiB < state / 4 * 0.6);
+    // The trials left nothing behind: the steps of the micro-batch picked, set by hand.
+    auto by_hand = tk_run(root / "by-hand", stage3, "--nproc 2 --set run.steps=3 --set batch.micro_batch=1 --set batch.effective_batch=2");
+    REQUIRE(by_hand.rc == 0);
+    CHECK(torch::equal(weights(root / "stage3"), weights(root / "by-hand")));
+    fs::remove_all(root);
+  }
+
   TEST_CASE("bad input: a stage other than 0 to 3, a stage without data parallel, more ranks than tensors, ranks whose models differ") {
     const fs::path root = tkt::temp_dir("zero-bad");
     auto stage = tk_run(root / "stage", base_with(kAdamW) + "[[plugins]]\nname = \"shard\"\nstage = 4\n", "");

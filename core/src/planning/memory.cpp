@@ -51,6 +51,11 @@ class CountingAllocator final : public compat::AllocatorBase {
     base_ = base;
     start_ = peak_ = current_;
   }
+  /// Whether `data` was handed out by this allocator (and is still held).
+  bool holds(const void* data) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return held_.count(const_cast<void*>(data)) > 0;
+  }
   /// Bytes at the peak since the last call (or start()), beyond what was held at start(); a new
   /// stretch starts.
   int64_t take_peak() {
@@ -98,6 +103,12 @@ double bytes_of(const std::vector<at::Tensor>& ts) {
   return total;
 }
 
+/// What a trial step measured.
+struct Measured {
+  double peak = 0;      ///< this rank's
+  TrainingState state;  ///< after the second step
+};
+
 /// Peak bytes of a training step at micro-batch `m` in its steady state: the model's parameters
 /// and buffers, the batch, activations, gradients and the optimizer's state. The steps are the
 /// run's own (the engine, with every plugin's events: autocast, recomputation, a sharded
@@ -105,10 +116,10 @@ double bytes_of(const std::vector<at::Tensor>& ts) {
 /// state exists by then, and the gradients a plugin keeps between steps); with more than one micro-batch per
 /// step, two go through forward and backward in each (the second adds its gradients into the
 /// first's, through a temporary per parameter).
-double measure_step(Run& r, int64_t m, int64_t k) {
+Measured measure_step(Run& r, int64_t m, int64_t k) {
   TrialGuard guard(r);
   const TrialShape shape(r, m, k, 2);  // the plugins see the trial's micro-batch, window and two steps
-  double peak = 0;
+  Measured out;
   {
     MemoryMeter meter(r);
     TrialRun trial(r);
@@ -121,11 +132,12 @@ double measure_step(Run& r, int64_t m, int64_t k) {
         trial.micro_batch(r.fetch(*r.data.train, order.slice(0, std::min(i * m, n - 1), std::min((i + 1) * m, n))));
       trial.step();
     }
-    peak = meter.take_peak();
+    out.peak = meter.take_peak();
+    out.state = measure_training_state(r);
     trial.finish();
   }
   guard.restore();
-  return peak;
+  return out;
 }
 
 }  // namespace
@@ -145,10 +157,14 @@ MemoryMeter::MemoryMeter(const Run& r) : device_(r.device) {
   // What the step holds that was made before the meter: the parameters, buffers, the gradients
   // kept between steps (training zeroes them before its first step) and the optimizer's state (a
   // resume loads it first).
-  std::vector<at::Tensor> grads;
-  for (const auto& p : r.model->parameters())
-    if (p.grad().defined()) grads.push_back(p.grad());
-  resident_ = bytes_of(r.model->parameters()) + bytes_of(r.model->buffers()) + bytes_of(grads);
+  model_ = r.model;
+  std::unordered_set<const void*> seen;  // a parameter tied to another shares its memory (and gradient)
+  for (const auto& p : r.model->parameters()) {
+    if (p.has_storage() && p.storage().nbytes() > 0 && seen.insert(p.storage().data()).second)
+      resident_ += static_cast<double>(p.storage().nbytes());
+    if (p.grad().defined() && seen.insert(p.grad().data_ptr()).second) resident_ += static_cast<double>(p.grad().nbytes());
+  }
+  resident_ += bytes_of(r.model->buffers());
   if (r.optimizer)
     if (const int64_t state = optimizer_state_bytes(*r.optimizer); state > 0) resident_ += static_cast<double>(state);
   if (device_.is_cuda()) {
@@ -158,6 +174,9 @@ MemoryMeter::MemoryMeter(const Run& r) : device_(r.device) {
   previous_ = c10::GetCPUAllocator();
   if (previous_ == &CountingAllocator::instance()) throw Error("memory meters do not nest");
   CountingAllocator::instance().start(previous_);
+  for (const auto& p : r.model->parameters())
+    if (p.has_storage() && p.storage().nbytes() > 0) params_at_start_.insert(p.storage().data());
+  held_parameter_bytes();
   c10::SetCPUAllocator(&CountingAllocator::instance(), kPriority);
 }
 
@@ -171,7 +190,28 @@ double MemoryMeter::take_peak() {
     compat::cuda_reset_peak(device_);
     return p;
   }
-  return resident_ + static_cast<double>(CountingAllocator::instance().take_peak());
+  auto& counting = CountingAllocator::instance();
+  const double peak = resident_ + static_cast<double>(counting.take_peak());
+  // The parameters' memory made before any meter and gone now (that of a parameter another rank
+  // holds, which sharded parameters free) no longer counts in the next stretch; what this
+  // allocator handed out is followed by it as it is freed.
+  const double before = params_resident_;
+  resident_ += held_parameter_bytes() - before;
+  return peak;
+}
+
+double MemoryMeter::held_parameter_bytes() {
+  double held = 0;
+  std::unordered_set<const void*> seen;  // a parameter tied to another shares its memory
+  for (const auto& p : model_->parameters()) {
+    if (!p.has_storage()) continue;
+    const c10::DataPtr& ptr = p.storage().data_ptr();
+    // Memory of its own (not a part of a buffer another tensor owns), made before any meter.
+    const bool own = ptr.get_context() == ptr.get() && !CountingAllocator::instance().holds(ptr.get());
+    if (own && params_at_start_.count(ptr.get()) && seen.insert(ptr.get()).second)
+      held += static_cast<double>(p.storage().nbytes());
+  }
+  return params_resident_ = held;
 }
 
 TrialGuard::TrialGuard(Run& r) : r_(r), rng_(save_rng()) {
@@ -223,11 +263,13 @@ struct BatchSearch {
   int64_t per_rank;
   std::vector<int64_t> candidates;
   std::function<bool(double)> fits;
+  Measured last;  ///< this rank's last trial
 
   /// The peak of a step at micro-batch `m`: the largest any rank measured, so that every rank
   /// takes the same decisions from it (and the same trials after it).
   double measure(std::map<int64_t, double>& peaks, int64_t m) {
-    return peaks[m] = r.world->max(measure_step(r, m, per_rank / m));
+    last = measure_step(r, m, per_rank / m);
+    return peaks[m] = r.world->max(last.peak);
   }
 
   /// The largest candidate whose step fits, with the lever (if any) where it is now; 0 when not
@@ -317,13 +359,15 @@ void pick_micro_batch(Run& r) {
   if (chosen == 0) {
     const int64_t m = search.candidates.front();
     const int64_t at = lever ? l.levels : 0;
+    // The last trial was this one: its training state.
+    const std::string advice = sharding_advice(search.last.state, peaks[at][m], budget / (1 + kMargin), p.world_size);
     refuse_window(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(m) +
                                           (lever ? " with " + std::to_string(at) + " " + l.what + " (the most plugin '" +
                                                        r.memory_lever.first + "' offers)"
                                                  : std::string()) +
                                           " takes " + format_bytes(peaks[at][m]) + "; with a " +
                                           std::to_string(int(kMargin * 100)) + "% margin that is more than the budget of " +
-                                          format_bytes(budget) + " (" + source + ")");
+                                          format_bytes(budget) + " (" + source + ")" + advice);
   }
   if (lever) {
     l.set(level);

@@ -5,6 +5,7 @@
 #include <c10/core/Allocator.h>
 
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "run/run.h"
@@ -101,11 +102,44 @@ class MemoryMeter {
   double take_peak();
 
  private:
+  /// Bytes of the parameters' memory of their own that was made before any meter, was there when
+  /// this one started and still is (another meter's is followed by the allocator); kept as
+  /// params_resident_.
+  double held_parameter_bytes();
+
   static constexpr uint8_t kPriority = 200;  // above LibTorch's own CPU allocator registration
   at::Device device_;
-  double resident_ = 0;
+  ModelPtr model_;
+  std::unordered_set<const void*> params_at_start_;  // the memory of each parameter at the start
+  double resident_ = 0, params_resident_ = 0;
   c10::Allocator* previous_ = nullptr;
 };
+
+// ---- zero_stages.cpp (pure: tested on its own), state_bytes.cpp: ZeRO's arithmetic on a measured step ----
+
+/// The training state of a step (parameters, gradients, the optimizer's state), the whole model's
+/// and what this rank holds after the step, for ZeRO's arithmetic.
+struct TrainingState {
+  double params = 0;                 ///< the bytes of parameters this rank holds
+  double optimizer = 0;              ///< this rank's optimizer state
+  bool optimizer_known = true;       ///< whether the optimizer reports its state's size
+  double trainable = 0, frozen = 0;  ///< the model's parameters, whole
+  double optimizer_whole = 0;        ///< every rank's optimizer state together (a sharded one's shares)
+  double largest_block = 0, loose = 0;  ///< trainable bytes of the largest block, of those in no block
+  double largest_tensor = 0;         ///< the largest trainable tensor's bytes: a rank's share is never less
+  int64_t tensors = 0;               ///< trainable tensors: shards of whole tensors need as many for as many ranks
+  int stage = 0;                     ///< the ZeRO stage the step is at (from the plugins' capabilities)
+  /// Each rank's bytes of it, with the buffers its sharding needs, at stages 0 to 3 over `n` ranks.
+  std::vector<double> per_rank(int64_t n) const;
+  /// The largest part of a sharded state one of `n` ranks holds (1/n, or its largest tensor's part).
+  double share(int64_t n) const;
+};
+/// The training state of a step whose `peak` does not fit `limit` bytes, and which ZeRO stage over
+/// the world (over 2 ranks on one) would make it fit: the measured step with each stage's state in
+/// place of its own. The tail of the memory planner's refusal.
+std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size);
+/// After a step, on every rank (it sums the shares of a sharded optimizer's state over the world).
+TrainingState measure_training_state(Run& r);
 /// With [batch] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
 /// micro-batch that fits the budget; every trial is undone.
 void pick_micro_batch(Run& run);

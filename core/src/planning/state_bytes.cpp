@@ -1,0 +1,70 @@
+// The training state a step holds (parameters, gradients, the optimizer's state), measured on this
+// rank and for the whole model (zero_stages.cpp reckons with it).
+#include <algorithm>
+#include <set>
+
+#include "planning/planning.h"
+#include "tk/blocks.h"
+#include "tk/capabilities.h"
+
+namespace tk::detail {
+namespace {
+
+/// Bytes of `t`'s elements that its storage holds now: none for a parameter whose storage was
+/// emptied (another rank holds it until it is gathered).
+double held_bytes(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return 0;
+  return static_cast<double>(std::min<size_t>(t.nbytes(), t.storage().nbytes()));
+}
+
+/// The trainable parameters' bytes of the largest block, and of the parameters in no block (all
+/// of them for a model without blocks).
+std::pair<double, double> block_sizes(Model& model, double trainable) {
+  Blocks* blocks = blocks_of(model);
+  if (!blocks || blocks->empty()) return {0.0, trainable};
+  std::set<const c10::TensorImpl*> in_block;
+  double largest = 0, listed = 0;
+  for (size_t b = 0; b < blocks->size(); ++b) {
+    double size = 0;
+    for (const auto& p : blocks->parameters(b))
+      if (p.requires_grad() && in_block.insert(p.unsafeGetTensorImpl()).second) size += static_cast<double>(p.nbytes());
+    largest = std::max(largest, size);
+    listed += size;
+  }
+  return {largest, trainable - listed};
+}
+
+}  // namespace
+
+TrainingState measure_training_state(Run& r) {
+  TrainingState s;
+  std::set<const c10::TensorImpl*> seen;  // a parameter tied to another is listed twice
+  for (const auto& p : r.model->parameters()) {
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    s.params += held_bytes(p);
+    const auto bytes = static_cast<double>(p.nbytes());
+    (p.requires_grad() ? s.trainable : s.frozen) += bytes;
+    if (p.requires_grad()) s.largest_tensor = std::max(s.largest_tensor, bytes), ++s.tensors;
+  }
+  const int64_t reported = r.optimizer ? optimizer_state_bytes(*r.optimizer) : 0;
+  s.optimizer_known = reported >= 0;
+  s.optimizer = static_cast<double>(std::max<int64_t>(reported, 0));
+  // A sharded optimizer holds this rank's share: the whole is every rank's together (about N
+  // shares where the world has not joined: a dry run).
+  s.optimizer_whole = s.optimizer;
+  World& world = *r.world;
+  if (r.plan.has(cap::kOptimizerSharded) && world.joined()) {
+    at::Tensor total = at::full({1}, s.optimizer, at::kDouble);
+    world.all_reduce(total);
+    s.optimizer_whole = total.item<double>();
+  } else if (r.plan.has(cap::kOptimizerSharded)) {
+    s.optimizer_whole = s.optimizer * world.size();
+  }
+  std::tie(s.largest_block, s.loose) = block_sizes(*r.model, s.trainable);
+  // Which of ZeRO's stages this step is at, from what its plugins provide and what it holds.
+  const bool params_sharded = s.params < s.trainable + s.frozen;
+  s.stage = r.plan.has(cap::kGradsSharded) ? (params_sharded ? 3 : 2) : r.plan.has(cap::kOptimizerSharded) ? 1 : 0;
+  return s;
+}
+
+}  // namespace tk::detail

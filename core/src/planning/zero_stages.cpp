@@ -1,0 +1,83 @@
+// ZeRO's arithmetic on a measured step: the training state at each stage over n ranks, and the
+// advice a memory refusal gives (planning.h). Pure: the planning layer measures, this reckons.
+#include "planning/planning.h"
+
+#include <tk/capabilities.h>
+#include <tk/options.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace tk::detail {
+namespace {
+
+/// A bucket of gradients summed together at most (as PyTorch DDP's bucket_cap_mb).
+constexpr double kBucketBytes = 25.0 * 1024 * 1024;
+
+std::string stage_list(const std::vector<double>& at) {
+  std::string out;
+  for (size_t s = 0; s < at.size(); ++s)
+    out += (s == 0 ? "" : s + 1 == at.size() ? " and " : ", ") + format_bytes(at[s]) + " at stage " + std::to_string(s);
+  return out;
+}
+
+}  // namespace
+
+double TrainingState::share(int64_t n) const {
+  return std::max(1.0 / static_cast<double>(n), trainable > 0 ? largest_tensor / trainable : 0.0);
+}
+
+std::vector<double> TrainingState::per_rank(int64_t n) const {
+  const double f = share(n), P = trainable, G = trainable, O = optimizer_whole, L = largest_block;
+  // The state's share (ZeRO's arithmetic, each rank's part at most f), and the buffers its
+  // sharding needs beside it: the updated parameters broadcast by their owners (stages 1 and 2);
+  // the gradients held whole until their bucket is summed onto its owner, a block's (a bucket's of
+  // at most 25 MiB without blocks), and that bucket's copy (2); at stage 3 three blocks gathered
+  // (the one computing, the next, and in backward the one just done) and the parameters of no
+  // block, their gradients whole until backward ends, a block's gradients and their copy, and the
+  // owner's copy of the block it sends.
+  const double bucket = std::min(kBucketBytes, L > 0 ? L : P);
+  return {frozen + P + G + O,
+          frozen + P + G + O * f + P * f,
+          frozen + P + (G + O) * f + P * f + 2 * bucket,
+          frozen + (P + G + O) * f + std::min(P, loose + 3 * L) + loose + std::min(kBucketBytes, loose) +
+              2 * std::min(kBucketBytes, L) + L};
+}
+
+std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size) {
+  const int64_t n = std::max<int64_t>(world_size, 2);
+  const std::vector<double> here = s.per_rank(std::max<int64_t>(world_size, 1)), there = s.per_rank(n);
+  // The rest of the step (activations, the batch, the buffers): the measured peak beyond what
+  // this stage's state and buffers take.
+  const double rest = std::max(0.0, peak - here[static_cast<size_t>(s.stage)]);
+  const std::string optimizer = s.optimizer_known ? "optimizer state " + format_bytes(s.optimizer_whole)
+                                                  : "the optimizer's state not reported by it, counted as none";
+  std::string out = "; the training state is " + format_bytes(s.frozen + 2 * s.trainable + s.optimizer_whole) +
+                    " unsharded (parameters " + format_bytes(s.frozen + s.trainable) + ", gradients " +
+                    format_bytes(s.trainable) + ", " + optimizer + "), and this step is at ZeRO stage " +
+                    std::to_string(s.stage);
+  std::vector<double> step;
+  for (double state : there) step.push_back(rest + state);
+  out += std::string(world_size < 2 ? ". On one rank nothing is sharded; over 2 ranks" : ". Over its " + std::to_string(n) + " ranks") +
+         ", with the optimizer state sharded from stage 1, the gradients from 2 and the parameters from 3, the step "
+         "would take about " + stage_list(step);
+  for (size_t stage = static_cast<size_t>(s.stage) + 1; stage < step.size(); ++stage)
+    if (step[stage] <= limit)
+      return out + ": by these figures stage " + std::to_string(stage) + " would fit (set by a plugin that provides " +
+             cap::kOptimizerSharded.name() + "; tk-run --list shows the plugins)";
+  // No higher stage over this world: the fewest ranks at stage 3, if more ranks can do it. A
+  // rank holds whole tensors: never less than the largest one's part, and at most one rank per tensor.
+  const double sharded = 2 * s.trainable + s.optimizer_whole, fixed = rest + there[3] - sharded * s.share(n);
+  const double room = limit - fixed, least = sharded * s.share(std::max<int64_t>(s.tensors, 1));
+  if (least > room)
+    return out + ": none fits, over any number of ranks: the rest of the step (activations, the parameters "
+                 "gathered) and the least share of the state a rank can hold take " + format_bytes(fixed + least) +
+           " on each";
+  // Some k <= tensors fits (the least share does): from the even split's count up.
+  auto k = std::max(static_cast<int64_t>(std::ceil(sharded / room)), n + 1);
+  while (sharded * s.share(k) > room) ++k;
+  return out + ": none fits; by these figures stage 3 would over " + std::to_string(k) + " ranks (about " +
+         format_bytes(fixed + sharded * s.share(k)) + " each)";
+}
+
+}  // namespace tk::detail
