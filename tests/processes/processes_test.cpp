@@ -977,6 +977,43 @@ TEST_SUITE("zero") {
 }
 
 TEST_SUITE("recompute") {
+  TEST_CASE("micro_batch = \"auto\" with recomputation picked by memory at stage 3 on 2 ranks: the steps of the settings picked, set by hand") {
+    const fs::path root = tkt::temp_dir("recompute-stage3");
+    std::string base = gpt_recipe(root);
+    base.replace(base.find("micro_batch = 2\n"), 16, "");
+    base.replace(base.find("steps = 2\n"), 10, "");
+    const std::string plugins = "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n";
+    const std::string sets = "--nproc 2 --set run.steps=3 --set batch.micro_batch='\"auto\"' --set batch.effective_batch=16 ";
+    auto budget = [](double bytes) { return "--set batch.memory_budget='\"" + std::to_string(static_cast<int64_t>(bytes)) + "\"' "; };
+    const std::string automatic = base + plugins + "[[plugins]]\nname = \"recompute\"\nmodules = \"auto\"\n";
+    // Given room, the largest micro-batch (8 a rank) without recomputation; its step measured.
+    auto roomy = tk_run(root / "roomy", automatic, sets + budget(1e9));
+    INFO(roomy.out);
+    REQUIRE(roomy.rc == 0);
+    REQUIRE(roomy.out.find("micro-batch 8 picked by memory with 0 of 3 recomputed blocks") != std::string::npos);
+    const double peak = std::stod(roomy.out.substr(roomy.out.find("a step's peak ") + 14)) * 1024 * 1024;
+    // Less than that step with its margin: the planner recomputes blocks of the stage-3 step.
+    auto picked = tk_run(root / "picked", automatic, sets + budget(peak * 1.1 * 0.9));
+    INFO(picked.out);
+    REQUIRE(picked.rc == 0);
+    const size_t at = picked.out.find("recompute: recomputing ");
+    REQUIRE(at != std::string::npos);
+    const int blocks = std::stoi(picked.out.substr(at + 23));
+    CHECK(blocks >= 1);
+    const size_t m_at = picked.out.find("] micro-batch ", picked.out.find("picked by memory") - 40);
+    const int m = std::stoi(picked.out.substr(m_at + 14));
+    std::string modules;
+    for (int b = 0; b < blocks; ++b) modules += (b ? ", " : "") + std::string("\"blocks.") + std::to_string(b) + "\"";
+    CHECK(picked.out.find("recomputing " + std::to_string(blocks) + " of 3 blocks (blocks.0") != std::string::npos);
+    auto by_hand = tk_run(root / "by-hand", base + plugins + "[[plugins]]\nname = \"recompute\"\nmodules = [" + modules + "]\n",
+                          "--nproc 2 --set run.steps=3 --set batch.micro_batch=" + std::to_string(m) + " --set batch.effective_batch=16");
+    INFO(by_hand.out);
+    REQUIRE(by_hand.rc == 0);
+    CHECK(torch::equal(weights(root / "picked"), weights(root / "by-hand")));
+    CHECK(tkt::metric(root / "picked/out/metrics.jsonl", "loss") == tkt::metric(root / "by-hand/out/metrics.jsonl", "loss"));
+    fs::remove_all(root);
+  }
+
   TEST_CASE("2 DDP ranks with recomputation take the steps of 2 ranks without it, bit for bit (search on, off, ZeRO-1, ZeRO-2, ZeRO-3)") {
     const fs::path root = tkt::temp_dir("recompute-ddp");
     const std::string base = gpt_recipe(root);

@@ -328,7 +328,7 @@ void pick_micro_batch(Run& r) {
     source = "free memory of " + r.device.str();
   }
   constexpr double kMargin = 0.10;  // the picked step's measured peak is at most 90% of the budget
-  BatchSearch search{r, p.effective_batch_goal / p.world_size, {}, [&](double peak) { return peak * (1 + kMargin) <= budget; }};
+  BatchSearch search{r, p.effective_batch_goal / p.world_size, {}, [&](double peak) { return peak * (1 + kMargin) <= budget; }, {}};
   for (int64_t d : divisors_of(search.per_rank))
     if (d == 1 || d <= r.shard_size()) search.candidates.push_back(d);
 
