@@ -415,7 +415,7 @@ class Ddp final : public tk::Plugin {
   void check_same(tk::Context& ctx) {
     torch::NoGradGuard no_grad;
     // Parameters sharded between uses (ZeRO stage 3) are gathered for the check, on every rank.
-    tk::WholeParameters whole(dynamic_cast<const tk::ShardedParameters*>(&ctx.optimizer()));
+    tk::WholeParameters whole(&ctx.optimizer());
     double sum = 0.0;
     for (const auto& p : ctx.model().parameters()) sum += p.to(torch::kDouble).sum().item<double>();
     auto lo = torch::tensor({sum}, torch::kDouble), hi = lo.clone();

@@ -2,8 +2,6 @@
 // update them, and broadcast by their owners while a block uses them.
 #include "param_shards.h"
 
-#include "grad_shards.h"
-
 #include <ATen/core/grad_mode.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -24,7 +22,8 @@ c10::StorageImpl& storage_of(const at::Tensor& t) { return *t.storage().unsafeGe
 }  // namespace
 
 ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std::string> names,
-                                 std::vector<int> owners, tk::World& world, const tk::Blocks* blocks, bool prefetch)
+                                 std::vector<int> owners, tk::World& world, const tk::Blocks* blocks,
+                                 const std::vector<int64_t>& groups, bool prefetch)
     : params_(std::move(params)),
       names_(std::move(names)),
       owners_(std::move(owners)),
@@ -49,7 +48,6 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
     index.emplace(p.unsafeGetTensorImpl(), i);
     all_.push_back(i);
   }
-  const std::vector<int64_t> groups = block_groups(params_, blocks);
   for (size_t b = 0; blocks && b < blocks->size(); ++b) {
     std::vector<size_t> mine;
     for (const auto& p : blocks->parameters(b))
@@ -168,8 +166,17 @@ void ParameterShards::gather_all() {
   gather(all_);
 }
 void ParameterShards::release_all() { release(all_); }
-void ParameterShards::gather_loose() { gather(loose_); }
-void ParameterShards::release_loose() { release(loose_); }
+void ParameterShards::gather_loose() {
+  if (loose_held_) return;
+  gather(loose_);
+  loose_held_ = true;
+}
+
+void ParameterShards::release_loose() {
+  if (!loose_held_) return;
+  release(loose_);
+  loose_held_ = false;
+}
 
 bool ParameterShards::all_whole() const {
   // A parameter held by a gather still in flight has no memory yet.

@@ -36,10 +36,11 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
  public:
   /// `params`: every trainable parameter, in model order, with `names` (for errors) and `owners`
   /// (the rank that updates each); `blocks`: the model's (null: it lists none, and every
-  /// parameter is of no block). Every parameter starts whole, held once until start(). Refuses a
-  /// parameter that shares its memory with another tensor (it cannot be freed alone).
+  /// parameter is of no block), with `groups` the block of each parameter (block_groups: -1 for
+  /// none). Every parameter starts whole, held once until start(). Refuses a parameter that shares
+  /// its memory with another tensor (it cannot be freed alone).
   ParameterShards(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> owners,
-                  tk::World& world, const tk::Blocks* blocks, bool prefetch);
+                  tk::World& world, const tk::Blocks* blocks, const std::vector<int64_t>& groups, bool prefetch);
   ~ParameterShards();
   ParameterShards(const ParameterShards&) = delete;
   ParameterShards& operator=(const ParameterShards&) = delete;
@@ -54,7 +55,8 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
 
   /// Runs block `b` (computed by `fn`) on `x` with its parameters gathered (Blocks::set_around).
   at::Tensor run_block(size_t b, const at::Tensor& x, const tk::BlockFn& fn);
-  /// The parameters of no block: gathered for a micro-batch, released after its backward.
+  /// The parameters of no block: gathered for a micro-batch, released after its backward. Once
+  /// each: a micro-batch redone before its backward (out of memory) gathers nothing more.
   void gather_loose();
   void release_loose();
   /// After a backward: frees what its gathers still hold (blocks whose input had no gradient).
@@ -116,6 +118,7 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   std::function<void(size_t)> done_;
   int rank_, world_;
   bool started_ = false;
+  bool loose_held_ = false;  // the parameters of no block gathered for the micro-batch
   bool prefetching_;
   struct Prefetch {
     size_t block;

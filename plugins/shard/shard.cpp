@@ -104,10 +104,10 @@ class Shard final : public tk::Plugin {
         auto it = name_of.find(p.unsafeGetTensorImpl());
         names.push_back(it == name_of.end() ? "(a parameter outside the model)" : it->second);
       }
-      if (stage_ == 3) shard_parameters(ctx, params, names);
       // One block's gradients to a bucket: stage 2's backward holds about one block of them whole.
-      grads_ = std::make_unique<tk::shard::GradientShards>(params, names, sharded_->owners(), ctx.world(),
-                                                           tk::shard::block_groups(params, tk::blocks_of(ctx.model())));
+      const auto groups = tk::shard::block_groups(params, tk::blocks_of(ctx.model()));
+      if (stage_ == 3) shard_parameters(ctx, params, names, groups);
+      grads_ = std::make_unique<tk::shard::GradientShards>(params, names, sharded_->owners(), ctx.world(), groups);
       if (params_) {
         grads_->send_when_settled();
         params_->on_block_done([grads = grads_.get()](size_t b) { grads->settle(static_cast<int64_t>(b)); });
@@ -139,9 +139,7 @@ class Shard final : public tk::Plugin {
   void on_micro_batch(tk::MicroBatchContext&) override {
     if (!params_) return decline(tk::Event::MicroBatch);
     params_->start();
-    if (loose_held_) return;  // a micro-batch redone (out of memory) before its backward
     params_->gather_loose();
-    loose_held_ = true;
   }
 
   void on_validation_start(tk::ValidationStartContext&) override {
@@ -166,8 +164,7 @@ class Shard final : public tk::Plugin {
     if (!grads_) return decline(tk::Event::Backward);
     if (params_) {
       params_->after_backward();
-      if (loose_held_) params_->release_loose();
-      loose_held_ = false;
+      params_->release_loose();
     }
     grads_->finish();
   }
@@ -210,10 +207,24 @@ class Shard final : public tk::Plugin {
     grads_.reset();
     sharded_ = nullptr;
     blocks_ = nullptr;
-    loose_held_ = false;
   }
 
  private:
+  /// Stage 3: the parameters of other ranks freed between uses, and gathered around each block.
+  void shard_parameters(tk::FitStartContext& ctx, const std::vector<at::Tensor>& params, std::vector<std::string> names,
+                        const std::vector<int64_t>& groups) {
+    blocks_ = tk::blocks_of(ctx.model());
+    params_ = std::make_shared<tk::shard::ParameterShards>(params, std::move(names), sharded_->owners(), ctx.world(),
+                                                           blocks_, groups, prefetch_);
+    sharded_->attach(params_);
+    if (!blocks_) return;
+    std::weak_ptr<tk::shard::ParameterShards> weak = params_;
+    blocks_->set_around([weak](size_t i, const at::Tensor& x, const tk::BlockFn& fn) {
+      auto shards = weak.lock();
+      return shards ? shards->run_block(i, x, fn) : fn(x);
+    });
+  }
+
   int64_t stage_ = 0;
   std::string reduce_ = "micro_batch";
   bool prefetch_ = true;
@@ -223,21 +234,6 @@ class Shard final : public tk::Plugin {
   std::unique_ptr<tk::shard::GradientShards> grads_;  // stage 2, as long as sharded_
   std::shared_ptr<tk::shard::ParameterShards> params_;  // stage 3, as long as sharded_
   tk::Blocks* blocks_ = nullptr;                        // the model's, at stage 3 (null: it lists none)
-  bool loose_held_ = false;                              // the parameters of no block gathered for a micro-batch
-
-  /// Stage 3: the parameters of other ranks freed between uses, and gathered around each block.
-  void shard_parameters(tk::FitStartContext& ctx, const std::vector<at::Tensor>& params, std::vector<std::string> names) {
-    blocks_ = tk::blocks_of(ctx.model());
-    params_ = std::make_shared<tk::shard::ParameterShards>(params, std::move(names), sharded_->owners(), ctx.world(),
-                                                           blocks_, prefetch_);
-    sharded_->attach(params_);
-    if (!blocks_) return;
-    std::weak_ptr<tk::shard::ParameterShards> weak = params_;
-    blocks_->set_around([weak](size_t i, const at::Tensor& x, const tk::BlockFn& fn) {
-      auto shards = weak.lock();
-      return shards ? shards->run_block(i, x, fn) : fn(x);
-    });
-  }
 };
 
 }  // namespace

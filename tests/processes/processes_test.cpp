@@ -558,6 +558,16 @@ TEST_SUITE("zero") {
   const char* const kStage3 = "stage = 3\n";
   const char* const kStage3Window = "stage = 3\nreduce = \"window\"\n";
 
+  /// Every record's `key` in run folder `a` equals that in `b` to `tol` (relative, above 1), NaN
+  /// where it is NaN.
+  void check_metric_close(const fs::path& a, const fs::path& b, const char* key, double tol) {
+    CAPTURE(key);
+    const auto x = tkt::metric(a / "out/metrics.jsonl", key), y = tkt::metric(b / "out/metrics.jsonl", key);
+    REQUIRE(x.size() == y.size());
+    for (size_t i = 0; i < x.size(); ++i)
+      CHECK(((std::isnan(x[i]) && std::isnan(y[i])) || std::abs(x[i] - y[i]) <= tol * std::max(1.0, std::abs(y[i]))));
+  }
+
   /// `recipe` + `plugins` on `ranks` ranks with ddp and the shard plugin given `shard` (ROOT/zero)
   /// and ddp alone (ROOT/ddp), with `sets`: the same weights and the same record of every step, bit
   /// for bit (`tol` 0), or to `tol` (stage 2 sums a gradient's parts in another order than ddp's
@@ -574,13 +584,8 @@ TEST_SUITE("zero") {
     const auto a = weights(root / "zero"), b = weights(root / "ddp");
     REQUIRE(a.sizes() == b.sizes());
     CHECK((a - b).abs().max().item<double>() <= tol * std::max(1.0, b.abs().max().item<double>()));
-    for (const char* key : {"loss", "lr", "micro_batches", "effective_batch", "grad_norm", "loss_scale"}) {
-      CAPTURE(key);
-      const auto x = tkt::metric(root / "zero/out/metrics.jsonl", key), y = tkt::metric(root / "ddp/out/metrics.jsonl", key);
-      REQUIRE(x.size() == y.size());
-      for (size_t i = 0; i < x.size(); ++i)
-        CHECK(((std::isnan(x[i]) && std::isnan(y[i])) || std::abs(x[i] - y[i]) <= tol * std::max(1.0, std::abs(y[i]))));
-    }
+    for (const char* key : {"loss", "lr", "micro_batches", "effective_batch", "grad_norm", "loss_scale"})
+      check_metric_close(root / "zero", root / "ddp", key, tol);
     CHECK(tkt::skipped(root / "zero/out/metrics.jsonl") == tkt::skipped(root / "ddp/out/metrics.jsonl"));
     // Each rank updates its share and broadcasts it: the check of every step saw equal ranks.
     const std::string stage = shard.substr(0, shard.find('\n')).substr(8);
@@ -643,9 +648,7 @@ TEST_SUITE("zero") {
         zero_equals_ddp(dir, recipe, "", ranks, sets, shard, 1e-12);
         const auto a = weights(dir / "zero"), b = weights(reference);
         CHECK((a - b).abs().max().item<double>() <= 1e-12);
-        const auto x = tkt::metric(dir / "zero/out/metrics.jsonl", "loss"), y = tkt::metric(reference / "out/metrics.jsonl", "loss");
-        REQUIRE(x.size() == y.size());
-        for (size_t i = 0; i < x.size(); ++i) CHECK(std::abs(x[i] - y[i]) <= 1e-12);
+        check_metric_close(dir / "zero", reference, "loss", 1e-12);
       }
     }
     // Experts the ranks do not all use in a window: a gradient a rank lacks adds zeros to its owner's sum.
@@ -674,12 +677,7 @@ TEST_SUITE("zero") {
         const fs::path dir = root / (std::to_string(ranks) + (std::string(shard).size() > 10 ? "-window" : "-micro"));
         auto zero = zero_equals_ddp(dir, recipe, "", ranks, sets, shard, 1e-12);
         CHECK((weights(dir / "zero") - weights(reference)).abs().max().item<double>() <= 1e-12);
-        const auto x = tkt::metric(dir / "zero/out/metrics.jsonl", "loss"), y = tkt::metric(reference / "out/metrics.jsonl", "loss");
-        REQUIRE(x.size() == y.size());
-        for (size_t i = 0; i < x.size(); ++i) CHECK(std::abs(x[i] - y[i]) <= 1e-12);
-        const auto vx = tkt::metric(dir / "zero/out/metrics.jsonl", "validation_loss"), vy = tkt::metric(reference / "out/metrics.jsonl", "validation_loss");
-        REQUIRE(vx.size() == vy.size());
-        for (size_t i = 0; i < vx.size(); ++i) CHECK(((std::isnan(vx[i]) && std::isnan(vy[i])) || std::abs(vx[i] - vy[i]) <= 1e-12));
+        for (const char* key : {"loss", "validation_loss"}) check_metric_close(dir / "zero", reference, key, 1e-12);
         CHECK(zero.out.find("parameters gathered for each of the model's 2 blocks in forward and backward, the rest for "
                             "each micro-batch") != std::string::npos);
         // Between steps rank 0 holds its own parameters alone: as many bytes as the state it steps

@@ -10,7 +10,7 @@ std::string non_finite_loss(Run& r, const LoopState& s, const std::vector<at::Te
   torch::NoGradGuard no_grad;
   // Every rank looks (the window's loss is the world's): parameters sharded between uses are
   // gathered on each.
-  WholeParameters whole(dynamic_cast<const ShardedParameters*>(r.optimizer.get()));
+  WholeParameters whole(r.optimizer.get());
   for (const auto& idx : window_indices) {
     const Batch b = r.fetch(*r.data.train, idx);
     for (const auto* t : {&b.input, &b.target}) {

@@ -163,7 +163,7 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
   const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
   const auto* sharded = dynamic_cast<const ShardedState*>(&optimizer);
   // Parameters sharded between uses are gathered for model.pt, on every rank (save_checkpoint_share).
-  WholeParameters whole(dynamic_cast<const ShardedParameters*>(&optimizer));
+  WholeParameters whole(&optimizer);
   std::error_code ec;
   // `failed`: what stopped this rank before the ranks write their shares together.
   try {
@@ -213,7 +213,7 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
 }
 
 void save_checkpoint_share(const fs::path& root, int64_t step, const ShardedState& state, World& world) {
-  WholeParameters whole(dynamic_cast<const ShardedParameters*>(&state));  // as rank 0 does for model.pt
+  WholeParameters whole(&state);  // as rank 0 does for model.pt
   write_shares(root / (step_name(step) + ".tmp"), state, world);
 }
 

@@ -160,8 +160,10 @@ MemoryMeter::MemoryMeter(const Run& r) : device_(r.device) {
   model_ = r.model;
   std::unordered_set<const void*> seen;  // a parameter tied to another shares its memory (and gradient)
   for (const auto& p : r.model->parameters()) {
-    if (p.has_storage() && p.storage().nbytes() > 0 && seen.insert(p.storage().data()).second)
-      resident_ += static_cast<double>(p.storage().nbytes());
+    if (p.has_storage() && p.storage().nbytes() > 0) {
+      params_at_start_.insert(p.storage().data());  // followed on the CPU: see take_peak
+      if (seen.insert(p.storage().data()).second) resident_ += static_cast<double>(p.storage().nbytes());
+    }
     if (p.grad().defined() && seen.insert(p.grad().data_ptr()).second) resident_ += static_cast<double>(p.grad().nbytes());
   }
   resident_ += bytes_of(r.model->buffers());
@@ -174,8 +176,6 @@ MemoryMeter::MemoryMeter(const Run& r) : device_(r.device) {
   previous_ = c10::GetCPUAllocator();
   if (previous_ == &CountingAllocator::instance()) throw Error("memory meters do not nest");
   CountingAllocator::instance().start(previous_);
-  for (const auto& p : r.model->parameters())
-    if (p.has_storage() && p.storage().nbytes() > 0) params_at_start_.insert(p.storage().data());
   held_parameter_bytes();
   c10::SetCPUAllocator(&CountingAllocator::instance(), kPriority);
 }

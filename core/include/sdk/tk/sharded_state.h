@@ -65,11 +65,13 @@ class ShardedParameters {
   virtual ~ShardedParameters() = default;
 };
 
-/// Every parameter whole for the life of this object (nothing to do for null):
-///     tk::WholeParameters whole(dynamic_cast<const tk::ShardedParameters*>(&ctx.optimizer()));
+/// Every parameter whole for the life of this object, given the optimizer (nothing to do for one
+/// that does not shard its parameters, or for null):
+///     tk::WholeParameters whole(&ctx.optimizer());
 class WholeParameters {
  public:
-  explicit WholeParameters(const ShardedParameters* sharded) : sharded_(sharded) {
+  template <class Optimizer>
+  explicit WholeParameters(const Optimizer* optimizer) : sharded_(dynamic_cast<const ShardedParameters*>(optimizer)) {
     if (sharded_) sharded_->gather_parameters();
   }
   ~WholeParameters() {
