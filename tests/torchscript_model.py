@@ -5,10 +5,12 @@ usage: python3 torchscript_model.py make DIR    writes DIR/model.pt (torch.jit.s
                                                 accumulation verifier)
        python3 torchscript_model.py check RUN   RUN = DIR/run, the tk-run output folder
 
-`check` loads RUN/weights.pt, requires exactly the module's parameter and buffer names, and
-replays the recipe (tests/fixtures/torchscript.toml: SGD with momentum, batches of 16 in file
-order made of 2 micro-batches of 8) with torch.optim on the scripted module: the parameters
-must agree to float32 precision.
+`check` loads RUN/weights.pt, requires exactly the module's state_dict names (a tied weight under
+both of its names) and loads it back with load_state_dict, and replays the recipe
+(tests/fixtures/torchscript.toml: SGD with momentum, batches of 16 in file order made of 2
+micro-batches of 8, or of 8 on each of 2 ranks) with torch.optim on the scripted module: the
+parameters must agree to float32 precision. The module ties one weight to another (one tensor
+under two names), which must be stepped once.
 """
 import pathlib
 import sys
@@ -20,11 +22,13 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        self.mix = torch.nn.Linear(16, 16)
+        self.mix.weight = self.body[2].weight  # tied: one parameter, two names
         self.head = torch.nn.Linear(16, 3)
         self.register_buffer("scale", torch.tensor(0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.body(x)) * self.scale)
+        return self.head(torch.tanh(self.mix(torch.relu(self.body(x)))) * self.scale)
 
 
 class NormNet(torch.nn.Module):
@@ -58,8 +62,9 @@ def check(run: pathlib.Path):
     except TypeError:
         weights = torch.load(run / "weights.pt")
     model = torch.jit.load(str(folder / "model.pt"))
-    expected = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    expected = list(model.state_dict())
     assert sorted(weights) == sorted(expected), f"names {sorted(weights)} != module's {sorted(expected)}"
+    torch.jit.load(str(folder / "model.pt")).load_state_dict(weights)
 
     data = torch.load(folder / "data.pt")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

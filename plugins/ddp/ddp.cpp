@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 namespace {
@@ -178,8 +179,9 @@ class Ddp final : public tk::Plugin {
     if (world_->size() == 1 || !world_->process_group()) return;
     check_same_model(ctx.model());
     broadcast_from_rank0(ctx.model());
+    std::set<const c10::TensorImpl*> seen;  // a parameter registered under two names (tied) is summed once
     for (const auto& p : ctx.model().named_parameters())
-      if (p.value().requires_grad()) {
+      if (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second) {
         param_names_.push_back(p.key());
         params_.push_back(p.value());
       }

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "grad_shards.h"
@@ -23,8 +24,9 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 double mib_of(const std::vector<at::Tensor>& tensors) {
   int64_t n = 0;
+  std::set<const c10::TensorImpl*> seen;  // a parameter registered under two names (tied) counts once
   for (const auto& t : tensors)
-    if (t.defined()) n += tk::shard::bytes_of(t);
+    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) n += tk::shard::bytes_of(t);
   return static_cast<double>(n) / kMiB;
 }
 

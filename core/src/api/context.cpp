@@ -129,7 +129,7 @@ const torch::optim::Optimizer& Context::optimizer() const { return *s_->optimize
 torch::optim::Optimizer& Context::mutable_optimizer() const { return *s_->optimizer; }
 std::vector<at::Tensor> Context::gradients() const {
   std::vector<at::Tensor> grads;
-  for (const auto& p : s_->model->parameters())
+  for (const auto& p : detail::distinct_tensors(s_->model->parameters()))
     if (p.grad().defined()) grads.push_back(p.grad());
   return grads;
 }

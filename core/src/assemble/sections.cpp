@@ -9,9 +9,11 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "assemble/assemble.h"
+#include "support/support.h"
 #include "tk/compat.h"
 #include "tk/tensor_io.h"
 
@@ -352,8 +354,9 @@ void check_optimizer_covers(const Run& r, const torch::optim::Optimizer& opt, co
   for (const auto& g : opt.param_groups())
     for (const auto& p : g.params()) ++seen[p.unsafeGetTensorImpl()];
   const std::string who = "the optimizer made through the wrap_optimizer of plugin '" + r.optimizer_wraps.back().first + "'";
+  std::set<const void*> checked;  // a parameter registered under two names (tied) is checked once
   for (const auto& p : r.model->named_parameters()) {
-    if (!p.value().requires_grad()) continue;
+    if (!p.value().requires_grad() || !checked.insert(p.value().unsafeGetTensorImpl()).second) continue;
     auto it = seen.find(p.value().unsafeGetTensorImpl());
     if (it == seen.end())
       throw Error(who + " does not list trainable parameter '" + p.key() +
@@ -370,7 +373,7 @@ void check_optimizer_covers(const Run& r, const torch::optim::Optimizer& opt, co
 
 void make_optimizer(Run& r) {
   std::vector<at::Tensor> trainable;
-  for (const auto& p : r.model->parameters())
+  for (const auto& p : distinct_tensors(r.model->parameters()))
     if (p.requires_grad()) trainable.push_back(p);
   if (trainable.empty())
     throw RecipeError(r.model_opts.section_loc(), "model '" + r.model_name + "' has no trainable parameter" +

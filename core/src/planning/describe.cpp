@@ -11,7 +11,7 @@ std::string describe(Run& d, const Recipe& recipe) {
   plan_run(d);
   std::ostringstream out;
   int64_t params = 0, trainable = 0;
-  for (const auto& p : d.model->parameters()) {
+  for (const auto& p : distinct_tensors(d.model->parameters())) {
     params += p.numel();
     if (p.requires_grad()) trainable += p.numel();
   }

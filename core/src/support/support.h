@@ -179,6 +179,13 @@ double peak_rss_mib();
 /// A loss or perplexity for people: 4 significant digits.
 std::string fmt_loss(double v);
 
+// ---- tensor_io.cpp ------------------------------------------------------------------------------
+
+/// `tensors` with each tensor once, in the order of its first place: a module that registers one
+/// parameter under two names (a weight tied in a TorchScript module) lists it twice, and it must
+/// still be stepped, normalized and counted once.
+std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors);
+
 // ---- rng.cpp: the process's random generators (checkpoints, trials, back-offs) -------------------
 
 /// The process's random generators by checkpoint key (the CPU's, each GPU's).

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <set>
 
 #include "tk/error.h"
 #include "tk/output.h"
@@ -255,3 +256,15 @@ NamedTensors load_safetensors(const std::filesystem::path& file) {
 }
 
 }  // namespace tk
+
+namespace tk::detail {
+
+std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors) {
+  std::set<const c10::TensorImpl*> seen;
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors)
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  return out;
+}
+
+}  // namespace tk::detail
