@@ -55,11 +55,12 @@ class Shard final : public tk::Plugin {
     if (stage_ < 0 || stage_ > 3)
       fail_option(stage_, "must be 0, 1, 2 or 3 (1 shards the optimizer state, 2 the gradients too, 3 the "
                           "parameters too), got " + std::to_string(stage_));
+    notes_.clear();
     if (option_given(reduce_) && stage_ < 2)
-      note_ = "reduce = \"" + reduce_ + "\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is " +
-              std::to_string(stage_) + ")";
-    else if (option_given(prefetch_) && stage_ < 3)
-      note_ = "prefetch is ignored: only stage 3 gathers parameters (stage is " + std::to_string(stage_) + ")";
+      notes_.push_back("reduce = \"" + reduce_ + "\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is " +
+                       std::to_string(stage_) + ")");
+    if (option_given(prefetch_) && stage_ < 3)
+      notes_.push_back("prefetch is ignored: only stage 3 gathers parameters (stage is " + std::to_string(stage_) + ")");
   }
 
   tk::Contract contract() const override {
@@ -115,7 +116,8 @@ class Shard final : public tk::Plugin {
         params_->on_block_done([grads = grads_.get()](size_t b) { grads->settle(static_cast<int64_t>(b)); });
       }
     }
-    if (!note_.empty() && !ctx.trial()) ctx.warn(note_);
+    if (!ctx.trial())
+      for (const auto& n : notes_) ctx.warn(n);
     if (!sharded_ || ctx.trial()) return;
     const int size = ctx.world_size(), rank = ctx.rank();
     int64_t total = 0;
@@ -230,7 +232,7 @@ class Shard final : public tk::Plugin {
   int64_t stage_ = 0;
   std::string reduce_ = "micro_batch";
   bool prefetch_ = true;
-  std::string note_;
+  std::vector<std::string> notes_;  // options given that this stage ignores
   tk::shard::ShardedOptimizer* made_ = nullptr;    // the optimizer this plugin made last
   tk::shard::ShardedOptimizer* sharded_ = nullptr;  // the run's, from on_fit_start to on_fit_end
   std::unique_ptr<tk::shard::GradientShards> grads_;  // stage 2, as long as sharded_

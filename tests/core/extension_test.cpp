@@ -327,7 +327,7 @@ TEST_SUITE("extension") {
     CHECK(quiet_one.warnings().empty());
     tk::Trainer strict(tkt::recipe(), tkt::quiet());
     strict.add_plugin(std::make_shared<Orders>(tk::Capability{"grads.cliped"}, true), "orders");
-    CHECK_THROWS_WITH(strict.plan(), "plugin 'orders' requires 'grads.cliped', which no plugin in this run provides "
+    CHECK_THROWS_WITH(strict.plan(), "plugins.orders: plugin 'orders' requires 'grads.cliped', which no plugin in this run provides "
                                      "(not a known capability name; did you mean 'grads.clipped'?)");
   }
 

@@ -833,7 +833,7 @@ TEST_SUITE("zero") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("a resume re-shards exactly: 2 sharded ranks -> 4, and an unsharded checkpoint -> sharded") {
+  TEST_CASE("a resume re-shards exactly: 2 sharded ranks -> 4, and an unsharded checkpoint -> sharded (with and without the plugin)") {
     // 256 examples, 16 per step on 2 ranks (4 x 2) and on 4 (4 x 1): step 16 ends epoch 1, where a
     // resume on another world starts epoch 2 from its beginning.
     const fs::path root = tkt::temp_dir("zero-reshard");
@@ -873,6 +873,20 @@ TEST_SUITE("zero") {
                              "one per rank of an optimizer sharded over the ranks; this run's optimizer is not "
                              "sharded") != std::string::npos);
     CHECK(unsharded.out.find("  plugins.shard.stage: 1 -> 0") != std::string::npos);
+    // A checkpoint of a run without the shard plugin goes on sharded once the plugin list may change:
+    // the plugin's options come with it (no "newer options" warning), and stage 1 steps as ddp did.
+    const std::string plain_recipe = recipe.substr(0, recipe.rfind("[[plugins]]\nname = \"shard\"\n"));
+    REQUIRE(tk_run(root / "without", plain_recipe, "--nproc 2 " + sets).rc == 0);
+    const std::string from_without = "--nproc 2 --set plugins.shard.stage=1 " + sets + "--resume " +
+                                     (root / "without/out/checkpoints/step-00000016").string();
+    auto refused = tk_run(root / "added-refused", recipe, from_without);
+    CHECK(refused.rc == 2);
+    CHECK(refused.out.find("  plugins: \"grad_accum, ddp\" -> \"grad_accum, ddp, shard\"") != std::string::npos);
+    auto added = tk_run(root / "added", recipe, from_without + " --allow-change plugins");
+    INFO(added.out);
+    REQUIRE(added.rc == 0);
+    CHECK(added.out.find("does not record these options") == std::string::npos);
+    CHECK(torch::equal(weights(root / "added"), weights(root / "whole")));
     fs::remove_all(root);
   }
 
@@ -939,13 +953,16 @@ TEST_SUITE("zero") {
     // A stage shards across the world that a data-parallel plugin syncs: refused without one, even alone.
     auto alone = tk_run(root / "alone", base_with(kAdamW) + "[[plugins]]\nname = \"shard\"\nstage = 2\n", "");
     CHECK(alone.rc == 2);
-    CHECK(alone.out.find("plugin 'shard' requires 'grads.synced', which no plugin in this run provides") != std::string::npos);
+    // At the shard plugin's entry in the recipe.
+    CHECK(alone.out.find("recipe.toml:") != std::string::npos);
+    CHECK(alone.out.find(": plugin 'shard' requires 'grads.synced', which no plugin in this run provides") != std::string::npos);
     // reduce applies to stages 2 and 3 alone, prefetch to 3: said once, not refused.
     auto ignored = tk_run(root / "ignored", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n"
-                                                                "stage = 1\nreduce = \"window\"\n", "");
+                                                                "stage = 1\nreduce = \"window\"\nprefetch = false\n", "");
     CHECK(ignored.rc == 0);
     CHECK(ignored.out.find("reduce = \"window\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is 1)") !=
           std::string::npos);
+    CHECK(ignored.out.find("prefetch is ignored: only stage 3 gathers parameters (stage is 1)") != std::string::npos);
     auto early = tk_run(root / "early", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n"
                                                             "stage = 2\nprefetch = false\n", "");
     CHECK(early.rc == 0);

@@ -145,6 +145,7 @@ int first_failure(const std::string& dir, const std::vector<Worker>& workers, in
 }  // namespace
 
 void record_failure(const std::string& file, const std::string& kind) {
+  if (std::ifstream(file).good()) return;  // the first record of this rank's failure stands
   std::ofstream(file) << now_ns() << " " << kind << "\n";
 }
 

@@ -179,9 +179,12 @@ std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins, std::v
   }
   for (size_t i = 0; i < n; ++i) {
     for (const auto& need : plugins[i].contract.requires_)
-      if (!provider.count(need.name()))
-        throw Error("plugin '" + plugins[i].name + "' requires '" + need.name() +
-                    "', which no plugin in this run provides" + unknown_note(need.name(), provider));
+      if (!provider.count(need.name())) {
+        const std::string what = "plugin '" + plugins[i].name + "' requires '" + need.name() +
+                                 "', which no plugin in this run provides" + unknown_note(need.name(), provider);
+        if (!plugins[i].where.file.empty()) throw RecipeError(plugins[i].where, what);
+        throw Error(what);
+      }
     for (const auto& c : plugins[i].contract.conflicts) {
       auto it = provider.find(c.name());
       if (it != provider.end() && it->second != i)

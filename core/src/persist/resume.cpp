@@ -1,6 +1,8 @@
 // What a run is (its identity, as checkpoints record it) and continuing one from a checkpoint:
 // the recorded run compared with this one, then model, optimizer, generators and plugin states.
+#include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "assemble/assemble.h"
@@ -127,9 +129,27 @@ struct Differences {
   bool unrecorded_data = false;       ///< the checkpoint does not record its data's files
 };
 
+/// The labels of the plugins a run had (its "plugins" entry: a TOML string of labels joined by
+/// ", "); nullopt when it does not record them.
+std::optional<std::set<std::string>> plugins_of(const RunIdentity& run) {
+  for (const auto& [k, v] : run.recipe) {
+    if (k != "plugins") continue;
+    std::set<std::string> out;
+    const std::string list = v.size() >= 2 && v.front() == '"' ? v.substr(1, v.size() - 2) : v;
+    for (size_t at = 0; at < list.size();) {
+      const size_t comma = std::min(list.find(", ", at), list.size());
+      out.insert(list.substr(at, comma - at));
+      at = comma + 2;
+    }
+    return out;
+  }
+  return std::nullopt;
+}
+
 /// Compares the checkpoint's run with this one. A key the checkpoint does not record is an option
 /// the trainkit (or plugin) that wrote it did not have yet: left at its default, it trains what that
-/// one trained, and is no difference.
+/// one trained, and is no difference. The options of a plugin the checkpoint's run did not have are
+/// part of adding it: differences like the "plugins" entry itself.
 Differences differences(const RunIdentity& saved, const RunIdentity& now, const std::vector<std::string>& allowed) {
   auto covers = [](const std::string& a, const std::string& key) {
     return a == "all" || a == key || key.rfind(a + ".", 0) == 0;
@@ -148,6 +168,12 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
     const bool elsewhere = moved != now.retired.end() && !moved->second.empty();
     before[elsewhere ? moved->second : k] = v;
   }
+  const auto had = plugins_of(saved);
+  auto of_added_plugin = [&](const std::string& key) {
+    constexpr size_t kAfter = sizeof("plugins.") - 1;
+    if (!had || key.rfind("plugins.", 0) != 0) return false;
+    return !had->count(key.substr(kAfter, key.find('.', kAfter) - kAfter));
+  };
   Differences out;
   auto show = [](const std::string* v) { return v ? *v : std::string("(not set)"); };
   for (const auto& [k, v] : now.recipe) {
@@ -155,7 +181,7 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
     const std::string* old = it == before.end() ? nullptr : &it->second;
     if (!old && k == kDataKey)
       out.unrecorded_data = true;
-    else if (!old && now.defaults.count(k))
+    else if (!old && now.defaults.count(k) && !of_added_plugin(k))
       out.defaults.push_back(k + " = " + v);
     else if (!old || *old != v)
       (is_allowed(k) ? out.allowed : out.refused).push_back(k + ": " + show(old) + " -> " + v);

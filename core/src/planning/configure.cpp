@@ -21,7 +21,7 @@ void configure_plugins(Run& r) {
   for (size_t i : with_plugin) {
     const Slot& s = r.slots[i];
     r.call_plugin(s, "configure", [&] { s.plugin->configure(r.plan.view); });
-    decls.push_back({s.name, s.plugin->contract()});
+    decls.push_back({s.name, s.plugin->contract(), s.plugin->options().section_loc()});
   }
   std::vector<std::string> notes;
   r.order.clear();

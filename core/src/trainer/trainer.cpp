@@ -32,6 +32,26 @@ namespace {
   }
 }
 
+/// The embedder's on_failure, called once however many layers see the same failure (the loop's,
+/// before plugins clean up; the Trainer's, for a failure before training).
+std::function<void()> once(std::function<void()> f) {
+  if (!f) return f;
+  auto told = std::make_shared<bool>(false);
+  return [f = std::move(f), told] {
+    if (*told) return;
+    *told = true;
+    f();
+  };
+}
+
+/// A failure of the run: told to the embedder while the run (its world among it) is still whole,
+/// then rethrown from libtrainkit. A launcher tells the rank that failed first by that moment:
+/// a peer that loses this rank's connections when it exits fails after it.
+[[noreturn]] void fail(const TrainerOptions& opts) {
+  if (opts.on_failure) opts.on_failure();
+  rethrow_from_core();
+}
+
 }  // namespace
 
 std::set<std::string> plugin_capabilities(const Recipe& recipe, const TrainerOptions& opts) {
@@ -59,10 +79,11 @@ struct Trainer::Impl {
 };
 
 Trainer::Trainer(Recipe recipe, TrainerOptions opts) : impl_(new Impl{std::move(recipe), std::move(opts), {}, {}, false}) {
+  impl_->options.on_failure = once(std::move(impl_->options.on_failure));
   try {
     detail::assemble(impl_->run, impl_->recipe, impl_->options);
   } catch (...) {
-    rethrow_from_core();
+    fail(impl_->options);
   }
 }
 Trainer::~Trainer() = default;
@@ -80,7 +101,7 @@ std::string Trainer::describe() {
   try {
     return detail::describe(impl_->run, impl_->recipe);
   } catch (...) {
-    rethrow_from_core();
+    fail(impl_->options);
   }
 }
 
@@ -95,7 +116,7 @@ FitResult Trainer::fit() {
     detail::plan_run(impl_->run);
     return detail::train(impl_->run, impl_->recipe, impl_->options, impl_->trace);
   } catch (...) {
-    rethrow_from_core();
+    fail(impl_->options);
   }
 }
 
@@ -105,7 +126,7 @@ AccumulationCheck Trainer::verify_accumulation() {
     detail::plan_run(impl_->run);
     return detail::verify_accumulation(impl_->run);
   } catch (...) {
-    rethrow_from_core();
+    fail(impl_->options);
   }
 }
 

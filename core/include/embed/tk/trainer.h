@@ -36,8 +36,10 @@ struct TrainerOptions {
   bool write_outputs = true;                    ///< write the output folder (off for in-memory runs)
   ProgressMode progress = ProgressMode::Auto;
   std::optional<std::vector<std::filesystem::path>> plugin_dirs;  ///< replaces the default search path
-  /// Called the moment training fails, before plugins clean up (a launcher uses it to tell the
-  /// first failing rank from the ones that fail after losing it).
+  /// Called once when the run fails: in training the moment it fails, before plugins clean up;
+  /// before training (setup, planning, a resume) as the error leaves the Trainer, with the run
+  /// and its world still whole. A launcher uses it to tell the first failing rank from the ones
+  /// that fail after losing it.
   std::function<void()> on_failure;
   /// Called after each optimizer step but the last: true stops the run there, with that step kept
   /// and checkpointed (SIGINT/SIGTERM); FitResult::stopped is then "signal".
