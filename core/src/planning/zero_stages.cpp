@@ -48,8 +48,14 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   const int64_t n = std::max<int64_t>(world_size, 2);
   const std::vector<double> here = s.per_rank(std::max<int64_t>(world_size, 1)), there = s.per_rank(n);
   // The rest of the step (activations, the batch, the buffers): the measured peak beyond what
-  // this stage's state and buffers take.
-  const double rest = std::max(0.0, peak - here[static_cast<size_t>(s.stage)]);
+  // this stage's state and buffers take. Below zero where those buffers are reckoned larger than
+  // they were (a small model's): each stage then differs from the measured step by what its state
+  // and buffers differ, so the figure of the stage measured is the peak itself, and no other
+  // stage's falls below its bare share of the state.
+  const double rest = peak - here[static_cast<size_t>(s.stage)];
+  const double f = s.share(n), P = s.trainable, O = s.optimizer_whole;
+  const std::vector<double> bare = {s.frozen + 2 * P + O, s.frozen + 2 * P + O * f, s.frozen + P + (P + O) * f,
+                                    s.frozen + (2 * P + O) * f};
   const std::string optimizer = s.optimizer_known ? "optimizer state " + format_bytes(s.optimizer_whole)
                                                   : "the optimizer's state not reported by it, counted as none";
   std::string out = "; the training state is " + format_bytes(s.frozen + 2 * s.trainable + s.optimizer_whole) +
@@ -57,7 +63,9 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
                     format_bytes(s.trainable) + ", " + optimizer + "), and this step is at ZeRO stage " +
                     std::to_string(s.stage);
   std::vector<double> step;
-  for (double state : there) step.push_back(rest + state);
+  for (size_t stage = 0; stage < there.size(); ++stage)
+    step.push_back(world_size > 1 && stage == static_cast<size_t>(s.stage) ? peak
+                                                                           : std::max(rest + there[stage], bare[stage]));
   out += std::string(world_size < 2 ? ". On one rank nothing is sharded; over 2 ranks" : ". Over its " + std::to_string(n) + " ranks") +
          ", with the optimizer state sharded from stage 1, the gradients from 2 and the parameters from 3, the step "
          "would take about " + stage_list(step);
@@ -70,9 +78,9 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   const double sharded = 2 * s.trainable + s.optimizer_whole, fixed = rest + there[3] - sharded * s.share(n);
   const double room = limit - fixed, least = sharded * s.share(std::max<int64_t>(s.tensors, 1));
   if (least > room)
-    return out + ": none fits, over any number of ranks: the rest of the step (activations, the parameters "
-                 "gathered) and the least share of the state a rank can hold take " + format_bytes(fixed + least) +
-           " on each";
+    return out + ": by these figures none fits, over any number of ranks: the rest of the step (activations, the "
+                 "parameters gathered) and the least share of the state a rank can hold take " +
+           format_bytes(fixed + least) + " on each (estimates: a stage the recipe sets is measured)";
   // Some k <= tensors fits (the least share does): from the even split's count up.
   auto k = std::max(static_cast<int64_t>(std::ceil(sharded / room)), n + 1);
   while (sharded * s.share(k) > room) ++k;
