@@ -341,7 +341,8 @@ class Launch {
     const int64_t mono = failure_time(failure_dir_, rank(failed_rank_), w);
     f.time_ns = mono >= 0 ? realtime_ns() - (now_ns() - mono) : failure_real_ns_;
     f.node = opts_.node_rank;
-    f.exit_code = !w.running && WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2 ? 2 : 1;
+    // A rank that refused the run exits 2: said by its record while it is still on its way out.
+    f.exit_code = (!w.running && WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2) || kind == "refused" ? 2 : 1;
     f.what = "rank " + std::to_string(rank(failed_rank_)) + " failed" +
              (w.running ? std::string() : " (" + describe_status(w.status) + ")") + " on node " +
              std::to_string(opts_.node_rank);

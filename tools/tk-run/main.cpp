@@ -46,6 +46,8 @@ void on_stop_signal(int sig) {
 }
 
 constexpr int kExitFailed = 1;  // the run started and failed
+/// Whether this process has gone on to train: a failure before is a refusal (exit 2).
+bool g_fitting = false;
 constexpr int kExitUsage = 2;   // bad command line, recipe or plugin: nothing was trained
 
 /// Whether an error is a collective's timeout (a peer that stopped answering), as Gloo and NCCL say it.
@@ -363,7 +365,8 @@ int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
   }
 }
 
-/// A worker under --nproc records the moment and the kind of its failure for the launcher.
+/// A worker under --nproc records the moment and the kind of its failure for the launcher:
+/// "timeout" (a collective's), "refused" (before training: the worker will exit 2) or "error".
 void record_failures_for_launcher(tk::TrainerOptions& topts) {
   const char* dir = std::getenv("TK_FAILURE_DIR");
   if (!dir) return;
@@ -375,7 +378,9 @@ void record_failures_for_launcher(tk::TrainerOptions& topts) {
       try {
         std::rethrow_exception(current);
       } catch (const std::exception& e) {
-        if (is_timeout(e.what())) kind = "timeout";
+        kind = is_timeout(e.what())                                     ? "timeout"
+               : !g_fitting || dynamic_cast<const tk::RunRefused*>(&e) ? "refused"
+                                                                         : "error";
       } catch (...) {
       }
     }
@@ -446,6 +451,7 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     return kExitUsage;
   }
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) std::signal(sig, on_stop_signal);
+  g_fitting = true;
   try {
     return report_fit(argc, argv, c, *trainer, trainer->fit());
   } catch (const tk::RunRefused& e) {
