@@ -822,6 +822,14 @@ TEST_SUITE("zero") {
     CHECK(damaged.rc == 2);
     CHECK(damaged.out.find((step4 / "optimizer-share-1.pt").string() + ": damaged, or saved for another optimizer") !=
           std::string::npos);
+    // On 2 ranks rank 1 reads it: the launch names rank 1, whose peer fails only on losing it.
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      auto two = tk_run(root / ("damaged-2-" + std::to_string(attempt)), recipe, sets + from);
+      INFO(two.out);
+      CHECK(two.rc == 2);
+      CHECK(two.out.find("tk-run: rank 1 failed") != std::string::npos);
+      CHECK(two.out.find("tk-run: rank 0 failed") == std::string::npos);
+    }
     // What a start killed while its ranks looked for each other's files leaves is the run's own:
     // a new start over it deletes it.
     std::ofstream(root / "killed/out/checkpoints/.rank-1-4242") << "";

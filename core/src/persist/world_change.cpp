@@ -250,11 +250,16 @@ void continue_on_world(Run& r, Checkpoint& ck) {
     throw RunRefused(refused + fit.why +
                      (fits.empty() ? "" : "; it continues exactly on " + fits + (fits == "1" ? " rank" : " ranks")));
   }
+  // The plan printed before the resume is the recipe's on this world: said when the run's differs.
+  const std::string planned = fit.m == r.plan.micro_batch && fit.k == r.plan.accumulation
+                                  ? ""
+                                  : " (in place of the plan's " + std::to_string(r.plan.micro_batch) + " x " +
+                                        std::to_string(r.plan.accumulation) + ")";
   r.plan.micro_batch = fit.m;
   r.plan.accumulation = fit.k;
   shape_windows(r);
-  spdlog::info("continuing the run of {} on {}: {} examples a step, micro-batches of {} x {} per rank, from the same "
-               "example on", ranks, now, change.batch(), fit.m, fit.k);
+  spdlog::info("continuing the run of {} on {}: {} examples a step, micro-batches of {} x {} per rank{}, from the same "
+               "example on", ranks, now, change.batch(), fit.m, fit.k, planned);
   pos.next_batch = fit.next_batch;
   pos.micro_batch = fit.m;
   pos.accumulation = fit.k;
