@@ -495,8 +495,12 @@ class Launch {
       std::fprintf(stderr, "%s: rank %d failed (%s)%s. Its last output:\n", opts_.program.c_str(), rank(failed_rank_),
                    describe_status(w.status).c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
       for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
-      // A worker that refused the run before training (exit 2) makes the launch a refusal too.
-      return WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2 ? 2 : 1;
+      // A worker that refused the run before training (exit 2, or its record says so: one killed
+      // on its way out) makes the launch a refusal too, as the other nodes are told.
+      return (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2) ||
+                     failure_record(failure_dir_, rank(failed_rank_)).second == "refused"
+                 ? 2
+                 : 1;
     }
     if (g_signal) return 128 + g_signal;
     // A signal sent to one worker stopped the world at a checkpoint: the launch ends as that worker did.

@@ -378,9 +378,10 @@ void record_failures_for_launcher(tk::TrainerOptions& topts) {
       try {
         std::rethrow_exception(current);
       } catch (const std::exception& e) {
-        kind = is_timeout(e.what())                                     ? "timeout"
-               : !g_fitting || dynamic_cast<const tk::RunRefused*>(&e) ? "refused"
-                                                                         : "error";
+        // Before training every failure is a refusal (exit 2), a timed-out rendezvous among them.
+        kind = !g_fitting || dynamic_cast<const tk::RunRefused*>(&e) ? "refused"
+               : is_timeout(e.what())                                 ? "timeout"
+                                                                      : "error";
       } catch (...) {
       }
     }

@@ -257,7 +257,7 @@ class WindowSchedule {
 struct PluginDecl {
   std::string name;
   Contract contract;
-  SourceLoc where;  // its [[plugins]] entry in the recipe (no file: added in code)
+  SourceLoc where;  // its [[plugins]] entry in the recipe ("plugins.<name>" for one added in code; none: unnamed)
 };
 
 /// Dispatch order for plugins: the providers of what a plugin lists in `after` come first, recipe

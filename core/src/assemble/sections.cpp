@@ -134,11 +134,19 @@ void choose_trainable(Run& r) {
         r.model_opts.fail(key, "'" + pattern + "' matches no parameter of model '" + r.model_name + "' (it has " +
                                    first_of(names, 4) + ")");
     }
-  int64_t trained = 0, frozen = 0;
+  // A tensor under two names (tied) trains when either name is kept and neither is frozen.
+  std::map<const c10::TensorImpl*, std::pair<bool, bool>> kept_frozen;
   for (const auto& p : params) {
-    const bool train = (keep.empty() || matches(keep, p.key())) && !matches(freeze, p.key());
-    if (!train) p.value().set_requires_grad(false);
-    (train ? trained : frozen) += p.value().numel();
+    auto& [kept, frozen_by] = kept_frozen[p.value().unsafeGetTensorImpl()];
+    kept = kept || keep.empty() || matches(keep, p.key());
+    frozen_by = frozen_by || matches(freeze, p.key());
+  }
+  int64_t trained = 0, frozen = 0;
+  for (const auto& t : distinct_tensors(params.values())) {
+    const auto& [kept, frozen_by] = kept_frozen.at(t.unsafeGetTensorImpl());
+    const bool train = kept && !frozen_by;
+    if (!train) const_cast<at::Tensor&>(t).set_requires_grad(false);
+    (train ? trained : frozen) += t.numel();
   }
   spdlog::info("model: {} parameters trained, {} frozen (model.trainable, model.freeze)", trained, frozen);
 }

@@ -170,9 +170,10 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
   }
   const auto had = plugins_of(saved);
   auto of_added_plugin = [&](const std::string& key) {
-    constexpr size_t kAfter = sizeof("plugins.") - 1;
     if (!had || key.rfind("plugins.", 0) != 0) return false;
-    return !had->count(key.substr(kAfter, key.find('.', kAfter) - kAfter));
+    // A label may hold dots (a plugin named by its file): the key is "plugins.<label>.<option>".
+    return std::none_of(had->begin(), had->end(),
+                        [&](const std::string& label) { return key.rfind("plugins." + label + ".", 0) == 0; });
   };
   Differences out;
   auto show = [](const std::string* v) { return v ? *v : std::string("(not set)"); };

@@ -75,7 +75,9 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
              cap::kOptimizerSharded.name() + "; tk-run --list shows the plugins)";
   // No higher stage over this world: the fewest ranks at stage 3, if more ranks can do it. A
   // rank holds whole tensors: never less than the largest one's part, and at most one rank per tensor.
-  const double sharded = 2 * s.trainable + s.optimizer_whole, fixed = rest + there[3] - sharded * s.share(n);
+  // (The rest at no less than zero: a count of ranks errs towards more.)
+  const double sharded = 2 * s.trainable + s.optimizer_whole,
+               fixed = std::max(rest, 0.0) + there[3] - sharded * s.share(n);
   const double room = limit - fixed, least = sharded * s.share(std::max<int64_t>(s.tensors, 1));
   if (least > room)
     return out + ": by these figures none fits, over any number of ranks: the rest of the step (activations, the "

@@ -6,6 +6,7 @@
 /// parallel. The folder is moved into place once every rank's share is written, so a checkpoint
 /// is whole or absent. Its folder must be one every rank sees (on several machines: a shared
 /// filesystem), as it must be for the ranks to resume from it.
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 
@@ -74,6 +75,7 @@ class WholeParameters {
   explicit WholeParameters(const Optimizer* optimizer) : sharded_(dynamic_cast<const ShardedParameters*>(optimizer)) {
     if (sharded_) sharded_->gather_parameters();
   }
+  explicit WholeParameters(std::nullptr_t) : sharded_(nullptr) {}
   ~WholeParameters() {
     if (sharded_) sharded_->release_parameters();
   }
