@@ -4,6 +4,9 @@ usage: python3 torchscript_model.py make DIR    writes DIR/model.pt (torch.jit.s
                                                 DIR/model_bn.pt (the same with BatchNorm, for the
                                                 accumulation verifier)
        python3 torchscript_model.py check RUN   RUN = DIR/run, the tk-run output folder
+       python3 torchscript_model.py check-mix RUN   the same for a run that trains only mix.*
+                                                (model.trainable = ["mix.*"]): the tied weight
+                                                trains under its second name, the rest stays
 
 `check` loads RUN/weights.pt, requires exactly the module's state_dict names (a tied weight under
 both of its names) and loads it back with load_state_dict, and replays the recipe
@@ -55,7 +58,7 @@ def make(out: pathlib.Path):
     print(f"wrote {out}/model.pt and {out}/data.pt")
 
 
-def check(run: pathlib.Path):
+def check(run: pathlib.Path, only: str = ""):
     folder = run.parent
     try:
         weights = torch.load(run / "weights.pt", weights_only=True)
@@ -67,7 +70,10 @@ def check(run: pathlib.Path):
     torch.jit.load(str(folder / "model.pt")).load_state_dict(weights)
 
     data = torch.load(folder / "data.pt")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # By every name a parameter has (state_dict lists a tied one under both): chosen by either.
+    named = model.state_dict(keep_vars=True)
+    trained = [p for p in model.parameters() if any(q is p and n.startswith(only) for n, q in named.items())]
+    opt = torch.optim.SGD(trained, lr=0.1, momentum=0.9)
     # Unoptimized execution, as tk-run runs it: no fuser JIT-compiling the graph.
     with torch.jit.optimized_execution(False):
         for _epoch in range(3):
@@ -82,10 +88,16 @@ def check(run: pathlib.Path):
     initial = dict(torch.jit.load(str(folder / "model.pt")).named_parameters())
     moved = max((weights[n] - p.detach()).abs().max().item() for n, p in initial.items())
     assert moved > 1e-2, f"tk-run barely changed the parameters (max change {moved})"
+    # What the recipe froze stayed as it was; the tied weight (body.2.weight is mix.weight) moved.
+    for n, p in initial.items():
+        kept = any(named[n] is q for q in trained)
+        assert kept or torch.equal(weights[n], p.detach()), f"{n} was frozen but changed"
+        assert not kept or not torch.equal(weights[n], p.detach()), f"{n} trains but did not change"
     assert worst < 1e-5, f"tk-run's parameters differ from torch.optim's by up to {worst}"
     print(f"python check: {len(weights)} tensors named as in the module; max |tk - torch.optim| = {worst:.2e} "
           f"after training moved them by up to {moved:.3f}")
 
 
 if __name__ == "__main__":
-    {"make": make, "check": check}[sys.argv[1]](pathlib.Path(sys.argv[2]))
+    mode, path = sys.argv[1], pathlib.Path(sys.argv[2])
+    {"make": make, "check": check, "check-mix": lambda run: check(run, "mix.")}[mode](path)

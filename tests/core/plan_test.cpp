@@ -210,6 +210,13 @@ TEST_SUITE("plan") {
     CHECK(tk::detail::sharding_advice(few, 17 * kMB, 9.5 * kMB, 2).find("none fits, over any number of ranks") != std::string::npos);
     // On one rank the figures are for 2.
     CHECK(tk::detail::sharding_advice(s, 17 * kMB, 13.5 * kMB, 1).find("On one rank nothing is sharded; over 2 ranks") != std::string::npos);
+    // A world of one at stage 1 holds what stage 0 does (no broadcast buffer): the same figures.
+    s.stage = 1;
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 13.5 * kMB, 1).find("17 MiB at stage 0, 15 MiB at stage 1, 14 MiB at stage 2 "
+                                                                     "and 13.5 MiB at stage 3: by these figures stage 3 would "
+                                                                     "fit") != std::string::npos);
+    // and the stage it sets already shards over 2 ranks.
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 15 * kMB, 1).find("by these figures stage 1 would fit") != std::string::npos);
     // A step at stage 2 that measured 14 MiB: only the stages above it are named.
     s.stage = 2;
     advice = tk::detail::sharding_advice(s, 14 * kMB, 14 * kMB, 2);

@@ -464,6 +464,8 @@ class Launch {
     const std::optional<NodeFailure> remote = forwarded_ ? std::nullopt : remote_cause();
     const bool remote_timeout = remote && remote->kind == NodeFailure::Timeout;
     const std::vector<int> hung = remote && !remote_timeout ? std::vector<int>{} : hung_ranks(remote_timeout);
+    // A worker that refused the run may be stopped on its way out: its record still says so.
+    const bool refused = failed_rank_ >= 0 && failure_record(failure_dir_, rank(failed_rank_)).second == "refused";
     std::error_code ec;
     std::filesystem::remove_all(failure_dir_, ec);
     for (int r : hung)
@@ -492,15 +494,15 @@ class Launch {
     }
     if (failed_rank_ >= 0) {
       const Worker& w = worker(failed_rank_);
+      const bool exited_2 = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2;
+      const std::string how = refused && !exited_2 ? "refused the run and " + describe_status(w.status) + " on its way out"
+                                                   : describe_status(w.status);
       std::fprintf(stderr, "%s: rank %d failed (%s)%s. Its last output:\n", opts_.program.c_str(), rank(failed_rank_),
-                   describe_status(w.status).c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
+                   how.c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
       for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
-      // A worker that refused the run before training (exit 2, or its record says so: one killed
-      // on its way out) makes the launch a refusal too, as the other nodes are told.
-      return (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 2) ||
-                     failure_record(failure_dir_, rank(failed_rank_)).second == "refused"
-                 ? 2
-                 : 1;
+      // A worker that refused the run before training (exit 2) makes the launch a refusal too, as
+      // the other nodes are told.
+      return exited_2 || refused ? 2 : 1;
     }
     if (g_signal) return 128 + g_signal;
     // A signal sent to one worker stopped the world at a checkpoint: the launch ends as that worker did.

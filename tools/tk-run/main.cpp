@@ -378,10 +378,11 @@ void record_failures_for_launcher(tk::TrainerOptions& topts) {
       try {
         std::rethrow_exception(current);
       } catch (const std::exception& e) {
-        // Before training every failure is a refusal (exit 2), a timed-out rendezvous among them.
-        kind = !g_fitting || dynamic_cast<const tk::RunRefused*>(&e) ? "refused"
-               : is_timeout(e.what())                                 ? "timeout"
-                                                                      : "error";
+        // A recipe's or a resume's refusal, whatever its words; a collective's timeout (a peer
+        // gone quiet, before training too: the launcher names the rank that hung); anything
+        // else before training is a refusal too (the worker exits 2).
+        const bool refusal = dynamic_cast<const tk::RecipeError*>(&e) || dynamic_cast<const tk::RunRefused*>(&e);
+        kind = refusal ? "refused" : is_timeout(e.what()) ? "timeout" : !g_fitting ? "refused" : "error";
       } catch (...) {
       }
     }

@@ -52,7 +52,8 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   // they were (a small model's): each stage then differs from the measured step by what its state
   // and buffers differ, so the figure of the stage measured is the peak itself, and no other
   // stage's falls below its bare share of the state.
-  const double rest = peak - here[static_cast<size_t>(s.stage)];
+  // One rank shards nothing and sums nothing, whatever its stage: it holds the whole state.
+  const double rest = peak - here[world_size < 2 ? 0 : static_cast<size_t>(s.stage)];
   const double f = s.share(n), P = s.trainable, O = s.optimizer_whole;
   const std::vector<double> bare = {s.frozen + 2 * P + O, s.frozen + 2 * P + O * f, s.frozen + P + (P + O) * f,
                                     s.frozen + (2 * P + O) * f};
@@ -69,7 +70,8 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   out += std::string(world_size < 2 ? ". On one rank nothing is sharded; over 2 ranks" : ". Over its " + std::to_string(n) + " ranks") +
          ", with the optimizer state sharded from stage 1, the gradients from 2 and the parameters from 3, the step "
          "would take about " + stage_list(step);
-  for (size_t stage = static_cast<size_t>(s.stage) + 1; stage < step.size(); ++stage)
+  // The stages above this one; on one rank, any that shards (over 2 ranks, each stage is new).
+  for (size_t stage = world_size < 2 ? 1 : static_cast<size_t>(s.stage) + 1; stage < step.size(); ++stage)
     if (step[stage] <= limit)
       return out + ": by these figures stage " + std::to_string(stage) + " would fit (set by a plugin that provides " +
              cap::kOptimizerSharded.name() + "; tk-run --list shows the plugins)";
