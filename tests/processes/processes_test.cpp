@@ -316,6 +316,24 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("ranks that refuse the run make the launch exit 2, also when stopped on their way out") {
+    const fs::path root = tkt::temp_dir("ddp-refused");
+    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n";
+    const std::string sets = "--nproc 2 --set batch.micro_batch='\"auto\"' --set batch.effective_batch=8 "
+                             "--set batch.memory_budget='\"1KiB\"'";
+    auto p = tk_run(root / "out", recipe, sets);
+    CHECK(p.rc == 2);
+    CHECK(p.out.find("batch.memory_budget: a training step of one micro-batch of 1 takes") != std::string::npos);
+    // Every rank refuses, records it, and lingers until the launcher stops it (as a rank slow to
+    // leave its collectives does): the records say what they did.
+    auto lingering = tk_run(root / "lingering", recipe, sets, "TK_FAULT=refused-linger");
+    INFO(lingering.out);
+    CHECK(lingering.rc == 2);
+    CHECK(lingering.out.find("failed (refused the run and was killed by signal 15 (Terminated) on its way out)") !=
+          std::string::npos);
+    fs::remove_all(root);
+  }
+
   TEST_CASE("a worker killed by a signal stops the world, in bounded time") {
     const fs::path root = tkt::temp_dir("ddp-kill");
     auto p = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n" + kLongTimeout +

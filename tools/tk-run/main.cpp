@@ -378,15 +378,23 @@ void record_failures_for_launcher(tk::TrainerOptions& topts) {
       try {
         std::rethrow_exception(current);
       } catch (const std::exception& e) {
-        // A recipe's or a resume's refusal, whatever its words; a collective's timeout (a peer
-        // gone quiet, before training too: the launcher names the rank that hung); anything
-        // else before training is a refusal too (the worker exits 2).
-        const bool refusal = dynamic_cast<const tk::RecipeError*>(&e) || dynamic_cast<const tk::RunRefused*>(&e);
+        // A refusal (exit 2), whatever its words: the recipe's before training, a resume's; then
+        // a collective's timeout (a peer gone quiet, before training too: the launcher names the
+        // rank that hung); anything else before training is a refusal too.
+        const bool refusal = dynamic_cast<const tk::RunRefused*>(&e) ||
+                             (!g_fitting && dynamic_cast<const tk::RecipeError*>(&e));
         kind = refusal ? "refused" : is_timeout(e.what()) ? "timeout" : !g_fitting ? "refused" : "error";
       } catch (...) {
       }
     }
+    // For tests: a refusing rank 0 that does not get out before the launcher stops it, its peers
+    // refusing after it.
+    const char* fault = std::getenv("TK_FAULT");
+    const bool linger = kind == "refused" && fault && std::strcmp(fault, "refused-linger") == 0;
+    const bool first = file.substr(file.rfind('/') + 1) == "0";
+    if (linger && !first) sleep(1);
     tk::record_failure(file, kind);
+    if (linger && first) pause();
   };
 }
 
