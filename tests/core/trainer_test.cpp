@@ -124,6 +124,24 @@ name = "fake_sync"
     fs::remove_all(out);
   }
 
+  TEST_CASE("on_failure is told once, however the failure leaves the Trainer: in training, or planning from plan() and fit()") {
+    int told = 0;
+    auto opts = tkt::quiet();
+    opts.on_failure = [&] { ++told; };
+    // Planning refuses (micro_batch "auto" on the CPU without a memory budget), from plan() first.
+    tk::Trainer unplanned(tkt::recipe({"batch.micro_batch=\"auto\""}), opts);
+    CHECK_THROWS_AS(unplanned.plan(), tk::RecipeError);
+    CHECK(told == 1);
+    CHECK_THROWS(unplanned.fit());  // "the run could not be planned: ..."
+    CHECK(told == 1);
+    // A plugin that throws in training.
+    told = 0;
+    auto text = with_plugins("[[plugins]]\nname = \"probe\"\nthrow_at_step = 2\nthrow_in = \"backward\"\n");
+    tk::Trainer failing(tkt::recipe({}, text.c_str()), opts);
+    CHECK_THROWS_AS(failing.fit(), tk::PluginRuntimeError);
+    CHECK(told == 1);
+  }
+
   TEST_CASE("a veto skips the optimizer step and is counted") {
     auto one = tkt::recipe({"run.steps=1"});
     tk::Trainer reference(one, tkt::quiet());

@@ -362,14 +362,13 @@ void check_optimizer_covers(const Run& r, const torch::optim::Optimizer& opt, co
   for (const auto& g : opt.param_groups())
     for (const auto& p : g.params()) ++seen[p.unsafeGetTensorImpl()];
   const std::string who = "the optimizer made through the wrap_optimizer of plugin '" + r.optimizer_wraps.back().first + "'";
-  std::set<const void*> checked;  // a parameter registered under two names (tied) is checked once
-  for (const auto& p : r.model->named_parameters()) {
-    if (!p.value().requires_grad() || !checked.insert(p.value().unsafeGetTensorImpl()).second) continue;
-    auto it = seen.find(p.value().unsafeGetTensorImpl());
+  for (const auto& [name, p] : distinct_named(r.model->named_parameters())) {  // a tied parameter once
+    if (!p.requires_grad()) continue;
+    auto it = seen.find(p.unsafeGetTensorImpl());
     if (it == seen.end())
-      throw Error(who + " does not list trainable parameter '" + p.key() +
+      throw Error(who + " does not list trainable parameter '" + name +
                   "' in its param_groups: the core sets the learning rate and zeroes gradients through them");
-    if (it->second > 1) throw Error(who + " lists parameter '" + p.key() + "' " + std::to_string(it->second) + " times");
+    if (it->second > 1) throw Error(who + " lists parameter '" + name + "' " + std::to_string(it->second) + " times");
     seen.erase(it);
   }
   if (!seen.empty())

@@ -38,9 +38,7 @@ std::pair<double, double> block_sizes(Model& model, double trainable) {
 
 TrainingState measure_training_state(Run& r) {
   TrainingState s;
-  std::set<const c10::TensorImpl*> seen;  // a parameter tied to another is listed twice
-  for (const auto& p : r.model->parameters()) {
-    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+  for (const auto& p : distinct_tensors(r.model->parameters())) {  // a tied parameter once
     s.params += held_bytes(p);
     const auto bytes = static_cast<double>(p.nbytes());
     (p.requires_grad() ? s.trainable : s.frozen) += bytes;

@@ -65,12 +65,11 @@ void explain(const Run& r, AccumulationCheck& check, int64_t used, const std::se
 std::pair<std::vector<at::Tensor>, std::vector<std::string>> trainable(Run& r) {
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
-  std::set<const c10::TensorImpl*> seen;  // a parameter registered under two names (tied): once
-  for (const auto& item : r.model->named_parameters())
-    if (item.value().requires_grad() && seen.insert(item.value().unsafeGetTensorImpl()).second) {
-      names.push_back(item.key());
-      params.push_back(item.value());
-      const_cast<at::Tensor&>(item.value()).mutable_grad() = at::Tensor();
+  for (auto& [name, p] : distinct_named(r.model->named_parameters()))  // a tied parameter once
+    if (p.requires_grad()) {
+      names.push_back(name);
+      p.mutable_grad() = at::Tensor();
+      params.push_back(p);
     }
   return {params, names};
 }

@@ -185,6 +185,18 @@ std::string fmt_loss(double v);
 /// parameter under two names (a weight tied in a TorchScript module) lists it twice, and it must
 /// still be stepped, normalized and counted once.
 std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors);
+/// The same for named tensors (a module's `named_parameters()`): each tensor once, under its first
+/// name.
+template <class Named>
+std::vector<std::pair<std::string, at::Tensor>> distinct_named(const Named& items) {
+  std::vector<at::Tensor> all;
+  for (const auto& item : items) all.push_back(item.value());
+  const std::vector<at::Tensor> once = distinct_tensors(all);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : items)
+    if (out.size() < once.size() && item.value().is_same(once[out.size()])) out.emplace_back(item.key(), item.value());
+  return out;
+}
 
 // ---- rng.cpp: the process's random generators (checkpoints, trials, back-offs) -------------------
 

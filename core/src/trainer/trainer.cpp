@@ -131,21 +131,21 @@ AccumulationCheck Trainer::verify_accumulation() {
 }
 
 Model& Trainer::model() { return *impl_->run.model; }
-/// Plans the run, with errors made in libtrainkit.
-static void plan_from_core(detail::Run& run) {
+/// Plans the run (once), a failure told as fail() tells it.
+static void plan_or_fail(detail::Run& run, const TrainerOptions& opts) {
   try {
     detail::plan_run(run);
   } catch (...) {
-    rethrow_from_core();
+    fail(opts);
   }
 }
 
 torch::optim::Optimizer& Trainer::optimizer() {
-  plan_from_core(impl_->run);
+  plan_or_fail(impl_->run, impl_->options);
   return *impl_->run.optimizer;
 }
 const RunPlan& Trainer::plan() {
-  plan_from_core(impl_->run);
+  plan_or_fail(impl_->run, impl_->options);
   return impl_->run.plan.view;
 }
 const DataSplits& Trainer::data() const { return impl_->run.data; }
@@ -158,7 +158,7 @@ const Registry& Trainer::registry() const { return impl_->run.registry; }
 const std::vector<TraceEntry>& Trainer::trace() const { return impl_->trace; }
 const std::vector<std::string>& Trainer::warnings() const { return impl_->run.warnings; }
 std::vector<std::string> Trainer::plugin_order() {
-  plan_from_core(impl_->run);
+  plan_or_fail(impl_->run, impl_->options);
   std::vector<std::string> out;
   for (size_t i : impl_->run.order) out.push_back(impl_->run.slots[i].name);
   return out;
