@@ -216,7 +216,9 @@ TEST_SUITE("plan") {
                                                                      "and 13.5 MiB at stage 3: by these figures stage 3 would "
                                                                      "fit") != std::string::npos);
     // and the stage it sets already shards over 2 ranks.
-    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 15 * kMB, 1).find("by these figures stage 1 would fit") != std::string::npos);
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 15 * kMB, 1).find("by these figures stage 1 would fit (over 2 ranks, tk-run "
+                                                                   "--nproc 2 with ddp; the stage set by a plugin") !=
+          std::string::npos);
     // A step at stage 2 that measured 14 MiB: only the stages above it are named.
     s.stage = 2;
     advice = tk::detail::sharding_advice(s, 14 * kMB, 14 * kMB, 2);

@@ -324,8 +324,9 @@ TEST_SUITE("ddp") {
     auto p = tk_run(root / "out", recipe, sets);
     CHECK(p.rc == 2);
     CHECK(p.out.find("batch.memory_budget: a training step of one micro-batch of 1 takes") != std::string::npos);
-    // Every rank refuses, records it, and lingers until the launcher stops it (as a rank slow to
-    // leave its collectives does): the records say what they did.
+    // Rank 0 refuses first, records it, and lingers until the launcher stops it (as a rank slow
+    // to leave its collectives does); rank 1 refuses after it and exits 2. The record says what
+    // rank 0 did.
     auto lingering = tk_run(root / "lingering", recipe, sets, "TK_FAULT=refused-linger");
     INFO(lingering.out);
     CHECK(lingering.rc == 2);

@@ -89,7 +89,8 @@ int64_t now_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-/// What rank `r` recorded when it failed: when, and "error" or "timeout"; {-1, ""} if nothing.
+/// What rank `r` recorded when it failed: when, and "error", "timeout" or "refused" (the worker
+/// exits 2); {-1, ""} if nothing.
 std::pair<int64_t, std::string> failure_record(const std::string& dir, int r) {
   std::ifstream in(dir + "/" + std::to_string(r));
   int64_t t = -1;
@@ -146,7 +147,10 @@ int first_failure(const std::string& dir, const std::vector<Worker>& workers, in
 
 void record_failure(const std::string& file, const std::string& kind) {
   if (std::ifstream(file).good()) return;  // the first record of this rank's failure stands
-  std::ofstream(file) << now_ns() << " " << kind << "\n";
+  // Whole or absent to the launcher reading it: written aside, then renamed into place.
+  const std::string part = file + ".part";
+  std::ofstream(part) << now_ns() << " " << kind << "\n";
+  std::rename(part.c_str(), file.c_str());
 }
 
 int free_port() {

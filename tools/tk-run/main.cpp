@@ -365,8 +365,19 @@ int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
   }
 }
 
-/// A worker under --nproc records the moment and the kind of its failure for the launcher:
-/// "timeout" (a collective's), "refused" (before training: the worker will exit 2) or "error".
+/// What a failure of this process is, for its exit code and its launcher's record: "refused"
+/// (exit 2: the same command would be refused again; a recipe's or a resume's refusal, and anything
+/// before training but a timeout), "timeout" (a collective's or the rendezvous's: a peer gone
+/// quiet; exit 1, a restart may get through) or "error" (exit 1).
+std::string failure_kind(const std::exception& e) {
+  if (dynamic_cast<const tk::RunRefused*>(&e) || (!g_fitting && dynamic_cast<const tk::RecipeError*>(&e)))
+    return "refused";
+  if (is_timeout(e.what())) return "timeout";
+  return g_fitting ? "error" : "refused";
+}
+
+/// A worker under --nproc records the moment and the kind of its failure for the launcher (the
+/// kind says its exit code while it is still on its way out).
 void record_failures_for_launcher(tk::TrainerOptions& topts) {
   const char* dir = std::getenv("TK_FAILURE_DIR");
   if (!dir) return;
@@ -378,23 +389,21 @@ void record_failures_for_launcher(tk::TrainerOptions& topts) {
       try {
         std::rethrow_exception(current);
       } catch (const std::exception& e) {
-        // A refusal (exit 2), whatever its words: the recipe's before training, a resume's; then
-        // a collective's timeout (a peer gone quiet, before training too: the launcher names the
-        // rank that hung); anything else before training is a refusal too.
-        const bool refusal = dynamic_cast<const tk::RunRefused*>(&e) ||
-                             (!g_fitting && dynamic_cast<const tk::RecipeError*>(&e));
-        kind = refusal ? "refused" : is_timeout(e.what()) ? "timeout" : !g_fitting ? "refused" : "error";
+        kind = failure_kind(e);
       } catch (...) {
       }
     }
-    // For tests: a refusing rank 0 that does not get out before the launcher stops it, its peers
-    // refusing after it.
+    // For tests (TK_FAULT=refused-linger, a job's first start only): a refusing rank 0 that does
+    // not get out before the launcher stops it, its peers refusing after it.
     const char* fault = std::getenv("TK_FAULT");
-    const bool linger = kind == "refused" && fault && std::strcmp(fault, "refused-linger") == 0;
-    const bool first = file.substr(file.rfind('/') + 1) == "0";
-    if (linger && !first) sleep(1);
+    const char* restart = std::getenv("TK_RESTART_COUNT");
+    const bool linger = kind == "refused" && fault && std::strcmp(fault, "refused-linger") == 0 &&
+                        (!restart || std::strcmp(restart, "0") == 0);
+    const std::string first = file.substr(0, file.rfind('/') + 1) + "0";
+    if (linger && file != first)
+      for (int i = 0; i < 100 && !std::filesystem::exists(first); ++i) usleep(100000);
     tk::record_failure(file, kind);
-    if (linger && first) pause();
+    if (linger && file == first) pause();
   };
 }
 
@@ -458,7 +467,7 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     spdlog::info("plan:\n{}", plan);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
-    return kExitUsage;
+    return failure_kind(e) == "refused" ? kExitUsage : kExitFailed;  // a timed-out rendezvous may pass again
   }
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) std::signal(sig, on_stop_signal);
   g_fitting = true;

@@ -168,12 +168,15 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
     const bool elsewhere = moved != now.retired.end() && !moved->second.empty();
     before[elsewhere ? moved->second : k] = v;
   }
-  const auto had = plugins_of(saved);
+  const auto had = plugins_of(saved), has = plugins_of(now);
   auto of_added_plugin = [&](const std::string& key) {
-    if (!had || key.rfind("plugins.", 0) != 0) return false;
-    // A label may hold dots (a plugin named by its file): the key is "plugins.<label>.<option>".
-    return std::none_of(had->begin(), had->end(),
-                        [&](const std::string& label) { return key.rfind("plugins." + label + ".", 0) == 0; });
+    if (!had || !has || key.rfind("plugins.", 0) != 0) return false;
+    // A label may hold dots (a plugin named by its file): the key is "plugins.<label>.<option>",
+    // of the longest label of this run that it starts with.
+    std::string label;
+    for (const auto& l : *has)
+      if (l.size() > label.size() && key.rfind("plugins." + l + ".", 0) == 0) label = l;
+    return !label.empty() && !had->count(label);
   };
   Differences out;
   auto show = [](const std::string* v) { return v ? *v : std::string("(not set)"); };

@@ -73,7 +73,8 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   // The stages above this one; on one rank, any that shards (over 2 ranks, each stage is new).
   for (size_t stage = world_size < 2 ? 1 : static_cast<size_t>(s.stage) + 1; stage < step.size(); ++stage)
     if (step[stage] <= limit)
-      return out + ": by these figures stage " + std::to_string(stage) + " would fit (set by a plugin that provides " +
+      return out + ": by these figures stage " + std::to_string(stage) + " would fit (" +
+             (world_size < 2 ? "over 2 ranks, tk-run --nproc 2 with ddp; the stage " : "") + "set by a plugin that provides " +
              cap::kOptimizerSharded.name() + "; tk-run --list shows the plugins)";
   // No higher stage over this world: the fewest ranks at stage 3, if more ranks can do it. A
   // rank holds whole tensors: never less than the largest one's part, and at most one rank per tensor.
