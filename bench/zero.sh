@@ -6,7 +6,8 @@
 # param_mib), their bytes per parameter of the model next to ZeRO's figures for float32 AdamW (16,
 # 8 + 8/N, 4 + 12/N, 16/N; each share is within one largest tensor of 1/N), at stage 3 the time
 # rank 0 spends starting and waiting for parameter gathers, with prefetch and without it
-# (3-late), the largest share any rank updates
+# (3-late) and the most parameter memory it held at once in a step (shard_param_peak_mib: its
+# share and the blocks gathered), the largest share any rank updates
 # (from each rank's log), rank 0's peak of tensor memory in a step (step_peak_mib: 2 micro-batches
 # a step, stage 2 summing after each backward) and its peak resident memory, time per step, and
 # whether the sharded
@@ -43,14 +44,16 @@ largest = f"{2 * max(shares):.2f}" if shares else f"{state:.2f}"
 losses = ",".join(f"{r['loss']:.10f}" for r in rows)
 gathers = [r["shard_param_gather_ms"] for r in rows[1:] if "shard_param_gather_ms" in r]
 gather_ms = f"{sum(gathers) / len(gathers):.1f}" if gathers else "-"
-print(f"{state:.2f} {grads:.2f} {params:.2f} {largest} {max(r['step_peak_mib'] for r in rows[1:]):.1f} {rows[-1]['peak_rss_mib']:.0f} {ms:.0f} {gather_ms} {losses}")
+held = [r["shard_param_peak_mib"] for r in rows[1:] if "shard_param_peak_mib" in r]
+held_mib = f"{max(held):.2f}" if held else "-"
+print(f"{state:.2f} {grads:.2f} {params:.2f} {largest} {max(r['step_peak_mib'] for r in rows[1:]):.1f} {rows[-1]['peak_rss_mib']:.0f} {ms:.0f} {gather_ms} {held_mib} {losses}")
 PY
 }
 
 echo "GPT 4 layers x 256, 8 heads, 128-token sequences (fortunes, bytes), AdamW (float32 state), micro-batch 4 x 2 per rank, $steps steps"
 bench_cpu
-echo "| ranks | stage | optimizer state, rank 0 (MiB) | gradients at the step, rank 0 (MiB) | parameters at the step, rank 0 (MiB) | bytes / parameter, rank 0 (ZeRO's) | largest rank's state (MiB) | total / ranks (MiB) | step's tensor peak, rank 0 (MiB) | peak RSS, rank 0 (MiB) | ms / step | gathers' ms / step (rank 0) | losses equal |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| ranks | stage | optimizer state, rank 0 (MiB) | gradients at the step, rank 0 (MiB) | parameters at the step, rank 0 (MiB) | bytes / parameter, rank 0 (ZeRO's) | largest rank's state (MiB) | total / ranks (MiB) | step's tensor peak, rank 0 (MiB) | peak RSS, rank 0 (MiB) | ms / step | gathers' ms / step (rank 0) | parameters held at most, rank 0 (MiB) | losses equal |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 declare -A whole
 model_mib=""
 for ranks in 1 2 4; do
@@ -61,7 +64,7 @@ for ranks in 1 2 4; do
     if [ "$ranks" -gt 1 ]; then args+=(--nproc "$ranks"); fi
     bench_tk "r$ranks-z$config" "$steps" "${args[@]}"
     cat "$tk_out" "$tk_err" >"$bench_work/log-$ranks-$config"
-    read -r state grads params largest peak rss ms gather_ms losses <<<"$(summary "$tk_dir/metrics.jsonl" "$bench_work/log-$ranks-$config" "$ranks" "$stage")"
+    read -r state grads params largest peak rss ms gather_ms held_mib losses <<<"$(summary "$tk_dir/metrics.jsonl" "$bench_work/log-$ranks-$config" "$ranks" "$stage")"
     [ -n "$model_mib" ] || model_mib=$params  # float32: 4 bytes a parameter
     if [ "$stage" = 0 ]; then
       whole[$ranks]=$state
@@ -79,6 +82,6 @@ for ranks in 1 2 4; do
 n, s, N = $model_mib / 4, $stage, $ranks
 theory = [16, 8 + 8 / N, 4 + 12 / N, 16 / N][s]
 print(f'{($state + $grads + $params) / n:.2f} ({theory:.2f})')")
-    echo "| $ranks | $config | $state | $grads | $params | $bytes | $largest | $per | $peak | $rss | $ms | $gather_ms | $equal |"
+    echo "| $ranks | $config | $state | $grads | $params | $bytes | $largest | $per | $peak | $rss | $ms | $gather_ms | $held_mib | $equal |"
   done
 done

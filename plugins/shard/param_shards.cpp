@@ -45,6 +45,7 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
                   "memory of its own: '" + names_[i] + "' shares its memory with another tensor (a view, or a "
                   "slice of a flat buffer); use stage 2");
     bytes_.push_back(bytes);
+    (owners_[i] == rank_ ? owned_bytes_ : gathered_bytes_) += static_cast<int64_t>(bytes);  // whole until start()
     index.emplace(p.unsafeGetTensorImpl(), i);
     all_.push_back(i);
   }
@@ -84,6 +85,10 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
   std::map<std::pair<int, int>, std::vector<size_t>> by_owner;
   for (size_t i : which) {
     if (holds_[i]++ > 0) continue;
+    if (owners_[i] != rank_) {
+      gathered_bytes_ += static_cast<int64_t>(bytes_[i]);
+      peak_gathered_ = std::max(peak_gathered_, gathered_bytes_);
+    }
     if (params_[i].numel() > 0) by_owner[{owners_[i], static_cast<int>(params_[i].scalar_type())}].push_back(i);
   }
   Flight f;
@@ -151,7 +156,10 @@ void ParameterShards::prefetch(size_t b, bool backward) {
 void ParameterShards::release(const std::vector<size_t>& which) {
   for (size_t i : which) {
     if (holds_[i] == 0) throw Error("stage 3: parameter '" + names_[i] + "' released more often than gathered");
-    if (--holds_[i] == 0 && owners_[i] != rank_) free(i);
+    if (--holds_[i] == 0 && owners_[i] != rank_) {
+      free(i);
+      gathered_bytes_ -= static_cast<int64_t>(bytes_[i]);
+    }
   }
 }
 
@@ -159,6 +167,7 @@ void ParameterShards::start() {
   if (started_) return;
   started_ = true;
   release(all_);
+  peak_gathered_ = gathered_bytes_;  // from here on, what the sharded run holds
 }
 
 void ParameterShards::gather_all() {
@@ -176,6 +185,17 @@ void ParameterShards::release_loose() {
   if (!loose_held_) return;
   release(loose_);
   loose_held_ = false;
+}
+
+void ParameterShards::start_evaluation() {
+  gather_loose();
+  evaluating_ = true;
+}
+
+void ParameterShards::end_evaluation() {
+  evaluating_ = false;
+  take_prefetched(SIZE_MAX, false);  // a forward cut short leaves its prefetch
+  release_loose();
 }
 
 bool ParameterShards::all_whole() const {
@@ -200,7 +220,7 @@ at::Tensor ParameterShards::run_block(size_t b, const at::Tensor& x, const tk::B
     });
   if (!take_prefetched(b, false)) gather(which);
   // The next block's parameters come while this one computes (every rank makes the same calls).
-  if (at::GradMode::is_enabled() && b + 1 < blocks_.size()) prefetch(b + 1, false);
+  if ((evaluating_ || at::GradMode::is_enabled()) && b + 1 < blocks_.size()) prefetch(b + 1, false);
   at::Tensor y;
   try {
     y = fn(x);
@@ -250,16 +270,11 @@ void ParameterShards::check_released() const {
                   " holders): its values would not follow its owner's update");
 }
 
-int64_t ParameterShards::resident_bytes() const {
-  int64_t n = 0;
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (holds_[i] > 0 || owners_[i] == rank_) n += static_cast<int64_t>(bytes_[i]);
-  return n;
-}
-
 ParameterShards::Traffic ParameterShards::take_traffic() {
   Traffic t = traffic_;
+  t.peak_bytes = owned_bytes_ + peak_gathered_;
   traffic_ = {};
+  peak_gathered_ = gathered_bytes_;
   return t;
 }
 

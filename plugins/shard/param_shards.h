@@ -48,7 +48,8 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// Drops the hold every parameter started with: from here, those of other ranks are freed
   /// between uses.
   void start();
-  /// Every parameter whole / one such hold undone (gather_all is a collective).
+  /// Every parameter whole / one such hold undone (gather_all is a collective): what reads every
+  /// parameter outside a step (checkpoints, a check that the ranks agree).
   void gather_all();
   void release_all();
   bool all_whole() const;
@@ -59,6 +60,10 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// each: a micro-batch redone before its backward (out of memory) gathers nothing more.
   void gather_loose();
   void release_loose();
+  /// Validation's forward (no backward follows): the parameters of no block gathered for it, the
+  /// blocks' one at a time with the next one's prefetched, as in training; released after.
+  void start_evaluation();
+  void end_evaluation();
   /// After a backward: frees what its gathers still hold (blocks whose input had no gradient).
   void after_backward();
   /// Called when backward has gone through block b (its parameters' gradients are final).
@@ -67,12 +72,13 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// is): it would keep its values while its owner updates them.
   void check_released() const;
 
-  /// Bytes of parameters this rank holds now.
-  int64_t resident_bytes() const;
-  /// Gathers since the last call, their bytes received, and the time this rank spent starting
-  /// them and waiting for them (with prefetch, less than they took).
+  /// Bytes of parameters this rank holds now: its own, and those of other ranks gathered.
+  int64_t resident_bytes() const { return owned_bytes_ + gathered_bytes_; }
+  /// Gathers since the last call, their bytes received, the time this rank spent starting them and
+  /// waiting for them (with prefetch, less than they took), and the most bytes of parameters it
+  /// held at once (validation and checkpoints included).
   struct Traffic {
-    int64_t gathers = 0, bytes = 0;
+    int64_t gathers = 0, bytes = 0, peak_bytes = 0;
     double ms = 0.0;
   };
   Traffic take_traffic();
@@ -120,6 +126,10 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   bool started_ = false;
   bool loose_held_ = false;  // the parameters of no block gathered for the micro-batch
   bool prefetching_;
+  bool evaluating_ = false;       // validation's forward: prefetched though no gradient is taken
+  int64_t owned_bytes_ = 0;       // this rank's parameters, always whole
+  int64_t gathered_bytes_ = 0;    // other ranks' parameters held now
+  int64_t peak_gathered_ = 0;     // the most of those since take_traffic()
   struct Prefetch {
     size_t block;
     bool backward;

@@ -148,12 +148,12 @@ class Shard final : public tk::Plugin {
 
   void on_validation_start(tk::ValidationStartContext&) override {
     if (!params_) return decline(tk::Event::ValidationStart);
-    params_->gather_all();
+    params_->start_evaluation();
   }
 
   void on_validation_end(tk::ValidationEndContext&) override {
     if (!params_) return decline(tk::Event::ValidationEnd);
-    params_->release_all();
+    params_->end_evaluation();
   }
 
   /// Stage 2: the coming backward sums the gradients onto their owners as it makes them (every
@@ -188,6 +188,7 @@ class Shard final : public tk::Plugin {
       ctx.metric("shard_param_gathers", static_cast<double>(t.gathers));
       ctx.metric("shard_param_gather_mib", static_cast<double>(t.bytes) / kMiB);
       ctx.metric("shard_param_gather_ms", t.ms);
+      ctx.metric("shard_param_peak_mib", static_cast<double>(t.peak_bytes) / kMiB);
     } else {
       ctx.metric("shard_param_broadcast_ms", sharded_->broadcast_ms());
     }

@@ -132,6 +132,17 @@ at::Tensor ShardedOptimizer::step(LossClosure closure) {
   return {};
 }
 
+void ShardedOptimizer::attach(std::shared_ptr<ParameterShards> parameters) {
+  parameters_ = std::move(parameters);
+  keeper_.clear();
+  for (size_t i = 0; parameters_ && i < params_.size(); ++i) keeper_.emplace(params_[i].unsafeGetTensorImpl(), owners_[i]);
+}
+
+int64_t ShardedOptimizer::keeper_of(const at::Tensor& param) const {
+  const auto it = keeper_.find(param.unsafeGetTensorImpl());
+  return it == keeper_.end() ? -1 : it->second;
+}
+
 void ShardedOptimizer::gather_parameters() const {
   if (parameters_) parameters_->gather_all();
 }

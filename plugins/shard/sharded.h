@@ -11,6 +11,7 @@
 #include <tk/world.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -43,7 +44,8 @@ std::vector<int> contiguous_partition(const std::vector<at::Tensor>& params, int
 class ShardedOptimizer final : public torch::optim::Optimizer,
                                public tk::StateSize,
                                public tk::ShardedState,
-                               public tk::ShardedParameters {
+                               public tk::ShardedParameters,
+                               public tk::ParameterKeepers {
  public:
   /// Refuses a world with more ranks than trainable tensors and an optimizer whose step is not
   /// one per parameter (LBFGS). Over the ranks of `world`, which outlives it (the run's), for the
@@ -51,10 +53,12 @@ class ShardedOptimizer final : public torch::optim::Optimizer,
   static std::unique_ptr<ShardedOptimizer> make(std::vector<at::Tensor> params, tk::World& world,
                                                 tk::OptimizerFactory inner, int stage);
   /// Stage 3: where the parameters of other ranks live between uses.
-  void attach(std::shared_ptr<ParameterShards> parameters) { parameters_ = std::move(parameters); }
+  void attach(std::shared_ptr<ParameterShards> parameters);
   void gather_parameters() const override;
   void release_parameters() const override;
   bool parameters_whole() const override;
+  /// Its owner, once attach() has sharded the parameters (-1 before, and for a frozen one).
+  int64_t keeper_of(const at::Tensor& param) const override;
 
   at::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -94,7 +98,8 @@ class ShardedOptimizer final : public torch::optim::Optimizer,
   tk::OptimizerFactory make_;
   tk::World& comm_;
   int stage_;
-  std::shared_ptr<ParameterShards> parameters_;  // stage 3, from the fit's start to its end
+  std::shared_ptr<ParameterShards> parameters_;  // stage 3, from the fit's start on
+  std::map<const c10::TensorImpl*, int> keeper_;   // stage 3: each parameter's owner, once attached
   double broadcast_ms_ = 0.0;
 };
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 
 #include "process_support.h"
 
@@ -718,6 +719,62 @@ TEST_SUITE("zero") {
                                           "prefetch = false\n", "--nproc 3 " + batch);
     REQUIRE(late.rc == 0);
     CHECK(torch::equal(weights(root / "late"), weights(root / "3-micro/zero")));
+    // Ten blocks, validation and a checkpoint after every step: a rank holds its share, the head
+    // and at most three blocks of other ranks at once (backward gathers a block before the one
+    // after it is let go, and prefetches the one before), in training and in validation alike, and
+    // writes the parameters it keeps into the checkpoint, gathering none.
+    std::string deep = recipe;
+    deep.replace(deep.find("hidden = [16, 8]"), 16, "hidden = [16, 16, 16, 16, 16, 16, 16, 16, 16, 16]");
+    const std::string every = "--set batch.effective_batch=24 --set run.steps=4 --set data.validation_samples=40 "
+                              "--set run.validate_every=1 ";
+    REQUIRE(tk_run(root / "deep-one", deep, every).rc == 0);
+    auto deep3 = tk_run(root / "deep", deep + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n" + kStage3,
+                        "--nproc 2 --set run.checkpoint_every=1 " + every);
+    INFO(deep3.out);
+    REQUIRE(deep3.rc == 0);
+    check_metric_close(root / "deep", root / "deep-one", "validation_loss", 1e-12);
+    // 8 -> 16, nine 16 -> 16 and the head 16 -> 4, in float64.
+    const double model = 8.0 * (144 + 9 * 272 + 68), head_and_three = 8.0 * (68 + 3 * 272);
+    REQUIRE(static_cast<double>(weights(root / "deep-one").numel()) * 8 == model);
+    const auto own = tkt::metric(root / "deep/out/metrics.jsonl", "param_mib");
+    const auto peak = tkt::metric(root / "deep/out/metrics.jsonl", "shard_param_peak_mib");
+    REQUIRE(peak.size() == 4);
+    REQUIRE(own.size() == 4);
+    for (size_t i = 0; i < peak.size(); ++i) {
+      CAPTURE(i);
+      CHECK(peak[i] > own[i]);
+      CHECK(peak[i] * kMiB <= own[i] * kMiB + head_and_three + 1e-6);
+      CHECK(peak[i] * kMiB < model);
+    }
+    // The checkpoint: model.pt by rank 0 with what no rank keeps (here nothing but the empty
+    // list of buffers), and a share of the parameters from each rank; read whole as `[model] init`.
+    const fs::path step2 = root / "deep/out/checkpoints/step-00000002";
+    for (const char* f : {"model.pt", "model-share-0.pt", "model-share-1.pt", "optimizer-share-1.pt"})
+      CHECK(fs::is_regular_file(step2 / f));
+    CHECK(!fs::exists(step2 / "model-share-2.pt"));
+    // The last checkpoint's files merged by name (what a script with torch.load does) are the
+    // run's weights.pt: rank 1 kept some tensors, and model.pt holds none of them.
+    const fs::path last = root / "deep/out/checkpoints/step-00000004";
+    std::map<std::string, at::Tensor> merged;
+    for (const char* f : {"model.pt", "model-share-0.pt", "model-share-1.pt"})
+      for (const auto& [name, t] : tk::load_tensor_dict(last / f)) CHECK(merged.emplace(name, t).second);
+    CHECK(tk::load_tensor_dict(last / "model-share-1.pt").size() > 0);
+    const auto final_weights = tk::load_tensor_dict(root / "deep/out/weights.pt");
+    CHECK(merged.size() == final_weights.size());
+    for (const auto& [name, t] : final_weights) {
+      CAPTURE(name);
+      REQUIRE(merged.count(name) == 1);
+      CHECK(torch::equal(merged.at(name), t));
+    }
+    auto init = tk_run(root / "init", deep, "--set run.steps=1 --set model.init='\"" + (step2 / "model.pt").string() + "\"'");
+    INFO(init.out);
+    CHECK(init.rc == 0);
+    CHECK(init.out.find("init: loaded all 22 tensors of " + (step2 / "model.pt").string()) != std::string::npos);
+    fs::remove(step2 / "model-share-1.pt");
+    auto gap = tk_run(root / "gap", deep, "--set run.steps=1 --set model.init='\"" + (step2 / "model.pt").string() + "\"'");
+    CHECK(gap.rc == 2);
+    CHECK(gap.out.find((step2 / "model-share-1.pt").string() + " is missing: " + (step2 / "run.json").string() +
+                       " says 2 ranks wrote a share of the parameters beside model.pt") != std::string::npos);
     // Experts the ranks do not all use in a window, inside the model's one block.
     zero_equals_ddp(root / "experts", experts_recipe(true), kAccumulate2, 2, "", kStage3, 1e-12);
     fs::remove_all(root);

@@ -396,9 +396,8 @@ void record_failures_for_launcher(tk::TrainerOptions& topts) {
     // For tests (TK_FAULT=refused-linger, a job's first start only): a refusing rank 0 that does
     // not get out before the launcher stops it, its peers refusing after it.
     const char* fault = std::getenv("TK_FAULT");
-    const char* restart = std::getenv("TK_RESTART_COUNT");
-    const bool linger = kind == "refused" && fault && std::strcmp(fault, "refused-linger") == 0 &&
-                        (!restart || std::strcmp(restart, "0") == 0);
+    const bool linger =
+        kind == "refused" && fault && std::strcmp(fault, "refused-linger") == 0 && restart_count() == 0;
     const std::string first = file.substr(0, file.rfind('/') + 1) + "0";
     if (linger && file != first)
       for (int i = 0; i < 100 && !std::filesystem::exists(first); ++i) usleep(100000);
@@ -473,10 +472,11 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
   g_fitting = true;
   try {
     return report_fit(argc, argv, c, *trainer, trainer->fit());
-  } catch (const tk::RunRefused& e) {
-    std::fprintf(stderr, "tk-run: error: %s\n", e.what());
-    return kExitUsage;  // nothing was trained, nothing changed
   } catch (const std::exception& e) {
+    if (failure_kind(e) == "refused") {  // a resume's refusal: nothing was trained, nothing changed
+      std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+      return kExitUsage;
+    }
     spdlog::error("{}", e.what());
     std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in its output folder\n");
     if (c.report) write_report(*trainer);

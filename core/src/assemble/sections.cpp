@@ -159,7 +159,7 @@ void load_init(Run& r) {
   const bool partial = r.model_opts.get_bool("init_partial");
   NamedTensors saved;
   try {
-    saved = std::filesystem::path(file).extension() == ".safetensors" ? load_safetensors(file) : load_tensor_dict(file);
+    saved = std::filesystem::path(file).extension() == ".safetensors" ? load_safetensors(file) : detail::load_model_file(file);
   } catch (const std::exception& e) {
     r.model_opts.fail("init", message_of(e));
   }

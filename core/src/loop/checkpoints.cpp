@@ -22,8 +22,8 @@ std::optional<std::filesystem::path> CheckpointPolicy::after_step(const Counters
   // A checkpoint is the world's: rank 0 writes it. An optimizer sharded over the ranks has each
   // rank write its own share beside rank 0 at the same time; any other optimizer saves on every
   // rank (one whose state is spread over the ranks may gather it to rank 0 there).
-  if (const auto* sharded = dynamic_cast<const ShardedState*>(r_.optimizer.get())) {
-    save_checkpoint_share(outputs_.dir() / "checkpoints", c.step, *sharded, *r_.world);
+  if (dynamic_cast<const ShardedState*>(r_.optimizer.get())) {
+    save_checkpoint_share(outputs_.dir() / "checkpoints", c.step, *r_.model, *r_.optimizer, *r_.world);
   } else if (r_.plan.world_size > 1) {
     torch::serialize::OutputArchive discarded;
     r_.optimizer->save(discarded);

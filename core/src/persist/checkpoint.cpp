@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 
 #include "tk/error.h"
@@ -67,15 +68,41 @@ void make_folder(const fs::path& dir) {
   if (ec) throw Error("cannot create checkpoint folder '" + dir.string() + "': " + ec.message());
 }
 
-/// Every rank at once: its share of `state` into `tmp`, the checkpoint's temporary folder (rank 0
-/// made it before the first barrier; rank 0 moves it into place after the last). `failed`: what
-/// stopped this rank before (rank 0 making the folder). A rank that failed makes every rank
-/// throw, so none waits for it.
-void write_shares(const fs::path& tmp, const ShardedState& state, World& world, std::string failed = "") {
+/// Where a checkpoint's parameters go. With an optimizer that shards them between uses and says
+/// who keeps each (tk::ParameterKeepers, a tk::ShardedState too), each rank writes those it keeps
+/// beside its share of the state, and model.pt holds the rest; else model.pt holds them all,
+/// gathered first.
+struct ParameterSplit {
+  bool by_rank = false;
+  NamedTensors mine;     // this rank's (by_rank)
+  NamedTensors shared;   // model.pt's: the parameters every rank holds, or all of them; the buffers
+};
+
+ParameterSplit split_parameters(Model& model, const torch::optim::Optimizer& optimizer, int64_t rank) {
+  ParameterSplit split;
+  const auto* keepers = dynamic_cast<const ParameterKeepers*>(&optimizer);
+  const bool shares = keepers && dynamic_cast<const ShardedState*>(&optimizer);
+  for (const auto& p : model.named_parameters()) {  // a tied tensor under each of its names
+    const int64_t keeper = shares ? keepers->keeper_of(p.value()) : -1;
+    split.by_rank = split.by_rank || keeper >= 0;
+    if (keeper < 0) split.shared.emplace_back(p.key(), p.value());
+    else if (keeper == rank) split.mine.emplace_back(p.key(), p.value());
+  }
+  for (const auto& b : model.named_buffers()) split.shared.emplace_back(b.key(), b.value());
+  return split;
+}
+
+/// Every rank at once: its share of `state` (and with `params.by_rank`, of the parameters) into
+/// `tmp`, the checkpoint's temporary folder (rank 0 made it before the first barrier; rank 0 moves
+/// it into place after the last). `failed`: what stopped this rank before (rank 0 making the
+/// folder). A rank that failed makes every rank throw, so none waits for it.
+void write_shares(const fs::path& tmp, const ShardedState& state, const ParameterSplit& params, World& world,
+                  std::string failed = "") {
   world.barrier();
   if (failed.empty()) {
     try {
       make_folder(tmp);  // rank 0 made it: made here too, a network file system may not list it yet
+      if (params.by_rank) save_tensor_dict(tmp / detail::model_share_file(world.rank()), params.mine);
       torch::serialize::OutputArchive archive;
       state.save_share(archive);
       std::ostringstream bytes;
@@ -162,8 +189,11 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
   const std::string name = step_name(position.counters.step);
   const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
   const auto* sharded = dynamic_cast<const ShardedState*>(&optimizer);
-  // Parameters sharded between uses are gathered for model.pt, on every rank (save_checkpoint_share).
-  WholeParameters whole(&optimizer);
+  const ParameterSplit params = split_parameters(model, optimizer, world.rank());
+  // Parameters sharded between uses are gathered for model.pt, on every rank (save_checkpoint_share),
+  // unless each rank writes its own.
+  std::optional<WholeParameters> whole;
+  if (!params.by_rank) whole.emplace(&optimizer);
   std::error_code ec;
   // `failed`: what stopped this rank before the ranks write their shares together.
   try {
@@ -178,11 +208,8 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
   }
   if (!failed.empty() && !sharded) throw Error(failed);
   try {
-    if (sharded) write_shares(tmp, *sharded, world, failed);
-    NamedTensors state;
-    for (const auto& p : model.named_parameters()) state.emplace_back(p.key(), p.value());
-    for (const auto& b : model.named_buffers()) state.emplace_back(b.key(), b.value());
-    save_tensor_dict(tmp / "model.pt", state);
+    if (sharded) write_shares(tmp, *sharded, params, world, failed);
+    save_tensor_dict(tmp / "model.pt", params.shared);
     detail::fault_point("checkpoint-partial");
     detail::write_file_atomic(tmp / "optimizer.pt", optimizer_file(optimizer, world));
     save_tensor_dict(tmp / "trainer.pt", position_tensors(position));
@@ -191,6 +218,7 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
     nlohmann::ordered_json info;
     info["format"] = 1;
     info["world_size"] = identity.world_size;
+    if (params.by_rank) info["model_shares"] = world.size();  // detail::load_model_file reads them
     info["recipe"] = nlohmann::ordered_json::object();
     for (const auto& [k, v] : identity.recipe) info["recipe"][k] = v;
     detail::write_file_atomic(tmp / kIdentityFile, info.dump(1) + "\n");
@@ -212,9 +240,12 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
   return final_dir;
 }
 
-void save_checkpoint_share(const fs::path& root, int64_t step, const ShardedState& state, World& world) {
-  WholeParameters whole(&state);  // as rank 0 does for model.pt
-  write_shares(root / (step_name(step) + ".tmp"), state, world);
+void save_checkpoint_share(const fs::path& root, int64_t step, Model& model, const torch::optim::Optimizer& optimizer,
+                           World& world) {
+  const ParameterSplit params = split_parameters(model, optimizer, world.rank());
+  std::optional<WholeParameters> whole;  // as rank 0 does for model.pt
+  if (!params.by_rank) whole.emplace(&optimizer);
+  write_shares(root / (step_name(step) + ".tmp"), dynamic_cast<const ShardedState&>(optimizer), params, world);
 }
 
 void check_folder_shared(const fs::path& root, World& world) {
@@ -343,7 +374,7 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   Checkpoint ck;
   ck.dir = dir;
   std::map<std::string, torch::Tensor> saved;
-  for (auto& [k, t] : load_tensor_dict(dir / "model.pt")) saved.emplace(k, t);
+  for (auto& [k, t] : detail::load_model_file(dir / "model.pt")) saved.emplace(k, t);
   torch::NoGradGuard no_grad;
   auto restore = [&](const std::string& name, torch::Tensor& dst) {
     auto it = saved.find(name);

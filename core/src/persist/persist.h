@@ -74,8 +74,11 @@ std::filesystem::path save_checkpoint(const std::filesystem::path& root, Model& 
                                       std::string failed = "");
 
 /// A rank other than 0, while rank 0 writes the checkpoint of `step` under `root`: its share of
-/// the optimizer state. Throws on every rank when any rank could not write its share.
-void save_checkpoint_share(const std::filesystem::path& root, int64_t step, const ShardedState& state, World& world);
+/// the optimizer state (a tk::ShardedState) and, for one that says which rank keeps each
+/// parameter (tk::ParameterKeepers), of the model's parameters. Throws on every rank when any rank
+/// could not write its share.
+void save_checkpoint_share(const std::filesystem::path& root, int64_t step, Model& model,
+                           const torch::optim::Optimizer& optimizer, World& world);
 
 /// Every rank, before training with an optimizer sharded over the ranks: refuses the run when a
 /// rank does not see the checkpoint folder `root` that rank 0 writes in (a run on several machines

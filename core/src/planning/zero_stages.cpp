@@ -46,6 +46,7 @@ std::vector<double> TrainingState::per_rank(int64_t n) const {
 
 std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size) {
   const int64_t n = std::max<int64_t>(world_size, 2);
+  const bool alone = world_size < 2;  // one rank: nothing sharded whatever the stage
   const std::vector<double> here = s.per_rank(std::max<int64_t>(world_size, 1)), there = s.per_rank(n);
   // The rest of the step (activations, the batch, the buffers): the measured peak beyond what
   // this stage's state and buffers take. Below zero where those buffers are reckoned larger than
@@ -53,7 +54,7 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   // and buffers differ, so the figure of the stage measured is the peak itself, and no other
   // stage's falls below its bare share of the state.
   // One rank shards nothing and sums nothing, whatever its stage: it holds the whole state.
-  const double rest = peak - here[world_size < 2 ? 0 : static_cast<size_t>(s.stage)];
+  const double rest = peak - here[alone ? 0 : static_cast<size_t>(s.stage)];
   const double f = s.share(n), P = s.trainable, O = s.optimizer_whole;
   const std::vector<double> bare = {s.frozen + 2 * P + O, s.frozen + 2 * P + O * f, s.frozen + P + (P + O) * f,
                                     s.frozen + (2 * P + O) * f};
@@ -65,16 +66,16 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
                     std::to_string(s.stage);
   std::vector<double> step;
   for (size_t stage = 0; stage < there.size(); ++stage)
-    step.push_back(world_size > 1 && stage == static_cast<size_t>(s.stage) ? peak
-                                                                           : std::max(rest + there[stage], bare[stage]));
-  out += std::string(world_size < 2 ? ". On one rank nothing is sharded; over 2 ranks" : ". Over its " + std::to_string(n) + " ranks") +
+    step.push_back(!alone && stage == static_cast<size_t>(s.stage) ? peak
+                                                                   : std::max(rest + there[stage], bare[stage]));
+  out += std::string(alone ? ". On one rank nothing is sharded; over 2 ranks" : ". Over its " + std::to_string(n) + " ranks") +
          ", with the optimizer state sharded from stage 1, the gradients from 2 and the parameters from 3, the step "
          "would take about " + stage_list(step);
   // The stages above this one; on one rank, any that shards (over 2 ranks, each stage is new).
-  for (size_t stage = world_size < 2 ? 1 : static_cast<size_t>(s.stage) + 1; stage < step.size(); ++stage)
+  for (size_t stage = alone ? 1 : static_cast<size_t>(s.stage) + 1; stage < step.size(); ++stage)
     if (step[stage] <= limit)
       return out + ": by these figures stage " + std::to_string(stage) + " would fit (" +
-             (world_size < 2 ? "over 2 ranks, tk-run --nproc 2 with ddp; the stage " : "") + "set by a plugin that provides " +
+             (alone ? "over 2 ranks, tk-run --nproc 2 with ddp; the stage " : "") + "set by a plugin that provides " +
              cap::kOptimizerSharded.name() + "; tk-run --list shows the plugins)";
   // No higher stage over this world: the fewest ranks at stage 3, if more ranks can do it. A
   // rank holds whole tensors: never less than the largest one's part, and at most one rank per tensor.

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -185,16 +186,21 @@ std::string fmt_loss(double v);
 /// parameter under two names (a weight tied in a TorchScript module) lists it twice, and it must
 /// still be stepped, normalized and counted once.
 std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors);
+/// The file in which rank `r` writes the parameters it keeps (tk::ParameterKeepers) into a
+/// checkpoint, beside rank 0's model.pt.
+std::string model_share_file(int64_t r);
+/// `file`'s tensors by name; for a checkpoint's model.pt, with the model-share-<rank>.pt files
+/// beside it (as many as its run.json's `model_shares`), so the whole model. Refuses a share
+/// missing and a name that two files hold.
+NamedTensors load_model_file(const std::filesystem::path& file);
 /// The same for named tensors (a module's `named_parameters()`): each tensor once, under its first
 /// name.
 template <class Named>
 std::vector<std::pair<std::string, at::Tensor>> distinct_named(const Named& items) {
-  std::vector<at::Tensor> all;
-  for (const auto& item : items) all.push_back(item.value());
-  const std::vector<at::Tensor> once = distinct_tensors(all);
+  std::set<const c10::TensorImpl*> seen;
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : items)
-    if (out.size() < once.size() && item.value().is_same(once[out.size()])) out.emplace_back(item.key(), item.value());
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
   return out;
 }
 

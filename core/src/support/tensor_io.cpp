@@ -259,6 +259,35 @@ NamedTensors load_safetensors(const std::filesystem::path& file) {
 
 namespace tk::detail {
 
+std::string model_share_file(int64_t r) { return "model-share-" + std::to_string(r) + ".pt"; }
+
+NamedTensors load_model_file(const std::filesystem::path& file) {
+  NamedTensors all = load_tensor_dict(file);
+  const std::filesystem::path dir = file.parent_path(), about = dir / "run.json";
+  if (file.filename() != "model.pt" || !std::filesystem::is_regular_file(about)) return all;
+  int64_t count = 0;  // the ranks that wrote a share of the parameters beside it
+  try {
+    std::ifstream in(about);
+    count = nlohmann::json::parse(in).value("model_shares", int64_t{0});
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(about.string() + ": damaged (" + e.what() + ")");
+  }
+  std::set<std::string> names;
+  for (const auto& [name, t] : all) names.insert(name);
+  for (int64_t r = 0; r < count; ++r) {
+    const std::filesystem::path share = dir / model_share_file(r);
+    if (!std::filesystem::is_regular_file(share))
+      throw Error(share.string() + " is missing: " + about.string() + " says " + std::to_string(count) +
+                  " ranks wrote a share of the parameters beside model.pt");
+    for (auto& [name, t] : load_tensor_dict(share)) {
+      if (!names.insert(name).second)
+        throw Error(share.string() + ": tensor '" + name + "' is also in model.pt or an earlier share");
+      all.emplace_back(name, std::move(t));
+    }
+  }
+  return all;
+}
+
 std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors) {
   std::set<const c10::TensorImpl*> seen;
   std::vector<at::Tensor> out;

@@ -39,8 +39,8 @@ struct TrainerOptions {
   /// Called once when the run fails: in training the moment it fails, before plugins clean up;
   /// before training (the Trainer's construction, describe(), plan(), optimizer(),
   /// plugin_order(), fit()'s planning and resume, verify_accumulation()) as the error leaves the
-  /// Trainer, with the run and its world still whole. A launcher uses it to tell the first failing rank from the ones
-  /// that fail after losing it.
+  /// Trainer, with the run and its world still whole. A launcher uses it to tell the first failing
+  /// rank from the ones that fail after losing it.
   std::function<void()> on_failure;
   /// Called after each optimizer step but the last: true stops the run there, with that step kept
   /// and checkpointed (SIGINT/SIGTERM); FitResult::stopped is then "signal".

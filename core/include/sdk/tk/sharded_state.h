@@ -13,6 +13,9 @@
 // What this header declares is libtrainkit's interface: exported (the library hides the rest).
 #pragma GCC visibility push(default)
 
+namespace at {
+class Tensor;
+}  // namespace at
 namespace torch::serialize {
 class InputArchive;
 class OutputArchive;
@@ -64,6 +67,25 @@ class ShardedParameters {
   ShardedParameters(const ShardedParameters&) = default;
   ShardedParameters& operator=(const ShardedParameters&) = default;
   virtual ~ShardedParameters() = default;
+};
+
+/// A ShardedParameters optimizer that is also a ShardedState, and says which rank keeps each
+/// parameter between uses (the shard plugin's stage 3), derives from this too. A checkpoint then
+/// holds the parameters the way it holds the optimizer state: each rank writes those it keeps
+/// into `model-share-<rank>.pt` while rank 0 writes the rest (frozen parameters, buffers) into
+/// model.pt, so no rank gathers the whole model to save it. Reading the checkpoint (a resume with
+/// any world size, `[model] init` given its model.pt) takes the shares beside model.pt too.
+class ParameterKeepers {
+ public:
+  /// The rank that keeps `param` whole between uses, or -1 where every rank holds it whole (a
+  /// parameter not sharded, or none sharded now). Every rank answers the same.
+  virtual int64_t keeper_of(const at::Tensor& param) const = 0;
+
+ protected:
+  ParameterKeepers() = default;
+  ParameterKeepers(const ParameterKeepers&) = default;
+  ParameterKeepers& operator=(const ParameterKeepers&) = default;
+  virtual ~ParameterKeepers() = default;
 };
 
 /// Every parameter whole for the life of this object, given the optimizer (nothing to do for one
