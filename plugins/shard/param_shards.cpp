@@ -49,6 +49,7 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
     index.emplace(p.unsafeGetTensorImpl(), i);
     all_.push_back(i);
   }
+  peak_gathered_ = gathered_bytes_;  // every parameter whole until start()
   for (size_t b = 0; blocks && b < blocks->size(); ++b) {
     std::vector<size_t> mine;
     for (const auto& p : blocks->parameters(b))

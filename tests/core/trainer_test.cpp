@@ -240,6 +240,28 @@ name = "fake_sync"
     for (const auto& w : partial.warnings())
       listed = listed || (w.find("init: loaded 4 tensors of") == 0 && w.find("; it lacks 'layers.1.weight'") != std::string::npos);
     CHECK(listed);
+    // A checkpoint's model.pt with the parameters its ranks kept beside it (ZeRO stage 3): whole.
+    {
+      const fs::path ck = out / "sharded-checkpoint";
+      fs::create_directories(ck);
+      auto p = trained.model().named_parameters();
+      tk::save_tensor_dict(ck / "model.pt", {{"layers.0.weight", p["layers.0.weight"]}});
+      tk::save_tensor_dict(ck / "model-share-0.pt", {{"layers.0.bias", p["layers.0.bias"]}});
+      tk::save_tensor_dict(ck / "model-share-1.pt", {{"head.weight", p["head.weight"]}, {"head.bias", p["head.bias"]}});
+      std::ofstream(ck / "run.json") << R"({"format": 2, "world_size": 2, "model_shares": 2, "recipe": {}})";
+      const std::string from = "model.init=\"" + (ck / "model.pt").string() + "\"";
+      tk::Trainer whole(tkt::recipe({from}), tkt::quiet());
+      whole.describe();
+      for (const auto& q : trained.model().named_parameters())
+        CHECK(torch::equal(whole.model().named_parameters()[q.key()], q.value()));
+      tk::save_tensor_dict(ck / "model-share-1.pt", {{"head.weight", p["head.weight"]}, {"layers.0.bias", p["layers.0.bias"]}});
+      CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({from}), tkt::quiet()).describe(),
+                        doctest::Contains("model-share-1.pt: tensor 'layers.0.bias' is also in model.pt or an earlier share"));
+      fs::remove(ck / "model-share-1.pt");
+      const std::string missing = "model-share-1.pt is missing: " + (ck / "run.json").string() +
+                                  " says 2 ranks wrote a share of the parameters beside model.pt";
+      CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({from}), tkt::quiet()).describe(), doctest::Contains(missing.c_str()));
+    }
     std::ofstream(out / "junk.safetensors") << "not a safetensors file";
     CHECK_THROWS_WITH(tk::Trainer(tkt::recipe({"model.init=\"" + (out / "junk.safetensors").string() + "\""}), tkt::quiet())
                           .describe(),

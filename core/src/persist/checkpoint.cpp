@@ -100,22 +100,26 @@ void write_shares(const fs::path& tmp, const ShardedState& state, const Paramete
                   std::string failed = "") {
   world.barrier();
   if (failed.empty()) {
+    std::string what = "the optimizer state";
     try {
       make_folder(tmp);  // rank 0 made it: made here too, a network file system may not list it yet
-      if (params.by_rank) save_tensor_dict(tmp / detail::model_share_file(world.rank()), params.mine);
+      if (params.by_rank) {
+        what = "the parameters";
+        save_tensor_dict(tmp / detail::model_share_file(world.rank()), params.mine);
+        what = "the optimizer state";
+      }
       torch::serialize::OutputArchive archive;
       state.save_share(archive);
       std::ostringstream bytes;
       archive.save_to(bytes);
       detail::write_file_atomic(tmp / share_file(world.rank()), bytes.str());
     } catch (const std::exception& e) {
-      failed = "rank " + std::to_string(world.rank()) + " could not write its share of the optimizer state: " +
-               message_of(e);
+      failed = "rank " + std::to_string(world.rank()) + " could not write its share of " + what + ": " + message_of(e);
     }
   }
   detail::fault_point("checkpoint-share");
   if (world.max(int64_t{failed.empty() ? 0 : 1}) == 0) return;
-  throw Error(failed.empty() ? "another rank could not write its share of the optimizer state into '" + tmp.string() +
+  throw Error(failed.empty() ? "another rank could not write its share of the checkpoint into '" + tmp.string() +
                                    "'; this checkpoint is not written (the earlier ones are kept)"
                              : failed);
 }
@@ -216,7 +220,7 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
     for (const auto& [plugin, s] : plugin_states)
       save_tensor_dict(tmp / (kPluginPrefix + plugin + ".pt"), NamedTensors(s.begin(), s.end()));
     nlohmann::ordered_json info;
-    info["format"] = 1;
+    info["format"] = params.by_rank ? 2 : 1;  // 2: the parameters are in model-share-<rank>.pt too
     info["world_size"] = identity.world_size;
     if (params.by_rank) info["model_shares"] = world.size();  // detail::load_model_file reads them
     info["recipe"] = nlohmann::ordered_json::object();
@@ -319,6 +323,9 @@ std::optional<RunIdentity> read_run_identity(const fs::path& dir) {
   if (!in) return std::nullopt;
   try {
     const auto info = nlohmann::json::parse(in);
+    if (const int64_t format = info.value("format", int64_t{1}); format > 2)
+      throw RunRefused((dir / kIdentityFile).string() + ": a checkpoint of format " + std::to_string(format) +
+                       ", written by a newer trainkit; this one reads formats 1 and 2");
     RunIdentity id;
     id.world_size = info.at("world_size").get<int64_t>();
     for (const auto& [k, v] : info.at("recipe").items()) id.recipe.emplace_back(k, v.get<std::string>());

@@ -190,8 +190,8 @@ std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors)
 /// checkpoint, beside rank 0's model.pt.
 std::string model_share_file(int64_t r);
 /// `file`'s tensors by name; for a checkpoint's model.pt, with the model-share-<rank>.pt files
-/// beside it (as many as its run.json's `model_shares`), so the whole model. Refuses a share
-/// missing and a name that two files hold.
+/// beside it (as many as its run.json's `model_shares`), so the whole model. Refuses (RunRefused:
+/// no retry reads more) a share missing and a name that two files hold.
 NamedTensors load_model_file(const std::filesystem::path& file);
 /// The same for named tensors (a module's `named_parameters()`): each tensor once, under its first
 /// name.

@@ -277,11 +277,11 @@ NamedTensors load_model_file(const std::filesystem::path& file) {
   for (int64_t r = 0; r < count; ++r) {
     const std::filesystem::path share = dir / model_share_file(r);
     if (!std::filesystem::is_regular_file(share))
-      throw Error(share.string() + " is missing: " + about.string() + " says " + std::to_string(count) +
+      throw RunRefused(share.string() + " is missing: " + about.string() + " says " + std::to_string(count) +
                   " ranks wrote a share of the parameters beside model.pt");
     for (auto& [name, t] : load_tensor_dict(share)) {
       if (!names.insert(name).second)
-        throw Error(share.string() + ": tensor '" + name + "' is also in model.pt or an earlier share");
+        throw RunRefused(share.string() + ": tensor '" + name + "' is also in model.pt or an earlier share");
       all.emplace_back(name, std::move(t));
     }
   }

@@ -77,8 +77,9 @@ class ShardedParameters {
 /// any world size, `[model] init` given its model.pt) takes the shares beside model.pt too.
 class ParameterKeepers {
  public:
-  /// The rank that keeps `param` whole between uses, or -1 where every rank holds it whole (a
-  /// parameter not sharded, or none sharded now). Every rank answers the same.
+  /// The rank that keeps `param` whole between uses, or -1 for a parameter that is not sharded
+  /// (frozen, or any before the sharding starts): rank 0 writes those into model.pt. Every rank
+  /// answers the same.
   virtual int64_t keeper_of(const at::Tensor& param) const = 0;
 
  protected:
