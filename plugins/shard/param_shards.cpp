@@ -243,8 +243,13 @@ at::Tensor ParameterShards::run_block(size_t b, const at::Tensor& x, const tk::B
 void ParameterShards::backward_gather(size_t b) {
   if (!take_prefetched(b, true)) gather(blocks_[b]);
   pending_.push_back(b);
-  // Backward reaches the block before next (its output hooked in this forward).
-  if (b > 0 && runs_[b - 1] > 0) prefetch(b - 1, true);
+  deferred_.reset();
+  // Backward reaches the block before next (its output hooked in this forward). While the block
+  // after this one is still held (its input's gradient, the hook on which lets it go, is this
+  // block's output's), that gather waits for it to go: backward then holds two blocks, not three.
+  if (b == 0 || runs_[b - 1] == 0) return;
+  if (std::find(pending_.begin(), pending_.end(), b + 1) != pending_.end()) deferred_ = b - 1;
+  else prefetch(b - 1, true);
 }
 
 void ParameterShards::backward_done(size_t b) {
@@ -253,11 +258,17 @@ void ParameterShards::backward_done(size_t b) {
     release(blocks_[b]);
     pending_.erase(std::next(it).base());
   }
+  if (deferred_ && *deferred_ + 2 == b) {
+    const size_t next = *deferred_;
+    deferred_.reset();
+    prefetch(next, true);
+  }
   // A block run more than once in the forward: its gradients are final after the last run's backward.
   if (runs_[b] > 0 && --runs_[b] == 0 && done_) done_(b);
 }
 
 void ParameterShards::after_backward() {
+  deferred_.reset();
   take_prefetched(SIZE_MAX, false);
   for (size_t b : pending_) release(blocks_[b]);
   pending_.clear();

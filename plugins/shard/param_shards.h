@@ -13,7 +13,8 @@
 // parameters of no block are gathered for each micro-batch's forward and backward. Gathers nest:
 // each parameter counts its holders and is freed when the last lets go. With prefetch, the next
 // block's gather (the one after in forward, the one before in backward) is started before a
-// block computes, and waited for when that block comes.
+// block computes, and waited for when that block comes; in backward, once the block after the
+// one computing is let go, so that a rank holds two blocks at a time in forward and backward.
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <tk/blocks.h>
@@ -136,6 +137,7 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
     Flight flight;
   };
   std::optional<Prefetch> prefetch_;
+  std::optional<size_t> deferred_;  // a backward prefetch waiting for the block after the next to go
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // the gathers' own (World::side_group); null in a world of one
   Traffic traffic_;
 };
