@@ -157,9 +157,15 @@ void load_init(Run& r) {
   const std::string& file = r.model_opts.get_path("init");
   if (file.empty()) return;
   const bool partial = r.model_opts.get_bool("init_partial");
+  const std::filesystem::path path(file);
   NamedTensors saved;
   try {
-    saved = std::filesystem::path(file).extension() == ".safetensors" ? load_safetensors(file) : detail::load_model_file(file);
+    if (path.extension() == ".safetensors") {
+      saved = load_safetensors(file);
+    } else {  // a checkpoint's model.pt comes with the shares of the parameters its record names
+      const auto record = path.filename() == "model.pt" ? detail::read_checkpoint_record(path.parent_path()) : std::nullopt;
+      saved = detail::load_model_file(file, record ? record->model_shares : 0);
+    }
   } catch (const std::exception& e) {
     r.model_opts.fail("init", message_of(e));
   }

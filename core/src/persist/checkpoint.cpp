@@ -3,8 +3,6 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include <nlohmann/json.hpp>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,7 +28,6 @@ namespace tk {
 namespace {
 
 constexpr const char* kPluginPrefix = "plugin-";
-constexpr const char* kIdentityFile = "run.json";
 /// optimizer.pt's key for the number of shares an optimizer sharded over the ranks saved.
 constexpr const char* kSharesKey = "tk_optimizer_shares";
 
@@ -92,6 +89,17 @@ ParameterSplit split_parameters(Model& model, const torch::optim::Optimizer& opt
   return split;
 }
 
+/// The parameters as a checkpoint saves them: split, and while this lives, parameters sharded
+/// between uses gathered whole on every rank for model.pt, unless each rank writes its own.
+struct ParametersToSave {
+  ParametersToSave(Model& model, const torch::optim::Optimizer& optimizer, int64_t rank)
+      : split(split_parameters(model, optimizer, rank)) {
+    if (!split.by_rank) whole.emplace(&optimizer);
+  }
+  ParameterSplit split;
+  std::optional<WholeParameters> whole;
+};
+
 /// Every rank at once: its share of `state` (and with `params.by_rank`, of the parameters) into
 /// `tmp`, the checkpoint's temporary folder (rank 0 made it before the first barrier; rank 0 moves
 /// it into place after the last). `failed`: what stopped this rank before (rank 0 making the
@@ -99,24 +107,26 @@ ParameterSplit split_parameters(Model& model, const torch::optim::Optimizer& opt
 void write_shares(const fs::path& tmp, const ShardedState& state, const ParameterSplit& params, World& world,
                   std::string failed = "") {
   world.barrier();
-  if (failed.empty()) {
-    std::string what = "the optimizer state";
+  const auto attempt = [&](const std::string& what, const auto& write) {
+    if (!failed.empty()) return;
     try {
-      make_folder(tmp);  // rank 0 made it: made here too, a network file system may not list it yet
-      if (params.by_rank) {
-        what = "the parameters";
-        save_tensor_dict(tmp / detail::model_share_file(world.rank()), params.mine);
-        what = "the optimizer state";
-      }
-      torch::serialize::OutputArchive archive;
-      state.save_share(archive);
-      std::ostringstream bytes;
-      archive.save_to(bytes);
-      detail::write_file_atomic(tmp / share_file(world.rank()), bytes.str());
+      write();
     } catch (const std::exception& e) {
-      failed = "rank " + std::to_string(world.rank()) + " could not write its share of " + what + ": " + message_of(e);
+      failed = "rank " + std::to_string(world.rank()) + " could not write " + what + ": " + message_of(e);
     }
-  }
+  };
+  // Rank 0 made the folder: made here too, a network file system may not list it yet.
+  attempt("in the checkpoint folder", [&] { make_folder(tmp); });
+  if (params.by_rank)
+    attempt("its share of the parameters",
+            [&] { save_tensor_dict(tmp / detail::model_share_file(world.rank()), params.mine); });
+  attempt("its share of the optimizer state", [&] {
+    torch::serialize::OutputArchive archive;
+    state.save_share(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    detail::write_file_atomic(tmp / share_file(world.rank()), bytes.str());
+  });
   detail::fault_point("checkpoint-share");
   if (world.max(int64_t{failed.empty() ? 0 : 1}) == 0) return;
   throw Error(failed.empty() ? "another rank could not write its share of the checkpoint into '" + tmp.string() +
@@ -193,11 +203,8 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
   const std::string name = step_name(position.counters.step);
   const fs::path final_dir = root / name, tmp = root / (name + ".tmp");
   const auto* sharded = dynamic_cast<const ShardedState*>(&optimizer);
-  const ParameterSplit params = split_parameters(model, optimizer, world.rank());
-  // Parameters sharded between uses are gathered for model.pt, on every rank (save_checkpoint_share),
-  // unless each rank writes its own.
-  std::optional<WholeParameters> whole;
-  if (!params.by_rank) whole.emplace(&optimizer);
+  const ParametersToSave to_save(model, optimizer, world.rank());  // every rank (save_checkpoint_share)
+  const ParameterSplit& params = to_save.split;
   std::error_code ec;
   // `failed`: what stopped this rank before the ranks write their shares together.
   try {
@@ -219,13 +226,7 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
     save_tensor_dict(tmp / "trainer.pt", position_tensors(position));
     for (const auto& [plugin, s] : plugin_states)
       save_tensor_dict(tmp / (kPluginPrefix + plugin + ".pt"), NamedTensors(s.begin(), s.end()));
-    nlohmann::ordered_json info;
-    info["format"] = params.by_rank ? 2 : 1;  // 2: the parameters are in model-share-<rank>.pt too
-    info["world_size"] = identity.world_size;
-    if (params.by_rank) info["model_shares"] = world.size();  // detail::load_model_file reads them
-    info["recipe"] = nlohmann::ordered_json::object();
-    for (const auto& [k, v] : identity.recipe) info["recipe"][k] = v;
-    detail::write_file_atomic(tmp / kIdentityFile, info.dump(1) + "\n");
+    detail::write_checkpoint_record(tmp, {identity.world_size, params.by_rank ? world.size() : 0, identity.recipe});
 
     fs::remove_all(final_dir, ec);
     if (::rename(tmp.c_str(), final_dir.c_str()) != 0)
@@ -246,10 +247,8 @@ fs::path save_checkpoint(const fs::path& root, Model& model, torch::optim::Optim
 
 void save_checkpoint_share(const fs::path& root, int64_t step, Model& model, const torch::optim::Optimizer& optimizer,
                            World& world) {
-  const ParameterSplit params = split_parameters(model, optimizer, world.rank());
-  std::optional<WholeParameters> whole;  // as rank 0 does for model.pt
-  if (!params.by_rank) whole.emplace(&optimizer);
-  write_shares(root / (step_name(step) + ".tmp"), dynamic_cast<const ShardedState&>(optimizer), params, world);
+  const ParametersToSave to_save(model, optimizer, world.rank());  // as rank 0 does
+  write_shares(root / (step_name(step) + ".tmp"), dynamic_cast<const ShardedState&>(optimizer), to_save.split, world);
 }
 
 void check_folder_shared(const fs::path& root, World& world) {
@@ -318,21 +317,11 @@ fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, 
               "with step-<N> folders" + (arg == "latest" ? ", under the run's output folder" : "") + ")");
 }
 
-std::optional<RunIdentity> read_run_identity(const fs::path& dir) {
-  std::ifstream in(dir / kIdentityFile);
-  if (!in) return std::nullopt;
-  try {
-    const auto info = nlohmann::json::parse(in);
-    if (const int64_t format = info.value("format", int64_t{1}); format > 2)
-      throw RunRefused((dir / kIdentityFile).string() + ": a checkpoint of format " + std::to_string(format) +
-                       ", written by a newer trainkit; this one reads formats 1 and 2");
-    RunIdentity id;
-    id.world_size = info.at("world_size").get<int64_t>();
-    for (const auto& [k, v] : info.at("recipe").items()) id.recipe.emplace_back(k, v.get<std::string>());
-    return id;
-  } catch (const nlohmann::json::exception& e) {
-    throw Error((dir / kIdentityFile).string() + ": damaged (" + e.what() + ")");
-  }
+RunIdentity identity_of(const detail::CheckpointRecord& record) {
+  RunIdentity id;
+  id.world_size = record.world_size;
+  id.recipe = record.recipe;
+  return id;
 }
 
 namespace {
@@ -377,11 +366,12 @@ void load_optimizer(const fs::path& dir, torch::optim::Optimizer& optimizer) {
 
 }  // namespace
 
-Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Optimizer& optimizer) {
+Checkpoint load_checkpoint(const fs::path& dir, const std::optional<detail::CheckpointRecord>& record, Model& model,
+                           torch::optim::Optimizer& optimizer) {
   Checkpoint ck;
   ck.dir = dir;
   std::map<std::string, torch::Tensor> saved;
-  for (auto& [k, t] : detail::load_model_file(dir / "model.pt")) saved.emplace(k, t);
+  for (auto& [k, t] : detail::load_model_file(dir / "model.pt", record ? record->model_shares : 0)) saved.emplace(k, t);
   torch::NoGradGuard no_grad;
   auto restore = [&](const std::string& name, torch::Tensor& dst) {
     auto it = saved.find(name);
@@ -401,8 +391,7 @@ Checkpoint load_checkpoint(const fs::path& dir, Model& model, torch::optim::Opti
   load_optimizer(dir, optimizer);
   std::map<std::string, torch::Tensor> trainer;
   for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt")) trainer.emplace(k, t);
-  const auto identity = read_run_identity(dir);
-  ck.position = position_from(trainer.at("position"), identity ? identity->world_size : 0);  // 0: unknown
+  ck.position = position_from(trainer.at("position"), record ? record->world_size : 0);  // 0: unknown
   detail::load_rng_tensors(trainer, (dir / "trainer.pt").string());
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string f = e.path().filename().string();

@@ -210,8 +210,9 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   if (!note.empty()) r.warn(note);
   // Checked before anything is loaded: another optimizer's state would not even load.
   Differences diff;
-  if (auto saved = read_run_identity(dir)) {
-    diff = differences(*saved, identity, allowed);
+  const auto record = read_checkpoint_record(dir);
+  if (record) {
+    diff = differences(identity_of(*record), identity, allowed);
     if (!diff.refused.empty())
       throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
                   lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
@@ -228,7 +229,7 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   }
   Checkpoint resumed;
   try {
-    resumed = load_checkpoint(dir, *r.model, *r.optimizer);
+    resumed = load_checkpoint(dir, record, *r.model, *r.optimizer);
   } catch (const RunRefused& e) {  // what was saved does not fit this run's model or optimizer
     if (diff.allowed.empty()) throw;
     throw RunRefused(message_of(e) + "\nthis resume changes the run that wrote the checkpoint (let through with "

@@ -182,27 +182,55 @@ std::string fmt_loss(double v);
 
 // ---- tensor_io.cpp ------------------------------------------------------------------------------
 
-/// `tensors` with each tensor once, in the order of its first place: a module that registers one
-/// parameter under two names (a weight tied in a TorchScript module) lists it twice, and it must
-/// still be stepped, normalized and counted once.
-std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors);
-/// The file in which rank `r` writes the parameters it keeps (tk::ParameterKeepers) into a
-/// checkpoint, beside rank 0's model.pt.
-std::string model_share_file(int64_t r);
-/// `file`'s tensors by name; for a checkpoint's model.pt, with the model-share-<rank>.pt files
-/// beside it (as many as its run.json's `model_shares`), so the whole model. Refuses (RunRefused:
-/// no retry reads more) a share missing and a name that two files hold.
-NamedTensors load_model_file(const std::filesystem::path& file);
+/// True the first time it is shown a tensor, false after (a tensor is its TensorImpl): a module
+/// that registers one parameter under two names (a weight tied in a TorchScript module) lists it
+/// twice, and it must still be stepped, normalized and counted once.
+class FirstSight {
+ public:
+  bool operator()(const at::Tensor& t) { return seen_.insert(t.unsafeGetTensorImpl()).second; }
+
+ private:
+  std::set<const c10::TensorImpl*> seen_;
+};
+/// `tensors` with each tensor once, in the order of its first place (FirstSight).
+inline std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors) {
+  FirstSight first;
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors)
+    if (first(t)) out.push_back(t);
+  return out;
+}
 /// The same for named tensors (a module's `named_parameters()`): each tensor once, under its first
 /// name.
 template <class Named>
 std::vector<std::pair<std::string, at::Tensor>> distinct_named(const Named& items) {
-  std::set<const c10::TensorImpl*> seen;
+  FirstSight first;
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : items)
-    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+    if (first(item.value())) out.emplace_back(item.key(), item.value());
   return out;
 }
+
+/// What a checkpoint folder's run.json records of the run that wrote it (persist writes and reads
+/// it; `[model] init` reads it to load a checkpoint's model.pt whole).
+struct CheckpointRecord {
+  int64_t world_size = 1;
+  /// The ranks that each wrote the parameters they keep beside model.pt (model_share_file), or 0.
+  int64_t model_shares = 0;
+  std::vector<std::pair<std::string, std::string>> recipe;  ///< "section.key" -> TOML value
+};
+/// Writes `record` as `dir`/run.json, atomically.
+void write_checkpoint_record(const std::filesystem::path& dir, const CheckpointRecord& record);
+/// `dir`'s run.json; nullopt where there is none (a checkpoint of an older trainkit). A format newer
+/// than this trainkit reads is refused (RunRefused), a damaged file is an Error naming it.
+std::optional<CheckpointRecord> read_checkpoint_record(const std::filesystem::path& dir);
+/// The file in which rank `r` writes the parameters it keeps (tk::ParameterKeepers) into a
+/// checkpoint, beside rank 0's model.pt.
+std::string model_share_file(int64_t r);
+/// `file`'s tensors by name, with the `shares` files model-share-<rank>.pt beside it: for a
+/// checkpoint's model.pt, its record's `model_shares`, so the whole model. Refuses (RunRefused: no
+/// retry reads more) a share missing and a name that two files hold.
+NamedTensors load_model_file(const std::filesystem::path& file, int64_t shares);
 
 // ---- rng.cpp: the process's random generators (checkpoints, trials, back-offs) -------------------
 

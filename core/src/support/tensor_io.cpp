@@ -15,6 +15,7 @@
 
 #include "tk/error.h"
 #include "tk/output.h"
+#include "support/support.h"
 
 namespace tk {
 
@@ -261,39 +262,57 @@ namespace tk::detail {
 
 std::string model_share_file(int64_t r) { return "model-share-" + std::to_string(r) + ".pt"; }
 
-NamedTensors load_model_file(const std::filesystem::path& file) {
-  NamedTensors all = load_tensor_dict(file);
-  const std::filesystem::path dir = file.parent_path(), about = dir / "run.json";
-  if (file.filename() != "model.pt" || !std::filesystem::is_regular_file(about)) return all;
-  int64_t count = 0;  // the ranks that wrote a share of the parameters beside it
+namespace {
+constexpr const char* kRecordFile = "run.json";
+}  // namespace
+
+void write_checkpoint_record(const std::filesystem::path& dir, const CheckpointRecord& record) {
+  nlohmann::ordered_json info;
+  info["format"] = record.model_shares > 0 ? 2 : 1;  // 2: the parameters are in model-share-<rank>.pt too
+  info["world_size"] = record.world_size;
+  if (record.model_shares > 0) info["model_shares"] = record.model_shares;
+  info["recipe"] = nlohmann::ordered_json::object();
+  for (const auto& [k, v] : record.recipe) info["recipe"][k] = v;
+  write_file_atomic(dir / kRecordFile, info.dump(1) + "\n");
+}
+
+std::optional<CheckpointRecord> read_checkpoint_record(const std::filesystem::path& dir) {
+  const std::string file = (dir / kRecordFile).string();
+  std::ifstream in(file);
+  if (!in) return std::nullopt;
   try {
-    std::ifstream in(about);
-    count = nlohmann::json::parse(in).value("model_shares", int64_t{0});
+    const auto info = nlohmann::json::parse(in);
+    if (const int64_t format = info.value("format", int64_t{1}); format > 2)
+      throw RunRefused(file + ": a checkpoint of format " + std::to_string(format) +
+                       ", written by a newer trainkit; this one reads formats 1 and 2");
+    CheckpointRecord record;
+    record.world_size = info.at("world_size").get<int64_t>();
+    record.model_shares = info.value("model_shares", int64_t{0});
+    for (const auto& [k, v] : info.at("recipe").items()) record.recipe.emplace_back(k, v.get<std::string>());
+    return record;
   } catch (const nlohmann::json::exception& e) {
-    throw Error(about.string() + ": damaged (" + e.what() + ")");
+    throw Error(file + ": damaged (" + e.what() + ")");
   }
+}
+
+NamedTensors load_model_file(const std::filesystem::path& file, int64_t shares) {
+  NamedTensors all = load_tensor_dict(file);
   std::set<std::string> names;
   for (const auto& [name, t] : all) names.insert(name);
-  for (int64_t r = 0; r < count; ++r) {
-    const std::filesystem::path share = dir / model_share_file(r);
+  for (int64_t r = 0; r < shares; ++r) {
+    const std::filesystem::path share = file.parent_path() / model_share_file(r);
     if (!std::filesystem::is_regular_file(share))
-      throw RunRefused(share.string() + " is missing: " + about.string() + " says " + std::to_string(count) +
-                  " ranks wrote a share of the parameters beside model.pt");
+      throw RunRefused(share.string() + " is missing: " + (file.parent_path() / kRecordFile).string() + " says " +
+                       std::to_string(shares) + " ranks wrote a share of the parameters beside " +
+                       file.filename().string());
     for (auto& [name, t] : load_tensor_dict(share)) {
       if (!names.insert(name).second)
-        throw RunRefused(share.string() + ": tensor '" + name + "' is also in model.pt or an earlier share");
+        throw RunRefused(share.string() + ": tensor '" + name + "' is also in " + file.filename().string() +
+                         " or an earlier share");
       all.emplace_back(name, std::move(t));
     }
   }
   return all;
-}
-
-std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors) {
-  std::set<const c10::TensorImpl*> seen;
-  std::vector<at::Tensor> out;
-  for (const auto& t : tensors)
-    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
-  return out;
 }
 
 }  // namespace tk::detail
