@@ -23,14 +23,17 @@ c10::StorageImpl& storage_of(const at::Tensor& t) { return *t.storage().unsafeGe
 
 ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std::string> names,
                                  std::vector<int> owners, tk::World& world, const tk::Blocks* blocks,
-                                 const std::vector<int64_t>& groups, bool prefetch)
+                                 const std::vector<int64_t>& groups, bool prefetch,
+                                 std::optional<at::ScalarType> narrow)
     : params_(std::move(params)),
       names_(std::move(names)),
       owners_(std::move(owners)),
       holds_(params_.size(), 1),
+      masters_(params_.size()),
       rank_(world.rank()),
       world_(world.size()),
-      prefetching_(prefetch) {
+      prefetching_(prefetch),
+      narrow_(narrow) {
   std::map<const c10::TensorImpl*, size_t> index;
   std::set<const c10::StorageImpl*> storages;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -62,17 +65,27 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
   if (world_ > 1) group_ = world.side_group("stage 3's parameter gathers");
 }
 
-ParameterShards::~ParameterShards() = default;
+ParameterShards::~ParameterShards() {
+  // An owner's values under the rounded ones it computed with (a step cut short): back in place.
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (masters_[i]) storage_of(params_[i]).set_data_ptr_noswap(std::move(masters_[i]));
+}
 
-void ParameterShards::point_into(size_t i, const at::Tensor& flat, int64_t offset) {
+bool ParameterShards::rounds(size_t i, bool exact) const {
+  return !exact && narrow_ && params_[i].is_floating_point() &&
+         params_[i].element_size() > static_cast<int64_t>(c10::elementSize(*narrow_));
+}
+
+at::DataPtr ParameterShards::point_into(size_t i, const at::Tensor& flat, int64_t offset) {
   // The parameter's memory is its part of the buffer the broadcast filled, which lives as long as
   // any parameter points into it: no copy, and no second buffer.
   auto* keep = new at::Tensor(flat);
   void* data = static_cast<char*>(flat.data_ptr()) + offset * flat.element_size();
   c10::StorageImpl& s = storage_of(params_[i]);
-  s.set_data_ptr_noswap(
+  at::DataPtr before = s.set_data_ptr(
       at::DataPtr(data, keep, [](void* held) { delete static_cast<at::Tensor*>(held); }, params_[i].device()));
   s.set_nbytes(bytes_[i]);
+  return before;
 }
 
 void ParameterShards::free(size_t i) {
@@ -81,7 +94,7 @@ void ParameterShards::free(size_t i) {
   s.set_nbytes(0);
 }
 
-ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which) {
+ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which, bool exact) {
   // One broadcast per owner and dtype, in that order on every rank.
   std::map<std::pair<int, int>, std::vector<size_t>> by_owner;
   for (size_t i : which) {
@@ -93,12 +106,13 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
     if (params_[i].numel() > 0) by_owner[{owners_[i], static_cast<int>(params_[i].scalar_type())}].push_back(i);
   }
   Flight f;
-  if (!group_) return f;
   const auto t0 = Clock::now();
   at::NoGradGuard no_grad;
   for (const auto& [key, mine] : by_owner) {
     Flight::Part part;
     part.root = key.first;
+    part.rounded = rounds(mine.front(), exact);  // one dtype to a part
+    if (!group_ && !part.rounded) continue;      // alone, a rank holds its parameters whole
     part.into = mine;
     int64_t numel = 0;
     std::vector<at::Tensor> own;
@@ -107,12 +121,18 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
       if (part.root == rank_) own.push_back(params_[i].variable_data().view({-1}));
       numel += params_[i].numel();
     }
-    part.flat = {part.root == rank_ ? at::cat(own) : at::empty({numel}, params_[mine.front()].options())};
-    c10d::BroadcastOptions options;
-    options.rootRank = part.root;
-    part.work = group_->broadcast(part.flat, options);
-    ++traffic_.gathers;
-    if (part.root != rank_) traffic_.bytes += numel * part.flat.front().element_size();
+    const at::ScalarType dtype = part.rounded ? *narrow_ : params_[mine.front()].scalar_type();
+    at::Tensor flat = part.root == rank_ ? at::cat(own).to(dtype)
+                                         : at::empty({numel}, params_[mine.front()].options().dtype(dtype));
+    // Rounded values go as their bits, in fp16 clothes: Gloo (LibTorch 1.13) broadcasts no bf16.
+    part.flat = {part.rounded ? flat.view(at::kHalf) : flat};
+    if (group_) {
+      c10d::BroadcastOptions broadcast;
+      broadcast.rootRank = part.root;
+      part.work = group_->broadcast(part.flat, broadcast);
+      ++traffic_.gathers;
+      if (part.root != rank_) traffic_.bytes += numel * part.flat.front().element_size();
+    }
     f.parts.push_back(std::move(part));
   }
   traffic_.ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -123,20 +143,28 @@ void ParameterShards::land(Flight& f) {
   const auto t0 = Clock::now();
   at::NoGradGuard no_grad;
   for (auto& part : f.parts) {
-    part.work->wait();
-    if (part.root == rank_) continue;
+    if (part.work) part.work->wait();
+    const bool mine = part.root == rank_;
+    if (mine && !part.rounded) continue;
+    // Rounded: what came, in the parameters' dtype; the owner computes with it too.
+    const at::Tensor& came = part.flat.front();
+    const at::Tensor flat = part.rounded ? came.view(*narrow_).to(params_[part.into.front()].scalar_type()) : came;
     int64_t offset = 0;
     for (size_t i : part.into) {
-      point_into(i, part.flat.front(), offset);
+      at::DataPtr before = point_into(i, flat, offset);
       offset += params_[i].numel();
+      if (!mine) continue;
+      masters_[i] = std::move(before);  // the owner's own values, back at release
+      gathered_bytes_ += static_cast<int64_t>(bytes_[i]);
+      peak_gathered_ = std::max(peak_gathered_, gathered_bytes_);
     }
   }
   f.parts.clear();
   traffic_.ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-void ParameterShards::gather(const std::vector<size_t>& which) {
-  Flight f = launch(which);
+void ParameterShards::gather(const std::vector<size_t>& which, bool exact) {
+  Flight f = launch(which, exact);
   land(f);
 }
 
@@ -151,16 +179,23 @@ bool ParameterShards::take_prefetched(size_t b, bool backward) {
 
 void ParameterShards::prefetch(size_t b, bool backward) {
   if (!prefetching_) return;
+  take_prefetched(SIZE_MAX, false);  // one in flight at a time: one still unclaimed is let go
   prefetch_ = Prefetch{b, backward, launch(blocks_[b])};
 }
 
 void ParameterShards::release(const std::vector<size_t>& which) {
   for (size_t i : which) {
     if (holds_[i] == 0) throw Error("stage 3: parameter '" + names_[i] + "' released more often than gathered");
-    if (--holds_[i] == 0 && owners_[i] != rank_) {
+    if (--holds_[i] > 0) continue;
+    if (owners_[i] != rank_) {
       free(i);
-      gathered_bytes_ -= static_cast<int64_t>(bytes_[i]);
+    } else if (masters_[i]) {  // the owner's rounded copy goes, its own values come back
+      storage_of(params_[i]).set_data_ptr_noswap(std::move(masters_[i]));
+      masters_[i] = at::DataPtr();
+    } else {
+      continue;
     }
+    gathered_bytes_ -= static_cast<int64_t>(bytes_[i]);
   }
 }
 
@@ -173,7 +208,7 @@ void ParameterShards::start() {
 
 void ParameterShards::gather_all() {
   take_prefetched(SIZE_MAX, false);
-  gather(all_);
+  gather(all_, /*exact=*/true);
 }
 void ParameterShards::release_all() { release(all_); }
 void ParameterShards::gather_loose() {
@@ -277,7 +312,7 @@ void ParameterShards::after_backward() {
 
 void ParameterShards::check_released() const {
   for (size_t i = 0; i < params_.size(); ++i)
-    if (holds_[i] > 0 && owners_[i] != rank_)
+    if (holds_[i] > 0 && (owners_[i] != rank_ || masters_[i]))
       throw Error("stage 3: parameter '" + names_[i] + "' is still gathered at the step (" + std::to_string(holds_[i]) +
                   " holders): its values would not follow its owner's update");
 }

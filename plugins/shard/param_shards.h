@@ -15,7 +15,14 @@
 // block's gather (the one after in forward, the one before in backward) is started before a
 // block computes, and waited for when that block comes; in backward, once the block after the
 // one computing is let go, so that a rank holds two blocks at a time in forward and backward.
+//
+// With a narrower dtype to gather in (`narrow`), a floating parameter wider than it is broadcast
+// rounded to it, and every rank, its owner too, computes with the rounded values (in the
+// parameter's dtype) while it is gathered: fewer bytes on the wire, the same forward on every
+// rank. The owner keeps its own values under them (its master copy), back in place once it lets
+// go, for the step; what reads every parameter outside a step (gather_all) reads them unrounded.
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/intrusive_ptr.h>
 #include <tk/blocks.h>
 #include <tk/world.h>
@@ -39,9 +46,11 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// (the rank that updates each); `blocks`: the model's (null: it lists none, and every
   /// parameter is of no block), with `groups` the block of each parameter (block_groups: -1 for
   /// none). Every parameter starts whole, held once until start(). Refuses a parameter that shares
-  /// its memory with another tensor (it cannot be freed alone).
+  /// its memory with another tensor (it cannot be freed alone). `narrow`: the dtype to gather
+  /// floating parameters wider than it in, rounded (none: their own).
   ParameterShards(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int> owners,
-                  tk::World& world, const tk::Blocks* blocks, const std::vector<int64_t>& groups, bool prefetch);
+                  tk::World& world, const tk::Blocks* blocks, const std::vector<int64_t>& groups, bool prefetch,
+                  std::optional<at::ScalarType> narrow = std::nullopt);
   ~ParameterShards();
   ParameterShards(const ParameterShards&) = delete;
   ParameterShards& operator=(const ParameterShards&) = delete;
@@ -86,29 +95,33 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
 
  private:
   /// Gathers / releases parameters `which` (indices into params_): a gather broadcasts, from each
-  /// owner, those that no one held (every rank makes the same calls in the same order).
-  void gather(const std::vector<size_t>& which);
+  /// owner, those that no one held (every rank makes the same calls in the same order); `exact`:
+  /// unrounded, whatever `narrow` says.
+  void gather(const std::vector<size_t>& which, bool exact = false);
   void release(const std::vector<size_t>& which);
   /// A gather in two halves: its broadcasts started (the parameters held), then waited for, the
   /// parameters of other ranks pointed into what came.
   struct Flight {
     struct Part {
       int root;
+      bool rounded;                  // broadcast in the narrow dtype
       std::vector<at::Tensor> flat;  // what is broadcast
       std::vector<size_t> into;      // its parameters, in order
       c10::intrusive_ptr<c10d::Work> work;
     };
     std::vector<Part> parts;
   };
-  Flight launch(const std::vector<size_t>& which);
+  Flight launch(const std::vector<size_t>& which, bool exact = false);
   void land(Flight& f);
   /// Whether the gather in flight is block b's (in backward or not), which then holds its
   /// parameters; any other is waited for and let go.
   bool take_prefetched(size_t b, bool backward);
   void prefetch(size_t b, bool backward);
-  /// Parameter i's memory: `flat` from element `offset` on.
-  void point_into(size_t i, const at::Tensor& flat, int64_t offset);
+  /// Parameter i's memory: `flat` from element `offset` on; returns what it was.
+  at::DataPtr point_into(size_t i, const at::Tensor& flat, int64_t offset);
   void free(size_t i);
+  /// Whether parameter i is gathered rounded (narrow_), unless `exact`.
+  bool rounds(size_t i, bool exact) const;
   void backward_gather(size_t b);
   void backward_done(size_t b);
 
@@ -117,6 +130,7 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   std::vector<int> owners_;
   std::vector<size_t> bytes_;    // each parameter's memory when whole
   std::vector<int64_t> holds_;   // each parameter's holders now
+  std::vector<at::DataPtr> masters_;  // an owned parameter's own memory while it holds rounded values
   std::vector<std::vector<size_t>> blocks_;  // each block's parameters (indices)
   std::vector<size_t> loose_;                // the parameters of no block
   std::vector<size_t> all_;                  // every parameter (0 to n-1), for gather and release
@@ -138,6 +152,7 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   };
   std::optional<Prefetch> prefetch_;
   std::optional<size_t> deferred_;  // a backward prefetch waiting for the block after the next to go
+  std::optional<at::ScalarType> narrow_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // the gathers' own (World::side_group); null in a world of one
   Traffic traffic_;
 };

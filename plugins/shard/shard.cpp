@@ -49,6 +49,14 @@ class Shard final : public tk::Plugin {
           "stage 3: start gathering the next block's parameters (the one after in forward, the one before in "
           "backward) before a block computes, so that the broadcast overlaps its computation; false: each block's "
           "gather starts when the block does (one block's parameters fewer held at a time)");
+    o.choice("gather_dtype", gather_dtype_,
+             "stage 3: the dtype the parameters are gathered in. \"param\": their own, exactly the values their "
+             "owners keep; \"bf16\" or \"fp16\": floating parameters wider than it are gathered rounded to it "
+             "(half the bytes of float32), and every rank, owners too, computes with the rounded values; the owners "
+             "keep and update their own (float32 master copies); checkpoints and the weights are unrounded. Under "
+             "mixed_precision's autocast to the same dtype, a parameter that only autocast's lower-precision "
+             "operations read (a Linear's weight and bias) computes exactly as with \"param\"",
+             {{"param", at::ScalarType::Undefined}, {"bf16", at::kBFloat16}, {"fp16", at::kHalf}});
   }
 
   void init() override {
@@ -61,6 +69,8 @@ class Shard final : public tk::Plugin {
                        std::to_string(stage_) + ")");
     if (option_given(prefetch_) && stage_ < 3)
       notes_.push_back("prefetch is ignored: only stage 3 gathers parameters (stage is " + std::to_string(stage_) + ")");
+    if (option_given(gather_dtype_) && stage_ < 3)
+      notes_.push_back("gather_dtype is ignored: only stage 3 gathers parameters (stage is " + std::to_string(stage_) + ")");
   }
 
   tk::Contract contract() const override {
@@ -130,11 +140,15 @@ class Shard final : public tk::Plugin {
       << std::count(owners.begin(), owners.end(), rank) << " of " << owners.size() << " tensors ("
       << sharded_->owned_bytes(rank) << " of " << total << " bytes of parameters)";
     if (stage_ >= 2) m << "; gradients summed onto their owners during " << (reduce_ == "window" ? "each window's last backward" : "every backward");
-    if (stage_ == 3)
-      m << "; parameters gathered "
-        << (blocks_ ? "for each of the model's " + std::to_string(blocks_->size()) + " blocks in forward and backward, "
-                      "the rest for each micro-batch"
-                    : "whole for each micro-batch (the model lists no blocks, tk/blocks.h)");
+    if (stage_ == 3) {
+      m << "; parameters gathered " << (!narrow() ? "" : gather_dtype_ == at::kBFloat16 ? "in bf16 " : "in fp16 ");
+      if (!blocks_)
+        m << "whole for each micro-batch (the model lists no blocks, tk/blocks.h)";
+      else
+        m << (blocks_->size() == 1 ? std::string("for the model's block")
+                                   : "for each of the model's " + std::to_string(blocks_->size()) + " blocks")
+          << " in forward and backward, the rest for each micro-batch";
+    }
     ctx.info(m.str());
   }
 
@@ -220,7 +234,7 @@ class Shard final : public tk::Plugin {
                         const std::vector<int64_t>& groups) {
     blocks_ = tk::blocks_of(ctx.model());
     params_ = std::make_shared<tk::shard::ParameterShards>(params, std::move(names), sharded_->owners(), ctx.world(),
-                                                           blocks_, groups, prefetch_);
+                                                           blocks_, groups, prefetch_, narrow());
     sharded_->attach(params_);
     if (!blocks_) return;
     std::weak_ptr<tk::shard::ParameterShards> weak = params_;
@@ -230,7 +244,14 @@ class Shard final : public tk::Plugin {
     });
   }
 
+  /// gather_dtype_, where it is not the parameters' own.
+  std::optional<at::ScalarType> narrow() const {
+    if (gather_dtype_ == at::ScalarType::Undefined) return std::nullopt;
+    return gather_dtype_;
+  }
+
   int64_t stage_ = 0;
+  at::ScalarType gather_dtype_ = at::ScalarType::Undefined;
   std::string reduce_ = "micro_batch";
   bool prefetch_ = true;
   std::vector<std::string> notes_;  // options given that this stage ignores

@@ -829,6 +829,42 @@ TEST_SUITE("zero") {
                       "--set run.dtype=float32 --set plugins.mixed_precision.check_every_micro_batch=true", shard, 1e-5);
       CHECK(tkt::skipped(dir / "zero/out/metrics.jsonl") == std::vector<bool>{false, false, true, false, false, false});
     }
+    // Stage 3 gathering in bf16 under autocast to bf16: autocast reads the MLP's parameters (Linear
+    // layers') in bf16 either way, so the steps are ddp's.
+    const std::string narrow = std::string(kStage3) + "gather_dtype = \"bf16\"\n";
+    auto halved = zero_equals_ddp(root / "amp-3-bf16", base_with(kAdamW), amp, 2,
+                                  "--set run.dtype=float32 --set plugins.mixed_precision.check_every_micro_batch=true",
+                                  narrow, 1e-5);
+    CHECK(halved.out.find("parameters gathered in bf16 for the model's block in forward and backward") != std::string::npos);
+    // Without autocast the rounding shows, the same on every rank: the first step's loss (float64)
+    // is that of one process started from the weights rounded to bf16, not from the weights.
+    const std::string accumulate = base_with(kAdamW) + "[[plugins]]\nname = \"grad_accum\"\n";
+    const std::string sharded = accumulate + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n" + kStage3;
+    REQUIRE(tk_run(root / "start", base_with(kAdamW), "--set run.steps=1").rc == 0);
+    tk::NamedTensors rounded;
+    for (const auto& [name, t] : tk::load_tensor_dict(root / "start/out/weights.pt"))
+      rounded.emplace_back(name, t.to(at::kBFloat16).to(t.scalar_type()));
+    tk::save_tensor_dict(root / "rounded.pt", rounded);
+    const auto init = [&](const fs::path& file) {
+      return "--set batch.effective_batch=8 --set run.steps=2 --set model.init='\"" + file.string() + "\"' ";
+    };
+    auto bf16 = tk_run(root / "narrow", sharded + "gather_dtype = \"bf16\"\n", "--nproc 2 " + init(root / "start/out/weights.pt"));
+    INFO(bf16.out);
+    REQUIRE(bf16.rc == 0);
+    REQUIRE(tk_run(root / "exact", sharded, "--nproc 2 " + init(root / "start/out/weights.pt")).rc == 0);
+    REQUIRE(tk_run(root / "from-rounded", accumulate, init(root / "rounded.pt")).rc == 0);
+    const auto first_loss = [&](const char* run) { return tkt::metric(root / run / "out/metrics.jsonl", "loss").front(); };
+    CHECK(std::abs(first_loss("narrow") - first_loss("from-rounded")) <= 1e-12 * first_loss("from-rounded"));
+    CHECK(std::abs(first_loss("narrow") - first_loss("exact")) > 1e-6 * first_loss("exact"));
+    // A quarter of float64's bytes gathered, every step.
+    const auto bytes = tkt::metric(root / "narrow/out/metrics.jsonl", "shard_param_gather_mib");
+    const auto whole = tkt::metric(root / "exact/out/metrics.jsonl", "shard_param_gather_mib");
+    REQUIRE(bytes.size() == 2);
+    REQUIRE(whole.size() == 2);
+    for (size_t i = 0; i < bytes.size(); ++i) CHECK(bytes[i] * 4 == doctest::Approx(whole[i]).epsilon(1e-12));
+    // The owners step their own values: the weights are not bf16's.
+    const auto final_weights = weights(root / "narrow");
+    CHECK_FALSE(torch::equal(final_weights, final_weights.to(at::kBFloat16).to(final_weights.scalar_type())));
     fs::remove_all(root);
   }
 
