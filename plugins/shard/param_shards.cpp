@@ -30,6 +30,7 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
       owners_(std::move(owners)),
       holds_(params_.size(), 1),
       masters_(params_.size()),
+      rounded_(params_.size(), 0),
       rank_(world.rank()),
       world_(world.size()),
       prefetching_(prefetch),
@@ -67,8 +68,20 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std
 
 ParameterShards::~ParameterShards() {
   // An owner's values under the rounded ones it computed with (a step cut short): back in place.
+  for (size_t i = 0; i < params_.size(); ++i) restore_master(i);
+}
+
+void ParameterShards::restore_master(size_t i) {
+  if (!masters_[i]) return;
+  storage_of(params_[i]).set_data_ptr_noswap(std::move(masters_[i]));
+  masters_[i] = at::DataPtr();
+  gathered_bytes_ -= static_cast<int64_t>(bytes_[i]);
+}
+
+bool ParameterShards::narrows() const {
   for (size_t i = 0; i < params_.size(); ++i)
-    if (masters_[i]) storage_of(params_[i]).set_data_ptr_noswap(std::move(masters_[i]));
+    if (rounds(i, false)) return true;
+  return false;
 }
 
 bool ParameterShards::rounds(size_t i, bool exact) const {
@@ -98,8 +111,14 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
   // One broadcast per owner and dtype, in that order on every rank.
   std::map<std::pair<int, int>, std::vector<size_t>> by_owner;
   for (size_t i : which) {
-    if (holds_[i]++ > 0) continue;
-    if (owners_[i] != rank_) {
+    // An exact gather of a parameter held rounded sends it again, unrounded, into its place: from
+    // there on it is exact until let go (the owner's own values are back under it now).
+    const bool refresh = exact && holds_[i] > 0 && rounded_[i];
+    if (holds_[i]++ > 0 && !refresh) continue;
+    if (refresh) {
+      rounded_[i] = 0;
+      restore_master(i);
+    } else if (owners_[i] != rank_) {
       gathered_bytes_ += static_cast<int64_t>(bytes_[i]);
       peak_gathered_ = std::max(peak_gathered_, gathered_bytes_);
     }
@@ -124,6 +143,7 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
     const at::ScalarType dtype = part.rounded ? *narrow_ : params_[mine.front()].scalar_type();
     at::Tensor flat = part.root == rank_ ? at::cat(own).to(dtype)
                                          : at::empty({numel}, params_[mine.front()].options().dtype(dtype));
+    if (part.rounded && part.root == rank_) check_fits(mine, flat);
     // Rounded values go as their bits, in fp16 clothes: Gloo (LibTorch 1.13) broadcasts no bf16.
     part.flat = {part.rounded ? flat.view(at::kHalf) : flat};
     if (group_) {
@@ -139,10 +159,23 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
   return f;
 }
 
+void ParameterShards::check_fits(const std::vector<size_t>& which, const at::Tensor& rounded) const {
+  if (at::isfinite(rounded).all().item<bool>()) return;
+  for (size_t i : which) {
+    const at::Tensor values = params_[i].variable_data();
+    if (!at::isfinite(values).all().item<bool>() || at::isfinite(values.to(*narrow_)).all().item<bool>()) continue;
+    throw Error("stage 3: parameter '" + names_[i] + "' does not fit gather_dtype \"" + (*narrow_ == at::kBFloat16 ? "bf16" : "fp16") + "\"" +
+                ": its largest magnitude, " + std::to_string(values.abs().max().item<double>()) +
+                ", rounds to infinity; gather in bf16, whose range is float32's, or in the parameters' dtype (\"param\")");
+  }
+}
+
 void ParameterShards::land(Flight& f) {
   const auto t0 = Clock::now();
   at::NoGradGuard no_grad;
-  for (auto& part : f.parts) {
+  while (!f.parts.empty()) {  // each part taken out as it lands: none lands twice
+    Flight::Part part = std::move(f.parts.front());
+    f.parts.erase(f.parts.begin());
     if (part.work) part.work->wait();
     const bool mine = part.root == rank_;
     if (mine && !part.rounded) continue;
@@ -151,15 +184,17 @@ void ParameterShards::land(Flight& f) {
     const at::Tensor flat = part.rounded ? came.view(*narrow_).to(params_[part.into.front()].scalar_type()) : came;
     int64_t offset = 0;
     for (size_t i : part.into) {
+      if (mine && masters_[i])
+        throw Error("stage 3: parameter '" + names_[i] + "' rounded again while its owner's values are set aside");
       at::DataPtr before = point_into(i, flat, offset);
       offset += params_[i].numel();
+      rounded_[i] = part.rounded;
       if (!mine) continue;
       masters_[i] = std::move(before);  // the owner's own values, back at release
       gathered_bytes_ += static_cast<int64_t>(bytes_[i]);
       peak_gathered_ = std::max(peak_gathered_, gathered_bytes_);
     }
   }
-  f.parts.clear();
   traffic_.ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
@@ -170,10 +205,11 @@ void ParameterShards::gather(const std::vector<size_t>& which, bool exact) {
 
 bool ParameterShards::take_prefetched(size_t b, bool backward) {
   if (!prefetch_) return false;
-  const bool mine = prefetch_->block == b && prefetch_->backward == backward;
-  land(prefetch_->flight);
-  if (!mine) release(blocks_[prefetch_->block]);  // not what came next: its holds go
+  Prefetch taken = std::move(*prefetch_);  // gone, whatever landing it throws
   prefetch_.reset();
+  const bool mine = taken.block == b && taken.backward == backward;
+  land(taken.flight);
+  if (!mine) release(blocks_[taken.block]);  // not what came next: its holds go
   return mine;
 }
 
@@ -187,15 +223,13 @@ void ParameterShards::release(const std::vector<size_t>& which) {
   for (size_t i : which) {
     if (holds_[i] == 0) throw Error("stage 3: parameter '" + names_[i] + "' released more often than gathered");
     if (--holds_[i] > 0) continue;
+    rounded_[i] = 0;
     if (owners_[i] != rank_) {
       free(i);
-    } else if (masters_[i]) {  // the owner's rounded copy goes, its own values come back
-      storage_of(params_[i]).set_data_ptr_noswap(std::move(masters_[i]));
-      masters_[i] = at::DataPtr();
+      gathered_bytes_ -= static_cast<int64_t>(bytes_[i]);
     } else {
-      continue;
+      restore_master(i);  // the owner's rounded copy goes, its own values come back
     }
-    gathered_bytes_ -= static_cast<int64_t>(bytes_[i]);
   }
 }
 

@@ -59,10 +59,13 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   /// between uses.
   void start();
   /// Every parameter whole / one such hold undone (gather_all is a collective): what reads every
-  /// parameter outside a step (checkpoints, a check that the ranks agree).
+  /// parameter outside a step (checkpoints, a check that the ranks agree). Exact: a parameter held
+  /// rounded is sent again unrounded, and stays so until let go.
   void gather_all();
   void release_all();
   bool all_whole() const;
+  /// Whether some parameter is gathered rounded (`narrow` and wider than it).
+  bool narrows() const;
 
   /// Runs block `b` (computed by `fn`) on `x` with its parameters gathered (Blocks::set_around).
   at::Tensor run_block(size_t b, const at::Tensor& x, const tk::BlockFn& fn);
@@ -122,6 +125,11 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   void free(size_t i);
   /// Whether parameter i is gathered rounded (narrow_), unless `exact`.
   bool rounds(size_t i, bool exact) const;
+  /// Refuses a parameter of `which` (an owner's part, `rounded` its values in narrow_) that is
+  /// finite but rounds to an infinity: every rank would compute with it.
+  void check_fits(const std::vector<size_t>& which, const at::Tensor& rounded) const;
+  /// The owner's own values of parameter i back under it, where a rounded copy was.
+  void restore_master(size_t i);
   void backward_gather(size_t b);
   void backward_done(size_t b);
 
@@ -131,6 +139,7 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   std::vector<size_t> bytes_;    // each parameter's memory when whole
   std::vector<int64_t> holds_;   // each parameter's holders now
   std::vector<at::DataPtr> masters_;  // an owned parameter's own memory while it holds rounded values
+  std::vector<char> rounded_;         // each parameter's values now rounded (narrow_)
   std::vector<std::vector<size_t>> blocks_;  // each block's parameters (indices)
   std::vector<size_t> loose_;                // the parameters of no block
   std::vector<size_t> all_;                  // every parameter (0 to n-1), for gather and release

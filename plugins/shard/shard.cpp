@@ -141,7 +141,8 @@ class Shard final : public tk::Plugin {
       << sharded_->owned_bytes(rank) << " of " << total << " bytes of parameters)";
     if (stage_ >= 2) m << "; gradients summed onto their owners during " << (reduce_ == "window" ? "each window's last backward" : "every backward");
     if (stage_ == 3) {
-      m << "; parameters gathered " << (!narrow() ? "" : gather_dtype_ == at::kBFloat16 ? "in bf16 " : "in fp16 ");
+      m << "; parameters gathered "
+        << (!params_->narrows() ? "" : gather_dtype_ == at::kBFloat16 ? "in bf16 " : "in fp16 ");
       if (!blocks_)
         m << "whole for each micro-batch (the model lists no blocks, tk/blocks.h)";
       else
@@ -162,6 +163,7 @@ class Shard final : public tk::Plugin {
 
   void on_validation_start(tk::ValidationStartContext&) override {
     if (!params_) return decline(tk::Event::ValidationStart);
+    params_->start();  // sharded from here, even before the first micro-batch: a pass as training's
     params_->start_evaluation();
   }
 

@@ -856,6 +856,13 @@ TEST_SUITE("zero") {
     const auto first_loss = [&](const char* run) { return tkt::metric(root / run / "out/metrics.jsonl", "loss").front(); };
     CHECK(std::abs(first_loss("narrow") - first_loss("from-rounded")) <= 1e-12 * first_loss("from-rounded"));
     CHECK(std::abs(first_loss("narrow") - first_loss("exact")) > 1e-6 * first_loss("exact"));
+    // A weight that fp16 cannot hold is refused at its gather, named, not trained on as infinite.
+    rounded.front().second.view({-1})[0] = 1e5;
+    tk::save_tensor_dict(root / "large.pt", rounded);
+    auto large = tk_run(root / "large", sharded + "gather_dtype = \"fp16\"\n", "--nproc 2 " + init(root / "large.pt"));
+    CHECK(large.rc != 0);
+    CHECK(large.out.find("stage 3: parameter '" + rounded.front().first + "' does not fit gather_dtype \"fp16\": its "
+                         "largest magnitude, 100000.000000, rounds to infinity") != std::string::npos);
     // A quarter of float64's bytes gathered, every step.
     const auto bytes = tkt::metric(root / "narrow/out/metrics.jsonl", "shard_param_gather_mib");
     const auto whole = tkt::metric(root / "exact/out/metrics.jsonl", "shard_param_gather_mib");
