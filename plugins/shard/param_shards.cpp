@@ -143,7 +143,6 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
     const at::ScalarType dtype = part.rounded ? *narrow_ : params_[mine.front()].scalar_type();
     at::Tensor flat = part.root == rank_ ? at::cat(own).to(dtype)
                                          : at::empty({numel}, params_[mine.front()].options().dtype(dtype));
-    if (part.rounded && part.root == rank_) check_fits(mine, flat);
     // Rounded values go as their bits, in fp16 clothes: Gloo (LibTorch 1.13) broadcasts no bf16.
     part.flat = {part.rounded ? flat.view(at::kHalf) : flat};
     if (group_) {
@@ -159,15 +158,24 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
   return f;
 }
 
-void ParameterShards::check_fits(const std::vector<size_t>& which, const at::Tensor& rounded) const {
-  if (at::isfinite(rounded).all().item<bool>()) return;
-  for (size_t i : which) {
+void ParameterShards::check_fits() const {
+  at::NoGradGuard no_grad;
+  std::vector<size_t> mine;
+  at::Tensor lost;  // per parameter of mine: finite values that round to an infinity
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (owners_[i] != rank_ || !rounds(i, false) || params_[i].numel() == 0) continue;
     const at::Tensor values = params_[i].variable_data();
-    if (!at::isfinite(values).all().item<bool>() || at::isfinite(values.to(*narrow_)).all().item<bool>()) continue;
-    throw Error("stage 3: parameter '" + names_[i] + "' does not fit gather_dtype \"" + (*narrow_ == at::kBFloat16 ? "bf16" : "fp16") + "\"" +
-                ": its largest magnitude, " + std::to_string(values.abs().max().item<double>()) +
-                ", rounds to infinity; gather in bf16, whose range is float32's, or in the parameters' dtype (\"param\")");
+    const at::Tensor bad = (values.isfinite() & values.to(*narrow_).isfinite().logical_not()).any().view({1});
+    lost = lost.defined() ? at::cat({lost, bad}) : bad;
+    mine.push_back(i);
   }
+  if (!lost.defined() || !lost.any().item<bool>()) return;  // one wait for the device
+  const size_t i = mine.at(static_cast<size_t>(lost.nonzero()[0][0].item<int64_t>()));
+  const bool fp16 = *narrow_ == at::kHalf;
+  throw Error("stage 3: parameter '" + names_[i] + "' does not fit gather_dtype \"" + (fp16 ? "fp16" : "bf16") +
+              "\": its largest magnitude, " + std::to_string(params_[i].abs().max().item<double>()) +
+              ", rounds to infinity; gather " + (fp16 ? "in bf16, whose range is float32's, or " : "") +
+              "in the parameters' dtype (\"param\")");
 }
 
 void ParameterShards::land(Flight& f) {

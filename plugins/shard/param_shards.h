@@ -66,6 +66,10 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   bool all_whole() const;
   /// Whether some parameter is gathered rounded (`narrow` and wider than it).
   bool narrows() const;
+  /// Refuses a parameter this rank keeps that is finite but rounds to an infinity (every rank
+  /// would compute with it): owners' values change only at the step, so once after each step
+  /// and once at the start suffice.
+  void check_fits() const;
 
   /// Runs block `b` (computed by `fn`) on `x` with its parameters gathered (Blocks::set_around).
   at::Tensor run_block(size_t b, const at::Tensor& x, const tk::BlockFn& fn);
@@ -125,9 +129,6 @@ class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
   void free(size_t i);
   /// Whether parameter i is gathered rounded (narrow_), unless `exact`.
   bool rounds(size_t i, bool exact) const;
-  /// Refuses a parameter of `which` (an owner's part, `rounded` its values in narrow_) that is
-  /// finite but rounds to an infinity: every rank would compute with it.
-  void check_fits(const std::vector<size_t>& which, const at::Tensor& rounded) const;
   /// The owner's own values of parameter i back under it, where a rounded copy was.
   void restore_master(size_t i);
   void backward_gather(size_t b);

@@ -119,7 +119,10 @@ class Shard final : public tk::Plugin {
       }
       // One block's gradients to a bucket: stage 2's backward holds about one block of them whole.
       const auto groups = tk::shard::block_groups(params, tk::blocks_of(ctx.model()));
-      if (stage_ == 3) shard_parameters(ctx, params, names, groups);
+      if (stage_ == 3) {
+        shard_parameters(ctx, params, names, groups);
+        params_->check_fits();
+      }
       grads_ = std::make_unique<tk::shard::GradientShards>(params, names, sharded_->owners(), ctx.world(), groups);
       if (params_) {
         grads_->send_when_settled();
@@ -197,7 +200,8 @@ class Shard final : public tk::Plugin {
   }
 
   void on_step_end(tk::StepEndContext& ctx) override {
-    if (!sharded_ || ctx.world_size() == 1) return decline(tk::Event::StepEnd);
+    if (params_ && !ctx.step_vetoed()) params_->check_fits();  // the values the next gathers round
+    if (!sharded_ || ctx.world_size() == 1) return params_ ? void() : decline(tk::Event::StepEnd);
     if (ctx.step_vetoed()) return;
     if (params_) {
       const auto t = params_->take_traffic();
