@@ -290,6 +290,26 @@ for stage in 2 3; do
   then pass "GPT with $what over NCCL, two ranks, equals ddp alone to 1e-4"
   else fail "GPT with $what over NCCL (see $work/zero${stage}n.log)"; fi
 done
+# Stage 3 gathering in bf16 (gather_dtype): every rank computes with the weights rounded to bf16,
+# so the weights stay near stage 0's (to 5e-2 after 20 steps); over NCCL each gather moves half
+# the bytes of zero3n's.
+half_bytes() {  # half_bytes A B: every record's shard_param_gather_mib of run A is half of run B's
+  "$py" - "$work/$1/metrics.jsonl" "$work/$2/metrics.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l).get("shard_param_gather_mib") for l in open(f)] for f in sys.argv[1:3])
+sys.exit(0 if len(a) == len(b) and any(a) and all(x is not None and abs(2 * x - y) <= 1e-9 * y for x, y in zip(a, b)) else 1)
+PY
+}
+if run zero3b "$r" "${gpt_quick[@]}" --set plugins.shard.stage=3 --set 'plugins.shard.gather_dtype="bf16"' &&
+   grep -q "parameters gathered in bf16" "$work/zero3b.log" && close zero3b zero0 5e-2
+then pass "GPT at stage 3 gathering in bf16 on CUDA (a world of one) stays near the unsharded one"
+else fail "GPT at stage 3 gathering in bf16 on CUDA (see $work/zero3b.log)"; fi
+if [ "${gpus:-0}" -lt 2 ]; then
+  skip "stage 3 gathering in bf16 over NCCL: needs 2 GPUs, $gpus visible"
+elif run zero3bn "$r" "${gpt_quick[@]}" --set plugins.shard.stage=3 --set 'plugins.shard.gather_dtype="bf16"' \
+       --set world.backend=nccl --nproc 2 && half_bytes zero3bn zero3n && close zero3bn zero0n 5e-2
+then pass "GPT at stage 3 gathering in bf16 over NCCL, two ranks: half the bytes, near ddp alone"
+else fail "GPT at stage 3 gathering in bf16 over NCCL (see $work/zero3bn.log)"; fi
 
 # 7c. Recomputation on CUDA: the GPT of bench/recompute.sh (4 x 256, 256-token sequences, dropout)
 # with every block recomputed, against the run without it (the CUDA generator replayed), and its GPU
