@@ -24,7 +24,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
-#include <set>
 #include <sstream>
 
 namespace {
@@ -179,11 +178,10 @@ class Ddp final : public tk::Plugin {
     if (world_->size() == 1 || !world_->process_group()) return;
     check_same_model(ctx.model());
     broadcast_from_rank0(ctx.model());
-    std::set<const c10::TensorImpl*> seen;  // a parameter registered under two names (tied) is summed once
-    for (const auto& p : ctx.model().named_parameters())
-      if (p.value().requires_grad() && seen.insert(p.value().unsafeGetTensorImpl()).second) {
-        param_names_.push_back(p.key());
-        params_.push_back(p.value());
+    for (auto& [name, p] : tk::distinct_parameters(ctx.model()))  // a tied parameter is summed once
+      if (p.requires_grad()) {
+        param_names_.push_back(std::move(name));
+        params_.push_back(std::move(p));
       }
     if (params_.empty()) throw std::runtime_error("the model has no trainable parameter: nothing for data parallel to sum");
     if (sharded_grads_) {

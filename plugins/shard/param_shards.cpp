@@ -3,12 +3,18 @@
 #include "param_shards.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/aminmax.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tk/error.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -20,6 +26,10 @@ using Clock = std::chrono::steady_clock;
 c10::StorageImpl& storage_of(const at::Tensor& t) { return *t.storage().unsafeGetStorageImpl(); }
 
 }  // namespace
+
+std::string dtype_word(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? "bf16" : dtype == at::kHalf ? "fp16" : c10::toString(dtype);
+}
 
 ParameterShards::ParameterShards(std::vector<at::Tensor> params, std::vector<std::string> names,
                                  std::vector<int> owners, tk::World& world, const tk::Blocks* blocks,
@@ -110,6 +120,7 @@ void ParameterShards::free(size_t i) {
 ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which, bool exact) {
   // One broadcast per owner and dtype, in that order on every rank.
   std::map<std::pair<int, int>, std::vector<size_t>> by_owner;
+  int64_t again = 0;  // sent again unrounded to this rank: held twice until they land
   for (size_t i : which) {
     // An exact gather of a parameter held rounded sends it again, unrounded, into its place: from
     // there on it is exact until let go (the owner's own values are back under it now).
@@ -118,12 +129,14 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
     if (refresh) {
       rounded_[i] = 0;
       restore_master(i);
+      if (owners_[i] != rank_) again += static_cast<int64_t>(bytes_[i]);
     } else if (owners_[i] != rank_) {
       gathered_bytes_ += static_cast<int64_t>(bytes_[i]);
       peak_gathered_ = std::max(peak_gathered_, gathered_bytes_);
     }
     if (params_[i].numel() > 0) by_owner[{owners_[i], static_cast<int>(params_[i].scalar_type())}].push_back(i);
   }
+  peak_gathered_ = std::max(peak_gathered_, gathered_bytes_ + again);
   Flight f;
   const auto t0 = Clock::now();
   at::NoGradGuard no_grad;
@@ -161,21 +174,35 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
 void ParameterShards::check_fits() const {
   at::NoGradGuard no_grad;
   std::vector<size_t> mine;
-  at::Tensor lost;  // per parameter of mine: finite values that round to an infinity
+  std::vector<at::Tensor> ends;  // per parameter of mine: its smallest and largest value, no copy of it
   for (size_t i = 0; i < params_.size(); ++i) {
     if (owners_[i] != rank_ || !rounds(i, false) || params_[i].numel() == 0) continue;
-    const at::Tensor values = params_[i].variable_data();
-    const at::Tensor bad = (values.isfinite() & values.to(*narrow_).isfinite().logical_not()).any().view({1});
-    lost = lost.defined() ? at::cat({lost, bad}) : bad;
+    const auto [low, high] = at::aminmax(params_[i].variable_data());
+    ends.push_back(at::stack({low, high}).to(at::kDouble));
     mine.push_back(i);
   }
-  if (!lost.defined() || !lost.any().item<bool>()) return;  // one wait for the device
-  const size_t i = mine.at(static_cast<size_t>(lost.nonzero()[0][0].item<int64_t>()));
-  const bool fp16 = *narrow_ == at::kHalf;
-  throw Error("stage 3: parameter '" + names_[i] + "' does not fit gather_dtype \"" + (fp16 ? "fp16" : "bf16") +
-              "\": its largest magnitude, " + std::to_string(params_[i].abs().max().item<double>()) +
-              ", rounds to infinity; gather " + (fp16 ? "in bf16, whose range is float32's, or " : "") +
-              "in the parameters' dtype (\"param\")");
+  if (mine.empty()) return;
+  const at::Tensor found = at::cat(ends).cpu();  // one wait for the device
+  const double* v = found.data_ptr<double>();
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const size_t i = mine[k];
+    const at::Tensor values = params_[i].variable_data();
+    double largest = std::max(std::abs(v[2 * k]), std::abs(v[2 * k + 1]));
+    bool lost;
+    if (std::isfinite(largest)) {
+      // Rounding is monotonic: some value rounds to an infinity iff the largest in magnitude does.
+      lost = at::scalar_tensor(largest, at::TensorOptions().dtype(values.scalar_type())).to(*narrow_).isinf().item<bool>();
+    } else {  // an infinity or a NaN already there (the step's to answer for): its finite values alone
+      const at::Tensor finite = values.isfinite();
+      lost = (finite & values.to(*narrow_).isfinite().logical_not()).any().item<bool>();
+      if (lost) largest = at::where(finite, values.abs(), at::zeros({}, values.options())).max().item<double>();
+    }
+    if (!lost) continue;
+    const bool fp16 = *narrow_ == at::kHalf;
+    throw Error("stage 3: parameter '" + names_[i] + "' does not fit gather_dtype \"" + dtype_word(*narrow_) +
+                "\": its largest magnitude, " + std::to_string(largest) + ", rounds to infinity; gather " +
+                (fp16 ? "in bf16, whose range is float32's, or " : "") + "in the parameters' dtype (\"param\")");
+  }
 }
 
 void ParameterShards::land(Flight& f) {
@@ -190,6 +217,8 @@ void ParameterShards::land(Flight& f) {
     // Rounded: what came, in the parameters' dtype; the owner computes with it too.
     const at::Tensor& came = part.flat.front();
     const at::Tensor flat = part.rounded ? came.view(*narrow_).to(params_[part.into.front()].scalar_type()) : came;
+    if (part.rounded && !mine)  // what came, beside its widened copy until this part has landed
+      peak_gathered_ = std::max(peak_gathered_, gathered_bytes_ + came.numel() * came.element_size());
     int64_t offset = 0;
     for (size_t i : part.into) {
       if (mine && masters_[i])

@@ -40,6 +40,9 @@ class Work;
 
 namespace tk::shard {
 
+/// The word shard's gather_dtype option spells `dtype` with: "bf16", "fp16", else its name.
+std::string dtype_word(at::ScalarType dtype);
+
 class ParameterShards : public std::enable_shared_from_this<ParameterShards> {
  public:
   /// `params`: every trainable parameter, in model order, with `names` (for errors) and `owners`

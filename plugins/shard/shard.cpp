@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 #include <sstream>
 
 #include "grad_shards.h"
@@ -24,9 +23,8 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 double mib_of(const std::vector<at::Tensor>& tensors) {
   int64_t n = 0;
-  std::set<const c10::TensorImpl*> seen;  // a parameter registered under two names (tied) counts once
-  for (const auto& t : tensors)
-    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) n += tk::shard::bytes_of(t);
+  for (const auto& t : tk::distinct_tensors(tensors))  // a parameter registered under two names (tied) counts once
+    if (t.defined()) n += tk::shard::bytes_of(t);
   return static_cast<double>(n) / kMiB;
 }
 
@@ -145,7 +143,7 @@ class Shard final : public tk::Plugin {
     if (stage_ >= 2) m << "; gradients summed onto their owners during " << (reduce_ == "window" ? "each window's last backward" : "every backward");
     if (stage_ == 3) {
       m << "; parameters gathered "
-        << (!params_->narrows() ? "" : gather_dtype_ == at::kBFloat16 ? "in bf16 " : "in fp16 ");
+        << (params_->narrows() ? "in " + tk::shard::dtype_word(gather_dtype_) + " " : std::string());
       if (!blocks_)
         m << "whole for each micro-batch (the model lists no blocks, tk/blocks.h)";
       else

@@ -317,13 +317,6 @@ fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, 
               "with step-<N> folders" + (arg == "latest" ? ", under the run's output folder" : "") + ")");
 }
 
-RunIdentity identity_of(const detail::CheckpointRecord& record) {
-  RunIdentity id;
-  id.world_size = record.world_size;
-  id.recipe = record.recipe;
-  return id;
-}
-
 namespace {
 
 /// optimizer.pt: the optimizer's state, or the number of shares the ranks of a sharded optimizer

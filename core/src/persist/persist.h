@@ -97,9 +97,6 @@ std::optional<std::filesystem::path> find_checkpoint(const std::filesystem::path
 std::filesystem::path resolve_checkpoint(const std::string& arg, const std::filesystem::path& output_dir,
                                          std::string* note = nullptr);
 
-/// The identity of the run that wrote a checkpoint, from its record.
-RunIdentity identity_of(const detail::CheckpointRecord& record);
-
 /// Restores model (parameters and buffers, by name, shapes checked), optimizer and the CPU RNG
 /// from `dir`, and returns the position and plugin states. `record`: `dir`'s run.json
 /// (detail::read_checkpoint_record), none for a checkpoint written before trainkit recorded it.

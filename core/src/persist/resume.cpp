@@ -129,10 +129,10 @@ struct Differences {
   bool unrecorded_data = false;       ///< the checkpoint does not record its data's files
 };
 
-/// The labels of the plugins a run had (its "plugins" entry: a TOML string of labels joined by
+/// The labels of the plugins a run's recipe had (its "plugins" entry: a TOML string of labels joined by
 /// ", "); nullopt when it does not record them.
-std::optional<std::set<std::string>> plugins_of(const RunIdentity& run) {
-  for (const auto& [k, v] : run.recipe) {
+std::optional<std::set<std::string>> plugins_of(const std::vector<std::pair<std::string, std::string>>& recipe) {
+  for (const auto& [k, v] : recipe) {
     if (k != "plugins") continue;
     std::set<std::string> out;
     const std::string list = v.size() >= 2 && v.front() == '"' ? v.substr(1, v.size() - 2) : v;
@@ -150,7 +150,7 @@ std::optional<std::set<std::string>> plugins_of(const RunIdentity& run) {
 /// the trainkit (or plugin) that wrote it did not have yet: left at its default, it trains what that
 /// one trained, and is no difference. The options of a plugin the checkpoint's run did not have are
 /// part of adding it: differences like the "plugins" entry itself.
-Differences differences(const RunIdentity& saved, const RunIdentity& now, const std::vector<std::string>& allowed) {
+Differences differences(const CheckpointRecord& saved, const RunIdentity& now, const std::vector<std::string>& allowed) {
   auto covers = [](const std::string& a, const std::string& key) {
     return a == "all" || a == key || key.rfind(a + ".", 0) == 0;
   };
@@ -168,7 +168,7 @@ Differences differences(const RunIdentity& saved, const RunIdentity& now, const 
     const bool elsewhere = moved != now.retired.end() && !moved->second.empty();
     before[elsewhere ? moved->second : k] = v;
   }
-  const auto had = plugins_of(saved), has = plugins_of(now);
+  const auto had = plugins_of(saved.recipe), has = plugins_of(now.recipe);
   auto of_added_plugin = [&](const std::string& key) {
     if (!had || !has || key.rfind("plugins.", 0) != 0) return false;
     // A label may hold dots (a plugin named by its file): the key is "plugins.<label>.<option>",
@@ -212,7 +212,7 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   Differences diff;
   const auto record = read_checkpoint_record(dir);
   if (record) {
-    diff = differences(identity_of(*record), identity, allowed);
+    diff = differences(*record, identity, allowed);
     if (!diff.refused.empty())
       throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
                   lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "

@@ -4,6 +4,8 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 // What this header declares is libtrainkit's interface: exported (the library hides the rest).
 #pragma GCC visibility push(default)
@@ -18,6 +20,13 @@ class Model : public torch::nn::Module {
   virtual torch::Tensor forward(const torch::Tensor& input) = 0;
 };
 using ModelPtr = std::shared_ptr<Model>;
+
+/// `tensors` with each tensor once, in the order of its first place. A module that registers one
+/// parameter under two names (a weight tied in a TorchScript module) lists it twice in
+/// parameters(); what sums, steps or counts parameters takes each once.
+std::vector<at::Tensor> distinct_tensors(const std::vector<at::Tensor>& tensors);
+/// `module`'s parameters, each tensor once under its first name (see distinct_tensors).
+std::vector<std::pair<std::string, at::Tensor>> distinct_parameters(const torch::nn::Module& module);
 
 /// True when any submodule is a BatchNorm layer (whose statistics are per micro-batch).
 bool has_batchnorm(torch::nn::Module& m);
