@@ -303,6 +303,25 @@ TEST_SUITE("plugin API") {
     CHECK_FALSE(exact->handles(tk::Event::MicroBatch));
   }
 
+  TEST_CASE("a parameter registered under two names is listed once, under its first name") {
+    torch::nn::Module m;
+    const at::Tensor tied = m.register_parameter("embedding", at::zeros({3, 2}));
+    m.register_parameter("bias", at::zeros({2}));
+    m.register_parameter("head", tied);
+    REQUIRE(m.parameters().size() == 3);  // what a plugin must not sum twice
+    const auto named = tk::distinct_parameters(m);
+    REQUIRE(named.size() == 2);
+    CHECK(named[0].first == "embedding");
+    CHECK(named[0].second.is_same(tied));
+    CHECK(named[1].first == "bias");
+    const auto tensors = tk::distinct_tensors(m.parameters());
+    REQUIRE(tensors.size() == 2);
+    CHECK(tensors[0].is_same(tied));
+    CHECK(tensors[1].is_same(named[1].second));
+    // A view of the same memory is another tensor: listed.
+    CHECK(tk::distinct_tensors({tied, tied.view({-1}), tied}).size() == 2);
+  }
+
   TEST_CASE("a metric may not take a key of the core's, and a device value is one element") {
     const std::vector<std::pair<std::string, std::string>> cases = {
         {"core_key", "called ctx.metric(\"loss\"): that key is the core's own in each record"},
