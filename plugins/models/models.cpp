@@ -42,12 +42,14 @@ void check_widths(const Options& o, const char* key) {
     if (w < 1) o.fail(key, "every entry must be >= 1, got " + std::to_string(w));
 }
 
-/// Refuses a model whose parameters, gradients and optimizer state (16 bytes a parameter in
-/// float32, before any activation) could not fit this machine's memory, before allocating it.
+/// Refuses a model whose weights (4 bytes a parameter: built in float32) could not fit this
+/// machine's memory, before allocating them. Whether its training state fits (gradients, the
+/// optimizer's state, each perhaps sharded over the ranks) the core reckons once the run's plugins
+/// are known.
 void require_parameters_fit(const Options& o, const char* key, double parameters) {
   char n[32];
   std::snprintf(n, sizeof n, "%.3g", parameters);
-  require_memory(o, key, 16.0 * parameters, "a model of " + std::string(n) + " parameters (weights, gradients, optimizer state)");
+  require_memory(o, key, 4.0 * parameters, "a model of " + std::string(n) + " parameters (its float32 weights)");
 }
 
 /// Refuses token-id inputs for models that take real-valued features.

@@ -84,7 +84,10 @@ class Shard final : public tk::Plugin {
     else
       c.after = {tk::cap::kGradsSynced};
     // Stage 3 gathers each block's parameters around it, however it computes (recomputed or not).
-    if (stage_ == 3) c.provides.push_back(tk::Capability{"model.blocks.around"});
+    if (stage_ == 3) {
+      c.provides.push_back(tk::Capability{"model.blocks.around"});
+      c.provides.push_back(tk::cap::kParamsSharded);
+    }
     return c;
   }
 

@@ -239,4 +239,34 @@ TEST_SUITE("plan") {
     CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2).find("the optimizer's state not reported by it, counted as none") !=
           std::string::npos);
   }
+
+  TEST_CASE("a training state that cannot fit the machine is refused before a step, by the stage and the ranks on it") {
+    constexpr double kMB = 1024.0 * 1024.0;
+    tk::detail::TrainingState s;  // as above: 16 MiB unsharded
+    s.trainable = 4 * kMB;
+    s.optimizer_whole = 8 * kMB;
+    s.largest_block = 0.5 * kMB;
+    s.loose = 0.5 * kMB;
+    s.largest_tensor = 0.125 * kMB;
+    s.tensors = 100;
+    // One process: the whole state, 16 MiB.
+    CHECK(tk::detail::state_overflow(s, 1, 1, 16 * kMB).empty());
+    std::string why = tk::detail::state_overflow(s, 1, 1, 15 * kMB);
+    INFO(why);
+    CHECK(why.find("its training state does not fit this machine's memory: about 16 MiB a rank at ZeRO stage 0 over 1 "
+                   "rank, and it has 15 MiB; the training state is 16 MiB unsharded") != std::string::npos);
+    CHECK(why.find("On one rank nothing is sharded; over 2 ranks") != std::string::npos);
+    CHECK(why.find("by these figures stage 1 would fit (over 2 ranks") != std::string::npos);
+    // Stage 3 over 2 ranks: 12.5 MiB each. Where each rank has a machine of its own, a machine of 13
+    // MiB trains what one process could not; two ranks on one machine need 25 MiB of it.
+    s.stage = 3;
+    CHECK(tk::detail::state_overflow(s, 2, 1, 13 * kMB).empty());
+    why = tk::detail::state_overflow(s, 2, 2, 20 * kMB);
+    INFO(why);
+    CHECK(why.find("about 12.5 MiB a rank at ZeRO stage 3 over 2 ranks, 25 MiB for the 2 ranks on this machine, and it "
+                   "has 20 MiB") != std::string::npos);
+    CHECK(why.find("none fits; by these figures stage 3 would over 3 ranks (about 9.83 MiB each)") != std::string::npos);
+    // A stage in a world of one shards nothing: the whole state.
+    CHECK(tk::detail::state_overflow(s, 1, 1, 13 * kMB).find("about 16 MiB a rank at ZeRO stage 0 over 1 rank") != std::string::npos);
+  }
 }

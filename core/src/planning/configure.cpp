@@ -90,6 +90,7 @@ void plan_once(Run& r) {
   // The optimizer is made after setup, over what is trainable then.
   r.model->to(r.device, r.dtype);
   make_optimizer(r);
+  check_state_fits(r);
   pick_micro_batch(r);
   CpuBlockCache::trim();  // a trial's larger blocks are not training's
   check_normalized(r);

@@ -138,8 +138,17 @@ struct TrainingState {
 /// the world (over 2 ranks on one) would make it fit: the measured step with each stage's state in
 /// place of its own. The tail of the memory planner's refusal.
 std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size);
+/// Before any step: why a run whose training state is `s` (its optimizer's state as a step will
+/// make it), at its stage over `world_size` ranks of which `local` share this machine's `have`
+/// bytes, cannot fit them, with sharding_advice's figures; empty when it fits.
+std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have);
 /// After a step, on every rank (it sums the shares of a sharded optimizer's state over the world).
 TrainingState measure_training_state(Run& r);
+/// Before any trial or step, on every rank of a run on the CPU: refuses (RecipeError at the model's
+/// section) a run whose training state, at the ZeRO stage its plugins provide, cannot fit this
+/// machine's memory beside the other ranks on it. The optimizer's state is reckoned from the
+/// recipe's optimizer stepped once on a probe (Adam's two moments where it does not say).
+void check_state_fits(Run& r);
 /// With [batch] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
 /// micro-batch that fits the budget; every trial is undone.
 void pick_micro_batch(Run& run);

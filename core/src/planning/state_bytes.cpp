@@ -1,11 +1,18 @@
 // The training state a step holds (parameters, gradients, the optimizer's state), measured on this
 // rank and for the whole model (zero_stages.cpp reckons with it).
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/optim/optimizer.h>
+
 #include <algorithm>
+#include <optional>
 #include <set>
 
 #include "planning/planning.h"
 #include "tk/blocks.h"
 #include "tk/capabilities.h"
+#include "tk/options.h"
+#include "world/world.h"
 
 namespace tk::detail {
 namespace {
@@ -34,7 +41,39 @@ std::pair<double, double> block_sizes(Model& model, double trainable) {
   return {largest, trainable - listed};
 }
 
+/// Bytes of state the recipe's optimizer keeps per byte of a parameter, from one step on a probe
+/// (none where it does not report its state, or cannot step so).
+std::optional<double> optimizer_state_per_byte(Run& r) {
+  if (!r.optimizer_maker) return std::nullopt;
+  try {
+    at::Tensor probe = at::zeros({int64_t{1} << 16}, at::TensorOptions().dtype(r.dtype).device(r.device));
+    probe.requires_grad_(true);
+    probe.mutable_grad() = at::zeros_like(probe);
+    const auto opt = r.optimizer_maker->make(r.opt_opts, {probe});
+    opt->step();
+    const int64_t bytes = optimizer_state_bytes(*opt);
+    if (bytes < 0) return std::nullopt;
+    return static_cast<double>(bytes) / static_cast<double>(probe.nbytes());
+  } catch (const std::exception&) {  // one that needs a closure (LBFGS), say: reckoned as Adam
+    return std::nullopt;
+  }
+}
+
 }  // namespace
+
+void check_state_fits(Run& r) {
+  if (!r.device.is_cpu()) return;  // a GPU's memory: the memory planner's budget, and the device's own error
+  TrainingState s = measure_training_state(r);
+  if (r.plan.has(cap::kParamsSharded)) s.stage = 3;  // whole until the first micro-batch
+  const auto per_byte = optimizer_state_per_byte(r);
+  s.optimizer_whole = std::max(s.optimizer_whole, (per_byte ? *per_byte : 2.0) * s.trainable);
+  const std::string why = state_overflow(s, r.plan.world_size, local_world_size_from_environment(), machine_memory_bytes());
+  if (why.empty()) return;
+  throw RecipeError(r.model_opts.section_loc(),
+                    "model '" + r.model_name + "': " + why +
+                        (per_byte ? std::string() : " (the optimizer's state reckoned as Adam's two moments: it does not "
+                                                    "report its own)"));
+}
 
 TrainingState measure_training_state(Run& r) {
   TrainingState s;

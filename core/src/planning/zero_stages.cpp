@@ -94,4 +94,16 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
          format_bytes(fixed + sharded * s.share(k)) + " each)";
 }
 
+std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have) {
+  const int64_t n = std::max<int64_t>(world_size, 1), here = std::max<int64_t>(local, 1);
+  const size_t stage = n == 1 ? 0 : static_cast<size_t>(s.stage);  // one rank holds it all, whatever its stage
+  const double each = s.per_rank(n)[stage];
+  if (each * static_cast<double>(here) <= have) return "";
+  return "its training state does not fit this machine's memory: about " + format_bytes(each) + " a rank at ZeRO stage " +
+         std::to_string(stage) + " over " + std::to_string(n) + " rank" + (n == 1 ? "" : "s") +
+         (here == 1 ? std::string() : ", " + format_bytes(each * static_cast<double>(here)) + " for the " + std::to_string(here) +
+                                          " ranks on this machine") +
+         ", and it has " + format_bytes(have) + sharding_advice(s, each, have / static_cast<double>(here), world_size);
+}
+
 }  // namespace tk::detail

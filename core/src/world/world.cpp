@@ -160,6 +160,15 @@ int local_rank_from_environment() {
   return -1;
 }
 
+int local_world_size_from_environment() {
+  for (const char* key : {"LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"})
+    if (const char* v = env(key)) {
+      const long n = std::strtol(v, nullptr, 10);  // a count, or one where a value says none
+      return n >= 1 && n <= (1L << 20) ? static_cast<int>(n) : 1;
+    }
+  return 1;
+}
+
 OptionSpecs world_specs() {
   return {opt_string("backend", "auto", "collective backend: gloo (CPU), nccl (CUDA), auto (nccl on CUDA, else gloo)",
                      {"auto", "gloo", "nccl"}),

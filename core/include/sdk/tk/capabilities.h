@@ -44,12 +44,17 @@ inline const Capability kOptimizerSharded{"optimizer.sharded"};   ///< the optim
 /// check) combines its rank's part and reduces the result over the world. The core leaves a
 /// parameter without a gradient at the boundary as it is (no zeros are made for it).
 inline const Capability kGradsSharded{"grads.sharded"};
+/// Parameters split across the ranks (ZeRO stage 3): between uses each is whole only on the ranks
+/// that keep it (tk::ShardedParameters); what reads every parameter gathers them
+/// (tk::WholeParameters). The core then reckons each rank's training state with its share of the
+/// parameters.
+inline const Capability kParamsSharded{"params.sharded"};
 
 /// Every name above. A name in `after` or `requires_` that is neither one of these nor provided
 /// by a plugin of the run is reported (a warning for `after`, part of the error for `requires_`):
 /// most likely a typo in a plugin's own name, which would silently drop an ordering.
 inline const Capability kKnown[] = {kWindow,    kGradsSynced, kGradsNormalized,  kGradsUnscaled, kGradsClipped,
-                                    kLossScale, kAutocast,    kOptimizerSharded, kGradsSharded};
+                                    kLossScale, kAutocast,    kOptimizerSharded, kGradsSharded, kParamsSharded};
 
 }  // namespace cap
 }  // namespace tk
