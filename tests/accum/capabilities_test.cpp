@@ -203,6 +203,32 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(e.find("batch.accumulation: plugin 'grad_accum' shapes the window too") != std::string::npos);
   }
 
+  TEST_CASE("a training state larger than this machine is refused before any step, with the ranks on it and the stage") {
+    // A million ranks on this machine: no machine holds a million of this state (2.05 MiB of
+    // float64 parameters, as many gradients, and what the optimizer keeps, measured by its probe).
+    const std::string wide = "model.hidden=[512,512]";
+    CHECK(plan_error({wide}, tk::testing::kTinyRecipe).empty());
+    const tkt::EnvGuard many("LOCAL_WORLD_SIZE", "1000000");
+    std::string e = plan_error({wide}, tk::testing::kTinyRecipe);
+    INFO(e);
+    CHECK(e.find("test.toml:") == 0);
+    CHECK(e.find("model 'mlp': its training state does not fit this machine's memory: about 6.16 MiB a rank at ZeRO "
+                 "stage 0 over 1 rank, 5.88 TiB for the 1000000 ranks on this machine") != std::string::npos);
+    // SGD with momentum keeps a buffer a parameter; without it, none; AdamW two.
+    CHECK(e.find("(parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 2.05 MiB)") != std::string::npos);
+    e = plan_error({wide, "optimizer.momentum=0"}, tk::testing::kTinyRecipe);
+    CHECK(e.find("(parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 0 MiB)") != std::string::npos);
+    std::string adamw = tk::testing::kTinyRecipe;
+    adamw.replace(adamw.find("name = \"sgd\""), 12, "name = \"adamw\"");
+    adamw.erase(adamw.find("momentum = 0.9"), 14);
+    e = plan_error({wide}, adamw);
+    CHECK(e.find("(parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 4.11 MiB)") != std::string::npos);
+    // Two ranks at stage 3: each reckoned with its share.
+    const tkt::EnvGuard world("WORLD_SIZE", "2"), rank("RANK", "1");
+    e = plan_error({wide}, std::string(tk::testing::kTinyRecipe) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n");
+    CHECK(e.find("a rank at ZeRO stage 3 over 2 ranks") != std::string::npos);
+  }
+
   TEST_CASE("the world size divides the effective batch (two ranks, planned)") {
     const tkt::EnvGuard world("WORLD_SIZE", "2"), rank("RANK", "1");
     const std::string ddp = "[[plugins]]\nname = \"ddp\"\n";
