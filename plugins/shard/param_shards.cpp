@@ -189,7 +189,7 @@ void ParameterShards::check_fits() const {
     const at::Tensor values = params_[i].variable_data();
     double largest = std::max(std::abs(v[2 * k]), std::abs(v[2 * k + 1]));
     bool lost;
-    if (std::isfinite(largest)) {
+    if (std::isfinite(v[2 * k]) && std::isfinite(v[2 * k + 1])) {
       // Rounding is monotonic: some value rounds to an infinity iff the largest in magnitude does.
       lost = at::scalar_tensor(largest, at::TensorOptions().dtype(values.scalar_type())).to(*narrow_).isinf().item<bool>();
     } else {  // an infinity or a NaN already there (the step's to answer for): its finite values alone

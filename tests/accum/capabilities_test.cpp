@@ -204,29 +204,37 @@ TEST_SUITE("accumulation capabilities") {
   }
 
   TEST_CASE("a training state larger than this machine is refused before any step, with the ranks on it and the stage") {
-    // A million ranks on this machine: no machine holds a million of this state (2.05 MiB of
-    // float64 parameters, as many gradients, and what the optimizer keeps, measured by its probe).
+    // A machine of 4 MiB (TK_MACHINE_MEMORY: what a run counts on) cannot hold this state: 2.05 MiB
+    // of float64 parameters, as many gradients, and what the optimizer keeps, measured by its probe.
     const std::string wide = "model.hidden=[512,512]";
     CHECK(plan_error({wide}, tk::testing::kTinyRecipe).empty());
-    const tkt::EnvGuard many("LOCAL_WORLD_SIZE", "1000000");
-    std::string e = plan_error({wide}, tk::testing::kTinyRecipe);
+    std::string e;
+    {
+      // 10 MiB hold it; LOCAL_WORLD_SIZE without a world (left by an outer launcher) counts no rank more.
+      const tkt::EnvGuard roomy("TK_MACHINE_MEMORY", "10MiB"), stray("LOCAL_WORLD_SIZE", "8");
+      CHECK(plan_error({wide}, tk::testing::kTinyRecipe).empty());
+    }
+    const tkt::EnvGuard small("TK_MACHINE_MEMORY", "4MiB");
+    e = plan_error({wide}, tk::testing::kTinyRecipe);
     INFO(e);
-    CHECK(e.find("test.toml:") == 0);
-    CHECK(e.find("model 'mlp': its training state does not fit this machine's memory: about 6.16 MiB a rank at ZeRO "
-                 "stage 0 over 1 rank, 5.88 TiB for the 1000000 ranks on this machine") != std::string::npos);
+    CHECK(e.find("test.toml:7:1: model 'mlp': its training state does not fit this machine's memory: about 6.16 MiB a rank "
+                 "at ZeRO stage 0 over 1 rank, and it has 4 MiB") == 0);
     // SGD with momentum keeps a buffer a parameter; without it, none; AdamW two.
-    CHECK(e.find("(parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 2.05 MiB)") != std::string::npos);
+    CHECK(e.find("(unsharded: parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 2.05 MiB)") != std::string::npos);
     e = plan_error({wide, "optimizer.momentum=0"}, tk::testing::kTinyRecipe);
-    CHECK(e.find("(parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 0 MiB)") != std::string::npos);
+    CHECK(e.find("(unsharded: parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 0 MiB)") != std::string::npos);
     std::string adamw = tk::testing::kTinyRecipe;
     adamw.replace(adamw.find("name = \"sgd\""), 12, "name = \"adamw\"");
     adamw.erase(adamw.find("momentum = 0.9"), 14);
     e = plan_error({wide}, adamw);
-    CHECK(e.find("(parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 4.11 MiB)") != std::string::npos);
-    // Two ranks at stage 3: each reckoned with its share.
-    const tkt::EnvGuard world("WORLD_SIZE", "2"), rank("RANK", "1");
+    CHECK(e.find("(unsharded: parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 4.11 MiB)") != std::string::npos);
+    // Two ranks on this machine at stage 3: each reckoned with its share, both counted.
+    const tkt::EnvGuard world("WORLD_SIZE", "2"), rank("RANK", "1"), local("LOCAL_WORLD_SIZE", "2");
     e = plan_error({wide}, std::string(tk::testing::kTinyRecipe) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n");
     CHECK(e.find("a rank at ZeRO stage 3 over 2 ranks") != std::string::npos);
+    CHECK(e.find("for the 2 ranks on this machine") != std::string::npos);
+    const tkt::EnvGuard bad("TK_MACHINE_MEMORY", "lots");
+    CHECK(plan_error({wide}, tk::testing::kTinyRecipe).find("environment variable TK_MACHINE_MEMORY: ") != std::string::npos);
   }
 
   TEST_CASE("the world size divides the effective batch (two ranks, planned)") {

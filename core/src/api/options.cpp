@@ -1,16 +1,36 @@
 #include "tk/options.h"
 
+#include "tk/error.h"
+
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 
 namespace tk {
 
 double machine_memory_bytes() {
-  return static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (const char* given = std::getenv("TK_MACHINE_MEMORY")) {  // what a run may count on (a share of a machine)
+    const auto bytes = parse_bytes(given);
+    if (!bytes) throw Error(std::string("environment variable TK_MACHINE_MEMORY: ") + bytes_expected(given));
+    return *bytes;
+  }
+  double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  // A container's limit, where lower: cgroup v2's, or v1's ("max" and v1's huge number: none).
+  for (const char* file : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(file);
+    std::string v;
+    if (!(in >> v)) continue;
+    char* end = nullptr;
+    const double limit = std::strtod(v.c_str(), &end);
+    if (end != v.c_str() && *end == '\0' && limit > 0) have = std::min(have, limit);
+  }
+  return have;
 }
 
 std::string format_bytes(double b) {

@@ -320,6 +320,9 @@ void build_components(Run& r, const Recipe& recipe) {
   torch::manual_seed(r.seed);
   r.model = made_in(r.model_opts, "model '" + mc.name + "'", [&] { return mc.make(r.model_opts, r.data.info); });
   if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
+  double weights = 0;  // in the run's dtype, converted one parameter at a time
+  for (const auto& p : distinct_tensors(r.model->parameters())) weights += static_cast<double>(p.numel() * c10::elementSize(r.dtype));
+  if (r.device.is_cpu()) require_memory(r.run, "dtype", weights, "model '" + mc.name + "' as " + r.run.get_string("dtype"));
   r.model->to(r.device, r.dtype);
   load_init(r);
   choose_trainable(r);

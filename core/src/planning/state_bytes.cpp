@@ -41,10 +41,13 @@ std::pair<double, double> block_sizes(Model& model, double trainable) {
   return {largest, trainable - listed};
 }
 
-/// Bytes of state the recipe's optimizer keeps per byte of a parameter, from one step on a probe
-/// (none where it does not report its state, or cannot step so).
-std::optional<double> optimizer_state_per_byte(Run& r) {
-  if (!r.optimizer_maker) return std::nullopt;
+/// Bytes of state the recipe's optimizer keeps per byte of a parameter, from one step on a probe,
+/// with the CPU's random stream as it was (a plugin's optimizer may draw); none, with why, where
+/// it does not report its state or cannot step so.
+std::pair<std::optional<double>, std::string> optimizer_state_per_byte(Run& r) {
+  if (!r.optimizer_maker) return {std::nullopt, "the run has no optimizer maker"};
+  const RngStates rng = save_rng();
+  std::pair<std::optional<double>, std::string> out;
   try {
     at::Tensor probe = at::zeros({int64_t{1} << 16}, at::TensorOptions().dtype(r.dtype).device(r.device));
     probe.requires_grad_(true);
@@ -52,11 +55,13 @@ std::optional<double> optimizer_state_per_byte(Run& r) {
     const auto opt = r.optimizer_maker->make(r.opt_opts, {probe});
     opt->step();
     const int64_t bytes = optimizer_state_bytes(*opt);
-    if (bytes < 0) return std::nullopt;
-    return static_cast<double>(bytes) / static_cast<double>(probe.nbytes());
-  } catch (const std::exception&) {  // one that needs a closure (LBFGS), say: reckoned as Adam
-    return std::nullopt;
+    if (bytes >= 0) out.first = static_cast<double>(bytes) / static_cast<double>(probe.nbytes());
+    else out.second = "it does not report the size of its state";
+  } catch (const std::exception& e) {  // one that needs a closure (LBFGS), say
+    out.second = "it could not be stepped on a probe (" + message_of(e) + ")";
   }
+  restore_rng(rng);
+  return out;
 }
 
 }  // namespace
@@ -65,14 +70,22 @@ void check_state_fits(Run& r) {
   if (!r.device.is_cpu()) return;  // a GPU's memory: the memory planner's budget, and the device's own error
   TrainingState s = measure_training_state(r);
   if (r.plan.has(cap::kParamsSharded)) s.stage = 3;  // whole until the first micro-batch
-  const auto per_byte = optimizer_state_per_byte(r);
+  const auto [per_byte, unknown] = optimizer_state_per_byte(r);
   s.optimizer_whole = std::max(s.optimizer_whole, (per_byte ? *per_byte : 2.0) * s.trainable);
-  const std::string why = state_overflow(s, r.plan.world_size, local_world_size_from_environment(), machine_memory_bytes());
+  const double have = machine_memory_bytes();
+  std::string why = state_overflow(s, r.plan.world_size, local_world_size_from_environment(r.plan.world_size), have);
+  // Every rank the same verdict (machines may differ): each refuses when one does.
+  World& world = *r.world;
+  if (world.joined() && world.size() > 1) {
+    at::Tensor refused = at::full({1}, why.empty() ? 0.0 : 1.0, at::kDouble);
+    world.all_reduce(refused, ReduceOp::Max);
+    if (why.empty() && refused.item<double>() > 0)
+      why = "another rank's machine cannot hold its training state (that rank's error says how much)";
+  }
   if (why.empty()) return;
   throw RecipeError(r.model_opts.section_loc(),
                     "model '" + r.model_name + "': " + why +
-                        (per_byte ? std::string() : " (the optimizer's state reckoned as Adam's two moments: it does not "
-                                                    "report its own)"));
+                        (per_byte ? std::string() : ". The optimizer's state is reckoned as Adam's two moments: " + unknown));
 }
 
 TrainingState measure_training_state(Run& r) {

@@ -95,15 +95,35 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
 }
 
 std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have) {
-  const int64_t n = std::max<int64_t>(world_size, 1), here = std::max<int64_t>(local, 1);
+  const int64_t n = std::max<int64_t>(world_size, 1), here = std::clamp<int64_t>(local, 1, n);
   const size_t stage = n == 1 ? 0 : static_cast<size_t>(s.stage);  // one rank holds it all, whatever its stage
   const double each = s.per_rank(n)[stage];
   if (each * static_cast<double>(here) <= have) return "";
-  return "its training state does not fit this machine's memory: about " + format_bytes(each) + " a rank at ZeRO stage " +
-         std::to_string(stage) + " over " + std::to_string(n) + " rank" + (n == 1 ? "" : "s") +
-         (here == 1 ? std::string() : ", " + format_bytes(each * static_cast<double>(here)) + " for the " + std::to_string(here) +
-                                          " ranks on this machine") +
-         ", and it has " + format_bytes(have) + sharding_advice(s, each, have / static_cast<double>(here), world_size);
+  std::string out = "its training state does not fit this machine's memory: about " + format_bytes(each) +
+                    " a rank at ZeRO stage " + std::to_string(stage) + " over " + std::to_string(n) + " rank" +
+                    (n == 1 ? "" : "s") +
+                    (here == 1 ? std::string()
+                               : ", " + format_bytes(each * static_cast<double>(here)) + " for the " + std::to_string(here) +
+                                     " ranks on this machine") +
+                    ", and it has " + format_bytes(have) + " (unsharded: parameters " + format_bytes(s.frozen + s.trainable) +
+                    ", gradients " + format_bytes(s.trainable) + ", optimizer state " + format_bytes(s.optimizer_whole) + ")";
+  // More machines, each with as many ranks as this one: the fewest on which each stage that shards
+  // fits (a rank holds whole tensors: never more ranks than tensors).
+  const int64_t most = std::max<int64_t>(s.tensors, 1), machines = (n + here - 1) / here;
+  std::string fits;
+  for (size_t st = 1; st < 4; ++st)
+    for (int64_t m = machines + (st == stage ? 1 : 0); m * here <= most; ++m)
+      if (s.per_rank(m * here)[st] * static_cast<double>(here) <= have) {
+        fits += (fits.empty() ? "" : ", ") + std::string("stage ") + std::to_string(st) + " on " + std::to_string(m) +
+                " machine" + (m == 1 ? "" : "s");
+        break;
+      }
+  const std::string each_machine = std::to_string(here) + " rank" + (here == 1 ? "" : "s") + " on each machine";
+  if (fits.empty())
+    return out + "; with " + each_machine + ", no stage fits on any number of machines";
+  return out + "; with " + each_machine + ", by these figures " + fits + " would fit (tk-run --nnodes; the stage set by a " +
+         "plugin that provides " + cap::kOptimizerSharded.name() + ", and from stage 3 " + cap::kParamsSharded.name() +
+         "; tk-run --list shows the plugins)";
 }
 
 }  // namespace tk::detail

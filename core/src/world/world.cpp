@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -160,13 +161,40 @@ int local_rank_from_environment() {
   return -1;
 }
 
-int local_world_size_from_environment() {
-  for (const char* key : {"LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"})
-    if (const char* v = env(key)) {
-      const long n = std::strtol(v, nullptr, 10);  // a count, or one where a value says none
-      return n >= 1 && n <= (1L << 20) ? static_cast<int>(n) : 1;
+namespace {
+
+/// Node `node`'s entry of Slurm's tasks-per-node list ("2(x3),1": two tasks on each of the first
+/// three nodes, one on the fourth), or 1 where the list does not say.
+long slurm_tasks_on_node(const char* list, long node) {
+  long first = 0;  // the first node the entry covers
+  for (const char* at = list; *at != '\0';) {
+    char* end = nullptr;
+    const long tasks = std::strtol(at, &end, 10);
+    if (end == at) return 1;
+    long times = 1;
+    if (std::strncmp(end, "(x", 2) == 0) {
+      times = std::strtol(end + 2, &end, 10);
+      if (*end == ')') ++end;
     }
+    if (node < first + times) return tasks;
+    first += times;
+    if (*end != ',') return 1;
+    at = end + 1;
+  }
   return 1;
+}
+
+}  // namespace
+
+int local_world_size_from_environment(int world_size) {
+  long n = 1;
+  if (env("WORLD_SIZE")) {
+    if (const char* v = env("LOCAL_WORLD_SIZE")) n = std::strtol(v, nullptr, 10);
+  } else if (env("SLURM_NTASKS") && (env("SLURM_STEP_ID") || env("SLURM_STEPID"))) {
+    if (const char* list = env("SLURM_STEP_TASKS_PER_NODE"))
+      n = slurm_tasks_on_node(list, env("SLURM_NODEID") ? std::strtol(env("SLURM_NODEID"), nullptr, 10) : 0);
+  }
+  return static_cast<int>(std::clamp<long>(n, 1, std::max(world_size, 1)));
 }
 
 OptionSpecs world_specs() {

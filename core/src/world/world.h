@@ -42,9 +42,10 @@ Placement placement_from_environment();
 /// This process's rank on its machine as the launcher's environment says (the placement's rule),
 /// or -1 when it says none: the GPU a process of a launch takes.
 int local_rank_from_environment();
-/// The ranks on this machine, from the launcher's LOCAL_WORLD_SIZE (tk-run, torchrun) or Slurm's
-/// SLURM_NTASKS_PER_NODE; 1 where neither says.
-int local_world_size_from_environment();
+/// The ranks of a world of `world_size` on this machine, by the placement's rule: LOCAL_WORLD_SIZE
+/// beside WORLD_SIZE (tk-run, torchrun), or in a task of an srun step this node's count in
+/// SLURM_STEP_TASKS_PER_NODE; 1 where neither says, and never more than the world.
+int local_world_size_from_environment(int world_size);
 
 /// The world of a run: described from the environment when the run is assembled, joined when it
 /// is planned.

@@ -69,7 +69,9 @@ OptionSpec opt_strings(std::string name, std::vector<std::string> def, std::stri
 
 class Options;
 
-/// Physical memory of this machine, in bytes.
+/// The memory of this machine a run counts on, in bytes: TK_MACHINE_MEMORY where it is set (a
+/// size, "64GiB": a share of a machine), else the physical memory, or a container's (cgroup)
+/// limit where that is lower.
 double machine_memory_bytes();
 /// "1.5 GiB", "300 MiB".
 std::string format_bytes(double bytes);
