@@ -30,6 +30,21 @@ tk::PluginDecl decl(std::string name, std::vector<tk::Capability> provides, std:
   return d;
 }
 
+constexpr double kMB = 1024.0 * 1024.0;  // as the figures are written
+
+/// 1Mi float32 parameters with AdamW: 4 MiB of them, 4 of gradients, 8 of moments; blocks of 0.5
+/// MiB, 0.5 MiB in none; 100 tensors, the largest of 0.125 MiB.
+tk::detail::TrainingState adamw_state() {
+  tk::detail::TrainingState s;
+  s.trainable = 4 * kMB;
+  s.optimizer_whole = 8 * kMB;
+  s.largest_block = 0.5 * kMB;
+  s.loose = 0.5 * kMB;
+  s.largest_tensor = 0.125 * kMB;
+  s.tensors = 100;
+  return s;
+}
+
 }  // namespace
 
 TEST_SUITE("plan") {
@@ -154,16 +169,7 @@ TEST_SUITE("plan") {
   }
 
   TEST_CASE("ZeRO's arithmetic: each stage's bytes per rank, and the stage a refused step is told would fit") {
-    constexpr double kMB = 1024.0 * 1024.0;  // as the figures are written
-    // 1Mi float32 parameters with AdamW: 4 MiB of them, 4 of gradients, 8 of moments; blocks of
-    // 0.5 MiB, 0.5 MiB in none; 100 tensors, the largest of 0.125 MiB.
-    tk::detail::TrainingState s;
-    s.trainable = 4 * kMB;
-    s.optimizer_whole = 8 * kMB;
-    s.largest_block = 0.5 * kMB;
-    s.loose = 0.5 * kMB;
-    s.largest_tensor = 0.125 * kMB;
-    s.tensors = 100;
+    tk::detail::TrainingState s = adamw_state();
     // The state's share as ZeRO counts it (16, 8 + 8/N, 4 + 12/N and 16/N bytes a parameter) plus
     // the buffers of its sharding: the owners' broadcast (1, 2); a block's gradients and their
     // copy (2, 3); three blocks and the loose parameters gathered, the loose gradients and their
@@ -241,14 +247,7 @@ TEST_SUITE("plan") {
   }
 
   TEST_CASE("a training state that cannot fit the machine is refused before a step, by the stage and the ranks on it") {
-    constexpr double kMB = 1024.0 * 1024.0;
-    tk::detail::TrainingState s;  // as above: 16 MiB unsharded
-    s.trainable = 4 * kMB;
-    s.optimizer_whole = 8 * kMB;
-    s.largest_block = 0.5 * kMB;
-    s.loose = 0.5 * kMB;
-    s.largest_tensor = 0.125 * kMB;
-    s.tensors = 100;
+    tk::detail::TrainingState s = adamw_state();  // 16 MiB unsharded
     // One process: the whole state, 16 MiB. Every stage fits over 2 machines (16, 14, 13 and 12.5 MiB a rank).
     CHECK(tk::detail::state_overflow(s, 1, 1, 16 * kMB).empty());
     std::string why = tk::detail::state_overflow(s, 1, 1, 15 * kMB);
