@@ -272,6 +272,15 @@ TEST_SUITE("plan") {
     CHECK(tk::detail::state_overflow(s, 2, 8, 20 * kMB) == why);
     // A stage in a world of one shards nothing: the whole state.
     CHECK(tk::detail::state_overflow(s, 1, 1, 13 * kMB).find("about 16 MiB a rank at ZeRO stage 0 over 1 rank") != std::string::npos);
+    // Fewer tensors (4, the largest a quarter of the state) than the 8 ranks on this machine: no rank's
+    // share is less than a quarter, and each stage is still weighed on this one machine (stage 1: 11
+    // MiB a rank).
+    tk::detail::TrainingState few = adamw_state();
+    few.tensors = 4;
+    few.largest_tensor = 1 * kMB;
+    CHECK(tk::detail::state_overflow(few, 8, 8, 100 * kMB).find("with 8 ranks on each machine, by these figures stage 1 "
+                                                                "on 1 machine, stage 2 on 1 machine, stage 3 on 1 machine "
+                                                                "would fit") != std::string::npos);
     // Nothing fits where a rank's least share (a 32nd: its largest tensor) and its buffers do not.
     CHECK(tk::detail::state_overflow(s, 1, 1, 1 * kMB).find("with 1 rank on each machine, no stage fits on any number of "
                                                             "machines") != std::string::npos);

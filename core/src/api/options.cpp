@@ -15,7 +15,8 @@
 namespace tk {
 
 double machine_memory_bytes() {
-  if (const char* given = std::getenv("TK_MACHINE_MEMORY")) {  // what a run may count on (a share of a machine)
+  const char* given = std::getenv("TK_MACHINE_MEMORY");  // what a run may count on (a share of a machine)
+  if (given && *given != '\0') {
     const auto bytes = parse_bytes(given);
     if (!bytes) throw Error(std::string("environment variable TK_MACHINE_MEMORY: ") + bytes_expected(given));
     return *bytes;

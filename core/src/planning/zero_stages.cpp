@@ -107,17 +107,20 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
                                      " ranks on this machine") +
                     ", and it has " + format_bytes(have) + " (unsharded: parameters " + format_bytes(s.frozen + s.trainable) +
                     ", gradients " + format_bytes(s.trainable) + ", optimizer state " + format_bytes(s.optimizer_whole) + ")";
-  // More machines, each with as many ranks as this one: the fewest on which each stage that shards
-  // fits (a rank holds whole tensors: never more ranks than tensors).
-  const int64_t most = std::max<int64_t>(s.tensors, 1), machines = (n + here - 1) / here;
+  // As many machines as now (another stage) or more (this one), each with as many ranks as this
+  // one: the fewest on which each stage that shards fits. A rank holds whole tensors: past one rank
+  // a tensor, more ranks change nothing.
+  const int64_t most = std::max<int64_t>(s.tensors, 1);
   std::string fits;
   for (size_t st = 1; st < 4; ++st)
-    for (int64_t m = machines + (st == stage ? 1 : 0); m * here <= most; ++m)
+    for (int64_t m = st == stage ? n / here + 1 : (n + here - 1) / here;; ++m) {
       if (s.per_rank(m * here)[st] * static_cast<double>(here) <= have) {
         fits += (fits.empty() ? "" : ", ") + std::string("stage ") + std::to_string(st) + " on " + std::to_string(m) +
                 " machine" + (m == 1 ? "" : "s");
         break;
       }
+      if (m * here >= most) break;
+    }
   const std::string each_machine = std::to_string(here) + " rank" + (here == 1 ? "" : "s") + " on each machine";
   if (fits.empty())
     return out + "; with " + each_machine + ", no stage fits on any number of machines";
