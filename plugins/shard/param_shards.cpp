@@ -186,14 +186,13 @@ void ParameterShards::check_fits() const {
   const double* v = found.data_ptr<double>();
   for (size_t k = 0; k < mine.size(); ++k) {
     const size_t i = mine[k];
-    const at::Tensor values = params_[i].variable_data();
     double largest = std::max(std::abs(v[2 * k]), std::abs(v[2 * k + 1]));
     bool lost;
     if (std::isfinite(v[2 * k]) && std::isfinite(v[2 * k + 1])) {
       // Rounding is monotonic: some value rounds to an infinity iff the largest in magnitude does.
-      lost = at::scalar_tensor(largest, at::TensorOptions().dtype(values.scalar_type())).to(*narrow_).isinf().item<bool>();
+      lost = at::scalar_tensor(largest, at::TensorOptions().dtype(params_[i].scalar_type())).to(*narrow_).isinf().item<bool>();
     } else {  // an infinity or a NaN already there (the step's to answer for): its finite values alone
-      const at::Tensor finite = values.isfinite();
+      const at::Tensor values = params_[i].variable_data(), finite = values.isfinite();
       lost = (finite & values.to(*narrow_).isfinite().logical_not()).any().item<bool>();
       if (lost) largest = at::where(finite, values.abs(), at::zeros({}, values.options())).max().item<double>();
     }

@@ -214,6 +214,14 @@ TEST_SUITE("accumulation capabilities") {
       const tkt::EnvGuard roomy("TK_MACHINE_MEMORY", "10MiB"), stray("LOCAL_WORLD_SIZE", "8");
       CHECK(plan_error({wide}, tk::testing::kTinyRecipe).empty());
     }
+    {
+      // The weights as the conversion to the run's dtype leaves them, buffers too: 2.07 MiB of float64
+      // parameters and BatchNorm's 16 KiB of statistics (the float32 weights built first fit).
+      const tkt::EnvGuard tiny("TK_MACHINE_MEMORY", "2MiB");
+      e = plan_error({wide, "model.batchnorm=true"}, tk::testing::kTinyRecipe);
+      CHECK(e.find("run.dtype: model 'mlp' as float64 needs about 2.09 MiB of memory; this machine has 2 MiB") !=
+            std::string::npos);
+    }
     const tkt::EnvGuard small("TK_MACHINE_MEMORY", "4MiB");
     e = plan_error({wide}, tk::testing::kTinyRecipe);
     INFO(e);
@@ -234,7 +242,10 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(e.find("a rank at ZeRO stage 3 over 2 ranks") != std::string::npos);
     CHECK(e.find("for the 2 ranks on this machine") != std::string::npos);
     const tkt::EnvGuard bad("TK_MACHINE_MEMORY", "lots");
-    CHECK(plan_error({wide}, tk::testing::kTinyRecipe).find("environment variable TK_MACHINE_MEMORY: ") != std::string::npos);
+    // Refused as the run is read, naming the variable alone (not the first section to check its memory).
+    e = plan_error({wide}, tk::testing::kTinyRecipe);
+    CHECK(e.find("environment variable TK_MACHINE_MEMORY: ") == 0);
+    CHECK(e.find("[data]") == std::string::npos);
   }
 
   TEST_CASE("the world size divides the effective batch (two ranks, planned)") {

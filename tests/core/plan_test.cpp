@@ -1,10 +1,12 @@
 // Window planning and plugin ordering: pure logic, no training.
 #include <algorithm>
+#include <tuple>
 
 #include "support.h"
 
 #include "api/api.h"
 #include "planning/planning.h"
+#include "world/world.h"
 
 using tk::LastWindow;
 using tk::WindowSchedule;
@@ -284,5 +286,31 @@ TEST_SUITE("plan") {
     // Nothing fits where a rank's least share (a 32nd: its largest tensor) and its buffers do not.
     CHECK(tk::detail::state_overflow(s, 1, 1, 1 * kMB).find("with 1 rank on each machine, no stage fits on any number of "
                                                             "machines") != std::string::npos);
+  }
+
+  TEST_CASE("Slurm's lists are read as Slurm writes them, and a list that cannot be read is not trusted") {
+    using tk::detail::slurm_tasks_on_node;
+    // SLURM_STEP_TASKS_PER_NODE: "2(x3),1" is 2 tasks on each of nodes 0-2 and 1 on node 3.
+    const std::vector<std::tuple<std::string, long, long>> cases = {
+        {"4", 0, 4},        {"2(x3),1", 0, 2},  {"2(x3),1", 2, 2}, {"2(x3),1", 3, 1},
+        {"8,4(x2),3", 2, 4}, {"8,4(x2),3", 3, 3}, {"8,4(x2),3", 4, 1}, {"2(x3),1", 9, 1},
+        // Unreadable: 1, never a count the list does not give.
+        {"", 0, 1},         {"x", 0, 1},        {"-4", 0, 1},      {"0", 0, 1},
+        {"2(x", 0, 1},      {"2(x0),3", 0, 1},  {"2(x3", 0, 1},    {"2(x-1),5", 0, 1},
+        {"99999999999999999999", 0, 1},
+        // A repeat count too large for a long, and one at a long's edge: no sum overflows.
+        {"2(x99999999999999999999),5", 0, 1}, {"2(x9223372036854775807),5", 1L << 62, 2}};
+    for (const auto& [list, node, tasks] : cases) {
+      CAPTURE(list);
+      CAPTURE(node);
+      CHECK(slurm_tasks_on_node(list, node) == tasks);
+    }
+    using tk::detail::first_host;
+    CHECK(first_host("node[01-04,07],gpu2") == "node01");
+    CHECK(first_host("gpu2,node[01-04]") == "gpu2");
+    CHECK(first_host("rack[3-4]-n[009-012]") == "rack3-n009");
+    CHECK(first_host("solo") == "solo");
+    CHECK_THROWS_WITH(first_host("node[01-04"), "cannot read the Slurm node list 'node[01-04': a '[' is not closed");
+    CHECK_THROWS_WITH(first_host("node[a-b]"), "cannot read the Slurm node list 'node[a-b]': '[a-b]' is not a range of numbers");
   }
 }

@@ -10,9 +10,46 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 namespace tk {
+
+namespace {
+
+/// The lowest memory limit of the cgroups this process is in, from its own up to the root: cgroup
+/// v2's memory.max, v1's memory.limit_in_bytes under the memory controller (a Slurm job's limit is
+/// on its own cgroup, below the root); "max" and v1's huge number are none.
+std::optional<double> cgroup_limit() {
+  namespace fs = std::filesystem;
+  std::optional<double> lowest;
+  const auto read = [&lowest](const fs::path& file) {
+    std::ifstream in(file);
+    std::string v;
+    if (!(in >> v)) return;
+    char* end = nullptr;
+    const double limit = std::strtod(v.c_str(), &end);
+    if (end != v.c_str() && *end == '\0' && limit > 0) lowest = std::min(lowest.value_or(limit), limit);
+  };
+  std::ifstream self("/proc/self/cgroup");  // "0::/path" (v2), "N:controller,...:/path" (v1)
+  for (std::string line; std::getline(self, line);) {
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = "," + line.substr(a + 1, b - a - 1) + ",";
+    const bool v2 = controllers == ",,";
+    if (!v2 && controllers.find(",memory,") == std::string::npos) continue;
+    const fs::path root = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+    const char* file = v2 ? "memory.max" : "memory.limit_in_bytes";
+    for (fs::path dir = fs::path(line.substr(b + 1)).relative_path();; dir = dir.parent_path()) {
+      read(root / dir / file);
+      if (dir.empty()) break;
+    }
+  }
+  for (const char* file : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) read(file);
+  return lowest;
+}
+
+}  // namespace
 
 double machine_memory_bytes() {
   const char* given = std::getenv("TK_MACHINE_MEMORY");  // what a run may count on (a share of a machine)
@@ -21,17 +58,12 @@ double machine_memory_bytes() {
     if (!bytes) throw Error(std::string("environment variable TK_MACHINE_MEMORY: ") + bytes_expected(given));
     return *bytes;
   }
-  double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-  // A container's limit, where lower: cgroup v2's, or v1's ("max" and v1's huge number: none).
-  for (const char* file : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::ifstream in(file);
-    std::string v;
-    if (!(in >> v)) continue;
-    char* end = nullptr;
-    const double limit = std::strtod(v.c_str(), &end);
-    if (end != v.c_str() && *end == '\0' && limit > 0) have = std::min(have, limit);
-  }
-  return have;
+  // The physical memory, or a container's limit where lower: read once (a process stays in its cgroup).
+  static const double machine = [] {
+    const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+    return std::min(physical, cgroup_limit().value_or(physical));
+  }();
+  return machine;
 }
 
 std::string format_bytes(double b) {

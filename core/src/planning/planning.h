@@ -133,6 +133,8 @@ struct TrainingState {
   std::vector<double> per_rank(int64_t n) const;
   /// The largest part of a sharded state one of `n` ranks holds (1/n, or its largest tensor's part).
   double share(int64_t n) const;
+  /// "parameters X, gradients Y, optimizer state Z": the state unsharded, as refusals spell it.
+  std::string unsharded() const;
 };
 /// The training state of a step whose `peak` does not fit `limit` bytes, and which ZeRO stage over
 /// the world (over 2 ranks on one) would make it fit: the measured step with each stage's state in
@@ -142,8 +144,9 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
 /// make it), at its stage over `world_size` ranks of which `local` share this machine's `have`
 /// bytes, cannot fit them, with sharding_advice's figures; empty when it fits.
 std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have);
-/// After a step, on every rank (it sums the shares of a sharded optimizer's state over the world).
-TrainingState measure_training_state(Run& r);
+/// After a step, on every rank (it sums the shares of a sharded optimizer's state over the world);
+/// `local`: this rank's alone, no collective (before any step, when no state is held yet).
+TrainingState measure_training_state(Run& r, bool local = false);
 /// Before any trial or step, on every rank of a run on the CPU: refuses (RecipeError at the model's
 /// section) a run whose training state, at the ZeRO stage its plugins provide, cannot fit this
 /// machine's memory beside the other ranks on it. The optimizer's state is reckoned from the

@@ -68,10 +68,11 @@ std::pair<std::optional<double>, std::string> optimizer_state_per_byte(Run& r) {
 
 void check_state_fits(Run& r) {
   if (!r.device.is_cpu()) return;  // a GPU's memory: the memory planner's budget, and the device's own error
-  TrainingState s = measure_training_state(r);
+  TrainingState s = measure_training_state(r, true);  // no state yet: no shares to sum
   if (r.plan.has(cap::kParamsSharded)) s.stage = 3;  // whole until the first micro-batch
   const auto [per_byte, unknown] = optimizer_state_per_byte(r);
   s.optimizer_whole = std::max(s.optimizer_whole, (per_byte ? *per_byte : 2.0) * s.trainable);
+  s.optimizer_known = true;  // measured, or reckoned with why
   const double have = machine_memory_bytes();
   std::string why = state_overflow(s, r.plan.world_size, local_world_size_from_environment(r.plan.world_size), have);
   // Every rank the same verdict (machines may differ): each refuses when one does.
@@ -88,7 +89,7 @@ void check_state_fits(Run& r) {
                         (per_byte ? std::string() : ". The optimizer's state is reckoned as Adam's two moments: " + unknown));
 }
 
-TrainingState measure_training_state(Run& r) {
+TrainingState measure_training_state(Run& r, bool local) {
   TrainingState s;
   for (const auto& p : distinct_tensors(r.model->parameters())) {  // a tied parameter once
     s.params += held_bytes(p);
@@ -103,12 +104,14 @@ TrainingState measure_training_state(Run& r) {
   // shares where the world has not joined: a dry run).
   s.optimizer_whole = s.optimizer;
   World& world = *r.world;
-  if (r.plan.has(cap::kOptimizerSharded) && world.joined()) {
-    at::Tensor total = at::full({1}, s.optimizer, at::kDouble);
-    world.all_reduce(total);
-    s.optimizer_whole = total.item<double>();
-  } else if (r.plan.has(cap::kOptimizerSharded)) {
-    s.optimizer_whole = s.optimizer * world.size();
+  if (r.plan.has(cap::kOptimizerSharded) && !local) {
+    if (world.joined()) {
+      at::Tensor total = at::full({1}, s.optimizer, at::kDouble);
+      world.all_reduce(total);
+      s.optimizer_whole = total.item<double>();
+    } else {
+      s.optimizer_whole = s.optimizer * world.size();
+    }
   }
   std::tie(s.largest_block, s.loose) = block_sizes(*r.model, s.trainable);
   // Which of ZeRO's stages this step is at, from what its plugins provide and what it holds.

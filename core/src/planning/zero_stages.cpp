@@ -27,6 +27,12 @@ double TrainingState::share(int64_t n) const {
   return std::max(1.0 / static_cast<double>(n), trainable > 0 ? largest_tensor / trainable : 0.0);
 }
 
+std::string TrainingState::unsharded() const {
+  return "parameters " + format_bytes(frozen + trainable) + ", gradients " + format_bytes(trainable) + ", " +
+         (optimizer_known ? "optimizer state " + format_bytes(optimizer_whole)
+                          : "the optimizer's state not reported by it, counted as none");
+}
+
 std::vector<double> TrainingState::per_rank(int64_t n) const {
   const double f = share(n), P = trainable, G = trainable, O = optimizer_whole, L = largest_block;
   // The state's share (ZeRO's arithmetic, each rank's part at most f), and the buffers its
@@ -58,12 +64,8 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   const double f = s.share(n), P = s.trainable, O = s.optimizer_whole;
   const std::vector<double> bare = {s.frozen + 2 * P + O, s.frozen + 2 * P + O * f, s.frozen + P + (P + O) * f,
                                     s.frozen + (2 * P + O) * f};
-  const std::string optimizer = s.optimizer_known ? "optimizer state " + format_bytes(s.optimizer_whole)
-                                                  : "the optimizer's state not reported by it, counted as none";
   std::string out = "; the training state is " + format_bytes(s.frozen + 2 * s.trainable + s.optimizer_whole) +
-                    " unsharded (parameters " + format_bytes(s.frozen + s.trainable) + ", gradients " +
-                    format_bytes(s.trainable) + ", " + optimizer + "), and this step is at ZeRO stage " +
-                    std::to_string(s.stage);
+                    " unsharded (" + s.unsharded() + "), and this step is at ZeRO stage " + std::to_string(s.stage);
   std::vector<double> step;
   for (size_t stage = 0; stage < there.size(); ++stage)
     step.push_back(!alone && stage == static_cast<size_t>(s.stage) ? peak
@@ -105,8 +107,7 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
                     (here == 1 ? std::string()
                                : ", " + format_bytes(each * static_cast<double>(here)) + " for the " + std::to_string(here) +
                                      " ranks on this machine") +
-                    ", and it has " + format_bytes(have) + " (unsharded: parameters " + format_bytes(s.frozen + s.trainable) +
-                    ", gradients " + format_bytes(s.trainable) + ", optimizer state " + format_bytes(s.optimizer_whole) + ")";
+                    ", and it has " + format_bytes(have) + " (unsharded: " + s.unsharded() + ")";
   // As many machines as now (another stage) or more (this one), each with as many ranks as this
   // one: the fewest on which each stage that shards fits. A rank holds whole tensors: past one rank
   // a tensor, more ranks change nothing.

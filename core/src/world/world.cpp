@@ -52,21 +52,6 @@ double World::max(double v) {
 namespace tk::detail {
 namespace {
 
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : nullptr;
-}
-
-int env_int(const char* name, int fallback) {
-  const char* v = env(name);
-  if (!v) return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < -(1L << 30) || x > (1L << 30))
-    throw Error(std::string("environment variable ") + name + "=" + v + " is not an integer");
-  return static_cast<int>(x);
-}
-
 /// The address of this machine that routes to `host` (a UDP socket connected there sends
 /// nothing); "" when it cannot be found.
 std::string local_address_towards(const std::string& host, int port) {
@@ -98,7 +83,7 @@ std::string local_address_towards(const std::string& host, int port) {
 /// loopback). The host name's address would often be 127.0.1.1 (Debian's /etc/hosts), which
 /// other machines cannot reach.
 std::shared_ptr<::gloo::transport::Device> gloo_device(const Placement& p) {
-  if (const char* ifname = env("GLOO_SOCKET_IFNAME")) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname) {
     const std::string first = std::string(ifname).substr(0, std::string(ifname).find(','));
     return c10d::ProcessGroupGloo::createDeviceForInterface(first);
   }
@@ -107,36 +92,6 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const Placement& p) {
     throw Error("no address of this machine routes to the rendezvous host " + p.addr +
                 " (MASTER_ADDR); set GLOO_SOCKET_IFNAME to the network interface to use");
   return c10d::ProcessGroupGloo::createDeviceForHostname(mine);
-}
-
-/// The first host of a Slurm node list ("node[01-04,07],gpu2" -> "node01"), where an srun step's
-/// rendezvous runs when MASTER_ADDR is not set; refuses a list it cannot read, naming it.
-std::string first_host(const std::string& list) {
-  // The first entry: up to the first comma outside brackets.
-  std::string entry;
-  int depth = 0;
-  for (char ch : list) {
-    if (ch == ',' && depth == 0) break;
-    depth += ch == '[' ? 1 : ch == ']' ? -1 : 0;
-    entry += ch;
-  }
-  // Each bracketed range set becomes its first value, its zero padding kept: "n[01-04,07]" -> "n01".
-  std::string host;
-  for (size_t i = 0; i < entry.size(); ++i) {
-    if (entry[i] != '[') {
-      host += entry[i];
-      continue;
-    }
-    const size_t close = entry.find(']', i);
-    if (close == std::string::npos) throw Error("cannot read the Slurm node list '" + list + "': a '[' is not closed");
-    const std::string first = entry.substr(i + 1, entry.find_first_of(",-]", i + 1) - i - 1);
-    if (first.empty() || first.find_first_not_of("0123456789") != std::string::npos)
-      throw Error("cannot read the Slurm node list '" + list + "': '" + entry.substr(i, close - i + 1) +
-                  "' is not a range of numbers");
-    host += first;
-    i = close;
-  }
-  return host;
 }
 
 c10d::ReduceOp c10d_op(ReduceOp op) {
@@ -154,86 +109,11 @@ std::chrono::milliseconds millis(double seconds) {
 
 }  // namespace
 
-int local_rank_from_environment() {
-  if (env("LOCAL_RANK")) return env_int("LOCAL_RANK", 0);
-  if (env("WORLD_SIZE")) return env_int("RANK", 0);
-  if (env("SLURM_LOCALID") && (env("SLURM_STEP_ID") || env("SLURM_STEPID"))) return env_int("SLURM_LOCALID", 0);
-  return -1;
-}
-
-namespace {
-
-/// Node `node`'s entry of Slurm's tasks-per-node list ("2(x3),1": two tasks on each of the first
-/// three nodes, one on the fourth), or 1 where the list does not say.
-long slurm_tasks_on_node(const char* list, long node) {
-  long first = 0;  // the first node the entry covers
-  for (const char* at = list; *at != '\0';) {
-    char* end = nullptr;
-    const long tasks = std::strtol(at, &end, 10);
-    if (end == at) return 1;
-    long times = 1;
-    if (std::strncmp(end, "(x", 2) == 0) {
-      times = std::strtol(end + 2, &end, 10);
-      if (*end == ')') ++end;
-    }
-    if (node < first + times) return tasks;
-    first += times;
-    if (*end != ',') return 1;
-    at = end + 1;
-  }
-  return 1;
-}
-
-}  // namespace
-
-int local_world_size_from_environment(int world_size) {
-  long n = 1;
-  if (env("WORLD_SIZE")) {
-    if (const char* v = env("LOCAL_WORLD_SIZE")) n = std::strtol(v, nullptr, 10);
-  } else if (env("SLURM_NTASKS") && (env("SLURM_STEP_ID") || env("SLURM_STEPID"))) {
-    if (const char* list = env("SLURM_STEP_TASKS_PER_NODE"))
-      n = slurm_tasks_on_node(list, env("SLURM_NODEID") ? std::strtol(env("SLURM_NODEID"), nullptr, 10) : 0);
-  }
-  return static_cast<int>(std::clamp<long>(n, 1, std::max(world_size, 1)));
-}
-
 OptionSpecs world_specs() {
   return {opt_string("backend", "auto", "collective backend: gloo (CPU), nccl (CUDA), auto (nccl on CUDA, else gloo)",
                      {"auto", "gloo", "nccl"}),
           opt_float("timeout_s", 300.0, "seconds a collective may wait for the other ranks before the run fails"),
           opt_float("rendezvous_timeout_s", 300.0, "seconds to wait for every rank to join")};
-}
-
-Placement placement_from_environment() {
-  Placement p;
-  if (env("WORLD_SIZE")) {
-    p.size = env_int("WORLD_SIZE", 1);
-    p.rank = env_int("RANK", 0);
-    p.local_rank = env_int("LOCAL_RANK", p.rank);
-    p.source = "RANK/WORLD_SIZE";
-  } else if (env("SLURM_NTASKS") && (env("SLURM_STEP_ID") || env("SLURM_STEPID"))) {
-    // A task of an srun step; a batch script's own shell (no step) is one process, whatever the
-    // job's task count.
-    p.size = env_int("SLURM_NTASKS", 1);
-    p.rank = env_int("SLURM_PROCID", 0);
-    p.local_rank = env_int("SLURM_LOCALID", 0);
-    p.source = "SLURM_PROCID/SLURM_NTASKS";
-    if (const char* node = env("SLURM_NODEID")) p.source += ", node " + std::string(node);
-    // The rendezvous is on the step's first node, unless MASTER_ADDR says otherwise.
-    const char* nodes = env("SLURM_STEP_NODELIST") ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
-    if (p.size > 1 && !env("MASTER_ADDR")) {
-      if (!nodes) throw Error("under Slurm without SLURM_JOB_NODELIST, set MASTER_ADDR (the first node's address)");
-      p.addr = first_host(nodes);
-      p.source += ", rendezvous on the first node of " + std::string(nodes);
-    }
-  }
-  if (const char* a = env("MASTER_ADDR")) p.addr = a;
-  p.port = env_int("MASTER_PORT", 29500);
-  if (p.size < 1 || p.rank < 0 || p.rank >= p.size)
-    throw Error("rank " + std::to_string(p.rank) + " is outside a world of " + std::to_string(p.size) + " (" + p.source +
-                ")");
-  if (p.port < 1 || p.port > 65535) throw Error("MASTER_PORT=" + std::to_string(p.port) + " is not a port");
-  return p;
 }
 
 ProcessWorld::ProcessWorld(Placement placement) : p_(std::move(placement)) {}

@@ -46,6 +46,12 @@ int local_rank_from_environment();
 /// beside WORLD_SIZE (tk-run, torchrun), or in a task of an srun step this node's count in
 /// SLURM_STEP_TASKS_PER_NODE; 1 where neither says, and never more than the world.
 int local_world_size_from_environment(int world_size);
+/// Node `node`'s entry (from 0) of Slurm's tasks-per-node list ("2(x3),1": two tasks on each of
+/// the first three nodes, one on the fourth); 1 where the list does not say or cannot be read.
+long slurm_tasks_on_node(const std::string& list, long node);
+/// The first host of a Slurm node list ("node[01-04,07],gpu2" -> "node01"), where an srun step's
+/// rendezvous runs when MASTER_ADDR is not set; refuses a list it cannot read, naming it.
+std::string first_host(const std::string& list);
 
 /// The world of a run: described from the environment when the run is assembled, joined when it
 /// is planned.
