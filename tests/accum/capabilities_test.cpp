@@ -216,11 +216,20 @@ TEST_SUITE("accumulation capabilities") {
     }
     {
       // The weights as the conversion to the run's dtype leaves them, buffers too: 2.07 MiB of float64
-      // parameters and BatchNorm's 16 KiB of statistics (the float32 weights built first fit).
+      // parameters and BatchNorm's 16 KiB of statistics, its counts converted too (the float32
+      // weights built first fit).
       const tkt::EnvGuard tiny("TK_MACHINE_MEMORY", "2MiB");
       e = plan_error({wide, "model.batchnorm=true"}, tk::testing::kTinyRecipe);
       CHECK(e.find("run.dtype: model 'mlp' as float64 needs about 2.09 MiB of memory; this machine has 2 MiB") !=
             std::string::npos);
+    }
+    {
+      // Every rank of a launch on this machine builds its own: two of them need twice as much.
+      const tkt::EnvGuard tiny("TK_MACHINE_MEMORY", "3MiB"), world("WORLD_SIZE", "2"), rank("RANK", "1"),
+          local("LOCAL_WORLD_SIZE", "2");
+      e = plan_error({wide, "model.batchnorm=true"}, tk::testing::kTinyRecipe);
+      CHECK(e.find("run.dtype: model 'mlp' as float64 needs about 2.09 MiB of memory on each of the 2 ranks on this "
+                   "machine, 4.17 MiB together; this machine has 3 MiB") != std::string::npos);
     }
     const tkt::EnvGuard small("TK_MACHINE_MEMORY", "4MiB");
     e = plan_error({wide}, tk::testing::kTinyRecipe);
@@ -236,8 +245,10 @@ TEST_SUITE("accumulation capabilities") {
     adamw.erase(adamw.find("momentum = 0.9"), 14);
     e = plan_error({wide}, adamw);
     CHECK(e.find("(unsharded: parameters 2.05 MiB, gradients 2.05 MiB, optimizer state 4.11 MiB)") != std::string::npos);
-    // Two ranks on this machine at stage 3: each reckoned with its share, both counted.
-    const tkt::EnvGuard world("WORLD_SIZE", "2"), rank("RANK", "1"), local("LOCAL_WORLD_SIZE", "2");
+    // Two ranks on this machine at stage 3: each reckoned with its share, both counted (6 MiB hold
+    // the float64 weights each builds, 4.11 MiB together; the largest tensor is most of the state).
+    const tkt::EnvGuard world("WORLD_SIZE", "2"), rank("RANK", "1"), local("LOCAL_WORLD_SIZE", "2"),
+        roomier("TK_MACHINE_MEMORY", "6MiB");
     e = plan_error({wide}, std::string(tk::testing::kTinyRecipe) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n");
     CHECK(e.find("a rank at ZeRO stage 3 over 2 ranks") != std::string::npos);
     CHECK(e.find("for the 2 ranks on this machine") != std::string::npos);

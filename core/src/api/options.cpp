@@ -2,6 +2,8 @@
 
 #include "tk/error.h"
 
+#include "support/support.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -75,9 +77,15 @@ std::string format_bytes(double b) {
 }
 
 void require_memory(const Options& o, const std::string& key, double bytes, const std::string& what) {
+  // Every rank of a launch on this machine makes what this one makes, at the same time.
+  const int here = detail::local_world_size_from_environment();
   const double have = machine_memory_bytes();
-  if (bytes > have)
-    o.fail(key, what + " needs about " + format_bytes(bytes) + " of memory; this machine has " + format_bytes(have));
+  if (bytes * here > have)
+    o.fail(key, what + " needs about " + format_bytes(bytes) + " of memory" +
+                    (here == 1 ? std::string()
+                               : " on each of the " + std::to_string(here) + " ranks on this machine, " +
+                                     format_bytes(bytes * here) + " together") +
+                    "; this machine has " + format_bytes(have));
 }
 
 std::optional<double> parse_bytes(const std::string& v) {

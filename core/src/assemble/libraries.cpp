@@ -123,6 +123,7 @@ PluginLoader loader_for(const Recipe& recipe, const TrainerOptions& opts) {
 void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
   recipe.check_sections(kSections);
   r.may_join_world = opts.join_world;
+  machine_memory_bytes();  // a bad TK_MACHINE_MEMORY refused here, not by the first component to check its memory
   read_run_section(r, recipe);
   load_standard_libraries(r.registry);
   load_plugins(r, recipe, loader_for(recipe, opts));

@@ -250,7 +250,6 @@ void read_run_section(Run& r, const Recipe& recipe) {
                           " cores; at most " + std::to_string(4 * cores) + " (4 per core) are accepted");
   if (o.get_int("threads") > 0) compat::set_cpu_threads(static_cast<int>(o.get_int("threads")));
   r.dtype = o.get_string("dtype") == "float64" ? at::kDouble : at::kFloat;
-  machine_memory_bytes();  // a bad TK_MACHINE_MEMORY refused here, not by the first component to check its memory
   const std::string& dev = o.get_string("device");
   const bool cuda = torch::cuda::is_available();
   if (dev == "cuda" && !cuda) o.fail("device", "CUDA is not available (this LibTorch has no CUDA, or no GPU is visible)");
@@ -321,13 +320,12 @@ void build_components(Run& r, const Recipe& recipe) {
   torch::manual_seed(r.seed);
   r.model = made_in(r.model_opts, "model '" + mc.name + "'", [&] { return mc.make(r.model_opts, r.data.info); });
   if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
-  if (r.device.is_cpu()) {  // the weights as the conversion leaves them: floating tensors in the run's dtype
-    double bytes = 0;
+  if (r.device.is_cpu()) {  // as the conversion leaves them: LibTorch's Module::to converts every tensor, integer ones too
+    double elements = 0;
     for (const auto& list : {r.model->parameters(), r.model->buffers()})
-      for (const auto& t : distinct_tensors(list))
-        bytes += static_cast<double>(t.is_floating_point() ? t.numel() * static_cast<int64_t>(c10::elementSize(r.dtype))
-                                                           : static_cast<int64_t>(t.nbytes()));
-    require_memory(r.run, "dtype", bytes, "model '" + mc.name + "' as " + r.run.get_string("dtype"));
+      for (const auto& t : distinct_tensors(list)) elements += static_cast<double>(t.numel());
+    require_memory(r.run, "dtype", elements * static_cast<double>(c10::elementSize(r.dtype)),
+                   "model '" + mc.name + "' as " + r.run.get_string("dtype"));
   }
   r.model->to(r.device, r.dtype);
   load_init(r);

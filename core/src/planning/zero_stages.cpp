@@ -99,7 +99,15 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
 std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have) {
   const int64_t n = std::max<int64_t>(world_size, 1), here = std::clamp<int64_t>(local, 1, n);
   const size_t stage = n == 1 ? 0 : static_cast<size_t>(s.stage);  // one rank holds it all, whatever its stage
-  const double each = s.per_rank(n)[stage];
+  // A rank's most at `st` over `ranks`: at stage 3 never less than the whole weights, which every
+  // rank holds as the model is built, and again as the fit ends (gathered for the weights file)
+  // beside its shares of the gradients and the optimizer's state.
+  const auto whole = [&s](int64_t ranks) { return s.frozen + s.trainable + (s.trainable + s.optimizer_whole) * s.share(ranks); };
+  const auto most = [&s, &whole](size_t st, int64_t ranks) {
+    const double held = s.per_rank(ranks)[st];
+    return st == 3 ? std::max(held, whole(ranks)) : held;
+  };
+  const double each = most(stage, n);
   if (each * static_cast<double>(here) <= have) return "";
   std::string out = "its training state does not fit this machine's memory: about " + format_bytes(each) +
                     " a rank at ZeRO stage " + std::to_string(stage) + " over " + std::to_string(n) + " rank" +
@@ -108,19 +116,22 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
                                : ", " + format_bytes(each * static_cast<double>(here)) + " for the " + std::to_string(here) +
                                      " ranks on this machine") +
                     ", and it has " + format_bytes(have) + " (unsharded: " + s.unsharded() + ")";
+  if (stage == 3 && whole(n) > s.per_rank(n)[3])
+    out += "; at stage 3 each rank still holds the whole weights as the model is built, and as the fit ends beside its "
+           "shares of the gradients and the optimizer's state";
   // As many machines as now (another stage) or more (this one), each with as many ranks as this
   // one: the fewest on which each stage that shards fits. A rank holds whole tensors: past one rank
   // a tensor, more ranks change nothing.
-  const int64_t most = std::max<int64_t>(s.tensors, 1);
+  const int64_t tensors = std::max<int64_t>(s.tensors, 1);
   std::string fits;
   for (size_t st = 1; st < 4; ++st)
     for (int64_t m = st == stage ? n / here + 1 : (n + here - 1) / here;; ++m) {
-      if (s.per_rank(m * here)[st] * static_cast<double>(here) <= have) {
+      if (most(st, m * here) * static_cast<double>(here) <= have) {
         fits += (fits.empty() ? "" : ", ") + std::string("stage ") + std::to_string(st) + " on " + std::to_string(m) +
                 " machine" + (m == 1 ? "" : "s");
         break;
       }
-      if (m * here >= most) break;
+      if (m * here >= tensors) break;
     }
   const std::string each_machine = std::to_string(here) + " rank" + (here == 1 ? "" : "s") + " on each machine";
   if (fits.empty())

@@ -3,7 +3,7 @@
 // durable file operations (every failed write throws an Error naming the file and the reason,
 // nothing is left half-written where a reader could take it for whole, one process at a time owns
 // a folder); files.json, the record of what of an output folder is trainkit's; figures for people;
-// the process's random generators. Not installed.
+// the process's random generators; where its launcher put it. Not installed.
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
@@ -231,6 +231,37 @@ std::string model_share_file(int64_t r);
 /// checkpoint's model.pt, its record's `model_shares`, so the whole model. Refuses (RunRefused: no
 /// retry reads more) a share missing and a name that two files hold.
 NamedTensors load_model_file(const std::filesystem::path& file, int64_t shares);
+
+// ---- placement.cpp: where a launcher put this process (its environment; nothing connects) --------
+
+/// Where this process sits, as the launcher's environment says (no connection made).
+struct Placement {
+  int rank = 0, size = 1, local_rank = 0;
+  std::string addr = "127.0.0.1";
+  int port = 29500;
+  std::string source = "single process";  ///< which variables said so
+};
+/// The placement from RANK/WORLD_SIZE/LOCAL_RANK (torchrun, tk-run --nproc) or, in a task of an
+/// srun step, SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, with MASTER_ADDR and MASTER_PORT; a world
+/// of one without them. Refuses values that are not a world (a rank outside it, a port that is no
+/// port).
+Placement placement_from_environment();
+/// This process's rank on its machine as the launcher's environment says (the placement's rule),
+/// or -1 when it says none: the GPU a process of a launch takes.
+int local_rank_from_environment();
+/// The ranks of a world of `world_size` on this machine, by the placement's rule: LOCAL_WORLD_SIZE
+/// beside WORLD_SIZE (tk-run, torchrun), or in a task of an srun step this node's count in
+/// SLURM_STEP_TASKS_PER_NODE; 1 where neither says, and never more than the world.
+int local_world_size_from_environment(int world_size);
+/// The same for the world the environment gives (1 where it gives none, or none that is a world:
+/// placement_from_environment() refuses that by name).
+int local_world_size_from_environment();
+/// Node `node`'s entry (from 0) of Slurm's tasks-per-node list ("2(x3),1": two tasks on each of
+/// the first three nodes, one on the fourth); 1 where the list does not say or cannot be read.
+long slurm_tasks_on_node(const std::string& list, long node);
+/// The first host of a Slurm node list ("node[01-04,07],gpu2" -> "node01"), where an srun step's
+/// rendezvous runs when MASTER_ADDR is not set; refuses a list it cannot read, naming it.
+std::string first_host(const std::string& list);
 
 // ---- rng.cpp: the process's random generators (checkpoints, trials, back-offs) -------------------
 

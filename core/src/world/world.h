@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "support/support.h"
 #include "tk/options.h"
 #include "tk/world.h"
 
@@ -26,32 +27,6 @@ struct WorldWaits {
   double collective = 0.0, rendezvous = 0.0;
 };
 WorldWaits world_waits(const Options& settings);
-
-/// Where this process sits, as the launcher's environment says (no connection made).
-struct Placement {
-  int rank = 0, size = 1, local_rank = 0;
-  std::string addr = "127.0.0.1";
-  int port = 29500;
-  std::string source = "single process";  ///< which variables said so
-};
-/// The placement from RANK/WORLD_SIZE/LOCAL_RANK (torchrun, tk-run --nproc) or, in a task of an
-/// srun step, SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, with MASTER_ADDR and MASTER_PORT; a world
-/// of one without them. Refuses values that are not a world (a rank outside it, a port that is no
-/// port).
-Placement placement_from_environment();
-/// This process's rank on its machine as the launcher's environment says (the placement's rule),
-/// or -1 when it says none: the GPU a process of a launch takes.
-int local_rank_from_environment();
-/// The ranks of a world of `world_size` on this machine, by the placement's rule: LOCAL_WORLD_SIZE
-/// beside WORLD_SIZE (tk-run, torchrun), or in a task of an srun step this node's count in
-/// SLURM_STEP_TASKS_PER_NODE; 1 where neither says, and never more than the world.
-int local_world_size_from_environment(int world_size);
-/// Node `node`'s entry (from 0) of Slurm's tasks-per-node list ("2(x3),1": two tasks on each of
-/// the first three nodes, one on the fourth); 1 where the list does not say or cannot be read.
-long slurm_tasks_on_node(const std::string& list, long node);
-/// The first host of a Slurm node list ("node[01-04,07],gpu2" -> "node01"), where an srun step's
-/// rendezvous runs when MASTER_ADDR is not set; refuses a list it cannot read, naming it.
-std::string first_host(const std::string& list);
 
 /// The world of a run: described from the environment when the run is assembled, joined when it
 /// is planned.

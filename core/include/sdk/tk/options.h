@@ -70,13 +70,14 @@ OptionSpec opt_strings(std::string name, std::vector<std::string> def, std::stri
 class Options;
 
 /// The memory of this machine a run counts on, in bytes: TK_MACHINE_MEMORY where it is set (a
-/// size, "64GiB": a share of a machine), else the physical memory, or a container's (cgroup)
-/// limit where that is lower.
+/// size, "64GiB": a share of a machine), else the physical memory, or the lowest limit of the
+/// cgroups this process is in (a container's, a Slurm job's) where that is lower.
 double machine_memory_bytes();
 /// "1.5 GiB", "300 MiB".
 std::string format_bytes(double bytes);
 /// Refuses, naming `key` of `o`, what could not fit this machine's memory: `bytes` is the
-/// estimate of what `what` ("a model of 3.2e9 parameters") needs.
+/// estimate of what `what` ("a model of 3.2e9 parameters") needs in this process, which every rank
+/// of the launch on this machine needs too (LOCAL_WORLD_SIZE, or an srun step's tasks on the node).
 void require_memory(const Options& o, const std::string& key, double bytes, const std::string& what);
 
 /// A size in bytes from text such as "1.5GiB", "800MiB", "2GB" or "4096" (binary units KiB, MiB,

@@ -1,6 +1,6 @@
-// Where this process sits in a run's world, as its launcher's environment says (world.h): tk-run
+// Where this process sits in a run's world, as its launcher's environment says (support.h): tk-run
 // and torchrun's RANK/WORLD_SIZE, or a task of an srun step. Nothing here connects.
-#include "world/world.h"
+#include "support/support.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -88,9 +88,10 @@ long slurm_tasks_on_node(const std::string& list, long node) {
       times = *repeat;
       ++end;
     }
+    if (*end != ',' && *end != '\0') return 1;
     if (node - first < times) return *tasks;  // node >= first here: no sum that could overflow
     first += times;
-    if (*end != ',') return 1;
+    if (*end == '\0') return 1;
     at = end + 1;
   }
   return 1;
@@ -114,6 +115,14 @@ int local_world_size_from_environment(int world_size) {
     }
   }
   return static_cast<int>(std::clamp<long>(n, 1, std::max(world_size, 1)));
+}
+
+int local_world_size_from_environment() {
+  try {
+    return local_world_size_from_environment(placement_from_environment().size);
+  } catch (const Error&) {
+    return 1;
+  }
 }
 
 Placement placement_from_environment() {
