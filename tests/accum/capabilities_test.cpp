@@ -259,6 +259,17 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(e.find("[data]") == std::string::npos);
   }
 
+  TEST_CASE("the plan shows a plugin's settings, not the options it keeps only to say where they went") {
+    // grad_accum's options all moved to [batch]: a recipe that names them is told where; the plan
+    // and recipe.toml show them where they are.
+    tk::Trainer t(tkt::recipe({}, with_grad_accum("").c_str()), tkt::quiet());
+    const std::string plan = t.describe();
+    INFO(plan);
+    CHECK(plan.find(". grad_accum ") != std::string::npos);
+    for (const char* moved : {"steps = ", "effective_batch = ", "memory_budget = ", "ramp_from = ", "last_window = "})
+      CHECK(plan.find(std::string("       ") + moved) == std::string::npos);
+  }
+
   TEST_CASE("the world size divides the effective batch (two ranks, planned)") {
     const tkt::EnvGuard world("WORLD_SIZE", "2"), rank("RANK", "1");
     const std::string ddp = "[[plugins]]\nname = \"ddp\"\n";

@@ -160,11 +160,19 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
          "batch.ramp_from=32", "--set", "batch.ramp_samples=100000000"], 2,
          "batch.ramp_samples: the batch ramp lasts 100000000 examples, longer than the run's 20 optimizer "
          "steps take"),
+        # A machine's memory that is no size: refused once, before a launch starts any worker.
+        ("a machine's memory that is no size", [{"TK_MACHINE_MEMORY": "lots"}, quick, "--dry-run"], 2,
+         'environment variable TK_MACHINE_MEMORY: expected a size > 0 like "1.5GiB", "800MiB" or "2GB", got "lots"'),
+        ("a machine's memory that is no size, for a launch", [{"TK_MACHINE_MEMORY": "lots"}, quick, "--nproc", "2"], 2,
+         'environment variable TK_MACHINE_MEMORY: expected a size > 0'),
     ] + tensor_cases
     failed = 0
     for label, args, rc, *expect in cases:
-        p = subprocess.run([tk_run] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120,
-                           env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        if args and isinstance(args[0], dict):  # the case's own environment variables first
+            env.update(args[0])
+            args = args[1:]
+        p = subprocess.run([tk_run] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120, env=env)
         out = p.stdout.decode(errors="replace")
         problems = []
         if p.returncode != rc:

@@ -308,8 +308,27 @@ TEST_SUITE("plan") {
                    "stage 2 on 17 machines, stage 3 on 11 machines would fit") != std::string::npos);
     // Below the weights themselves (and stage 2's parameters and buckets), nothing fits however many machines.
     CHECK(tk::detail::state_overflow(s, 8, 1, 3.5 * kMB).find("no stage fits on any number of machines") != std::string::npos);
-    // Two ranks on a machine of 7.5 MiB: 8 MiB of weights, however many machines.
-    CHECK(tk::detail::state_overflow(s, 8, 2, 7.5 * kMB).find("no stage fits on any number of machines") != std::string::npos);
+    // Two ranks on a machine of 7.5 MiB: 8 MiB of weights, however many machines; one rank on each
+    // fits at stage 2 and 3 over as many ranks as now (stage 2: 4 MiB, 16/8 and two 64 KiB buckets).
+    CHECK(tk::detail::state_overflow(s, 8, 2, 7.5 * kMB).find(
+              "; with 2 ranks on each machine, no stage fits on any number of machines; with 1 rank on each machine, by "
+              "these figures stage 2 on 8 machines, stage 3 on 8 machines would fit (tk-run --nnodes, --nproc 1; the stage "
+              "set by a plugin that provides optimizer.sharded") != std::string::npos);
+    // Where the whole state fits one process, fewer ranks on each machine fit without sharding: 16 MiB
+    // (12.5 MiB at stage 3 over 2 ranks, where the largest tensor is half the state: 25 for both here).
+    tk::detail::TrainingState whole = adamw_state();
+    whole.tensors = 2;
+    whole.largest_tensor = 2 * kMB;
+    whole.stage = 3;
+    const std::string alone = tk::detail::state_overflow(whole, 2, 2, 16 * kMB, " (TK_MACHINE_MEMORY)");
+    INFO(alone);
+    CHECK(alone.find("and it has 16 MiB (TK_MACHINE_MEMORY) (unsharded:") != std::string::npos);
+    CHECK(alone.find("; with 2 ranks on each machine, no stage fits on any number of machines; with 1 rank on each machine, "
+                     "by these figures stage 0 on 2 machines, stage 1 on 2 machines, stage 2 on 2 machines, stage 3 on 2 "
+                     "machines would fit (tk-run --nnodes, --nproc 1; the stage") != std::string::npos);
+    // One process at stage 3 shards nothing, and says so.
+    CHECK(tk::detail::state_overflow(whole, 1, 1, 15 * kMB).find("over 1 rank (one rank shards nothing, whatever its stage)") !=
+          std::string::npos);
   }
 
   TEST_CASE("Slurm's lists are read as Slurm writes them, and a list that cannot be read is not trusted") {

@@ -8,6 +8,7 @@
 #include <tk/capabilities.h>
 #include <tk/compat.h>
 #include <tk/loader.h>
+#include <tk/options.h>
 #include <tk/trainer.h>
 
 #include "../cli_parse.h"
@@ -345,6 +346,7 @@ int print_dry_run(const std::string& plan) {
 /// otherwise train its own run), learnt from the plugins alone; then the workers (for a dry run,
 /// rank 0 of that world prints its plan).
 int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
+  tk::machine_memory_bytes();  // a bad TK_MACHINE_MEMORY refused once, before any worker starts
   const auto caps = tk::plugin_capabilities(recipe, c.topts);
   if (c.launch.nproc * c.launch.nnodes > 1 && !caps.count(tk::cap::kGradsSynced.name()))
     return die_usage("--nproc " + std::to_string(c.launch.nproc) + " needs a plugin that sums the gradients across "

@@ -209,6 +209,10 @@ void name_plugin(Plugin& p, const std::string& name);
 /// the declared specs; they go into the bound members, then init() runs.
 void configure_options(Plugin& p, const std::function<Options(const OptionSpecs&)>& values);
 
+/// " (TK_MACHINE_MEMORY)" where that variable sets the machine's memory (machine_memory_bytes), for
+/// the refusals that quote it; else "".
+std::string machine_memory_note();
+
 }  // namespace tk::detail
 
 // ---- plan.cpp: where each micro-batch sits in its window, and the order plugins run in ----------

@@ -2,6 +2,7 @@
 
 #include "tk/error.h"
 
+#include "api/api.h"
 #include "support/support.h"
 
 #include <unistd.h>
@@ -53,6 +54,11 @@ std::optional<double> cgroup_limit() {
 
 }  // namespace
 
+std::string detail::machine_memory_note() {
+  const char* given = std::getenv("TK_MACHINE_MEMORY");
+  return given && *given != '\0' ? " (TK_MACHINE_MEMORY)" : "";
+}
+
 double machine_memory_bytes() {
   const char* given = std::getenv("TK_MACHINE_MEMORY");  // what a run may count on (a share of a machine)
   if (given && *given != '\0') {
@@ -85,7 +91,7 @@ void require_memory(const Options& o, const std::string& key, double bytes, cons
                     (here == 1 ? std::string()
                                : " on each of the " + std::to_string(here) + " ranks on this machine, " +
                                      format_bytes(bytes * here) + " together") +
-                    "; this machine has " + format_bytes(have));
+                    "; this machine has " + format_bytes(have) + detail::machine_memory_note());
 }
 
 std::optional<double> parse_bytes(const std::string& v) {

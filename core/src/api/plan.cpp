@@ -180,8 +180,10 @@ std::vector<size_t> order_plugins(const std::vector<PluginDecl>& plugins, std::v
   for (size_t i = 0; i < n; ++i) {
     for (const auto& need : plugins[i].contract.requires_)
       if (!provider.count(need.name())) {
+        const std::string note = unknown_note(need.name(), provider);
         const std::string what = "plugin '" + plugins[i].name + "' requires '" + need.name() +
-                                 "', which no plugin in this run provides" + unknown_note(need.name(), provider);
+                                 "', which no plugin in this run provides" +
+                                 (note.empty() ? " (add one to [[plugins]]; tk-run --list shows those found)" : note);
         if (!plugins[i].where.file.empty()) throw RecipeError(plugins[i].where, what);
         throw Error(what);
       }

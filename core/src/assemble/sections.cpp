@@ -230,7 +230,8 @@ void read_run_section(Run& r, const Recipe& recipe) {
   const int64_t epochs = o.get_int("epochs"), steps = o.get_int("steps");
   if (epochs < 0) o.fail("epochs", "must be >= 0");
   if (steps < 0) o.fail("steps", "must be >= 0");
-  if (epochs > 0 && steps > 0) o.fail("steps", "give either epochs or steps, not both");
+  if (epochs > 0 && steps > 0)
+    o.fail("steps", "give either epochs or steps, not both (epochs = 0 counts steps, steps = 0 epochs)");
   for (const char* k : {"epochs", "steps"})
     if (o.get_int(k) > kMaxCount)
       o.fail(k, "is " + std::to_string(o.get_int(k)) + ", beyond what any machine can train (at most " +

@@ -70,7 +70,10 @@ std::string describe(Run& d, const Recipe& recipe) {
   for (size_t idx : d.order) {
     const Slot& s = d.slots[idx];
     out << "  " << i++ << ". " << s.name << " " << s.version << "  " << s.file << "\n";
-    for (const auto& [k, v] : s.plugin->options().values()) out << "       " << k << " = " << to_toml(v) << "\n";
+    const Options& o = s.plugin->options();
+    for (const auto& [k, v] : o.values())
+      if (const OptionSpec* spec = o.spec(k); !spec || !spec->retired)  // as recipe.toml: an earlier version's option is no setting
+        out << "       " << k << " = " << to_toml(v) << "\n";
   }
   for (const auto& s : d.slots)
     if (!s.plugin) out << "libraries     " << s.name << " " << s.version << "  " << s.file << " (components only)\n";

@@ -142,8 +142,11 @@ struct TrainingState {
 std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size);
 /// Before any step: why a run whose training state is `s` (its optimizer's state as a step will
 /// make it), at its stage over `world_size` ranks of which `local` share this machine's `have`
-/// bytes, cannot fit them, with sharding_advice's figures; empty when it fits.
-std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have);
+/// bytes (`have_note`: where that figure comes from, after it), cannot fit them, and where it
+/// would: the fewest machines for each stage, with as many ranks on each or, where none fits so,
+/// the most fewer that do; empty when it fits.
+std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have,
+                           const std::string& have_note = "");
 /// After a step, on every rank (it sums the shares of a sharded optimizer's state over the world);
 /// `local`: this rank's alone, no collective (before any step, when no state is held yet).
 TrainingState measure_training_state(Run& r, bool local = false);

@@ -74,7 +74,8 @@ void check_state_fits(Run& r) {
   s.optimizer_whole = std::max(s.optimizer_whole, (per_byte ? *per_byte : 2.0) * s.trainable);
   s.optimizer_known = true;  // measured, or reckoned with why
   const double have = machine_memory_bytes();
-  std::string why = state_overflow(s, r.plan.world_size, local_world_size_from_environment(r.plan.world_size), have);
+  std::string why = state_overflow(s, r.plan.world_size, local_world_size_from_environment(r.plan.world_size), have,
+                                   machine_memory_note());
   // Every rank the same verdict (machines may differ): each refuses when one does.
   World& world = *r.world;
   if (world.joined() && world.size() > 1) {

@@ -96,7 +96,8 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
          format_bytes(fixed + sharded * s.share(k)) + " each)";
 }
 
-std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have) {
+std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t local, double have,
+                           const std::string& have_note) {
   const int64_t n = std::max<int64_t>(world_size, 1), here = std::clamp<int64_t>(local, 1, n);
   const size_t stage = n == 1 ? 0 : static_cast<size_t>(s.stage);  // one rank holds it all, whatever its stage
   // A rank's most at `st` over `ranks`: at stage 3 never less than the whole weights, which every
@@ -111,34 +112,48 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
   if (each * static_cast<double>(here) <= have) return "";
   std::string out = "its training state does not fit this machine's memory: about " + format_bytes(each) +
                     " a rank at ZeRO stage " + std::to_string(stage) + " over " + std::to_string(n) + " rank" +
-                    (n == 1 ? "" : "s") +
+                    (n == 1 ? "" : "s") + (n == 1 && s.stage > 0 ? " (one rank shards nothing, whatever its stage)" : "") +
                     (here == 1 ? std::string()
                                : ", " + format_bytes(each * static_cast<double>(here)) + " for the " + std::to_string(here) +
                                      " ranks on this machine") +
-                    ", and it has " + format_bytes(have) + " (unsharded: " + s.unsharded() + ")";
+                    ", and it has " + format_bytes(have) + have_note + " (unsharded: " + s.unsharded() + ")";
   if (stage == 3 && whole(n) > s.per_rank(n)[3])
     out += "; at stage 3 each rank still holds the whole weights as the model is built, and as the fit ends beside its "
            "shares of the gradients and the optimizer's state";
-  // As many machines as now (another stage) or more (this one), each with as many ranks as this
-  // one: the fewest on which each stage that shards fits. A rank holds whole tensors: past one rank
-  // a tensor, more ranks change nothing.
+  // Machines of `h` ranks each, at least as many ranks as now (more for this stage with as many on
+  // a machine): the fewest on which each stage fits (0 only with fewer ranks on a machine than
+  // now). A rank holds whole tensors: past one rank a tensor, more ranks change nothing.
   const int64_t tensors = std::max<int64_t>(s.tensors, 1);
-  std::string fits;
-  for (size_t st = 1; st < 4; ++st)
-    for (int64_t m = st == stage ? n / here + 1 : (n + here - 1) / here;; ++m) {
-      if (most(st, m * here) * static_cast<double>(here) <= have) {
-        fits += (fits.empty() ? "" : ", ") + std::string("stage ") + std::to_string(st) + " on " + std::to_string(m) +
-                " machine" + (m == 1 ? "" : "s");
-        break;
+  bool more_machines = false, sharded = false;
+  const auto fitting = [&](int64_t h) {
+    std::string fits;
+    for (size_t st = h == here ? 1 : 0; st < 4; ++st)
+      for (int64_t m = h == here && st == stage ? n / h + 1 : (n + h - 1) / h;; ++m) {
+        if (most(st, m * h) * static_cast<double>(h) <= have) {
+          fits += (fits.empty() ? "" : ", ") + std::string("stage ") + std::to_string(st) + " on " + std::to_string(m) +
+                  " machine" + (m == 1 ? "" : "s");
+          more_machines = more_machines || m > 1;
+          sharded = sharded || st > 0;
+          break;
+        }
+        if (st == 0 || m * h >= tensors) break;  // stage 0 holds the whole state on any number
       }
-      if (m * here >= tensors) break;
-    }
-  const std::string each_machine = std::to_string(here) + " rank" + (here == 1 ? "" : "s") + " on each machine";
-  if (fits.empty())
-    return out + "; with " + each_machine + ", no stage fits on any number of machines";
-  return out + "; with " + each_machine + ", by these figures " + fits + " would fit (tk-run --nnodes; the stage set by a " +
-         "plugin that provides " + cap::kOptimizerSharded.name() + ", and from stage 3 " + cap::kParamsSharded.name() +
-         "; tk-run --list shows the plugins)";
+    return fits;
+  };
+  const auto on_each = [](int64_t h) { return std::to_string(h) + " rank" + (h == 1 ? "" : "s") + " on each machine"; };
+  std::string fits = fitting(here);
+  int64_t h = here;
+  if (fits.empty()) {
+    out += "; with " + on_each(here) + ", no stage fits on any number of machines";
+    while (fits.empty() && --h >= 1) fits = fitting(h);
+    if (fits.empty()) return here > 1 ? out + ", nor with fewer ranks on each" : out;
+  }
+  const std::string nproc = h < here ? "--nproc " + std::to_string(h) : "";
+  std::string how = more_machines ? "tk-run --nnodes" + (nproc.empty() ? "" : ", " + nproc) : nproc.empty() ? "" : "tk-run " + nproc;
+  if (sharded)
+    how += (how.empty() ? "" : "; ") + std::string("the stage set by a plugin that provides ") + cap::kOptimizerSharded.name() +
+           ", and from stage 3 " + cap::kParamsSharded.name() + "; tk-run --list shows the plugins";
+  return out + "; with " + on_each(h) + ", by these figures " + fits + " would fit" + (how.empty() ? "" : " (" + how + ")");
 }
 
 }  // namespace tk::detail
