@@ -326,6 +326,19 @@ TEST_SUITE("plan") {
     CHECK(alone.find("; with 2 ranks on each machine, no stage fits on any number of machines; with 1 rank on each machine, "
                      "by these figures stage 0 on 2 machines, stage 1 on 2 machines, stage 2 on 2 machines, stage 3 on 2 "
                      "machines would fit (tk-run --nnodes, --nproc 1; the stage") != std::string::npos);
+    // Stage 0 on the machines there are, where one tensor is most of the state: 16 MiB a rank, and 17, 17
+    // and 16.5 MiB at stages 1 to 3 (every share three quarters).
+    tk::detail::TrainingState lopsided = adamw_state();
+    lopsided.tensors = 2;
+    lopsided.largest_tensor = 3 * kMB;
+    lopsided.stage = 1;
+    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 32 * kMB).find(
+              "; with 2 ranks on each machine, by these figures stage 0 on 1 machine would fit (stage 0: without the plugin "
+              "that provides optimizer.sharded)") != std::string::npos);
+    // Nothing at all.
+    const std::string none = tk::detail::state_overflow(lopsided, 2, 2, 1 * kMB);
+    CHECK(none.substr(none.size() - 101) == "; with 2 ranks on each machine, no stage fits on any number of machines, nor with "
+                                             "fewer ranks on each");
     // One process at stage 3 shards nothing, and says so.
     CHECK(tk::detail::state_overflow(whole, 1, 1, 15 * kMB).find("over 1 rank (one rank shards nothing, whatever its stage)") !=
           std::string::npos);

@@ -121,19 +121,21 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
     out += "; at stage 3 each rank still holds the whole weights as the model is built, and as the fit ends beside its "
            "shares of the gradients and the optimizer's state";
   // Machines of `h` ranks each, at least as many ranks as now (more for this stage with as many on
-  // a machine): the fewest on which each stage fits (0 only with fewer ranks on a machine than
-  // now). A rank holds whole tensors: past one rank a tensor, more ranks change nothing.
+  // a machine): the fewest on which each stage fits (a stage that shards can need more than stage
+  // 0, where one tensor is most of the state). A rank holds whole tensors: past one rank a tensor,
+  // more ranks change nothing.
   const int64_t tensors = std::max<int64_t>(s.tensors, 1);
-  bool more_machines = false, sharded = false;
+  bool more_machines = false, sharded = false, unsharded = false;
   const auto fitting = [&](int64_t h) {
     std::string fits;
-    for (size_t st = h == here ? 1 : 0; st < 4; ++st)
+    for (size_t st = h == here && stage == 0 ? 1 : 0; st < 4; ++st)
       for (int64_t m = h == here && st == stage ? n / h + 1 : (n + h - 1) / h;; ++m) {
         if (most(st, m * h) * static_cast<double>(h) <= have) {
           fits += (fits.empty() ? "" : ", ") + std::string("stage ") + std::to_string(st) + " on " + std::to_string(m) +
                   " machine" + (m == 1 ? "" : "s");
           more_machines = more_machines || m > 1;
           sharded = sharded || st > 0;
+          unsharded = unsharded || st == 0;
           break;
         }
         if (st == 0 || m * h >= tensors) break;  // stage 0 holds the whole state on any number
@@ -148,11 +150,13 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
     while (fits.empty() && --h >= 1) fits = fitting(h);
     if (fits.empty()) return here > 1 ? out + ", nor with fewer ranks on each" : out;
   }
-  const std::string nproc = h < here ? "--nproc " + std::to_string(h) : "";
-  std::string how = more_machines ? "tk-run --nnodes" + (nproc.empty() ? "" : ", " + nproc) : nproc.empty() ? "" : "tk-run " + nproc;
+  // Fewer ranks on a machine than now take more machines than now (h < here <= n).
+  std::string how = more_machines ? "tk-run --nnodes" + (h < here ? ", --nproc " + std::to_string(h) : std::string()) : "";
   if (sharded)
     how += (how.empty() ? "" : "; ") + std::string("the stage set by a plugin that provides ") + cap::kOptimizerSharded.name() +
            ", and from stage 3 " + cap::kParamsSharded.name() + "; tk-run --list shows the plugins";
+  if (unsharded && stage > 0)
+    how += (how.empty() ? "" : "; ") + std::string("stage 0: without the plugin that provides ") + cap::kOptimizerSharded.name();
   return out + "; with " + on_each(h) + ", by these figures " + fits + " would fit" + (how.empty() ? "" : " (" + how + ")");
 }
 
