@@ -47,6 +47,15 @@ tk::detail::TrainingState adamw_state() {
   return s;
 }
 
+/// adamw_state() in two tensors, the largest of `largest` bytes, at `stage`.
+tk::detail::TrainingState two_tensors(double largest, int stage) {
+  tk::detail::TrainingState s = adamw_state();
+  s.tensors = 2;
+  s.largest_tensor = largest;
+  s.stage = stage;
+  return s;
+}
+
 }  // namespace
 
 TEST_SUITE("plan") {
@@ -316,10 +325,7 @@ TEST_SUITE("plan") {
               "set by a plugin that provides optimizer.sharded") != std::string::npos);
     // Where the whole state fits one process, fewer ranks on each machine fit without sharding: 16 MiB
     // (12.5 MiB at stage 3 over 2 ranks, where the largest tensor is half the state: 25 for both here).
-    tk::detail::TrainingState whole = adamw_state();
-    whole.tensors = 2;
-    whole.largest_tensor = 2 * kMB;
-    whole.stage = 3;
+    const tk::detail::TrainingState whole = two_tensors(2 * kMB, 3);
     const std::string alone = tk::detail::state_overflow(whole, 2, 2, 16 * kMB, " (TK_MACHINE_MEMORY)");
     INFO(alone);
     CHECK(alone.find("and it has 16 MiB (TK_MACHINE_MEMORY) (unsharded:") != std::string::npos);
@@ -328,10 +334,7 @@ TEST_SUITE("plan") {
                      "machines would fit (tk-run --nnodes, --nproc 1; the stage") != std::string::npos);
     // Stage 0 on the machines there are, where one tensor is most of the state: 16 MiB a rank, and 17, 17
     // and 16.5 MiB at stages 1 to 3 (every share three quarters).
-    tk::detail::TrainingState lopsided = adamw_state();
-    lopsided.tensors = 2;
-    lopsided.largest_tensor = 3 * kMB;
-    lopsided.stage = 1;
+    const tk::detail::TrainingState lopsided = two_tensors(3 * kMB, 1);
     CHECK(tk::detail::state_overflow(lopsided, 2, 2, 32 * kMB).find(
               "; with 2 ranks on each machine, by these figures stage 0 on 1 machine would fit (stage 0: without the plugin "
               "that provides optimizer.sharded)") != std::string::npos);
