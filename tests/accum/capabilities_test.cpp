@@ -259,6 +259,21 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(e.find("[data]") == std::string::npos);
   }
 
+  TEST_CASE("stage 3 ends the fit with every parameter whole and no gradient held beside the weights") {
+    // The step releases the gradients (stage 3 keeps none in buckets): the memory check reckons the
+    // end of the fit as the whole weights beside the optimizer's share alone.
+    const std::string text = std::string(tk::testing::kTinyRecipe) +
+                             "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n";
+    tk::Trainer t(tkt::recipe({}, text.c_str()), tkt::quiet());
+    REQUIRE(t.fit().status == tk::FitStatus::Completed);
+    for (const auto& p : t.model().named_parameters()) {
+      CAPTURE(p.key());
+      CHECK(!p.value().grad().defined());
+      CHECK(p.value().storage().nbytes() == static_cast<size_t>(p.value().numel() * p.value().element_size()));
+      CHECK(p.value().isfinite().all().item<bool>());
+    }
+  }
+
   TEST_CASE("the plan shows a plugin's settings, not the options it keeps only to say where they went") {
     // grad_accum's options all moved to [batch]: a recipe that names them is told where; the plan
     // and recipe.toml show them where they are.

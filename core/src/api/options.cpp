@@ -52,16 +52,18 @@ std::optional<double> cgroup_limit() {
   return lowest;
 }
 
-}  // namespace
-
-std::string detail::machine_memory_note() {
+/// TK_MACHINE_MEMORY where it is set (what a run may count on: a share of a machine), else null.
+const char* given_machine_memory() {
   const char* given = std::getenv("TK_MACHINE_MEMORY");
-  return given && *given != '\0' ? " (TK_MACHINE_MEMORY)" : "";
+  return given && *given != '\0' ? given : nullptr;
 }
 
+}  // namespace
+
+std::string detail::machine_memory_note() { return given_machine_memory() ? " (TK_MACHINE_MEMORY)" : ""; }
+
 double machine_memory_bytes() {
-  const char* given = std::getenv("TK_MACHINE_MEMORY");  // what a run may count on (a share of a machine)
-  if (given && *given != '\0') {
+  if (const char* given = given_machine_memory()) {
     const auto bytes = parse_bytes(given);
     if (!bytes) throw Error(std::string("environment variable TK_MACHINE_MEMORY: ") + bytes_expected(given));
     return *bytes;

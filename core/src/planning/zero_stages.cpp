@@ -102,8 +102,8 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
   const size_t stage = n == 1 ? 0 : static_cast<size_t>(s.stage);  // one rank holds it all, whatever its stage
   // A rank's most at `st` over `ranks`: at stage 3 never less than the whole weights, which every
   // rank holds as the model is built, and again as the fit ends (gathered for the weights file)
-  // beside its shares of the gradients and the optimizer's state.
-  const auto whole = [&s](int64_t ranks) { return s.frozen + s.trainable + (s.trainable + s.optimizer_whole) * s.share(ranks); };
+  // beside its share of the optimizer's state (each step releases the gradients).
+  const auto whole = [&s](int64_t ranks) { return s.frozen + s.trainable + s.optimizer_whole * s.share(ranks); };
   const auto most = [&s, &whole](size_t st, int64_t ranks) {
     const double held = s.per_rank(ranks)[st];
     return st == 3 ? std::max(held, whole(ranks)) : held;
@@ -119,7 +119,7 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
                     ", and it has " + format_bytes(have) + have_note + " (unsharded: " + s.unsharded() + ")";
   if (stage == 3 && whole(n) > s.per_rank(n)[3])
     out += "; at stage 3 each rank still holds the whole weights as the model is built, and as the fit ends beside its "
-           "shares of the gradients and the optimizer's state";
+           "share of the optimizer's state";
   // Machines of `h` ranks each, at least as many ranks as now (more for this stage with as many on
   // a machine): the fewest on which each stage fits (a stage that shards can need more than stage
   // 0, where one tensor is most of the state). A rank holds whole tensors: past one rank a tensor,

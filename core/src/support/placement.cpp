@@ -155,5 +155,4 @@ Placement placement_from_environment() {
   return p;
 }
 
-
 }  // namespace tk::detail
