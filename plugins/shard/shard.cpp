@@ -97,7 +97,12 @@ class Shard final : public tk::Plugin {
     tk::World* world = &setup.world();
     setup.wrap_optimizer([this, world](std::vector<at::Tensor> trainable, const tk::OptimizerFactory& inner)
                              -> std::unique_ptr<torch::optim::Optimizer> {
-      auto made = tk::shard::ShardedOptimizer::make(std::move(trainable), *world, inner, static_cast<int>(stage_));
+      std::unique_ptr<tk::shard::ShardedOptimizer> made;
+      try {
+        made = tk::shard::ShardedOptimizer::make(std::move(trainable), *world, inner, static_cast<int>(stage_));
+      } catch (const tk::Error& e) {  // what this stage cannot shard: the recipe's line that asks for it
+        fail_option(stage_, e.what());
+      }
       made_ = made.get();
       return made;
     });
