@@ -222,6 +222,19 @@ TEST_SUITE("accumulation capabilities") {
       e = plan_error({wide, "model.batchnorm=true"}, tk::testing::kTinyRecipe);
       CHECK(e.find("run.dtype: model 'mlp' as float64 needs about 2.09 MiB of memory; this machine has 2 MiB") !=
             std::string::npos);
+      // A run that shards its parameters is told that they are built whole first: by the core's check
+      // of the weights in the run's dtype, and by the model's own before it allocates (1 MiB).
+      const std::string stage3 = std::string(tk::testing::kTinyRecipe) +
+                                 "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n";
+      const std::string note = "; with params.sharded (plugin 'shard') each rank still builds the whole model, and shards it after";
+      e = plan_error({wide, "model.batchnorm=true"}, stage3);
+      CHECK(e.find("run.dtype: model 'mlp' as float64 needs about 2.09 MiB of memory; this machine has 2 MiB "
+                   "(TK_MACHINE_MEMORY)" + note) != std::string::npos);
+      const tkt::EnvGuard smaller("TK_MACHINE_MEMORY", "1MiB");
+      e = plan_error({wide}, stage3);
+      INFO(e);
+      CHECK(e.find("this machine has 1 MiB (TK_MACHINE_MEMORY)" + note) != std::string::npos);
+      CHECK(e.find("model.hidden") != std::string::npos);
     }
     {
       // Every rank of a launch on this machine builds its own: two of them need twice as much.

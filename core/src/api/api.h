@@ -212,6 +212,11 @@ void configure_options(Plugin& p, const std::function<Options(const OptionSpecs&
 /// " (TK_MACHINE_MEMORY)" where that variable sets the machine's memory (machine_memory_bytes), for
 /// the refusals that quote it; else "".
 std::string machine_memory_note();
+/// require_memory's refusal: a RecipeError, told apart where the core adds what it knows of the run.
+class MemoryRefusal : public RecipeError {
+ public:
+  using RecipeError::RecipeError;
+};
 
 }  // namespace tk::detail
 

@@ -88,12 +88,13 @@ void require_memory(const Options& o, const std::string& key, double bytes, cons
   // Every rank of a launch on this machine makes what this one makes, at the same time.
   const int here = detail::local_world_size_from_environment();
   const double have = machine_memory_bytes();
-  if (bytes * here > have)
-    o.fail(key, what + " needs about " + format_bytes(bytes) + " of memory" +
-                    (here == 1 ? std::string()
-                               : " on each of the " + std::to_string(here) + " ranks on this machine, " +
-                                     format_bytes(bytes * here) + " together") +
-                    "; this machine has " + format_bytes(have) + detail::machine_memory_note());
+  if (bytes * here <= have) return;
+  std::string need = what + " needs about " + format_bytes(bytes) + " of memory";
+  if (here > 1)
+    need += " on each of the " + std::to_string(here) + " ranks on this machine, " + format_bytes(bytes * here) + " together";
+  const std::string named = o.context().empty() ? key : o.context() + "." + key;  // as Options::fail names it
+  throw detail::MemoryRefusal(o.where(key), named + ": " + need + "; this machine has " + format_bytes(have) +
+                                                detail::machine_memory_note());
 }
 
 std::optional<double> parse_bytes(const std::string& v) {

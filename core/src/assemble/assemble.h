@@ -3,6 +3,7 @@
 // [[plugins]] entry's loaded, the plugins made and given their options, then data, model, loss
 // and schedule from their sections; the optimizer made over the trainable parameters. Not
 // installed.
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -33,6 +34,9 @@ OptionSpecs batch_specs();
 void read_run_section(Run& run, const Recipe& recipe);
 /// Data, model, loss, optimizer (checked now, made after setup) and schedule.
 void build_components(Run& run, const Recipe& recipe);
+/// Runs `build` (the model's making and the checks that it fits); a refusal for memory (require_memory)
+/// says, where a plugin shards the parameters, that each rank still builds the whole model.
+void building_model(Run& run, const std::function<void()>& build);
 /// The component sections' names and options checked against what is registered, nothing made
 /// (what a launcher checks before it starts workers).
 void check_component_sections(Run& run, const Recipe& recipe);

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "assemble/assemble.h"
+#include "tk/capabilities.h"
 #include "tk/loader.h"
 
 namespace fs = std::filesystem;
@@ -152,6 +153,25 @@ std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerO
     throw Error(message_of(e));
   }
   return out;
+}
+
+void building_model(Run& r, const std::function<void()>& build) {
+  try {
+    build();
+  } catch (const MemoryRefusal& e) {
+    // Where the run shards its parameters the user counts on a share of the weights: say why not here.
+    for (const auto& s : r.slots) {
+      bool shards = false;
+      if (s.plugin) r.call_plugin(s, "contract", [&] {
+          for (const auto& cap : s.plugin->contract().provides) shards = shards || cap == cap::kParamsSharded;
+        });
+      if (!shards) continue;
+      const std::string what = std::string(e.what()).substr(e.where().str().size() + 2);
+      throw MemoryRefusal(e.where(), what + "; with " + cap::kParamsSharded.name() + " (plugin '" + s.name +
+                                         "') each rank still builds the whole model, and shards it after");
+    }
+    throw;
+  }
 }
 
 void add_plugin(Run& r, std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options,

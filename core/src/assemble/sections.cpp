@@ -319,15 +319,16 @@ void build_components(Run& r, const Recipe& recipe) {
 
   const auto& mc = section(r, recipe, Kind::Model, "", r.registry.models(), r.model_name, r.model_opts, model_specs());
   torch::manual_seed(r.seed);
-  r.model = made_in(r.model_opts, "model '" + mc.name + "'", [&] { return mc.make(r.model_opts, r.data.info); });
-  if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
-  if (r.device.is_cpu()) {  // as the conversion leaves them: LibTorch's Module::to converts every tensor, integer ones too
-    double elements = 0;
+  building_model(r, [&] {
+    r.model = made_in(r.model_opts, "model '" + mc.name + "'", [&] { return mc.make(r.model_opts, r.data.info); });
+    if (!r.model) throw RecipeError(r.model_opts.section_loc(), "model '" + mc.name + "' made no model");
+    if (!r.device.is_cpu()) return;
+    double elements = 0;  // as the conversion leaves them: LibTorch's Module::to converts every tensor, integers too
     for (const auto& list : {r.model->parameters(), r.model->buffers()})
       for (const auto& t : distinct_tensors(list)) elements += static_cast<double>(t.numel());
     require_memory(r.run, "dtype", elements * static_cast<double>(c10::elementSize(r.dtype)),
                    "model '" + mc.name + "' as " + r.run.get_string("dtype"));
-  }
+  });
   r.model->to(r.device, r.dtype);
   load_init(r);
   choose_trainable(r);
