@@ -97,12 +97,11 @@ class Shard final : public tk::Plugin {
     tk::World* world = &setup.world();
     setup.wrap_optimizer([this, world](std::vector<at::Tensor> trainable, const tk::OptimizerFactory& inner)
                              -> std::unique_ptr<torch::optim::Optimizer> {
-      std::unique_ptr<tk::shard::ShardedOptimizer> made;
-      try {
-        made = tk::shard::ShardedOptimizer::make(std::move(trainable), *world, inner, static_cast<int>(stage_));
-      } catch (const tk::Error& e) {  // what this stage cannot shard: the recipe's line that asks for it
-        fail_option(stage_, e.what());
-      }
+      if (static_cast<int64_t>(trainable.size()) < world->size())  // at the recipe's line that asks for it
+        fail_option(stage_, "stage " + std::to_string(stage_) + " shards whole tensors: the model has " +
+                                std::to_string(trainable.size()) + " trainable tensors for " +
+                                std::to_string(world->size()) + " ranks; use fewer ranks or stage = 0");
+      auto made = tk::shard::ShardedOptimizer::make(std::move(trainable), *world, inner, static_cast<int>(stage_));
       made_ = made.get();
       return made;
     });

@@ -272,9 +272,10 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(e.find("[data]") == std::string::npos);
   }
 
-  TEST_CASE("stage 3 ends the fit with every parameter whole and no gradient held beside the weights") {
+  TEST_CASE("stage 3 in one process ends the fit with every parameter whole and no gradient held beside the weights") {
     // The step releases the gradients (stage 3 keeps none in buckets): the memory check reckons the
-    // end of the fit as the whole weights beside the optimizer's share alone.
+    // end of the fit as the whole weights beside the optimizer's share alone. One rank here; the
+    // process tests check the gradients on 3 ("stage 3 on 1, 2, 3 and 4 ranks").
     const std::string text = std::string(tk::testing::kTinyRecipe) +
                              "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n";
     tk::Trainer t(tkt::recipe({}, text.c_str()), tkt::quiet());
