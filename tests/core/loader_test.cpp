@@ -42,7 +42,7 @@ TEST_SUITE("loader") {
     tk::Registry registry;
     loader.load(loader.find("probe"), registry);
     REQUIRE(registry.plugins().size() == 1);
-    CHECK(registry.plugins().front().specs.size() == 11);
+    CHECK(registry.plugins().front().specs.size() == 12);
     CHECK(registry.plugins().front().doc == "records the events it sees; vetoes, throws or kills on request");
   }
 
