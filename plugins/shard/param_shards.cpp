@@ -144,7 +144,7 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
     Flight::Part part;
     part.root = key.first;
     part.rounded = rounds(mine.front(), exact);  // one dtype to a part
-    if (!group_ && !part.rounded) continue;      // alone, a rank holds its parameters whole
+    if (!group_ && !part.rounded && part.root == rank_) continue;  // alone, a rank holds its parameters whole
     part.into = mine;
     int64_t numel = 0;
     std::vector<at::Tensor> own;
@@ -154,8 +154,10 @@ ParameterShards::Flight ParameterShards::launch(const std::vector<size_t>& which
       numel += params_[i].numel();
     }
     const at::ScalarType dtype = part.rounded ? *narrow_ : params_[mine.front()].scalar_type();
-    at::Tensor flat = part.root == rank_ ? at::cat(own).to(dtype)
-                                         : at::empty({numel}, params_[mine.front()].options().dtype(dtype));
+    // A world planned by one rank alone (a dry run) gathers what it cannot receive as zeros: the
+    // memory of the gather, for the planner's measurements, without the values.
+    const auto options = params_[mine.front()].options().dtype(dtype);
+    at::Tensor flat = part.root == rank_ ? at::cat(own).to(dtype) : group_ ? at::empty({numel}, options) : at::zeros({numel}, options);
     // Rounded values go as their bits, in fp16 clothes: Gloo (LibTorch 1.13) broadcasts no bf16.
     part.flat = {part.rounded ? flat.view(at::kHalf) : flat};
     if (group_) {

@@ -21,6 +21,9 @@
 // parameter's dtype) while it is gathered: fewer bytes on the wire, the same forward on every
 // rank. The owner keeps its own values under them (its master copy), back in place once it lets
 // go, for the step; what reads every parameter outside a step (gather_all) reads them unrounded.
+//
+// A world of several ranks that one rank plans alone (a dry run: no process group) gathers the
+// parameters of the others as zeros: the trial steps of its memory planner measure a stage-3 step.
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/intrusive_ptr.h>

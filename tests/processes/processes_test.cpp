@@ -1152,6 +1152,18 @@ TEST_SUITE("recompute") {
     std::string modules;
     for (int b = 0; b < blocks; ++b) modules += (b ? ", " : "") + std::string("\"blocks.") + std::to_string(b) + "\"";
     CHECK(picked.out.find("recomputing " + std::to_string(blocks) + " of 3 blocks (blocks.0") != std::string::npos);
+    // A dry run plans rank 0 alone: its trial steps gather the other rank's parameters as zeros, and
+    // measure a stage-3 step (it crashed computing with parameters it could not gather).
+    auto dry = tk_run(root / "dry", automatic, sets + budget(peak * 1.1 * 0.9) + "--dry-run");
+    INFO(dry.out);
+    CHECK(dry.rc == 0);
+    CHECK(dry.out.find("picked by memory with ") != std::string::npos);
+    // A trial step that fails leaves the parameters of other ranks freed: restored, the error is
+    // reported (it crashed restoring them).
+    auto failed = tk_run(root / "failed", automatic + "[[plugins]]\nname = \"probe\"\nthrow_at_step = 0\n", sets + budget(1e9));
+    CHECK(failed.rc != 0);
+    CHECK(failed.out.find("plugin 'probe' failed in event backward at step 0") != std::string::npos);
+    CHECK(failed.out.find("signal") == std::string::npos);
     auto by_hand = tk_run(root / "by-hand", base + plugins + "[[plugins]]\nname = \"recompute\"\nmodules = [" + modules + "]\n",
                           "--nproc 2 --set run.steps=3 --set batch.micro_batch=" + std::to_string(m) + " --set batch.effective_batch=16");
     INFO(by_hand.out);

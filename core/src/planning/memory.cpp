@@ -246,7 +246,9 @@ void TrialGuard::restore_tensors() {
   r_.model->to(r_.dtype);  // a trial may have run in another dtype
   auto params = r_.model->parameters();
   for (size_t i = 0; i < params.size() && i < params_.size(); ++i) {
-    params[i].copy_(params_[i]);
+    // A parameter whose memory a plugin freed (sharded) and a failed trial left so: the saved copy is its memory now.
+    if (params[i].has_storage() && params[i].storage().nbytes() < params[i].nbytes()) params[i].set_data(params_[i]);
+    else params[i].copy_(params_[i]);
     params[i].mutable_grad() = at::Tensor();
   }
   auto buffers = r_.model->buffers();
