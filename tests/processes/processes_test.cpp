@@ -369,6 +369,42 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
+  TEST_CASE("Ctrl-C at a terminal (SIGINT to the launcher and every rank) stops the world at one checkpoint; twice, at once") {
+    const fs::path root = tkt::temp_dir("ddp-ctrl-c");
+    const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"probe\"\n";
+    const std::string sets = "--nproc 2 --set run.steps=200000 --set run.max_time=\\\"60s\\\" --set run.checkpoint_every=0 ";
+    // The launch in a session of its own, as a terminal's foreground job; SIGINT to its whole process
+    // group once `ready` holds (twice: a second Ctrl-C a moment after the first).
+    auto launch = [&](const std::string& name, const std::string& more, const std::string& ready, bool twice) {
+      const fs::path dir = root / name;
+      fs::create_directories(dir);
+      const std::string cmd = "setsid env " + tkt::tk_run_command(dir, recipe, sets + more) + " > " + (dir / "log").string() +
+                              " 2>&1 & pid=$!; i=0; while ! { " + ready + "; } && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); "
+                              "done; kill -INT -$pid; " + (twice ? "sleep 0.5; kill -INT -$pid; " : "") + "wait $pid; exit $?";
+      const int status = std::system(("sh -c '" + cmd + "'").c_str());
+      std::ifstream log(dir / "log");
+      return std::make_pair(WEXITSTATUS(status), std::string((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>()));
+    };
+    const auto [rc, out] = launch("once", "", "[ -s " + (root / "once/out/metrics.jsonl").string() + " ]", false);
+    INFO(out);
+    CHECK(rc == 128 + 2);
+    // Each rank got the signal twice (from the terminal and from the launcher): it keeps to the first.
+    const size_t at = out.find("[rank 0] stopped early (signal) after step ");
+    REQUIRE(at != std::string::npos);
+    const std::string step = out.substr(at + 43, out.find(';', at) - at - 43);
+    CHECK(out.find("[rank 1] stopped early (signal) after step " + step + ";") != std::string::npos);
+    CHECK(fs::exists(root / ("once/out/checkpoints/step-" + std::string(8 - step.size(), '0') + step)));
+    CHECK(out.find("failed") == std::string::npos);
+    // Rank 1 hangs (SIGSTOP) at step 3, so the first Ctrl-C cannot stop the world at a boundary: the
+    // second kills the ranks at once, not after the launcher's grace period.
+    const auto [rc2, out2] = launch("twice", "--set plugins.probe.stop_at_step=3 --set plugins.probe.only_rank=1",
+                                    "ps -o stat= --sid $pid | grep -q T", true);
+    INFO(out2);
+    CHECK(rc2 != 0);
+    CHECK(out2.find("tk-run: got signal 2 again; killing the workers") != std::string::npos);
+    fs::remove_all(root);
+  }
+
   /// A port that is free, with the next one free too (the launchers of several nodes use both).
   int free_port_pair() {
     for (int attempt = 0; attempt < 50; ++attempt) {

@@ -26,8 +26,11 @@
 namespace tk {
 namespace {
 
-volatile sig_atomic_t g_signal = 0;
-void on_signal(int sig) { g_signal = sig; }
+volatile sig_atomic_t g_signal = 0, g_signals = 0;  // the last stop signal; how many came
+void on_signal(int sig) {
+  g_signal = sig;
+  g_signals = g_signals + 1;
+}
 
 struct Worker {
   pid_t pid = -1;
@@ -415,6 +418,13 @@ class Launch {
       stop_all(g_signal);
       forwarded_ = stopping_ = true;
       kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts_.stop_grace_s * 1000));
+      signals_forwarded_ = g_signals;
+    } else if (forwarded_ && g_signals > signals_forwarded_ && any_running) {
+      // Another signal (a second Ctrl-C): stop at once. The ranks keep to the first stop they got.
+      std::fprintf(stderr, "%s: got signal %d again; killing the workers\n", opts_.program.c_str(),
+                   static_cast<int>(g_signal));
+      signals_forwarded_ = g_signals;
+      kill_at_ = Clock::now();
     }
     if (stopping_ && any_running && Clock::now() >= kill_at_) {
       stop_all(SIGKILL);
@@ -531,6 +541,7 @@ class Launch {
   Clock::time_point kill_at_{}, stop_sent_ = Clock::time_point::max();  // when the launcher first signalled
   Clock::time_point settle_until_ = Clock::time_point::max();
   bool stopping_ = false, forwarded_ = false;
+  sig_atomic_t signals_forwarded_ = 0;  // the signals that had come when the last was dealt with
   bool local_follows_ = false;  // this node's first failure came after another node's account
   std::unique_ptr<NodeLink> link_;  // the other nodes' launchers, with --nnodes > 1
   std::vector<NodeFailure> remote_;

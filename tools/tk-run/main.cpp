@@ -34,12 +34,17 @@
 namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
+/// Whether a second stop signal stops at once. Not in a rank of a launch (tk-run --nproc's,
+/// torchrun's): a terminal's Ctrl-C reaches the launcher and every rank, and the launcher passes
+/// the stop on again; the launcher kills its ranks itself when it is to stop at once.
+volatile std::sig_atomic_t g_repeat_stops_now = 1;
 
 /// First SIGINT/SIGTERM/SIGHUP/SIGUSR1 (Slurm's warning before a preemption or the time limit,
 /// sbatch --signal=USR1@SECONDS): stop at the next boundary with a checkpoint, exit 128 + the
-/// signal. Second: stop now.
+/// signal. Second: stop now (alone; a launched rank keeps to the first).
 void on_stop_signal(int sig) {
   if (g_stop_signal) {
+    if (!g_repeat_stops_now) return;
     std::signal(sig, SIG_DFL);
     std::raise(sig);
   }
@@ -470,6 +475,8 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
     return failure_kind(e) == "refused" ? kExitUsage : kExitFailed;  // a timed-out rendezvous may pass again
   }
+  const char* world = std::getenv("WORLD_SIZE");
+  g_repeat_stops_now = !c.worker && !(world && std::strcmp(world, "1") != 0);
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) std::signal(sig, on_stop_signal);
   g_fitting = true;
   try {
