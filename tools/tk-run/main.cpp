@@ -353,11 +353,16 @@ int print_dry_run(const std::string& plan) {
 int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
   tk::machine_memory_bytes();  // a bad TK_MACHINE_MEMORY refused once, before any worker starts
   const auto caps = tk::plugin_capabilities(recipe, c.topts);
-  if (c.launch.nproc * c.launch.nnodes > 1 && !caps.count(tk::cap::kGradsSynced.name()))
-    return die_usage("--nproc " + std::to_string(c.launch.nproc) + " needs a plugin that sums the gradients across "
-                     "the processes (" + tk::cap::kGradsSynced.name() + "), such as ddp: add [[plugins]] name = \"ddp\" to "
-                     "the recipe; this one would train " + std::to_string(c.launch.nproc) + " independent copies of "
-                     "the run");
+  if (c.launch.nproc * c.launch.nnodes > 1 && !caps.count(tk::cap::kGradsSynced.name())) {
+    // The recipe's fault, not the command line's.
+    const int copies = c.launch.nproc * c.launch.nnodes;
+    const std::string flags = "--nproc " + std::to_string(c.launch.nproc) +
+                              (c.launch.nnodes > 1 ? " --nnodes " + std::to_string(c.launch.nnodes) : "");
+    std::fprintf(stderr, "tk-run: error: %s: %s needs a plugin that sums the gradients across the processes (%s), "
+                 "such as ddp: add [[plugins]] name = \"ddp\" to the recipe; this one would train %d independent "
+                 "copies of the run\n", recipe.source().c_str(), flags.c_str(), tk::cap::kGradsSynced.name().c_str(), copies);
+    return kExitUsage;
+  }
   // The launchers of several nodes wait for one another as long as the ranks would.
   c.launch.node_timeout_s = tk::rendezvous_timeout_s(recipe);
   setenv("TK_WORKER", "1", 1);
@@ -470,7 +475,9 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     if (c.verify) return print_accumulation_check(trainer->verify_accumulation());
     const std::string plan = trainer->describe();
     if (c.dry_run) return print_dry_run(plan);
-    spdlog::info("plan:\n{}", plan);
+    // Rank 0's alone: every rank's is the same run (a launch of 4 printed it 4 times).
+    const char* rank = std::getenv("RANK");
+    if (!rank || std::strcmp(rank, "0") == 0) spdlog::info("plan:\n{}", plan);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
     return failure_kind(e) == "refused" ? kExitUsage : kExitFailed;  // a timed-out rendezvous may pass again
