@@ -237,6 +237,21 @@ TEST_SUITE("reliability") {
     CHECK(has(unreadable, "optimizer.pt: damaged, or saved for another optimizer"));
     CHECK(has(unreadable, "this resume changes the run that wrote the checkpoint (let through with --allow-change):"));
     CHECK(has(unreadable, "  optimizer.name: \"sgd\" -> \"adam\""));
+    // The run's length cannot change, allowed or not: both refusals say what trains on from the checkpoint.
+    const std::string length_note = "the run's length (run.steps, run.epochs) cannot change on a resume, --allow-change "
+                                    "included: its schedule and data order were made for it; to train on from this "
+                                    "checkpoint, start a new run from its weights with [model] init = \"";
+    auto longer = tk_run(root, kAccum, "--set run.steps=24 --set run.checkpoint_every=4 --resume latest");
+    INFO(longer.out);
+    CHECK(longer.rc == 2);
+    CHECK(has(longer, "run.steps: 12 -> 24"));
+    CHECK(has(longer, length_note));
+    auto allowed_longer = tk_run(root, kAccum, "--set run.steps=24 --set run.checkpoint_every=4 --allow-change run.steps --resume latest");
+    INFO(allowed_longer.out);
+    CHECK(allowed_longer.rc == 2);
+    CHECK(has(allowed_longer, "the checkpoint is of a run of 12 steps, this one has 24"));
+    CHECK(has(allowed_longer, length_note));
+    CHECK(has(allowed_longer, "/model.pt\""));
     // Keys that do not change what is trained may change; others only when allowed.
     auto allowed = tk_run(root, kAccum, "--set run.steps=12 --set run.checkpoint_every=6 --set optimizer.lr=0.05 "
                                         "--allow-change optimizer.lr --resume latest");

@@ -196,6 +196,13 @@ Differences differences(const CheckpointRecord& saved, const RunIdentity& now, c
   return out;  // another world size is continue_on_world's to judge
 }
 
+/// Why the run's length cannot change on a resume, and what trains on from checkpoint `dir`.
+std::string length_note(const fs::path& dir) {
+  return "the run's length (run.steps, run.epochs) cannot change on a resume, --allow-change included: its schedule "
+         "and data order were made for it; to train on from this checkpoint, start a new run from its weights with "
+         "[model] init = \"" + (dir / "model.pt").string() + "\"";
+}
+
 /// One item a line, indented, for a message.
 std::string lines(const std::vector<std::string>& items) {
   return "\n  " + join(items.data(), items.data() + items.size(), "\n  ");
@@ -213,10 +220,13 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   const auto record = read_checkpoint_record(dir);
   if (record) {
     diff = differences(*record, identity, allowed);
+    const bool length = std::any_of(diff.refused.begin(), diff.refused.end(), [](const std::string& d) {
+      return d.rfind("run.steps:", 0) == 0 || d.rfind("run.epochs:", 0) == 0;
+    });
     if (!diff.refused.empty())
       throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
                   lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
-                  "or allow a change on purpose with --allow-change KEY");
+                  "or allow a change on purpose with --allow-change KEY" + (length ? "; " + length_note(dir) : std::string()));
     if (!diff.defaults.empty())
       r.warn(dir.string() + " does not record these options (they are newer than what wrote it); resuming with their "
              "defaults, as the run that wrote it trained:" + lines(diff.defaults));
@@ -241,7 +251,7 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   if (resumed.position.counters.total_steps != r.total_steps)
     throw RunRefused(resumed.dir.string() + ": the checkpoint is of a run of " +
                 std::to_string(resumed.position.counters.total_steps) + " steps, this one has " +
-                std::to_string(r.total_steps) + ": resume with the recipe it was made with");
+                std::to_string(r.total_steps) + ": resume with the recipe it was made with; " + length_note(resumed.dir));
   return resumed;
 }
 
