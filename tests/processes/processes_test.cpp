@@ -374,13 +374,17 @@ TEST_SUITE("ddp") {
     const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"probe\"\n";
     const std::string sets = "--nproc 2 --set run.steps=200000 --set run.max_time=\\\"60s\\\" --set run.checkpoint_every=0 ";
     // The launch in a session of its own, as a terminal's foreground job; SIGINT to its whole process
-    // group once `ready` holds (twice: a second Ctrl-C a moment after the first).
+    // group once `ready` holds (twice: a second Ctrl-C once the launcher has passed the first on).
+    auto again = [](const fs::path& log) {
+      return "i=0; while ! grep -q \"got signal 2; stopping the workers\" " + log.string() +
+             " && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; kill -INT -$pid; ";
+    };
     auto launch = [&](const std::string& name, const std::string& more, const std::string& ready, bool twice) {
       const fs::path dir = root / name;
       fs::create_directories(dir);
       const std::string cmd = "setsid env " + tkt::tk_run_command(dir, recipe, sets + more) + " > " + (dir / "log").string() +
                               " 2>&1 & pid=$!; i=0; while ! { " + ready + "; } && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); "
-                              "done; kill -INT -$pid; " + (twice ? "sleep 0.5; kill -INT -$pid; " : "") + "wait $pid; exit $?";
+                              "done; kill -INT -$pid; " + (twice ? again(dir / "log") : "") + "wait $pid; exit $?";
       const int status = std::system(("sh -c '" + cmd + "'").c_str());
       std::ifstream log(dir / "log");
       return std::make_pair(WEXITSTATUS(status), std::string((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>()));

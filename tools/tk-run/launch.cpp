@@ -28,7 +28,7 @@ namespace {
 
 volatile sig_atomic_t g_signal = 0, g_signals = 0;  // the last stop signal; how many came
 void on_signal(int sig) {
-  g_signal = sig;
+  g_signal = sig;  // set before it is counted: a count the step loop reads has its signal
   g_signals = g_signals + 1;
 }
 
@@ -238,6 +238,7 @@ class Launch {
     std::fflush(stderr);
     struct sigaction sa {};
     sa.sa_handler = on_signal;
+    sigfillset(&sa.sa_mask);  // one handler at a time: none lost
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) sigaction(sig, &sa, nullptr);
     char dir_template[] = "/tmp/tk-run-XXXXXX";
     if (!mkdtemp(dir_template)) throw std::runtime_error("cannot make a temporary folder");
@@ -298,6 +299,11 @@ class Launch {
     worker(r).fd = fds[0];
     // Each worker is reaped the moment it ends, so that the first failure is known precisely
     // (the others often fail a moment later, when their collectives lose the peer).
+    // The stop signals go to the main thread alone, which reads them in its step loop.
+    sigset_t stops, before;
+    sigemptyset(&stops);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) sigaddset(&stops, sig);
+    pthread_sigmask(SIG_BLOCK, &stops, &before);
     reapers_.emplace_back([w = &worker(r)] {
       int status = 0;
       while (waitpid(w->pid, &status, 0) < 0 && errno == EINTR) {
@@ -306,6 +312,7 @@ class Launch {
       w->ended_at = Clock::now();
       w->ended.store(true);
     });
+    pthread_sigmask(SIG_SETMASK, &before, nullptr);
   }
 
   void stop_all(int sig) {
@@ -408,7 +415,8 @@ class Launch {
     }
     notice_failure();
     listen_to_nodes();
-    if (g_signal && !forwarded_) {
+    const sig_atomic_t signals = g_signals;  // read once: a signal coming during this round is the next round's
+    if (signals > 0 && !forwarded_) {
       std::fprintf(stderr, "%s: got signal %d; stopping the workers\n", opts_.program.c_str(),
                    static_cast<int>(g_signal));
       if (link_ && !stopping_)
@@ -418,12 +426,12 @@ class Launch {
       stop_all(g_signal);
       forwarded_ = stopping_ = true;
       kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts_.stop_grace_s * 1000));
-      signals_forwarded_ = g_signals;
-    } else if (forwarded_ && g_signals > signals_forwarded_ && any_running) {
+      signals_forwarded_ = signals;
+    } else if (forwarded_ && signals > signals_forwarded_ && any_running) {
       // Another signal (a second Ctrl-C): stop at once. The ranks keep to the first stop they got.
       std::fprintf(stderr, "%s: got signal %d again; killing the workers\n", opts_.program.c_str(),
                    static_cast<int>(g_signal));
-      signals_forwarded_ = g_signals;
+      signals_forwarded_ = signals;
       kill_at_ = Clock::now();
     }
     if (stopping_ && any_running && Clock::now() >= kill_at_) {

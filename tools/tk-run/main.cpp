@@ -35,8 +35,8 @@ namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
 /// Whether a second stop signal stops at once. Not in a rank of a launch (tk-run --nproc's,
-/// torchrun's): a terminal's Ctrl-C reaches the launcher and every rank, and the launcher passes
-/// the stop on again; the launcher kills its ranks itself when it is to stop at once.
+/// torchrun's; WORLD_SIZE set): a terminal's Ctrl-C reaches the launcher and every rank, and the
+/// launcher passes the stop on again; the launcher kills its ranks itself when it is to stop at once.
 volatile std::sig_atomic_t g_repeat_stops_now = 1;
 
 /// First SIGINT/SIGTERM/SIGHUP/SIGUSR1 (Slurm's warning before a preemption or the time limit,
@@ -482,8 +482,6 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
     return failure_kind(e) == "refused" ? kExitUsage : kExitFailed;  // a timed-out rendezvous may pass again
   }
-  const char* world = std::getenv("WORLD_SIZE");
-  g_repeat_stops_now = !c.worker && !(world && std::strcmp(world, "1") != 0);
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) std::signal(sig, on_stop_signal);
   g_fitting = true;
   try {
@@ -503,6 +501,9 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A rank of a launch (tk-run --nproc's worker, torchrun's, even of one process): its launcher
+  // passes a stop on, so a second one is no reason to stop at once.
+  g_repeat_stops_now = !std::getenv("TK_WORKER") && !std::getenv("WORLD_SIZE") && !std::getenv("TORCHELASTIC_RUN_ID");
   // Slurm's warning may come while the run is still being set up: it stops at the first boundary.
   std::signal(SIGUSR1, on_stop_signal);
   prefer_passive_openmp(argv);

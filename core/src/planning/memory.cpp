@@ -243,12 +243,22 @@ void TrialGuard::restore() {
 
 void TrialGuard::restore_tensors() {
   torch::NoGradGuard no_grad;
-  r_.model->to(r_.dtype);  // a trial may have run in another dtype
+  // The trial's optimizer goes first: a sharded one puts back what it set aside under the
+  // parameters (an owner's own values under rounded ones a failed trial left there).
+  r_.optimizer.reset();
   auto params = r_.model->parameters();
+  std::vector<char> given(params.size(), 0);
+  for (size_t i = 0; i < params.size() && i < params_.size(); ++i)
+    // Memory a plugin freed (sharded) and a failed trial left so: the saved copy is its memory now,
+    // before a conversion reads it.
+    if (params[i].has_storage() && params[i].storage().nbytes() < params[i].nbytes()) {
+      params[i].set_data(params_[i]);
+      given[i] = 1;
+    }
+  r_.model->to(r_.dtype);  // a trial may have run in another dtype
+  params = r_.model->parameters();
   for (size_t i = 0; i < params.size() && i < params_.size(); ++i) {
-    // A parameter whose memory a plugin freed (sharded) and a failed trial left so: the saved copy is its memory now.
-    if (params[i].has_storage() && params[i].storage().nbytes() < params[i].nbytes()) params[i].set_data(params_[i]);
-    else params[i].copy_(params_[i]);
+    if (!given[i]) params[i].copy_(params_[i]);
     params[i].mutable_grad() = at::Tensor();
   }
   auto buffers = r_.model->buffers();
