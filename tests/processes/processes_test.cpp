@@ -369,7 +369,7 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("Ctrl-C at a terminal (SIGINT to the launcher and every rank) stops the world at one checkpoint; twice, at once") {
+  TEST_CASE("Ctrl-C at a terminal (SIGINT to the launcher and every rank) stops the world at one checkpoint, and a second Ctrl-C at once") {
     const fs::path root = tkt::temp_dir("ddp-ctrl-c");
     const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"probe\"\n";
     const std::string sets = "--nproc 2 --set run.steps=200000 --set run.max_time=\\\"60s\\\" --set run.checkpoint_every=0 ";
