@@ -47,9 +47,10 @@ class ShardedOptimizer final : public torch::optim::Optimizer,
                                public tk::ShardedParameters,
                                public tk::ParameterKeepers {
  public:
-  /// Refuses a world with more ranks than trainable tensors and an optimizer whose step is not
-  /// one per parameter (LBFGS). Over the ranks of `world`, which outlives it (the run's), for the
-  /// shard plugin's `stage` (1: partition(), 2: contiguous_partition()).
+  /// Refuses an optimizer whose step is not one per parameter (LBFGS). Over the ranks of `world`,
+  /// which outlives it (the run's), for the shard plugin's `stage` (1: partition(), 2:
+  /// contiguous_partition()); `params` are at least as many as the ranks (the plugin refuses
+  /// fewer at its recipe line).
   static std::unique_ptr<ShardedOptimizer> make(std::vector<at::Tensor> params, tk::World& world,
                                                 tk::OptimizerFactory inner, int stage);
   /// Stage 3: where the parameters of other ranks live between uses.

@@ -192,6 +192,11 @@ TEST_SUITE("plan") {
     CHECK(two[2] == doctest::Approx((4 + 6 + 2 + 1) * kMB));
     CHECK(two[3] == doctest::Approx((8 + 2 + 0.5 + 0.5 + 1 + 0.5) * kMB));
     CHECK(four[3] == doctest::Approx((4 + 4.5) * kMB));
+    // A machine's ranks hold their unsharded parts and buffers each, their shares once between them.
+    for (size_t stage = 0; stage < 4; ++stage) CHECK(s.on_machine(2, 1)[stage] == doctest::Approx(two[stage]));
+    CHECK(s.on_machine(4, 4)[0] == doctest::Approx(64 * kMB));
+    CHECK(s.on_machine(4, 2)[1] == doctest::Approx((2 * 8 + 12 * 0.5) * kMB));
+    CHECK(s.on_machine(4, 2)[3] == doctest::Approx(2 * 4 * kMB + 16 * 0.5 * kMB + 0.5 * kMB));
     s.frozen = 1 * kMB;  // frozen parameters are whole at every stage
     for (size_t stage = 0; stage < 4; ++stage) CHECK(s.per_rank(2)[stage] == doctest::Approx(two[stage] + kMB));
     s.frozen = 0;
@@ -269,13 +274,13 @@ TEST_SUITE("plan") {
                  "fit (tk-run --nnodes; the stage set by a plugin that provides optimizer.sharded, and from stage 3 "
                  "params.sharded; tk-run --list shows the plugins)");
     // Stage 3 over 2 ranks: 12.5 MiB each. Where each rank has a machine of its own, a machine of 13
-    // MiB trains what one process could not; two ranks on one machine need 25 MiB of it, and more
+    // MiB trains what one process could not; two ranks on one machine need 24.5 MiB of it, and more
     // ranks there would need more: more machines, of two ranks each (stage 1 over 6 ranks takes 10
     // MiB a rank, stages 2 and 3 over 4 take 9 and 8.5).
     s.stage = 3;
     CHECK(tk::detail::state_overflow(s, 2, 1, 13 * kMB).empty());
     why = tk::detail::state_overflow(s, 2, 2, 20 * kMB);
-    CHECK(why.find("about 12.5 MiB a rank at ZeRO stage 3 over 2 ranks, 25 MiB for the 2 ranks on this machine, and it "
+    CHECK(why.find("about 12.5 MiB a rank at ZeRO stage 3 over 2 ranks, 24.5 MiB for the 2 ranks on this machine, and it "
                    "has 20 MiB") != std::string::npos);
     CHECK(why.find("with 2 ranks on each machine, by these figures stage 1 on 3 machines, stage 2 on 2 machines, stage 3 "
                    "on 2 machines would fit") != std::string::npos);
@@ -332,12 +337,25 @@ TEST_SUITE("plan") {
     CHECK(alone.find("; with 2 ranks on each machine, no stage fits on any number of machines; with 1 rank on each machine, "
                      "by these figures stage 0 on 2 machines, stage 1 on 2 machines, stage 2 on 2 machines, stage 3 on 2 "
                      "machines would fit (tk-run --nnodes, --nproc 1; the stage") != std::string::npos);
-    // Stage 0 on the machines there are, where one tensor is most of the state: 16 MiB a rank, and 17, 17
-    // and 16.5 MiB at stages 1 to 3 (every share three quarters).
-    const tk::detail::TrainingState lopsided = two_tensors(3 * kMB, 1);
-    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 32 * kMB).find(
-              "; with 2 ranks on each machine, by these figures stage 0 on 1 machine would fit (stage 0: without the plugin "
-              "that provides optimizer.sharded)") != std::string::npos);
+    // Where one tensor is most of the state, a rank's share is three quarters: 16 MiB a rank at stage
+    // 0, and 17, 17 and 16.5 MiB at stages 1 to 3. A stage that shards can then need more than stage
+    // 0 on the machines there are.
+    tk::detail::TrainingState lopsided = two_tensors(3 * kMB, 3);
+    CHECK(tk::detail::state_overflow(lopsided, 2, 1, 16 * kMB).find(
+              "about 16.5 MiB a rank at ZeRO stage 3 over 2 ranks, and it has 16 MiB (unsharded: parameters 4 MiB, gradients "
+              "4 MiB, optimizer state 8 MiB); with 1 rank on each machine, by these figures stage 0 on 2 machines would fit "
+              "(tk-run --nnodes; stage 0: without the plugin that provides optimizer.sharded)") != std::string::npos);
+    // Two ranks on one machine hold one whole state between them, however uneven their shares: at
+    // stage 3 each its gathered blocks and buffers (4 MiB), and one copy of a block in flight (0.5).
+    CHECK(lopsided.on_machine(2, 2)[3] == doctest::Approx(24.5 * kMB));
+    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 24.5 * kMB).empty());
+    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 24 * kMB).find(
+              "about 16.5 MiB a rank at ZeRO stage 3 over 2 ranks, 24.5 MiB for the 2 ranks on this machine") != std::string::npos);
+    // At stage 1 they hold their parameters and gradients each (16 MiB) and the optimizer's state
+    // and its broadcast buffer once (12 MiB): 28 MiB, less than stage 0's 32.
+    lopsided.stage = 1;
+    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 28 * kMB).empty());
+    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 27 * kMB).find("28 MiB for the 2 ranks on this machine") != std::string::npos);
     // Nothing at all.
     const std::string none = tk::detail::state_overflow(lopsided, 2, 2, 1 * kMB);
     CHECK(none.substr(none.size() - 101) == "; with 2 ranks on each machine, no stage fits on any number of machines, nor with "

@@ -233,6 +233,9 @@ TEST_SUITE("elastic") {
     CHECK(has(job, "rc 138 138"));
     CHECK(has(job, "SLURM_PROCID/SLURM_NTASKS, node 0, rendezvous on the first node of 127.0.0.[1-2]"));
     CHECK(has(job, "stopped early (signal)"));
+    // The plan is printed once, by the task Slurm numbers 0.
+    CHECK(has(job, "plan:"));
+    CHECK(tkt::read_text(root / "1.log").find("plan:") == std::string::npos);
     REQUIRE(fs::exists(dir / "out/checkpoints/latest"));
     // The requeued job: the same command.
     auto requeued = tkt::shell("(" + task(0) + ") > " + (root / "0.log").string() + " 2>&1 & a=$!\n(" + task(1) +

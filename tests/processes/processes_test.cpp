@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <map>
+#include <regex>
 
 #include "process_support.h"
 
@@ -35,6 +36,9 @@ Proc kill_and_resume(const fs::path& root, const std::string& recipe, const std:
   INFO(resumed.out);
   REQUIRE(resumed.rc == 0);
   CHECK(resumed.out.find("resuming from") != std::string::npos);
+  // Its summary counts what it trained, and says where in the run.
+  CHECK(std::regex_search(resumed.out, std::regex("trained [0-9]+ optimizer steps \\([0-9]+ micro-batches\\) in [^,]+, "
+                                                  "steps [1-9][0-9]* to [0-9]+ of the run")));
   CHECK(torch::equal(weights(root / "two"), weights(root / "one")));
   CHECK(tkt::metric(root / "two/out/metrics.jsonl", "loss") == tkt::metric(root / "one/out/metrics.jsonl", "loss"));
   return killed;
@@ -607,6 +611,19 @@ TEST_SUITE("ddp") {
     CHECK(p.out.find("effective     48 examples per optimizer step (4 x 3 x 4); 12 per rank") != std::string::npos);
     CHECK(p.out.find("world         rank 0 of 4 (RANK/WORLD_SIZE, gloo, rendezvous 127.0.0.1:") != std::string::npos);
     CHECK(p.out.find("; not joined: a dry run plans this rank alone") != std::string::npos);
+    // The training state, and what each rank holds of it: all of it without a stage that shards.
+    CHECK(p.out.find("state         ") != std::string::npos);
+    CHECK(p.out.find(" unsharded (parameters ") != std::string::npos);
+    CHECK(p.out.find("; at ZeRO stage 0 over 4 ranks about ") != std::string::npos);
+    CHECK(p.out.find(" for the 4 on a machine") != std::string::npos);
+    // At stage 3 the MLP's first weight (128 of its 212 parameters) makes the shares uneven.
+    auto zero = tk_run(root / "zero", std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n",
+                       "--nproc 4 --dry-run");
+    INFO(zero.out);
+    CHECK(zero.rc == 0);
+    CHECK(zero.out.find("; at ZeRO stage 3 over 4 ranks about ") != std::string::npos);
+    CHECK(zero.out.find("; uneven: its largest tensor is 60% of the trainable parameters, and the rank that holds it holds "
+                        "its state and gradients whole") != std::string::npos);
     fs::remove_all(root);
   }
 }

@@ -172,8 +172,7 @@ int print_accumulation_check(const tk::AccumulationCheck& c) {
 /// --report: the run's page (tk-report), written into its output folder however the run ended.
 void write_report(const tk::Trainer& trainer) {
   const std::filesystem::path dir = trainer.output_dir();
-  const char* rank = std::getenv("RANK");
-  if (dir.empty() || (rank && std::strcmp(rank, "0") != 0) || !std::filesystem::exists(dir / "metrics.jsonl")) return;
+  if (dir.empty() || tk::launch_rank() != 0 || !std::filesystem::exists(dir / "metrics.jsonl")) return;
   try {
     const auto written = tk::report::write({dir}, dir / "report.html");
     for (const auto& w : written.warnings) spdlog::warn("report: {}", w);
@@ -441,8 +440,12 @@ int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, 
     if (c.report) write_report(trainer);
     return 0;
   }
-  std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps),
-              static_cast<long long>(r.micro_steps), tk::format_duration(r.seconds).c_str());
+  // What this process trained, in the time it took; a resumed run says from where.
+  std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps - r.resumed_at_step),
+              static_cast<long long>(r.micro_steps - r.resumed_at_micro_step), tk::format_duration(r.seconds).c_str());
+  if (r.resumed_at_step > 0 && r.steps > r.resumed_at_step)
+    std::printf(", steps %lld to %lld of the run", static_cast<long long>(r.resumed_at_step + 1),
+                static_cast<long long>(r.steps));
   if (!r.window_losses.empty()) std::printf("; loss %.4f -> %.4f", r.window_losses.front(), r.window_losses.back());
   if (!r.validation_losses.empty()) std::printf("; validation loss %.4f", r.validation_losses.back());
   if (r.skipped_steps) std::printf("; %lld steps skipped", static_cast<long long>(r.skipped_steps));
@@ -476,8 +479,7 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     const std::string plan = trainer->describe();
     if (c.dry_run) return print_dry_run(plan);
     // Rank 0's alone: every rank's is the same run (a launch of 4 printed it 4 times).
-    const char* rank = std::getenv("RANK");
-    if (!rank || std::strcmp(rank, "0") == 0) spdlog::info("plan:\n{}", plan);
+    if (tk::launch_rank() == 0) spdlog::info("plan:\n{}", plan);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-run: error: %s\n", e.what());
     return failure_kind(e) == "refused" ? kExitUsage : kExitFailed;  // a timed-out rendezvous may pass again

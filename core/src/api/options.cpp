@@ -84,6 +84,13 @@ std::string format_bytes(double b) {
   return buf;
 }
 
+namespace {
+/// `name` as refusals spell it: "plugins.shard.stage", within its section's context.
+std::string qualified(const Options& o, const std::string& name) {
+  return o.context().empty() ? name : o.context() + "." + name;
+}
+}  // namespace
+
 void require_memory(const Options& o, const std::string& key, double bytes, const std::string& what) {
   // Every rank of a launch on this machine makes what this one makes, at the same time.
   const int here = detail::local_world_size_from_environment();
@@ -92,8 +99,7 @@ void require_memory(const Options& o, const std::string& key, double bytes, cons
   std::string need = what + " needs about " + format_bytes(bytes) + " of memory";
   if (here > 1)
     need += " on each of the " + std::to_string(here) + " ranks on this machine, " + format_bytes(bytes * here) + " together";
-  const std::string named = o.context().empty() ? key : o.context() + "." + key;  // as Options::fail names it
-  throw detail::MemoryRefusal(o.where(key), named + ": " + need + "; this machine has " + format_bytes(have) +
+  throw detail::MemoryRefusal(o.where(key), qualified(o, key) + ": " + need + "; this machine has " + format_bytes(have) +
                                                 detail::machine_memory_note());
 }
 
@@ -237,8 +243,7 @@ SourceLoc Options::where(const std::string& name) const {
 }
 
 void Options::fail(const std::string& name, const std::string& what) const {
-  std::string key = context_.empty() ? name : context_ + "." + name;
-  throw RecipeError(where(name), key + ": " + what);
+  throw RecipeError(where(name), qualified(*this, name) + ": " + what);
 }
 
 static std::string format_double(double d) {

@@ -7,6 +7,8 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "run/run.h"
 #include "tk/trainer.h"
@@ -25,6 +27,9 @@ void add_plugin(Run& run, std::shared_ptr<Plugin> plugin, const std::string& nam
 /// they provide. The recipe's sections and the plugins' options are checked on the way (plugins
 /// loaded and given their options; no data, model or memory trial).
 std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerOptions& opts);
+/// What the run's plugins provide, each capability beside the plugin's name, in the plugins' order
+/// (each contract asked once, as a call of its plugin).
+std::vector<std::pair<std::string, Capability>> provided(Run& run);
 
 // ---- components.cpp: [run] and the components of the recipe's sections -----------------------------
 

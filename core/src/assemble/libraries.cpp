@@ -131,6 +131,15 @@ void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
   build_components(r, recipe);
 }
 
+std::vector<std::pair<std::string, Capability>> provided(Run& r) {
+  std::vector<std::pair<std::string, Capability>> out;
+  for (const auto& s : r.slots)
+    if (s.plugin) r.call_plugin(s, "contract", [&] {
+        for (const auto& cap : s.plugin->contract().provides) out.emplace_back(s.name, cap);
+      });
+  return out;
+}
+
 std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerOptions& opts) {
   recipe.check_sections(kSections);
   Run r;
@@ -141,10 +150,7 @@ std::set<std::string> provided_capabilities(const Recipe& recipe, const TrainerO
     load_standard_libraries(r.registry);
     load_plugins(r, recipe, loader_for(recipe, opts));
     check_component_sections(r, recipe);
-    for (const auto& s : r.slots)
-      if (s.plugin) r.call_plugin(s, "contract", [&] {
-          for (const auto& cap : s.plugin->contract().provides) out.insert(cap.name());
-        });
+    for (const auto& [plugin, cap] : provided(r)) out.insert(cap.name());
   } catch (const RecipeError& e) {
     throw RecipeError(e);
   } catch (const PluginLoadError& e) {
@@ -160,14 +166,10 @@ void building_model(Run& r, const std::function<void()>& build) {
     build();
   } catch (const MemoryRefusal& e) {
     // Where the run shards its parameters the user counts on a share of the weights: say why not here.
-    for (const auto& s : r.slots) {
-      bool shards = false;
-      if (s.plugin) r.call_plugin(s, "contract", [&] {
-          for (const auto& cap : s.plugin->contract().provides) shards = shards || cap == cap::kParamsSharded;
-        });
-      if (!shards) continue;
-      const std::string what = std::string(e.what()).substr(e.where().str().size() + 2);
-      throw MemoryRefusal(e.where(), what + "; with " + cap::kParamsSharded.name() + " (plugin '" + s.name +
+    for (const auto& [plugin, cap] : provided(r)) {
+      if (!(cap == cap::kParamsSharded)) continue;
+      const std::string what = std::string(e.what()).substr(e.where().str().size() + 2);  // without its place
+      throw MemoryRefusal(e.where(), what + "; with " + cap::kParamsSharded.name() + " (plugin '" + plugin +
                                          "') each rank still builds the whole model, and shards it after");
     }
     throw;

@@ -294,10 +294,15 @@ Start Loop::start_from(const std::optional<Checkpoint>& resumed) {
     if (!r_.plan.micro_batch_auto)
       throw RunRefused(resumed->dir.string() + " was trained with micro-batches of " + std::to_string(saved_m) +
                        ", this run has " + std::to_string(r_.plan.micro_batch));
-    spdlog::info("micro-batch {} as in the checkpoint (this run measured {})", saved_m, r_.plan.micro_batch);
+    const int64_t measured = r_.plan.micro_batch;
     rebatch(r_, saved_m);
+    // The plan printed before says the measured one: the step's shape as it trains.
+    spdlog::info("micro-batch {} as in the checkpoint (this run measured {}): {} examples per optimizer step ({} x {} x {})",
+                 saved_m, measured, r_.plan.effective_batch(), saved_m, r_.plan.accumulation, r_.plan.world_size);
   }
   s_.counters = resumed->position.counters;
+  result_.resumed_at_step = s_.counters.step;
+  result_.resumed_at_micro_step = s_.counters.micro_step;
   seen_ = resumed->position.seen;
   const Start start{resumed->position.next_epoch, resumed->position.next_batch};
   spdlog::info("resuming from {} at step {} (epoch {}, micro-batch {})", resumed->dir.string(), s_.counters.step,

@@ -15,8 +15,7 @@ void configure_plugins(Run& r) {
   std::vector<size_t> with_plugin;
   for (size_t i = 0; i < r.slots.size(); ++i)
     if (r.slots[i].plugin) with_plugin.push_back(i);
-  for (size_t i : with_plugin)
-    for (const auto& cap : r.slots[i].plugin->contract().provides) r.plan.capabilities.insert(cap.name());
+  for (const auto& [plugin, cap] : provided(r)) r.plan.capabilities.insert(cap.name());
   std::vector<PluginDecl> decls;
   for (size_t i : with_plugin) {
     const Slot& s = r.slots[i];

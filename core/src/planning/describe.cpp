@@ -62,7 +62,7 @@ std::string describe(Run& d, const Recipe& recipe) {
         << d.windows->size_at(0, 0) << " -> " << p.accumulation << " micro-batches per step, in steps of " << unit
         << " examples)\n";
   }
-  out
+  out << "state         " << describe_state(d) << "\n"
       << "steps         " << d.total_steps << " optimizer steps"
       << (d.bound.by_steps() ? "" : " (" + std::to_string(d.bound.count) + " epochs)") << "\n"
       << "plugins       " << (d.order.empty() ? "(none)" : "in dispatch order:") << "\n";

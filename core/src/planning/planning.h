@@ -131,6 +131,15 @@ struct TrainingState {
   int stage = 0;                     ///< the ZeRO stage the step is at (from the plugins' capabilities)
   /// Each rank's bytes of it, with the buffers its sharding needs, at stages 0 to 3 over `n` ranks.
   std::vector<double> per_rank(int64_t n) const;
+  /// What `here` of those `n` ranks hold together on one machine: each its unsharded part and
+  /// buffers, and their shares of the sharded state, together never more than the whole of it.
+  std::vector<double> on_machine(int64_t n, int64_t here) const;
+  /// At stage 3, what `here` ranks hold as the model is built and as the fit ends: the whole
+  /// weights each, beside their shares of the optimizer's state (each step releases the gradients).
+  double whole_weights(int64_t n, int64_t here) const;
+  /// The most `here` of `n` ranks hold together at stage `st`: on_machine's, and at stage 3 never
+  /// less than whole_weights.
+  double most(size_t st, int64_t n, int64_t here) const;
   /// The largest part of a sharded state one of `n` ranks holds (1/n, or its largest tensor's part).
   double share(int64_t n) const;
   /// "parameters X, gradients Y, optimizer state Z": the state unsharded, as refusals spell it.
@@ -155,6 +164,9 @@ TrainingState measure_training_state(Run& r, bool local = false);
 /// machine's memory beside the other ranks on it. The optimizer's state is reckoned from the
 /// recipe's optimizer stepped once on a probe (Adam's two moments where it does not say).
 void check_state_fits(Run& r);
+/// The plan's line on the training state: its size unsharded, and at the run's stage over its
+/// ranks what each holds (the most, where one tensor makes the shares uneven).
+std::string describe_state(Run& r);
 /// With [batch] micro_batch = "auto": measures the peak memory of trial steps and picks the largest
 /// micro-batch that fits the budget; every trial is undone.
 void pick_micro_batch(Run& run);

@@ -5,6 +5,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <optional>
 #include <set>
 
@@ -64,15 +65,43 @@ std::pair<std::optional<double>, std::string> optimizer_state_per_byte(Run& r) {
   return out;
 }
 
-}  // namespace
-
-void check_state_fits(Run& r) {
-  if (!r.device.is_cpu()) return;  // a GPU's memory: the memory planner's budget, and the device's own error
+/// The training state a step will hold, before any: its optimizer's state reckoned from a probe
+/// (Adam's two moments, with why, where that cannot say).
+std::pair<TrainingState, std::optional<std::string>> state_before_steps(Run& r) {
   TrainingState s = measure_training_state(r, true);  // no state yet: no shares to sum
   if (r.plan.has(cap::kParamsSharded)) s.stage = 3;  // whole until the first micro-batch
   const auto [per_byte, unknown] = optimizer_state_per_byte(r);
   s.optimizer_whole = std::max(s.optimizer_whole, (per_byte ? *per_byte : 2.0) * s.trainable);
   s.optimizer_known = true;  // measured, or reckoned with why
+  if (per_byte) return {s, std::nullopt};
+  return {s, unknown};
+}
+
+}  // namespace
+
+std::string describe_state(Run& r) {
+  const auto [s, unknown] = state_before_steps(r);
+  const int64_t n = std::max<int64_t>(r.plan.world_size, 1), here = local_world_size_from_environment(r.plan.world_size);
+  std::string out = format_bytes(s.frozen + 2 * s.trainable + s.optimizer_whole) + " unsharded (" + s.unsharded() +
+                    (unknown ? ", reckoned as Adam's two moments" : "") + ")";
+  if (n == 1) return out + (s.stage > 0 ? "; one rank shards nothing, whatever its stage" : "");
+  const size_t st = static_cast<size_t>(s.stage);
+  out += "; at ZeRO stage " + std::to_string(st) + " over " + std::to_string(n) + " ranks about " +
+         format_bytes(s.most(st, n, 1)) + " a rank with the buffers of its sharding";
+  if (here > 1) out += ", " + format_bytes(s.most(st, n, here)) + " for the " + std::to_string(here) + " on a machine";
+  // Shares of whole tensors: where one is more than a rank's even part, that rank holds it all.
+  if (st > 0 && s.share(n) > 1.25 / static_cast<double>(n)) {
+    char pct[16];
+    std::snprintf(pct, sizeof pct, "%.0f%%", 100.0 * s.share(n));
+    out += "; uneven: its largest tensor is " + std::string(pct) + " of the trainable parameters, and the rank that "
+           "holds it holds its state and gradients whole (ranks hold whole tensors)";
+  }
+  return out;
+}
+
+void check_state_fits(Run& r) {
+  if (!r.device.is_cpu()) return;  // a GPU's memory: the memory planner's budget, and the device's own error
+  const auto [s, unknown] = state_before_steps(r);
   const double have = machine_memory_bytes();
   std::string why = state_overflow(s, r.plan.world_size, local_world_size_from_environment(r.plan.world_size), have,
                                    machine_memory_note());
@@ -87,7 +116,7 @@ void check_state_fits(Run& r) {
   if (why.empty()) return;
   throw RecipeError(r.model_opts.section_loc(),
                     "model '" + r.model_name + "': " + why +
-                        (per_byte ? std::string() : ". The optimizer's state is reckoned as Adam's two moments: " + unknown));
+                        (unknown ? ". The optimizer's state is reckoned as Adam's two moments: " + *unknown : std::string()));
 }
 
 TrainingState measure_training_state(Run& r, bool local) {

@@ -33,21 +33,39 @@ std::string TrainingState::unsharded() const {
                           : "the optimizer's state not reported by it, counted as none");
 }
 
-std::vector<double> TrainingState::per_rank(int64_t n) const {
-  const double f = share(n), P = trainable, G = trainable, O = optimizer_whole, L = largest_block;
-  // The state's share (ZeRO's arithmetic, each rank's part at most f), and the buffers its
-  // sharding needs beside it: the updated parameters broadcast by their owners (stages 1 and 2);
-  // the gradients held whole until their bucket is summed onto its owner, a block's (a bucket's of
-  // at most 25 MiB without blocks), and that bucket's copy (2); at stage 3 three blocks gathered
-  // (the one computing, the next, and in backward the one just done) and the parameters of no
-  // block, their gradients whole until backward ends, a block's gradients and their copy, and the
-  // owner's copy of the block it sends.
+std::vector<double> TrainingState::per_rank(int64_t n) const { return on_machine(n, 1); }
+
+std::vector<double> TrainingState::on_machine(int64_t n, int64_t here) const {
+  const double P = trainable, G = trainable, O = optimizer_whole, L = largest_block;
+  // `here` ranks' parts of a sharded state: each at most the share f, together at most the whole
+  // (where one tensor is most of the state, the shares are uneven: one rank holds it, the others
+  // little).
+  const auto h = static_cast<double>(std::max<int64_t>(here, 1));
+  const double parts = std::min(1.0, h * share(n));
+  // Beside the state's share (ZeRO's arithmetic, each rank's part at most f), the buffers its
+  // sharding needs: the updated parameters broadcast by their owners (stages 1 and 2: a part of
+  // them, as the state's); the gradients held whole until their bucket is summed onto its owner,
+  // a block's (a bucket's of at most 25 MiB without blocks), and that bucket's copy (2); at stage 3
+  // three blocks gathered (the one computing, the next, and in backward the one just done) and the
+  // parameters of no block, their gradients whole until backward ends, a block's gradients and
+  // their copy, and the copy of the block its owners send (one block's for all the ranks
+  // together: each owner sends its part of it).
   const double bucket = std::min(kBucketBytes, L > 0 ? L : P);
-  return {frozen + P + G + O,
-          frozen + P + G + O * f + P * f,
-          frozen + P + (G + O) * f + P * f + 2 * bucket,
-          frozen + (P + G + O) * f + std::min(P, loose + 3 * L) + loose + std::min(kBucketBytes, loose) +
-              2 * std::min(kBucketBytes, L) + L};
+  return {h * (frozen + P + G + O),
+          h * (frozen + P + G) + (O + P) * parts,
+          h * (frozen + P + 2 * bucket) + (G + O + P) * parts,
+          h * (frozen + std::min(P, loose + 3 * L) + loose + std::min(kBucketBytes, loose) + 2 * std::min(kBucketBytes, L)) +
+              (P + G + O) * parts + L};
+}
+
+double TrainingState::whole_weights(int64_t n, int64_t here) const {
+  const auto h = static_cast<double>(std::max<int64_t>(here, 1));
+  return h * (frozen + trainable) + optimizer_whole * std::min(1.0, h * share(n));
+}
+
+double TrainingState::most(size_t st, int64_t n, int64_t here) const {
+  const double held = on_machine(n, here)[st];
+  return st == 3 ? std::max(held, whole_weights(n, here)) : held;
 }
 
 std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size) {
@@ -103,21 +121,18 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
   // A rank's most at `st` over `ranks`: at stage 3 never less than the whole weights, which every
   // rank holds as the model is built, and again as the fit ends (gathered for the weights file)
   // beside its share of the optimizer's state (each step releases the gradients).
-  const auto whole = [&s](int64_t ranks) { return s.frozen + s.trainable + s.optimizer_whole * s.share(ranks); };
-  const auto most = [&s, &whole](size_t st, int64_t ranks) {
-    const double held = s.per_rank(ranks)[st];
-    return st == 3 ? std::max(held, whole(ranks)) : held;
-  };
-  const double each = most(stage, n);
-  if (each * static_cast<double>(here) <= have) return "";
+  const auto whole = [&s](int64_t ranks, int64_t h) { return s.whole_weights(ranks, h); };
+  const auto most = [&s](size_t st, int64_t ranks, int64_t h) { return s.most(st, ranks, h); };
+  const double each = most(stage, n, 1), all = most(stage, n, here);
+  if (all <= have) return "";
   std::string out = "its training state does not fit this machine's memory: about " + format_bytes(each) +
                     " a rank at ZeRO stage " + std::to_string(stage) + " over " + std::to_string(n) + " rank" +
                     (n == 1 ? "" : "s") + (n == 1 && s.stage > 0 ? " (one rank shards nothing, whatever its stage)" : "") +
                     (here == 1 ? std::string()
-                               : ", " + format_bytes(each * static_cast<double>(here)) + " for the " + std::to_string(here) +
+                               : ", " + format_bytes(all) + " for the " + std::to_string(here) +
                                      " ranks on this machine") +
                     ", and it has " + format_bytes(have) + have_note + " (unsharded: " + s.unsharded() + ")";
-  if (stage == 3 && whole(n) > s.per_rank(n)[3])
+  if (stage == 3 && whole(n, 1) > s.per_rank(n)[3])
     out += "; at stage 3 each rank still holds the whole weights as the model is built, and as the fit ends beside its "
            "share of the optimizer's state";
   // Machines of `h` ranks each, at least as many ranks as now (more for this stage with as many on
@@ -130,7 +145,7 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
     std::string fits;
     for (size_t st = h == here && stage == 0 ? 1 : 0; st < 4; ++st)
       for (int64_t m = h == here && st == stage ? n / h + 1 : (n + h - 1) / h;; ++m) {
-        if (most(st, m * h) * static_cast<double>(h) <= have) {
+        if (most(st, m * h, h) <= have) {
           fits += (fits.empty() ? "" : ", ") + std::string("stage ") + std::to_string(st) + " on " + std::to_string(m) +
                   " machine" + (m == 1 ? "" : "s");
           more_machines = more_machines || m > 1;

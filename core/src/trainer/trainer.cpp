@@ -70,6 +70,14 @@ double rendezvous_timeout_s(const Recipe& recipe) {
   }
 }
 
+int launch_rank() {
+  try {
+    return detail::placement_from_environment().rank;
+  } catch (const std::exception&) {  // a placement the run itself refuses, by name
+    return 0;
+  }
+}
+
 struct Trainer::Impl {
   Recipe recipe;
   TrainerOptions options;

@@ -66,6 +66,9 @@ struct FitResult {
   int64_t steps = 0;
   int64_t micro_steps = 0;
   int64_t skipped_steps = 0;
+  /// Where a resumed run started (0 for a new one): `steps` and `micro_steps` count from the start
+  /// of the run, `seconds`, `window_losses` and `step_metrics` this process's part of it.
+  int64_t resumed_at_step = 0, resumed_at_micro_step = 0;
   double seconds = 0.0;
   double peak_rss_mib = 0.0;          ///< peak resident memory of the process at the end
   std::vector<double> window_losses;  ///< the true loss of every optimizer step, in order
@@ -108,6 +111,11 @@ std::set<std::string> plugin_capabilities(const Recipe& recipe, const TrainerOpt
 /// The recipe's [world] rendezvous_timeout_s, checked as a run checks it (errors name its line):
 /// how long the launchers of a run's nodes wait for one another, as its ranks do.
 double rendezvous_timeout_s(const Recipe& recipe);
+
+/// This process's rank in the world a launcher placed it in (RANK under tk-run --nproc and
+/// torchrun, SLURM_PROCID in an srun step), 0 outside one: where the run's ranks share a console
+/// or an output folder, rank 0 alone prints the plan and writes the report.
+int launch_rank();
 
 class Trainer {
  public:
