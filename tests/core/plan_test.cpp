@@ -329,7 +329,7 @@ TEST_SUITE("plan") {
               "these figures stage 2 on 8 machines, stage 3 on 8 machines would fit (tk-run --nnodes, --nproc 1; the stage "
               "set by a plugin that provides optimizer.sharded") != std::string::npos);
     // Where the whole state fits one process, fewer ranks on each machine fit without sharding: 16 MiB
-    // (12.5 MiB at stage 3 over 2 ranks, where the largest tensor is half the state: 25 for both here).
+    // (12.5 MiB at stage 3 over 2 ranks, where the largest tensor is half the state: 24.5 for both here).
     const tk::detail::TrainingState whole = two_tensors(2 * kMB, 3);
     const std::string alone = tk::detail::state_overflow(whole, 2, 2, 16 * kMB, " (TK_MACHINE_MEMORY)");
     INFO(alone);
@@ -337,20 +337,24 @@ TEST_SUITE("plan") {
     CHECK(alone.find("; with 2 ranks on each machine, no stage fits on any number of machines; with 1 rank on each machine, "
                      "by these figures stage 0 on 2 machines, stage 1 on 2 machines, stage 2 on 2 machines, stage 3 on 2 "
                      "machines would fit (tk-run --nnodes, --nproc 1; the stage") != std::string::npos);
-    // Where one tensor is most of the state, a rank's share is three quarters: 16 MiB a rank at stage
-    // 0, and 17, 17 and 16.5 MiB at stages 1 to 3. A stage that shards can then need more than stage
-    // 0 on the machines there are.
+    // Where one tensor (in a block of its own) is most of the state, a rank's share is three
+    // quarters: 16 MiB a rank at stage 0, and 17, 22 and 26 MiB at stages 1 to 3 (its block's
+    // gradients and their copies). A stage that shards can then need more than stage 0 on the
+    // machines there are.
     tk::detail::TrainingState lopsided = two_tensors(3 * kMB, 3);
+    lopsided.largest_block = 3 * kMB;  // the block that holds it
     CHECK(tk::detail::state_overflow(lopsided, 2, 1, 16 * kMB).find(
-              "about 16.5 MiB a rank at ZeRO stage 3 over 2 ranks, and it has 16 MiB (unsharded: parameters 4 MiB, gradients "
+              "about 26 MiB a rank at ZeRO stage 3 over 2 ranks, and it has 16 MiB (unsharded: parameters 4 MiB, gradients "
               "4 MiB, optimizer state 8 MiB); with 1 rank on each machine, by these figures stage 0 on 2 machines would fit "
               "(tk-run --nnodes; stage 0: without the plugin that provides optimizer.sharded)") != std::string::npos);
-    // Two ranks on one machine hold one whole state between them, however uneven their shares: at
-    // stage 3 each its gathered blocks and buffers (4 MiB), and one copy of a block in flight (0.5).
-    CHECK(lopsided.on_machine(2, 2)[3] == doctest::Approx(24.5 * kMB));
-    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 24.5 * kMB).empty());
-    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 24 * kMB).find(
-              "about 16.5 MiB a rank at ZeRO stage 3 over 2 ranks, 24.5 MiB for the 2 ranks on this machine") != std::string::npos);
+    // Two ranks on one machine hold one whole state between them (16 MiB), however uneven their
+    // shares: at stage 3 each also its gathered blocks (all 4 MiB), the loose gradients and their
+    // copy (1), a block's gradients and their copy (6), and the machine one copy of a block in
+    // flight (3): 41 MiB, not twice the 26 of the rank that holds the large tensor.
+    CHECK(lopsided.on_machine(2, 2)[3] == doctest::Approx(41 * kMB));
+    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 41 * kMB).empty());
+    CHECK(tk::detail::state_overflow(lopsided, 2, 2, 40 * kMB).find(
+              "about 26 MiB a rank at ZeRO stage 3 over 2 ranks, 41 MiB for the 2 ranks on this machine") != std::string::npos);
     // At stage 1 they hold their parameters and gradients each (16 MiB) and the optimizer's state
     // and its broadcast buffer once (12 MiB): 28 MiB, less than stage 0's 32.
     lopsided.stage = 1;

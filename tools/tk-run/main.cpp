@@ -448,7 +448,8 @@ int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, 
                 static_cast<long long>(r.steps));
   if (!r.window_losses.empty()) std::printf("; loss %.4f -> %.4f", r.window_losses.front(), r.window_losses.back());
   if (!r.validation_losses.empty()) std::printf("; validation loss %.4f", r.validation_losses.back());
-  if (r.skipped_steps) std::printf("; %lld steps skipped", static_cast<long long>(r.skipped_steps));
+  if (r.skipped_steps > r.resumed_skipped_steps)
+    std::printf("; %lld steps skipped", static_cast<long long>(r.skipped_steps - r.resumed_skipped_steps));
   std::printf("; peak memory %.0f MiB\n", r.peak_rss_mib);
   if (!r.output_dir.empty() && !files.empty()) std::printf("wrote %s/{%s}\n", r.output_dir.c_str(), files.c_str());
   if (c.report) write_report(trainer);

@@ -281,6 +281,9 @@ FitResult Loop::already_complete(RunOutputs& outputs, const Checkpoint& resumed)
   result.steps = step;
   result.micro_steps = resumed.position.counters.micro_step;
   result.skipped_steps = resumed.position.counters.skipped_steps;
+  result.resumed_at_step = result.steps;  // nothing trained
+  result.resumed_at_micro_step = result.micro_steps;
+  result.resumed_skipped_steps = result.skipped_steps;
   result.files = outputs.written();
   return result;
 }
@@ -296,13 +299,14 @@ Start Loop::start_from(const std::optional<Checkpoint>& resumed) {
                        ", this run has " + std::to_string(r_.plan.micro_batch));
     const int64_t measured = r_.plan.micro_batch;
     rebatch(r_, saved_m);
-    // The plan printed before says the measured one: the step's shape as it trains.
-    spdlog::info("micro-batch {} as in the checkpoint (this run measured {}): {} examples per optimizer step ({} x {} x {})",
-                 saved_m, measured, r_.plan.effective_batch(), saved_m, r_.plan.accumulation, r_.plan.world_size);
+    // The plan printed before says the measured one: the step's shape as it trains (a ramp's end).
+    spdlog::info("micro-batch {} as in the checkpoint (this run measured {}): {} micro-batches per step{}", saved_m, measured,
+                 r_.plan.accumulation, r_.plan.ramp.active() ? " at the end of the ramp" : "");
   }
   s_.counters = resumed->position.counters;
   result_.resumed_at_step = s_.counters.step;
   result_.resumed_at_micro_step = s_.counters.micro_step;
+  result_.resumed_skipped_steps = s_.counters.skipped_steps;
   seen_ = resumed->position.seen;
   const Start start{resumed->position.next_epoch, resumed->position.next_batch};
   spdlog::info("resuming from {} at step {} (epoch {}, micro-batch {})", resumed->dir.string(), s_.counters.step,

@@ -88,7 +88,9 @@ std::string describe_state(Run& r) {
   const size_t st = static_cast<size_t>(s.stage);
   out += "; at ZeRO stage " + std::to_string(st) + " over " + std::to_string(n) + " ranks about " +
          format_bytes(s.most(st, n, 1)) + " a rank with the buffers of its sharding";
-  if (here > 1) out += ", " + format_bytes(s.most(st, n, here)) + " for the " + std::to_string(here) + " on a machine";
+  // A machine's ranks share its memory on the CPU; on GPUs each has its own.
+  if (here > 1 && r.device.is_cpu())
+    out += ", " + format_bytes(s.most(st, n, here)) + " for the " + std::to_string(here) + " on a machine";
   // Shares of whole tensors: where one is more than a rank's even part, that rank holds it all.
   if (st > 0 && s.share(n) > 1.25 / static_cast<double>(n)) {
     char pct[16];

@@ -66,9 +66,6 @@ struct FitResult {
   int64_t steps = 0;
   int64_t micro_steps = 0;
   int64_t skipped_steps = 0;
-  /// Where a resumed run started (0 for a new one): `steps` and `micro_steps` count from the start
-  /// of the run, `seconds`, `window_losses` and `step_metrics` this process's part of it.
-  int64_t resumed_at_step = 0, resumed_at_micro_step = 0;
   double seconds = 0.0;
   double peak_rss_mib = 0.0;          ///< peak resident memory of the process at the end
   std::vector<double> window_losses;  ///< the true loss of every optimizer step, in order
@@ -83,6 +80,10 @@ struct FitResult {
   std::string stopped;                ///< "" when the run completed; "max_time" or "signal"
   bool already_complete = false;      ///< resumed from the final checkpoint: nothing was trained or changed
   FitStatus status = FitStatus::Running;  ///< Completed, StoppedByTime or StoppedBySignal
+  /// Where a resumed run started (0 for a new one; its last step for one already complete):
+  /// `steps`, `micro_steps` and `skipped_steps` count from the start of the run, `seconds`,
+  /// `window_losses` and `step_metrics` this process's part of it.
+  int64_t resumed_at_step = 0, resumed_at_micro_step = 0, resumed_skipped_steps = 0;
 };
 
 /// What Trainer::verify_accumulation found: the first window's gradient computed as its k
