@@ -238,7 +238,8 @@ TEST_SUITE("reliability") {
     CHECK(has(unreadable, "this resume changes the run that wrote the checkpoint (let through with --allow-change):"));
     CHECK(has(unreadable, "  optimizer.name: \"sgd\" -> \"adam\""));
     // The run's length cannot change, allowed or not: both refusals say what trains on from the checkpoint.
-    const std::string length_note = "the run's length (run.steps, run.epochs) cannot change on a resume, --allow-change "
+    const std::string length_note = "the run's length in optimizer steps (run.steps; or run.epochs, with the batch and "
+                                    "the data that make an epoch's steps) cannot change on a resume, --allow-change "
                                     "included: its schedule and data order were made for it; to train on from this "
                                     "checkpoint, start a new run from its weights with [model] init = \"";
     auto longer = tk_run(root, kAccum, "--set run.steps=24 --set run.checkpoint_every=4 --resume latest");
@@ -252,6 +253,16 @@ TEST_SUITE("reliability") {
     CHECK(has(allowed_longer, "the checkpoint is of a run of 12 steps, this one has 24"));
     CHECK(has(allowed_longer, length_note));
     CHECK(has(allowed_longer, "/model.pt\""));
+    // In epochs, a change let through that makes an epoch's steps (micro-batches of 4 -> 8) is named as the cause.
+    std::string in_epochs = kAccum;
+    in_epochs.replace(in_epochs.find("steps = 6\n"), 10, "epochs = 1\n");
+    REQUIRE(tk_run(root / "epochs", in_epochs, "--set run.checkpoint_every=4").rc == 0);
+    auto coarser = tk_run(root / "epochs", in_epochs, "--set run.checkpoint_every=4 --set batch.micro_batch=8 "
+                                                      "--allow-change batch.micro_batch --resume latest");
+    INFO(coarser.out);
+    CHECK(coarser.rc == 2);
+    CHECK(has(coarser, "the checkpoint is of a run of 22 steps, this one has 11: what --allow-change let through changes "
+                       "how many optimizer steps its epochs take:\n  batch.micro_batch: 4 -> 8\n" + length_note));
     // Keys that do not change what is trained may change; others only when allowed.
     auto allowed = tk_run(root, kAccum, "--set run.steps=12 --set run.checkpoint_every=6 --set optimizer.lr=0.05 "
                                         "--allow-change optimizer.lr --resume latest");

@@ -198,7 +198,8 @@ Differences differences(const CheckpointRecord& saved, const RunIdentity& now, c
 
 /// Why the run's length cannot change on a resume, and what trains on from checkpoint `dir`.
 std::string length_note(const fs::path& dir) {
-  return "the run's length (run.steps, run.epochs) cannot change on a resume, --allow-change included: its schedule "
+  return "the run's length in optimizer steps (run.steps; or run.epochs, with the batch and the data that make an epoch's "
+         "steps) cannot change on a resume, --allow-change included: its schedule "
          "and data order were made for it; to train on from this checkpoint, start a new run from its weights with "
          "[model] init = \"" + (dir / "model.pt").string() + "\"";
 }
@@ -248,10 +249,20 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   }
   restore_plugin_states(r, resumed);
   continue_on_world(r, resumed);
-  if (resumed.position.counters.total_steps != r.total_steps)
+  if (resumed.position.counters.total_steps != r.total_steps) {
+    // Where the length itself was let through, that is the change; else one that makes an epoch's steps.
+    const bool length = std::any_of(diff.allowed.begin(), diff.allowed.end(), [](const std::string& d) {
+      return d.rfind("run.steps:", 0) == 0 || d.rfind("run.epochs:", 0) == 0;
+    });
+    const std::string cause = length || diff.allowed.empty()
+                                  ? "resume with the recipe it was made with"
+                                  : "what --allow-change let through changes how many optimizer steps its epochs take:" +
+                                        lines(diff.allowed) + "\n";
     throw RunRefused(resumed.dir.string() + ": the checkpoint is of a run of " +
-                std::to_string(resumed.position.counters.total_steps) + " steps, this one has " +
-                std::to_string(r.total_steps) + ": resume with the recipe it was made with; " + length_note(resumed.dir));
+                     std::to_string(resumed.position.counters.total_steps) + " steps, this one has " +
+                     std::to_string(r.total_steps) + ": " + cause + (length || diff.allowed.empty() ? "; " : "") +
+                     length_note(resumed.dir));
+  }
   return resumed;
 }
 
