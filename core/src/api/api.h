@@ -215,7 +215,12 @@ std::string machine_memory_note();
 /// require_memory's refusal: a RecipeError, told apart where the core adds what it knows of the run.
 class MemoryRefusal : public RecipeError {
  public:
-  using RecipeError::RecipeError;
+  MemoryRefusal(const SourceLoc& where, const std::string& what) : RecipeError(where, what), bare_(what) {}
+  /// The message without its place.
+  const std::string& bare() const noexcept { return bare_; }
+
+ private:
+  std::string bare_;
 };
 
 }  // namespace tk::detail

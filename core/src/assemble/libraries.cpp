@@ -168,8 +168,7 @@ void building_model(Run& r, const std::function<void()>& build) {
     // Where the run shards its parameters the user counts on a share of the weights: say why not here.
     for (const auto& [plugin, cap] : provided(r)) {
       if (!(cap == cap::kParamsSharded)) continue;
-      const std::string what = std::string(e.what()).substr(e.where().str().size() + 2);  // without its place
-      throw MemoryRefusal(e.where(), what + "; with " + cap::kParamsSharded.name() + " (plugin '" + plugin +
+      throw MemoryRefusal(e.where(), e.bare() + "; with " + cap::kParamsSharded.name() + " (plugin '" + plugin +
                                          "') each rank still builds the whole model, and shards it after");
     }
     throw;

@@ -204,6 +204,13 @@ std::string length_note(const fs::path& dir) {
          "[model] init = \"" + (dir / "model.pt").string() + "\"";
 }
 
+/// Whether one of these differences (`key: before -> after`) is the run's length itself.
+bool changes_length(const std::vector<std::string>& differences) {
+  return std::any_of(differences.begin(), differences.end(), [](const std::string& d) {
+    return d.rfind("run.steps:", 0) == 0 || d.rfind("run.epochs:", 0) == 0;
+  });
+}
+
 /// One item a line, indented, for a message.
 std::string lines(const std::vector<std::string>& items) {
   return "\n  " + join(items.data(), items.data() + items.size(), "\n  ");
@@ -221,9 +228,7 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   const auto record = read_checkpoint_record(dir);
   if (record) {
     diff = differences(*record, identity, allowed);
-    const bool length = std::any_of(diff.refused.begin(), diff.refused.end(), [](const std::string& d) {
-      return d.rfind("run.steps:", 0) == 0 || d.rfind("run.epochs:", 0) == 0;
-    });
+    const bool length = changes_length(diff.refused);
     if (!diff.refused.empty())
       throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
                   lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
@@ -251,9 +256,7 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   continue_on_world(r, resumed);
   if (resumed.position.counters.total_steps != r.total_steps) {
     // Where the length itself was let through, that is the change; else one that makes an epoch's steps.
-    const bool length = std::any_of(diff.allowed.begin(), diff.allowed.end(), [](const std::string& d) {
-      return d.rfind("run.steps:", 0) == 0 || d.rfind("run.epochs:", 0) == 0;
-    });
+    const bool length = changes_length(diff.allowed);
     const std::string cause = length || diff.allowed.empty()
                                   ? "resume with the recipe it was made with"
                                   : "what --allow-change let through changes how many optimizer steps its epochs take:" +

@@ -82,12 +82,17 @@ std::pair<TrainingState, std::optional<std::string>> state_before_steps(Run& r) 
 std::string describe_state(Run& r) {
   const auto [s, unknown] = state_before_steps(r);
   const int64_t n = std::max<int64_t>(r.plan.world_size, 1), here = local_world_size_from_environment(r.plan.world_size);
-  std::string out = format_bytes(s.frozen + 2 * s.trainable + s.optimizer_whole) + " unsharded (" + s.unsharded() +
+  const double unsharded = s.frozen + 2 * s.trainable + s.optimizer_whole;
+  std::string out = format_bytes(unsharded) + " unsharded (" + s.unsharded() +
                     (unknown ? ", reckoned as Adam's two moments" : "") + ")";
   if (n == 1) return out + (s.stage > 0 ? "; one rank shards nothing, whatever its stage" : "");
   const size_t st = static_cast<size_t>(s.stage);
-  out += "; at ZeRO stage " + std::to_string(st) + " over " + std::to_string(n) + " ranks about " +
-         format_bytes(s.most(st, n, 1)) + " a rank with the buffers of its sharding";
+  const double each = s.most(st, n, 1);
+  out += "; at ZeRO stage " + std::to_string(st) + " over " + std::to_string(n) + " ranks about " + format_bytes(each) +
+         " a rank with the buffers of its sharding";
+  if (each > unsharded)  // a small model's: the buffers are a bucket's or a block's, whatever the model's size
+    out += " (more than unsharded: on a model this small the buffers that send gradients and gather parameters "
+           "outweigh what sharding saves)";
   // A machine's ranks share its memory on the CPU; on GPUs each has its own.
   if (here > 1 && r.device.is_cpu())
     out += ", " + format_bytes(s.most(st, n, here)) + " for the " + std::to_string(here) + " on a machine";
@@ -96,7 +101,8 @@ std::string describe_state(Run& r) {
     char pct[16];
     std::snprintf(pct, sizeof pct, "%.0f%%", 100.0 * s.share(n));
     out += "; uneven: its largest tensor is " + std::string(pct) + " of the trainable parameters, and the rank that "
-           "holds it holds its state and gradients whole (ranks hold whole tensors)";
+           "holds it holds that tensor's optimizer state whole" +
+           std::string(st >= 2 ? ", and its gradient" : "") + (st >= 3 ? " and its weights" : "") + " (ranks hold whole tensors)";
   }
   return out;
 }

@@ -121,9 +121,7 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
   // A rank's most at `st` over `ranks`: at stage 3 never less than the whole weights, which every
   // rank holds as the model is built, and again as the fit ends (gathered for the weights file)
   // beside its share of the optimizer's state (each step releases the gradients).
-  const auto whole = [&s](int64_t ranks, int64_t h) { return s.whole_weights(ranks, h); };
-  const auto most = [&s](size_t st, int64_t ranks, int64_t h) { return s.most(st, ranks, h); };
-  const double each = most(stage, n, 1), all = most(stage, n, here);
+  const double each = s.most(stage, n, 1), all = s.most(stage, n, here);
   if (all <= have) return "";
   std::string out = "its training state does not fit this machine's memory: about " + format_bytes(each) +
                     " a rank at ZeRO stage " + std::to_string(stage) + " over " + std::to_string(n) + " rank" +
@@ -132,7 +130,7 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
                                : ", " + format_bytes(all) + " for the " + std::to_string(here) +
                                      " ranks on this machine") +
                     ", and it has " + format_bytes(have) + have_note + " (unsharded: " + s.unsharded() + ")";
-  if (stage == 3 && whole(n, 1) > s.per_rank(n)[3])
+  if (stage == 3 && s.whole_weights(n, 1) > s.per_rank(n)[3])
     out += "; at stage 3 each rank still holds the whole weights as the model is built, and as the fit ends beside its "
            "share of the optimizer's state";
   // Machines of `h` ranks each, at least as many ranks as now (more for this stage with as many on
@@ -145,7 +143,7 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
     std::string fits;
     for (size_t st = h == here && stage == 0 ? 1 : 0; st < 4; ++st)
       for (int64_t m = h == here && st == stage ? n / h + 1 : (n + h - 1) / h;; ++m) {
-        if (most(st, m * h, h) <= have) {
+        if (s.most(st, m * h, h) <= have) {
           fits += (fits.empty() ? "" : ", ") + std::string("stage ") + std::to_string(st) + " on " + std::to_string(m) +
                   " machine" + (m == 1 ? "" : "s");
           more_machines = more_machines || m > 1;
