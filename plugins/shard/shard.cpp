@@ -37,7 +37,9 @@ class Shard final : public tk::Plugin {
           "then broadcasts them; 2 the gradients too (ZeRO stage 2): during backward each gradient is summed onto "
           "the rank that updates it and released everywhere, the owner keeping the sum; 3 the parameters too (ZeRO "
           "stage 3): each is whole only on the rank that updates it, and gathered onto the others for the forward "
-          "and the backward of the block that uses it (the parameters of no block: for each micro-batch)");
+          "and the backward of the block that uses it (the parameters of no block: for each micro-batch). From stage 1 "
+          "the plugin provides " + tk::cap::kOptimizerSharded.name() + " (and needs " + tk::cap::kGradsSynced.name() +
+          "), from 2 also " + tk::cap::kGradsSharded.name() + ", at 3 also " + tk::cap::kParamsSharded.name());
     o.add("reduce", reduce_,
           "stages 2 and 3, with accumulation: which backwards sum the gradients onto their owners. \"micro_batch\": every "
           "backward, so that between backwards a rank holds only its share (least memory); \"window\": the "

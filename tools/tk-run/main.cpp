@@ -108,6 +108,23 @@ void print_specs(const tk::OptionSpecs& specs) {
   }
 }
 
+/// What a plugin provides, needs and refuses, with its default options (a run's options may change it).
+void print_contract(const tk::Registry& registry, const std::string& name) {
+  const auto names = [](const std::vector<tk::Capability>& caps) {
+    std::string out;
+    for (const auto& cap : caps) out += (out.empty() ? "" : ", ") + cap.name();
+    return out;
+  };
+  try {
+    const tk::Contract contract = tk::plugin_contract(registry, name);
+    for (const auto& [label, caps] : {std::pair{"(provides)", &contract.provides}, std::pair{"(requires)", &contract.requires_},
+                                      std::pair{"(conflicts with)", &contract.conflicts}})
+      if (!caps->empty()) std::printf("      %-20s %s (with its default options)\n", label, names(*caps).c_str());
+  } catch (const std::exception& e) {  // options without defaults, say: its contract depends on them
+    std::printf("      %-20s (not known without its options: %s)\n", "(provides)", e.what());
+  }
+}
+
 template <class Maker>
 void list_components(const char* section, const std::vector<tk::Component<Maker>>& list) {
   std::printf("[%s]\n", section);
@@ -139,6 +156,7 @@ int list_all() {
   for (const auto& c : registry.plugins()) {
     std::printf("  name = \"%s\"  %s\n", c.name.c_str(), c.doc.c_str());
     std::printf("      %-20s %s\n", "(from)", c.library.c_str());
+    print_contract(registry, c.name);
     print_specs(c.specs);
   }
   for (const auto& b : broken) std::printf("  %s\n", b.c_str());

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "api/api.h"
+#include "tk/recipe.h"
 #include "tk/abi.h"
 
 namespace fs = std::filesystem;
@@ -289,6 +290,19 @@ LoadedPlugin PluginLoader::load_plugin(const fs::path& file) const {
                           std::to_string(plugins.size()));
   auto plugin = registry.make_plugin(plugins.front().name);
   return LoadedPlugin{std::move(plugin), plugins.front().name, info.version, file};
+}
+
+Contract plugin_contract(const Registry& registry, const std::string& name, const std::string& options) {
+  auto plugin = registry.make_plugin(name);
+  if (!plugin) throw Error("no plugin '" + name + "' is registered");
+  detail::configure_options(*plugin, [&](const OptionSpecs& specs) {
+    return parse_options(options, specs, "plugins." + name);
+  });
+  try {
+    return plugin->contract();
+  } catch (const std::exception& e) {
+    throw Error("plugin '" + name + "': contract() failed: " + message_of(e));
+  }
 }
 
 }  // namespace tk

@@ -67,6 +67,12 @@ class PluginLoader {
   std::vector<std::filesystem::path> dirs_;
 };
 
+/// The contract of plugin `name` of `registry` with `options` (TOML text, as its [[plugins]]
+/// entry's; empty: its defaults), asked as a run would ask it: what it provides, what it runs
+/// after, needs and refuses beside it. Options it does not take are refused as a recipe's would
+/// be (RecipeError).
+Contract plugin_contract(const Registry& registry, const std::string& name, const std::string& options = "");
+
 }  // namespace tk
 
 #pragma GCC visibility pop
