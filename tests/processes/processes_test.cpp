@@ -1168,6 +1168,13 @@ TEST_SUITE("zero") {
     CHECK(many.out.find(".toml:" + std::to_string(std::count(flat.begin(), flat.end(), '\n') + 5) +
                         ":9: plugins.shard.stage: stage 1 shards whole tensors: the model has 2 trainable tensors for 3 "
                         "ranks; use fewer ranks or stage = 0") != std::string::npos);
+    // Each rank refuses alike: the refusal printed once (by the first rank to end), and once in the
+    // launcher's account of the failure; the others say theirs is the same.
+    size_t printed = 0;
+    for (size_t at = many.out.find(":9: plugins.shard.stage: stage 1 shards"); at != std::string::npos;
+         at = many.out.find(":9: plugins.shard.stage: stage 1 shards", at + 1))
+      ++printed;
+    CHECK(printed == 2);
     CHECK(many.out.find("step 1/") == std::string::npos);
     auto differ = tk_run(root / "differ",
                          experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 2\n[world]\ntimeout_s = 20.0\n",

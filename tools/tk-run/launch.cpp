@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 namespace tk {
 namespace {
@@ -40,18 +42,43 @@ struct Worker {
   int fd = -1;           // read end of the worker's stdout+stderr
   std::string partial;   // output not yet ended by a newline
   std::deque<std::string> tail;  // its last lines, for the failure report
+  std::vector<std::string> error;  // its refusal or error, from "tk-run: error: " to the end of its output
   bool running = true;
   int status = 0;
 };
 
+/// The errors the workers ended with, each printed once: ranks that refused the run alike (a
+/// recipe every rank reads) say so in one line each instead of repeating it.
+struct Errors {
+  std::vector<std::pair<std::vector<std::string>, int>> printed;  // each error, and the rank that printed it
+
+  /// Prints what `w` ended with, where it did not end with an error printed already.
+  void flush(int rank, Worker& w) {
+    if (w.error.empty()) return;
+    const auto same = std::find_if(printed.begin(), printed.end(), [&](const auto& e) { return e.first == w.error; });
+    if (same != printed.end()) {
+      std::printf("[rank %d] tk-run: error: the same as rank %d's above\n", rank, same->second);
+    } else {
+      for (const auto& line : w.error) std::printf("[rank %d] %s\n", rank, line.c_str());
+      printed.emplace_back(w.error, rank);
+    }
+    w.error.clear();
+  }
+};
+
 void emit(int rank, Worker& w, const std::string& line) {
-  std::printf("[rank %d] %s\n", rank, line.c_str());
   w.tail.push_back(line);
   if (w.tail.size() > 8) w.tail.pop_front();
+  // A worker's error ends its output: held until then, and printed once for the ranks it is the same on.
+  if (w.error.empty() && line.rfind("tk-run: error: ", 0) != 0) {
+    std::printf("[rank %d] %s\n", rank, line.c_str());
+    return;
+  }
+  w.error.push_back(line);
 }
 
-/// Reads what is available; returns false at end of file.
-bool drain(int rank, Worker& w) {
+/// Reads what is available; returns false at end of file, with what the worker ended with printed.
+bool drain(int rank, Worker& w, Errors& errors) {
   char buf[4096];
   for (;;) {
     ssize_t n = read(w.fd, buf, sizeof buf);
@@ -71,6 +98,7 @@ bool drain(int rank, Worker& w) {
     if (n == 0) {
       if (!w.partial.empty()) emit(rank, w, w.partial);
       w.partial.clear();
+      errors.flush(rank, w);
       return false;
     }
     return errno == EAGAIN || errno == EINTR;
@@ -335,7 +363,7 @@ class Launch {
     for (size_t i = 0; i < pfds.size(); ++i) {
       if (!pfds[i].revents) continue;
       Worker& w = worker(index[i]);
-      if (!drain(rank(index[i]), w)) {
+      if (!drain(rank(index[i]), w, errors_)) {
         close(w.fd);
         w.fd = -1;
       }
@@ -445,7 +473,8 @@ class Launch {
     if (!any_running)  // drain what is left, without waiting on pipes held open elsewhere
       for (int r = 0; r < n_; ++r)
         if (worker(r).fd >= 0) {
-          drain(rank(r), worker(r));
+          drain(rank(r), worker(r), errors_);
+          errors_.flush(rank(r), worker(r));  // its pipe closed here, not at its end
           close(worker(r).fd);
           worker(r).fd = -1;
         }
@@ -542,6 +571,7 @@ class Launch {
   const LaunchOptions& opts_;
   const int n_, base_, world_;
   std::vector<Worker> workers_;
+  Errors errors_;
   std::vector<std::thread> reapers_;
   std::string failure_dir_, threads_;
   int port_ = 0, failed_rank_ = -1;
