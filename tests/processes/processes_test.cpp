@@ -381,14 +381,16 @@ TEST_SUITE("ddp") {
     // group once `ready` holds (twice: a second Ctrl-C once the launcher has passed the first on).
     auto again = [](const fs::path& log) {
       return "i=0; while ! grep -q \"got signal 2; stopping the workers\" " + log.string() +
-             " && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; kill -INT -$pid; ";
+             " && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; t0=$(date +%s%N); kill -INT -$pid; ";
     };
     auto launch = [&](const std::string& name, const std::string& more, const std::string& ready, bool twice) {
       const fs::path dir = root / name;
       fs::create_directories(dir);
       const std::string cmd = "setsid env " + tkt::tk_run_command(dir, recipe, sets + more) + " > " + (dir / "log").string() +
                               " 2>&1 & pid=$!; i=0; while ! { " + ready + "; } && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); "
-                              "done; kill -INT -$pid; " + (twice ? again(dir / "log") : "") + "wait $pid; exit $?";
+                              "done; kill -INT -$pid; " + (twice ? again(dir / "log") : "") + "wait $pid; rc=$?; " +
+                              (twice ? "echo $(( ($(date +%s%N) - t0) / 1000000 )) > " + (dir / "kill_ms").string() + "; " : "") +
+                              "exit $rc";
       const int status = std::system(("sh -c '" + cmd + "'").c_str());
       std::ifstream log(dir / "log");
       return std::make_pair(WEXITSTATUS(status), std::string((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>()));
@@ -410,6 +412,12 @@ TEST_SUITE("ddp") {
     INFO(out2);
     CHECK(rc2 != 0);
     CHECK(out2.find("tk-run: got signal 2 again; killing the workers") != std::string::npos);
+    // At once: the launch ended within the launcher's grace period (10 s) of the second Ctrl-C,
+    // which it would have waited out for the hung rank had it not killed at once.
+    const std::string ms = tkt::read_text(root / "twice/kill_ms");
+    INFO("from the second Ctrl-C to the launch's end: " << ms << " ms");
+    REQUIRE_FALSE(ms.empty());
+    CHECK(std::stol(ms) < 8000);
     fs::remove_all(root);
   }
 
