@@ -630,6 +630,9 @@ TEST_SUITE("ddp") {
     INFO(zero.out);
     CHECK(zero.rc == 0);
     CHECK(zero.out.find("; at ZeRO stage 3 over 4 ranks about ") != std::string::npos);
+    // On a model this small stage 3's buffers outweigh what it shards: the plan says so, and why.
+    CHECK(zero.out.find(" (more than unsharded: on this model the blocks' parameters gathered and their gradients sent, "
+                        "and the uneven shares below, take more than the stage saves)") != std::string::npos);
     CHECK(zero.out.find("; uneven: its largest tensor is 60% of the trainable parameters, and the rank that holds it holds "
                         "that tensor's optimizer state whole, and its gradient and its weights") != std::string::npos);
     fs::remove_all(root);
@@ -1176,13 +1179,17 @@ TEST_SUITE("zero") {
     CHECK(many.out.find(".toml:" + std::to_string(std::count(flat.begin(), flat.end(), '\n') + 5) +
                         ":9: plugins.shard.stage: stage 1 shards whole tensors: the model has 2 trainable tensors for 3 "
                         "ranks; use fewer ranks or stage = 0") != std::string::npos);
-    // Each rank refuses alike: the refusal printed once (by the first rank to end), and once in the
-    // launcher's account of the failure; the others say theirs is the same.
-    size_t printed = 0;
+    // Each rank refuses alike: the refusal forwarded once, by the first rank to print it (the others
+    // say theirs is the same, or were stopped before they printed), and in the launcher's account.
+    size_t forwarded = 0, printed = 0;
     for (size_t at = many.out.find(":9: plugins.shard.stage: stage 1 shards"); at != std::string::npos;
-         at = many.out.find(":9: plugins.shard.stage: stage 1 shards", at + 1))
+         at = many.out.find(":9: plugins.shard.stage: stage 1 shards", at + 1)) {
       ++printed;
-    CHECK(printed == 2);
+      const size_t line = many.out.rfind('\n', at) + 1;  // npos + 1 == 0 on the first line
+      forwarded += many.out.compare(line, 6, "[rank ") == 0;
+    }
+    CHECK(printed >= 1);
+    CHECK(forwarded <= 1);
     CHECK(many.out.find("step 1/") == std::string::npos);
     auto differ = tk_run(root / "differ",
                          experts_recipe(false) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 2\n[world]\ntimeout_s = 20.0\n",

@@ -42,68 +42,88 @@ struct Worker {
   int fd = -1;           // read end of the worker's stdout+stderr
   std::string partial;   // output not yet ended by a newline
   std::deque<std::string> tail;  // its last lines, for the failure report
-  std::vector<std::string> error;  // its refusal or error, from "tk-run: error: " to the end of its output
+  std::vector<std::string> error;  // its error as it came so far ("PROGRAM: error: " and what follows)
+  std::chrono::steady_clock::time_point error_at;  // when its first line came
   bool running = true;
   int status = 0;
 };
 
-/// The errors the workers ended with, each printed once: ranks that refused the run alike (a
-/// recipe every rank reads) say so in one line each instead of repeating it.
-struct Errors {
-  std::vector<std::pair<std::vector<std::string>, int>> printed;  // each error, and the rank that printed it
+/// The workers' output, line by line with each one's rank. An error a worker prints (its last
+/// words: "PROGRAM: error: " and the lines after it) is held for a moment, until its output ends
+/// or kHold has passed, so that ranks that refused the run alike (a recipe every rank reads) print
+/// it once: the others say theirs is the same.
+class Output {
+ public:
+  explicit Output(const std::string& program) : marker_(program + ": error: ") {}
 
-  /// Prints what `w` ended with, where it did not end with an error printed already.
+  /// Reads what `w` has written; returns false at the end of its output (or on a read error).
+  bool drain(int rank, Worker& w) {
+    char buf[4096];
+    for (;;) {
+      ssize_t n = read(w.fd, buf, sizeof buf);
+      if (n > 0) {
+        w.partial.append(buf, static_cast<size_t>(n));
+        size_t pos;
+        while ((pos = w.partial.find('\n')) != std::string::npos) {
+          std::string line = w.partial.substr(0, pos);
+          if (!line.empty() && line.back() == '\r') line.pop_back();
+          // A live progress line rewrites itself with \r; keep the last state of it.
+          size_t cr = line.rfind('\r');
+          emit(rank, w, cr == std::string::npos ? line : line.substr(cr + 1));
+          w.partial.erase(0, pos + 1);
+        }
+        continue;
+      }
+      return n < 0 && (errno == EAGAIN || errno == EINTR);
+    }
+  }
+
+  /// The end of `w`'s output: what is left of it printed, and its pipe closed.
+  void close_output(int rank, Worker& w) {
+    if (!w.partial.empty()) emit(rank, w, w.partial);
+    w.partial.clear();
+    flush(rank, w);
+    close(w.fd);
+    w.fd = -1;
+  }
+
+  /// Prints the errors held for kHold (a worker that lingers after its error, in a collective's
+  /// teardown, say, has it shown all the same).
+  void flush_held(int rank, Worker& w) {
+    if (!w.error.empty() && std::chrono::steady_clock::now() - w.error_at >= kHold) flush(rank, w);
+  }
+
+ private:
+  static constexpr std::chrono::seconds kHold{1};
+
+  void emit(int rank, Worker& w, const std::string& line) {
+    w.tail.push_back(line);
+    if (w.tail.size() > 8) w.tail.pop_front();
+    if (w.error.empty() && line.rfind(marker_, 0) != 0) {
+      print(rank, line);
+      return;
+    }
+    if (w.error.empty()) w.error_at = std::chrono::steady_clock::now();
+    w.error.push_back(line);
+  }
+
   void flush(int rank, Worker& w) {
     if (w.error.empty()) return;
-    const auto same = std::find_if(printed.begin(), printed.end(), [&](const auto& e) { return e.first == w.error; });
-    if (same != printed.end()) {
-      std::printf("[rank %d] tk-run: error: the same as rank %d's above\n", rank, same->second);
+    const auto same = std::find_if(printed_.begin(), printed_.end(), [&](const auto& e) { return e.first == w.error; });
+    if (same != printed_.end()) {
+      print(rank, marker_ + "the same as rank " + std::to_string(same->second) + "'s above");
     } else {
-      for (const auto& line : w.error) std::printf("[rank %d] %s\n", rank, line.c_str());
-      printed.emplace_back(w.error, rank);
+      for (const auto& line : w.error) print(rank, line);
+      printed_.emplace_back(w.error, rank);
     }
     w.error.clear();
   }
+
+  static void print(int rank, const std::string& line) { std::printf("[rank %d] %s\n", rank, line.c_str()); }
+
+  std::string marker_;
+  std::vector<std::pair<std::vector<std::string>, int>> printed_;  // each error printed, and whose
 };
-
-void emit(int rank, Worker& w, const std::string& line) {
-  w.tail.push_back(line);
-  if (w.tail.size() > 8) w.tail.pop_front();
-  // A worker's error ends its output: held until then, and printed once for the ranks it is the same on.
-  if (w.error.empty() && line.rfind("tk-run: error: ", 0) != 0) {
-    std::printf("[rank %d] %s\n", rank, line.c_str());
-    return;
-  }
-  w.error.push_back(line);
-}
-
-/// Reads what is available; returns false at end of file, with what the worker ended with printed.
-bool drain(int rank, Worker& w, Errors& errors) {
-  char buf[4096];
-  for (;;) {
-    ssize_t n = read(w.fd, buf, sizeof buf);
-    if (n > 0) {
-      w.partial.append(buf, static_cast<size_t>(n));
-      size_t pos;
-      while ((pos = w.partial.find('\n')) != std::string::npos) {
-        std::string line = w.partial.substr(0, pos);
-        if (!line.empty() && line.back() == '\r') line.pop_back();
-        // A live progress line rewrites itself with \r; keep the last state of it.
-        size_t cr = line.rfind('\r');
-        emit(rank, w, cr == std::string::npos ? line : line.substr(cr + 1));
-        w.partial.erase(0, pos + 1);
-      }
-      continue;
-    }
-    if (n == 0) {
-      if (!w.partial.empty()) emit(rank, w, w.partial);
-      w.partial.clear();
-      errors.flush(rank, w);
-      return false;
-    }
-    return errno == EAGAIN || errno == EINTR;
-  }
-}
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
@@ -256,9 +276,10 @@ class Launch {
       std::fflush(stderr);
       link_ = std::make_unique<NodeLink>(opts_.master_addr, port_ + 1, opts_.nnodes, opts_.node_rank, n_,
                                          opts_.node_timeout_s);
-      std::fprintf(stderr, "%s: node %d of %d: starting ranks %d-%d of %d, rendezvous on %s:%d\n", opts_.program.c_str(),
-                   opts_.node_rank,
-                   opts_.nnodes, base_, base_ + n_ - 1, world_, opts_.master_addr.c_str(), port_);
+      const std::string ranks = n_ == 1 ? "rank " + std::to_string(base_)
+                                        : "ranks " + std::to_string(base_) + "-" + std::to_string(base_ + n_ - 1);
+      std::fprintf(stderr, "%s: node %d of %d: starting %s of %d, rendezvous on %s:%d\n", opts_.program.c_str(),
+                   opts_.node_rank, opts_.nnodes, ranks.c_str(), world_, opts_.master_addr.c_str(), port_);
     } else if (opts_.only_rank < 0) {
       std::fprintf(stderr, "%s: starting %d workers, rendezvous on %s:%d\n", opts_.program.c_str(),
                    n_, opts_.master_addr.c_str(), port_);
@@ -362,12 +383,9 @@ class Launch {
     else std::this_thread::sleep_for(std::chrono::milliseconds(100));  // settling: no output left
     for (size_t i = 0; i < pfds.size(); ++i) {
       if (!pfds[i].revents) continue;
-      Worker& w = worker(index[i]);
-      if (!drain(rank(index[i]), w, errors_)) {
-        close(w.fd);
-        w.fd = -1;
-      }
+      if (!output_.drain(rank(index[i]), worker(index[i]))) output_.close_output(rank(index[i]), worker(index[i]));
     }
+    for (int r = 0; r < n_; ++r) output_.flush_held(rank(r), worker(r));
     std::fflush(stdout);
   }
 
@@ -473,10 +491,8 @@ class Launch {
     if (!any_running)  // drain what is left, without waiting on pipes held open elsewhere
       for (int r = 0; r < n_; ++r)
         if (worker(r).fd >= 0) {
-          drain(rank(r), worker(r), errors_);
-          errors_.flush(rank(r), worker(r));  // its pipe closed here, not at its end
-          close(worker(r).fd);
-          worker(r).fd = -1;
+          output_.drain(rank(r), worker(r));
+          output_.close_output(rank(r), worker(r));
         }
     return true;
   }
@@ -571,7 +587,7 @@ class Launch {
   const LaunchOptions& opts_;
   const int n_, base_, world_;
   std::vector<Worker> workers_;
-  Errors errors_;
+  Output output_{opts_.program};
   std::vector<std::thread> reapers_;
   std::string failure_dir_, threads_;
   int port_ = 0, failed_rank_ = -1;

@@ -144,6 +144,8 @@ struct TrainingState {
   double share(int64_t n) const;
   /// "parameters X, gradients Y, optimizer state Z": the state unsharded, as refusals spell it.
   std::string unsharded() const;
+  /// Its bytes: parameters, gradients and optimizer state, unsharded.
+  double whole() const { return frozen + 2 * trainable + optimizer_whole; }
 };
 /// The training state of a step whose `peak` does not fit `limit` bytes, and which ZeRO stage over
 /// the world (over 2 ranks on one) would make it fit: the measured step with each stage's state in

@@ -82,22 +82,31 @@ std::pair<TrainingState, std::optional<std::string>> state_before_steps(Run& r) 
 std::string describe_state(Run& r) {
   const auto [s, unknown] = state_before_steps(r);
   const int64_t n = std::max<int64_t>(r.plan.world_size, 1), here = local_world_size_from_environment(r.plan.world_size);
-  const double unsharded = s.frozen + 2 * s.trainable + s.optimizer_whole;
-  std::string out = format_bytes(unsharded) + " unsharded (" + s.unsharded() +
+  std::string out = format_bytes(s.whole()) + " unsharded (" + s.unsharded() +
                     (unknown ? ", reckoned as Adam's two moments" : "") + ")";
   if (n == 1) return out + (s.stage > 0 ? "; one rank shards nothing, whatever its stage" : "");
   const size_t st = static_cast<size_t>(s.stage);
   const double each = s.most(st, n, 1);
   out += "; at ZeRO stage " + std::to_string(st) + " over " + std::to_string(n) + " ranks about " + format_bytes(each) +
          " a rank with the buffers of its sharding";
-  if (each > unsharded)  // a small model's: the buffers are a bucket's or a block's, whatever the model's size
-    out += " (more than unsharded: on a model this small the buffers that send gradients and gather parameters "
-           "outweigh what sharding saves)";
+  // Shares of whole tensors: where one is more than a rank's even part, that rank holds it all.
+  const bool uneven = st > 0 && s.share(n) > 1.25 / static_cast<double>(n);
+  // More than unsharded: what the collectives hold (a bucket's or a block's, whatever the model's
+  // size), and where one tensor is most of the state the share of the rank that holds it.
+  if (each > s.whole()) {
+    static const char* const kBuffers[] = {"",
+                                           "the updated parameters broadcast from their owners",
+                                           "the gradients sent to their owners a bucket at a time, and the updated "
+                                           "parameters broadcast",
+                                           "the blocks' parameters gathered and their gradients sent"};
+    out += st == 0 ? std::string(" (more than unsharded: with the buckets its gradients are summed in)")
+                   : std::string(" (more than unsharded: on this model ") + kBuffers[std::min<size_t>(st, 3)] +
+                         (uneven ? ", and the uneven shares below," : "") + " take more than the stage saves)";
+  }
   // A machine's ranks share its memory on the CPU; on GPUs each has its own.
   if (here > 1 && r.device.is_cpu())
     out += ", " + format_bytes(s.most(st, n, here)) + " for the " + std::to_string(here) + " on a machine";
-  // Shares of whole tensors: where one is more than a rank's even part, that rank holds it all.
-  if (st > 0 && s.share(n) > 1.25 / static_cast<double>(n)) {
+  if (uneven) {
     char pct[16];
     std::snprintf(pct, sizeof pct, "%.0f%%", 100.0 * s.share(n));
     out += "; uneven: its largest tensor is " + std::string(pct) + " of the trainable parameters, and the rank that "

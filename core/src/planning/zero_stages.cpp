@@ -80,9 +80,9 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   // One rank shards nothing and sums nothing, whatever its stage: it holds the whole state.
   const double rest = peak - here[alone ? 0 : static_cast<size_t>(s.stage)];
   const double f = s.share(n), P = s.trainable, O = s.optimizer_whole;
-  const std::vector<double> bare = {s.frozen + 2 * P + O, s.frozen + 2 * P + O * f, s.frozen + P + (P + O) * f,
+  const std::vector<double> bare = {s.whole(), s.frozen + 2 * P + O * f, s.frozen + P + (P + O) * f,
                                     s.frozen + (2 * P + O) * f};
-  std::string out = "; the training state is " + format_bytes(s.frozen + 2 * s.trainable + s.optimizer_whole) +
+  std::string out = "; the training state is " + format_bytes(s.whole()) +
                     " unsharded (" + s.unsharded() + "), and this step is at ZeRO stage " + std::to_string(s.stage);
   std::vector<double> step;
   for (size_t stage = 0; stage < there.size(); ++stage)
@@ -118,9 +118,9 @@ std::string state_overflow(const TrainingState& s, int64_t world_size, int64_t l
                            const std::string& have_note) {
   const int64_t n = std::max<int64_t>(world_size, 1), here = std::clamp<int64_t>(local, 1, n);
   const size_t stage = n == 1 ? 0 : static_cast<size_t>(s.stage);  // one rank holds it all, whatever its stage
-  // A rank's most at `st` over `ranks`: at stage 3 never less than the whole weights, which every
-  // rank holds as the model is built, and again as the fit ends (gathered for the weights file)
-  // beside its share of the optimizer's state (each step releases the gradients).
+  // What a rank holds at most (TrainingState::most): at stage 3 never less than the whole weights,
+  // which every rank holds as the model is built, and again as the fit ends (gathered for the
+  // weights file) beside its share of the optimizer's state (each step releases the gradients).
   const double each = s.most(stage, n, 1), all = s.most(stage, n, here);
   if (all <= have) return "";
   std::string out = "its training state does not fit this machine's memory: about " + format_bytes(each) +
