@@ -108,21 +108,24 @@ void print_specs(const tk::OptionSpecs& specs) {
   }
 }
 
-/// What a plugin provides, needs and refuses, with its default options (a run's options may change it).
+/// What a plugin provides, runs after, needs and refuses, with its default options (a run's
+/// options may change it).
 void print_contract(const tk::Registry& registry, const std::string& name) {
-  const auto names = [](const std::vector<tk::Capability>& caps) {
-    std::string out;
-    for (const auto& cap : caps) out += (out.empty() ? "" : ", ") + cap.name();
-    return out;
-  };
+  std::string line;
   try {
-    const tk::Contract contract = tk::plugin_contract(registry, name);
-    for (const auto& [label, caps] : {std::pair{"(provides)", &contract.provides}, std::pair{"(requires)", &contract.requires_},
-                                      std::pair{"(conflicts with)", &contract.conflicts}})
-      if (!caps->empty()) std::printf("      %-20s %s (with its default options)\n", label, names(*caps).c_str());
+    const tk::Contract c = tk::plugin_contract(registry, name);
+    for (const auto& [what, caps] : {std::pair{"provides ", &c.provides}, std::pair{"runs after ", &c.after},
+                                     std::pair{"requires ", &c.requires_}, std::pair{"conflicts with ", &c.conflicts}}) {
+      if (caps->empty()) continue;
+      std::vector<std::string> names;
+      for (const auto& cap : *caps) names.push_back(cap.name());
+      line += (line.empty() ? "" : "; ") + std::string(what) + tk::join(names.data(), names.data() + names.size());
+    }
+    if (line.empty()) line = "provides nothing";
   } catch (const std::exception& e) {  // options without defaults, say: its contract depends on them
-    std::printf("      %-20s (not known without its options: %s)\n", "(provides)", e.what());
+    line = "cannot be told: " + std::string(e.what());
   }
+  std::printf("      %-20s %s\n", "(at its defaults)", line.c_str());
 }
 
 template <class Maker>

@@ -208,6 +208,8 @@ void name_plugin(Plugin& p, const std::string& name);
 /// Gives a named instance its options: `values` checks the recipe's (or a test's) values against
 /// the declared specs; they go into the bound members, then init() runs.
 void configure_options(Plugin& p, const std::function<Options(const OptionSpecs&)>& values);
+/// The same with `toml` (a [[plugins]] entry's text, as a recipe's refused: "plugins.<its name>.KEY").
+void configure_options(Plugin& p, const std::string& toml);
 
 /// " (TK_MACHINE_MEMORY)" where that variable sets the machine's memory (machine_memory_bytes), for
 /// the refusals that quote it; else "".

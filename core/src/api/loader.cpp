@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "api/api.h"
-#include "tk/recipe.h"
 #include "tk/abi.h"
 
 namespace fs = std::filesystem;
@@ -293,15 +292,15 @@ LoadedPlugin PluginLoader::load_plugin(const fs::path& file) const {
 }
 
 Contract plugin_contract(const Registry& registry, const std::string& name, const std::string& options) {
-  auto plugin = registry.make_plugin(name);
-  if (!plugin) throw Error("no plugin '" + name + "' is registered");
-  detail::configure_options(*plugin, [&](const OptionSpecs& specs) {
-    return parse_options(options, specs, "plugins." + name);
-  });
+  auto plugin = registry.make_plugin(name);  // a constructor's failure: a PluginLoadError naming its library
+  if (!plugin) throw PluginLoadError("no plugin '" + name + "' is registered");
   try {
+    detail::configure_options(*plugin, options);
     return plugin->contract();
-  } catch (const std::exception& e) {
-    throw Error("plugin '" + name + "': contract() failed: " + message_of(e));
+  } catch (const RecipeError&) {
+    throw;
+  } catch (const std::exception& e) {  // as a run says it
+    throw PluginLoadError("plugin '" + name + "' rejected its options or could not say its contract: " + message_of(e));
   }
 }
 

@@ -156,8 +156,7 @@ const RunPlan& ManualPlan::plan() const noexcept { return impl_->plan.view; }
 
 std::shared_ptr<Plugin> load_plugin(const std::filesystem::path& file, const std::string& options) {
   auto p = PluginLoader({}).load_plugin(file).plugin;
-  const std::string context = "plugins." + p->name();
-  detail::configure_options(*p, [&](const OptionSpecs& specs) { return parse_options(options, specs, context); });
+  detail::configure_options(*p, options);
   return p;
 }
 

@@ -146,6 +146,10 @@ OptionSpecs declared_options(Plugin& p, OptionBinder* binder) {
 
 void name_plugin(Plugin& p, const std::string& name) { PluginAccess::state(p).name = name; }
 
+void configure_options(Plugin& p, const std::string& toml) {
+  configure_options(p, [&](const OptionSpecs& specs) { return parse_options(toml, specs, "plugins." + p.name()); });
+}
+
 void configure_options(Plugin& p, const std::function<Options(const OptionSpecs&)>& values) {
   PluginState& s = PluginAccess::state(p);
   if (s.prepared) throw Error("plugin '" + s.name + "' is prepared already: a plugin gets its options once");
@@ -179,7 +183,7 @@ void prepare_plugin(Plugin& plugin, const std::string& name, const std::string& 
                 "own class, from which the core reads the hooks it overrides");
   detail::name_plugin(plugin, name);
   detail::PluginAccess::state(plugin).hooks = hooks;
-  detail::configure_options(plugin, [&](const OptionSpecs& specs) { return parse_options(options, specs, "plugins." + name); });
+  detail::configure_options(plugin, options);
 }
 
 bool is_prepared(const Plugin& plugin) noexcept { return detail::PluginAccess::state(plugin).prepared; }

@@ -184,8 +184,7 @@ void add_plugin(Run& r, std::shared_ptr<Plugin> plugin, const std::string& name,
       throw Error("plugin '" + plugin->name() + "' is prepared already (named, with its options): add it without a "
                   "name or options");
   } else if (!plugin->name().empty()) {  // made by a registry: named, options still to come
-    const std::string context = "plugins." + plugin->name();
-    configure_options(*plugin, [&](const OptionSpecs& specs) { return parse_options(options, specs, context); });
+    configure_options(*plugin, options);
   } else {
     prepare_plugin(*plugin, name, options, hooks);
   }

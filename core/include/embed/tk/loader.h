@@ -70,7 +70,8 @@ class PluginLoader {
 /// The contract of plugin `name` of `registry` with `options` (TOML text, as its [[plugins]]
 /// entry's; empty: its defaults), asked as a run would ask it: what it provides, what it runs
 /// after, needs and refuses beside it. Options it does not take are refused as a recipe's would
-/// be (RecipeError).
+/// be (RecipeError); a name not registered, a plugin that cannot be made, whose init() refuses
+/// its options or whose contract() throws: PluginLoadError.
 Contract plugin_contract(const Registry& registry, const std::string& name, const std::string& options = "");
 
 }  // namespace tk
