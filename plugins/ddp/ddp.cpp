@@ -186,13 +186,14 @@ class Ddp final : public tk::Plugin {
     if (params_.empty()) throw std::runtime_error("the model has no trainable parameter: nothing for data parallel to sum");
     if (sharded_grads_) {
       std::string ignored;
+      int count = 0;
       for (const auto& [given, key] : {std::pair<bool, const char*>{option_given(bucket_mb_), "bucket_mb"},
                                        {option_given(first_bucket_mb_), "first_bucket_mb"},
                                        {option_given(find_unused_), "find_unused_parameters"}})
-        if (given) ignored += (ignored.empty() ? "; " : ", ") + std::string(key);
+        if (given) ignored += (count++ ? ", " : "; ") + std::string(key);
       ctx.info("the gradients are sharded: each is summed onto the rank that updates it by the plugin that shards them, "
                "and data parallel sums the windows' counts" +
-               (ignored.empty() ? std::string() : ignored + " (the reducer's) do not apply"));
+               (ignored.empty() ? std::string() : ignored + " (the reducer's) " + (count > 1 ? "do" : "does") + " not apply"));
     }
     else
       build_reducer(ctx);

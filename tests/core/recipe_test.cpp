@@ -123,6 +123,14 @@ TEST_SUITE("recipe") {
     CHECK(e.find("test.toml:26:1: a [[plugins]] entry needs a name") == 0);
   }
 
+  TEST_CASE("an option LibTorch's optimizer refuses is refused at the recipe's optimizer section") {
+    const std::string text = "[model]\nname = \"mlp\"\n[data]\nname = \"synthetic-classification\"\nsamples = 64\n"
+                             "[optimizer]\nname = \"adamw\"\nweight_decay = -0.5\n";
+    const std::string e = build_error(text);
+    INFO(e);
+    CHECK(e.find("test.toml:6:1: optimizer 'adamw' refused its options: Invalid weight_decay value: -0.5") == 0);
+  }
+
   TEST_CASE("normalize modes are checked against the loss reduction before training") {
     auto text = std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nnormalize = \"tokens\"\n";
     std::string e = build_error(text);
@@ -136,5 +144,12 @@ TEST_SUITE("recipe") {
     CHECK(tk::to_toml(tk::OptionValue{1e-8}) == "1e-08");
     CHECK(tk::to_toml(tk::OptionValue{std::string("a\"b")}) == "\"a\\\"b\"");
     CHECK(tk::to_toml(tk::OptionValue{std::vector<int64_t>{1, 2}}) == "[1, 2]");
+    CHECK(tk::to_toml(tk::OptionValue{300.0}) == "300.0");  // not 3e+02
+    CHECK(tk::to_toml(tk::OptionValue{-1e20}) == "-1e+20");
+    // Control characters escaped: a document separator of "\n%\n" reads back as itself.
+    const std::string sep = "\n%\n\t\x01";
+    CHECK(tk::to_toml(tk::OptionValue{sep}) == "\"\\n%\\n\\t\\u0001\"");
+    const tk::OptionSpecs specs{{"separator", tk::OptionType::String, std::string(), "a separator"}};
+    CHECK(tk::parse_options("separator = " + tk::to_toml(tk::OptionValue{sep}), specs).get_string("separator") == sep);
   }
 }

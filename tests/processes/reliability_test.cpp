@@ -123,6 +123,22 @@ TEST_SUITE("reliability") {
     CHECK(has(again, "holds another run (metrics.jsonl, weights.pt, checkpoints/)"));
     CHECK(has(again, "--overwrite"));
     CHECK(tkt::read_text(root / "out/metrics.jsonl") == before);
+    // A checkpoint picked behind a later one: the records after it go, and the run says so.
+    REQUIRE(tk_run(root / "older", kBase, "--set run.checkpoint_every=2").rc == 0);  // 6 steps: 2, 4 and 6 kept
+    auto older = tk_run(root / "older", kBase, "--set run.checkpoint_every=2 --resume " +
+                                                   (root / "older/out/checkpoints/step-00000002").string());
+    INFO(older.out);
+    CHECK(older.rc == 0);
+    CHECK(has(older, "the run had recorded up to step 6: its records of steps 3 to 6 are dropped from metrics.jsonl"));
+    CHECK(records(root / "older/out/metrics.jsonl").size() == 6);
+    // An output that cannot be a folder (a file stands there): refused at its key, nothing written.
+    std::ofstream(root / "file") << "not a folder\n";
+    auto blocked = tkt::shell(tkt::tk_run_command(root, kBase, "--set run.steps=4") + " --set run.output=\\\"" +
+                              (root / "file/out").string() + "\\\"");
+    INFO(blocked.out);
+    CHECK(blocked.rc == 2);
+    CHECK(has(blocked, ": run.output: cannot create the output folder '" + (root / "file/out").string() + "': "));
+    CHECK(!has(blocked, "what it wrote so far is kept"));
     auto over = tk_run(root, kBase, "--set run.steps=4 --overwrite");
     REQUIRE(over.rc == 0);
     CHECK(records(root / "out/metrics.jsonl").size() == 4);
@@ -215,6 +231,23 @@ TEST_SUITE("reliability") {
     CHECK(split.rc == 2);
     CHECK(has(split, "batch.micro_batch: 4 -> 2"));
     CHECK(has(split, "batch.accumulation: 3 -> 6"));  // grad_accum's steps moved there
+    // Let through, the same 12 examples a step split 2 x 6 go on from the example the checkpoint
+    // stopped at, to the weights of the run never stopped (float64, to rounding: other sums).
+    const std::string accum6 = std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 6\n";
+    const std::string twelve = "--set run.steps=12 --set run.checkpoint_every=4 ";
+    REQUIRE(tk_run(root / "whole", kAccum, twelve).rc == 0);
+    REQUIRE(tk_run(root / "resplit", kAccum, sets).rc == 0);
+    auto resplit = tk_run(root / "resplit", accum6, twelve + "--set batch.micro_batch=2 --allow-change batch --resume latest");
+    INFO(resplit.out);
+    CHECK(resplit.rc == 0);
+    CHECK(has(resplit, "continuing the run in micro-batches of 2 x 6 per rank (it trained in 4 x 3): 12 examples a step"));
+    CHECK((weights(root / "resplit") - weights(root / "whole")).abs().max().item<double>() < 1e-12);
+    // Another number of examples a step is another run: refused, saying so.
+    REQUIRE(tk_run(root / "bigger", kAccum, sets).rc == 0);
+    auto bigger = tk_run(root / "bigger", accum6, twelve + "--allow-change batch --resume latest");
+    CHECK(bigger.rc == 2);
+    CHECK(has(bigger, "with the same steps: a step of 12 examples is not one of 24: the examples a step takes cannot "
+                      "change on a resume, only how they are split into micro-batches"));
     std::string with_adam = kAccum;
     with_adam.replace(with_adam.find("name = \"sgd\""), 12, "name = \"adam\"");
     with_adam.replace(with_adam.find("momentum = 0.9"), 14, "");

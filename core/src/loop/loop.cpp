@@ -64,6 +64,7 @@ class Loop {
   std::optional<Prefetcher> prefetch_;
   int64_t validate_every_ = 0;
   WorldSeen seen_;  // what the world trained on so far
+  int64_t seen_at_start_ = 0;  // its examples when this part of the run started (a resume's)
   int64_t order_epoch_ = -1;
   at::Tensor order_;
   bool done_ = false, in_window_ = false;  // checkpoints and resumes are at boundaries
@@ -118,8 +119,9 @@ void Loop::end_window(int64_t epoch, int64_t b) {
   // The step's record first: a checkpoint never holds a step whose record could be lost.
   outputs_->record(line.line());
   if (auto dir = checkpoints_->after_step(c, seen_, epoch, b, done_)) result_.checkpoint = *dir;
-  progress_->update(c.step, epoch, s_.window_loss, s_.lr, static_cast<double>(c.samples_seen) / std::max(t, 1e-9), t,
-                    recorder_.last_mfu());
+  // The world's examples since this part of the run started, over its time.
+  progress_->update(c.step, epoch, s_.window_loss, s_.lr, static_cast<double>(seen_.samples - seen_at_start_) / std::max(t, 1e-9),
+                    t, recorder_.last_mfu());
 }
 
 void Loop::open_window(int64_t epoch, int64_t b) {
@@ -337,6 +339,8 @@ FitResult Loop::fit(const Recipe& recipe) {
   const Start start = start_from(resumed);
   progress_.emplace(r_.plan.rank == 0 ? opts_.progress : ProgressMode::None, r_.total_steps,
                     r_.run.get_int("log_every"));
+  progress_->starting_at(s_.counters.step);
+  seen_at_start_ = seen_.samples;
   checkpoints_.emplace(r_, outputs);
   validate_every_ = r_.run.get_int("validate_every");
   stop_.start(s_.counters.step);

@@ -35,8 +35,12 @@ std::string cpu_model() {
 }
 
 /// The best rate of n x n products in `dtype` on `device`, over sizes large enough to reach the
-/// kernels' steady state: each size warmed up, then three timings of about 0.1 s each.
+/// kernels' steady state: each size warmed up, then three timings of about 0.1 s each. A product
+/// that takes longer than kSlow (a dtype without fast kernels here: bf16 emulated on a CPU, 4
+/// GFLOP/s) is at its steady state already: timed twice, and no larger size, so that the
+/// measurement stays within a few seconds.
 double time_products(at::Device device, at::ScalarType dtype) {
+  constexpr double kSlow = 0.2;
   const auto sync = [&] {
     if (device.is_cuda()) compat::cuda_synchronize();
   };
@@ -50,14 +54,17 @@ double time_products(at::Device device, at::ScalarType dtype) {
     sync();
     const double flop = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
     int64_t reps = 1;
-    for (int round = 0; round < 4; ++round) {
+    bool slow = false;
+    for (int round = 0; round < (slow ? 3 : 4); ++round) {
       const auto t0 = std::chrono::steady_clock::now();
       for (int64_t i = 0; i < reps; ++i) at::mm_out(c, a, b);
       sync();
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (round > 0) best = std::max(best, flop * static_cast<double>(reps) / secs / 1e9);
+      slow = slow || secs / static_cast<double>(reps) > kSlow;
       reps = std::max<int64_t>(1, static_cast<int64_t>(0.1 / std::max(secs / static_cast<double>(reps), 1e-6)));
     }
+    if (slow) break;
   }
   return best;
 }

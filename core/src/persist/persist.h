@@ -204,6 +204,7 @@ class RunOutputs {
 
   bool active_ = false, writes_ = false, resuming_ = false, auto_ = false, overwrite_ = false;
   std::filesystem::path dir_;
+  std::string where_;  // the recipe's place that names it (run.output, else run.name)
   const Recipe& recipe_;
   const ResolvedRecipe& resolved_;
   RunIdentity identity_;

@@ -43,6 +43,8 @@ RunOutputs::RunOutputs(const Run& run, const Recipe& recipe, const TrainerOption
       recipe_(recipe),
       resolved_(run.resolved) {
   dir_ = output_dir_of(run);
+  const char* key = run.run.get_string("output").empty() ? "name" : "output";
+  where_ = run.run.where(key).str() + ": run." + key;
   writes_ = opts.write_outputs;
   active_ = writes_ && run.plan.rank == 0;  // one rank writes for the world
   identity_ = run_identity(run);
@@ -52,7 +54,8 @@ void RunOutputs::claim() {
   if (!active_) return;
   std::error_code ec;
   fs::create_directories(dir_, ec);
-  if (ec) throw Error("cannot create output folder '" + dir_.string() + "': " + ec.message());
+  // Refused before anything is written: no folder, nothing of the run in it.
+  if (ec) throw RunRefused(where_ + ": cannot create the output folder '" + dir_.string() + "': " + ec.message());
   lock_.acquire(dir_);
   if (!resuming_ && !auto_) clear_for_new_run(false);
 }
@@ -145,13 +148,30 @@ void RunOutputs::open(const std::optional<Checkpoint>& resumed) {
   if (resumed) {  // keep the records up to the checkpoint, drop any written after it
     std::ifstream in(file);
     std::string kept;
+    int64_t last = 0;
     for (std::string line; std::getline(in, line);) {
       const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (record.is_discarded() || !record.is_object()) continue;  // a line torn by a full disk
       const auto step = record.find("step");
-      if (step == record.end() || !step->is_number_integer() || step->get<int64_t>() <= resumed->position.counters.step)
-        kept += line + "\n";
+      const bool counted = step != record.end() && step->is_number_integer();
+      if (counted) last = std::max(last, step->get<int64_t>());
+      if (!counted || step->get<int64_t>() <= resumed->position.counters.step) kept += line + "\n";
     }
+    // Resumed from a checkpoint behind a later one (picked by hand): what came after it is trained
+    // again, and its records go. Said, as it drops what the folder held. (Records after the newest
+    // checkpoint, of a run killed between two, go without a word: they are trained again alike.)
+    int64_t later = 0;
+    std::error_code ec;
+    for (fs::directory_iterator it(dir_ / "checkpoints", ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      const bool step = name.rfind("step-", 0) == 0 && name.size() > 5 && name.size() < 23;
+      if (step && name.find_first_not_of("0123456789", 5) == std::string::npos)
+        later = std::max<int64_t>(later, std::stoll(name.substr(5)));
+    }
+    if (later > resumed->position.counters.step && last > resumed->position.counters.step)
+      spdlog::warn("{} is at step {}; the run had recorded up to step {}: its records of steps {} to {} are dropped from "
+                   "metrics.jsonl, and its later checkpoints replaced as it trains them again",
+                   resumed->dir.string(), resumed->position.counters.step, last, resumed->position.counters.step + 1, last);
     write_atomic(file, kept);
     metrics_.open(file, /*truncate=*/false);
   } else {

@@ -167,13 +167,7 @@ class WorldChange {
 
   int64_t batch() const noexcept { return batch_; }
 
- private:
-  static Fit why(std::string what) {
-    Fit f;
-    f.why = std::move(what);
-    return f;
-  }
-
+  /// The run going on over `world` ranks in micro-batches of m x k, or why it cannot with the same steps.
   Fit with(int64_t world, int64_t m, int64_t k) const {
     const std::string w = std::to_string(world), split = std::to_string(m) + " x " + std::to_string(k);
     const int64_t at = pos_.next_batch * pos_.micro_batch * pos_.world_size;  // the next window's first position
@@ -203,6 +197,13 @@ class WorldChange {
     f.m = m;
     f.k = k;
     f.next_batch = from.batch;
+    return f;
+  }
+
+ private:
+  static Fit why(std::string what) {
+    Fit f;
+    f.why = std::move(what);
     return f;
   }
 
@@ -236,17 +237,31 @@ void continue_on_world(Run& r, Checkpoint& ck) {
     pos.world_size = now;
     pos.seen = {pos.counters.samples_seen * now, pos.counters.tokens_seen * now};
   }
-  if (before <= 0 || before == now || pos.counters.step >= pos.counters.total_steps) return;
+  // The same world split otherwise (the recipe's micro-batch or accumulation changed, let through
+  // with --allow-change): carried over as to another world, the same examples in each step. (A
+  // measured micro-batch is the checkpoint's: Loop::start_from.)
+  const PlanValues& p = r.plan;
+  const bool resplit = before == now && !p.micro_batch_auto && pos.micro_batch > 0 && pos.accumulation > 0 &&
+                       (pos.micro_batch != p.micro_batch || pos.accumulation != p.accumulation);
+  if (before <= 0 || (before == now && !resplit) || pos.counters.step >= pos.counters.total_steps) return;
   const std::string dir = ck.dir.string(), ranks = std::to_string(before) + (before == 1 ? " rank" : " ranks");
-  const std::string refused = "cannot continue " + dir + ", trained on " + ranks + ", on " + std::to_string(now) +
-                              " with the same steps: ";
+  const std::string refused =
+      "cannot continue " + dir + ", trained " +
+      (resplit ? "in micro-batches of " + std::to_string(pos.micro_batch) + " x " + std::to_string(pos.accumulation) +
+                     " per rank, in micro-batches of " + std::to_string(p.micro_batch) + " x " + std::to_string(p.accumulation)
+               : "on " + ranks + ", on " + std::to_string(now)) +
+      " with the same steps: ";
+  if (resplit && p.micro_batch * p.accumulation != pos.micro_batch * pos.accumulation)
+    throw RunRefused(refused + "a step of " + std::to_string(pos.micro_batch * pos.accumulation * now) + " examples is not one of " +
+                     std::to_string(p.micro_batch * p.accumulation * now) + ": the examples a step takes cannot change on "
+                     "a resume, only how they are split into micro-batches");
   if (pos.accumulation <= 0 || pos.micro_batch <= 0)
     throw RunRefused(refused + "it was written by a trainkit that did not record its window; resume it on " + ranks);
   if (const std::string why = regrouping_changes_step(r); !why.empty()) throw RunRefused(refused + why);
   const WorldChange change(r, pos);
-  const Fit fit = change.on(now);
+  const Fit fit = resplit ? change.with(now, p.micro_batch, p.accumulation) : change.on(now);
   if (!fit.why.empty()) {
-    const std::string fits = change.worlds_that_fit();
+    const std::string fits = resplit ? "" : change.worlds_that_fit();
     throw RunRefused(refused + fit.why +
                      (fits.empty() ? "" : "; it continues exactly on " + fits + (fits == "1" ? " rank" : " ranks")));
   }
@@ -258,8 +273,12 @@ void continue_on_world(Run& r, Checkpoint& ck) {
   r.plan.micro_batch = fit.m;
   r.plan.accumulation = fit.k;
   shape_windows(r);
-  spdlog::info("continuing the run of {} on {}: {} examples a step, micro-batches of {} x {} per rank{}, from the same "
-               "example on", ranks, now, change.batch(), fit.m, fit.k, planned);
+  if (resplit)
+    spdlog::info("continuing the run in micro-batches of {} x {} per rank (it trained in {} x {}): {} examples a step, "
+                 "from the same example on", fit.m, fit.k, pos.micro_batch, pos.accumulation, change.batch());
+  else
+    spdlog::info("continuing the run of {} on {}: {} examples a step, micro-batches of {} x {} per rank{}, from the same "
+                 "example on", ranks, now, change.batch(), fit.m, fit.k, planned);
   pos.next_batch = fit.next_batch;
   pos.micro_batch = fit.m;
   pos.accumulation = fit.k;

@@ -29,7 +29,7 @@ std::string describe(Run& d, const Recipe& recipe) {
       << "loss          " << d.loss_name << " (reduction " << to_string(p.reduction) << ")\n"
       << "optimizer     " << d.opt_name << " (lr " << to_toml(d.base_lr) << ")\n"
       << "schedule      " << d.sched_name << ", advanced once per optimizer step\n"
-      << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " per epoch"
+      << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " micro-batches per epoch"
       << (p.world_size > 1 ? " (each rank reads " + std::to_string(d.shard_size()) + " examples per epoch)" : "")
       << "\n";
   if (p.micro_batch_auto) {

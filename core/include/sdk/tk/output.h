@@ -79,6 +79,9 @@ class Progress {
   /// The same, with the step's model FLOPs utilization (shown when finite).
   void update(int64_t step, int64_t epoch, double loss, double lr, double samples_per_s, double elapsed_s,
               double mfu);
+  /// The run goes on from optimizer step `step` (a resume): the time left is reckoned from the
+  /// steps after it, not from the whole run's.
+  void starting_at(int64_t step) noexcept { first_ = step; }
   /// A line of its own (validation results), keeping the live line intact.
   void note(const std::string& line);
   /// Ends the live line.
@@ -89,6 +92,7 @@ class Progress {
   bool quiet_ = false;
   bool open_ = false;
   int64_t total_, every_;
+  int64_t first_ = 0;  // the step this part of the run started after
 };
 
 /// "1m05s", "12.3s".
