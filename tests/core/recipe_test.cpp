@@ -144,8 +144,8 @@ TEST_SUITE("recipe") {
     CHECK(tk::to_toml(tk::OptionValue{1e-8}) == "1e-08");
     CHECK(tk::to_toml(tk::OptionValue{std::string("a\"b")}) == "\"a\\\"b\"");
     CHECK(tk::to_toml(tk::OptionValue{std::vector<int64_t>{1, 2}}) == "[1, 2]");
-    CHECK(tk::to_toml(tk::OptionValue{300.0}) == "300.0");  // not 3e+02
-    CHECK(tk::to_toml(tk::OptionValue{-1e20}) == "-1e+20");
+    // The shortest that reads back (a run's identity compares these: their form does not change).
+    CHECK(tk::to_toml(tk::OptionValue{10000.0}) == "1e+04");
     // Control characters escaped: a document separator of "\n%\n" reads back as itself.
     const std::string sep = "\n%\n\t\x01";
     CHECK(tk::to_toml(tk::OptionValue{sep}) == "\"\\n%\\n\\t\\u0001\"");

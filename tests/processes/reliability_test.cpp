@@ -386,6 +386,16 @@ TEST_SUITE("reliability") {
     // A mean loss without a plugin that normalizes a window cannot accumulate: the window stays 1.
     CHECK(has(moved, "continuing the run of 2 ranks on 1: 8 examples a step, micro-batches of 8 x 1 per rank"));
     CHECK((weights(root / "moved") - weights(root / "alone")).abs().max().item<double>() <= 1e-12);
+    // Killed again on 1 rank, its checkpoint in the split it was carried into: a restart on the
+    // same world goes on in that split (not the recipe's 4 x 1, which takes other steps).
+    REQUIRE(tk_run(root / "twice", recipe, sets + "--nproc 2", "TK_FAULT=checkpoint-done:1").rc == 1);
+    REQUIRE(tk_run(root / "twice", recipe, "--set run.steps=8 --set run.checkpoint_every=2 --resume latest",
+                   "TK_FAULT=checkpoint-done:1").rc == 128 + SIGKILL);
+    auto twice = tk_run(root / "twice", recipe, sets + "--resume latest");
+    INFO(twice.out);
+    REQUIRE(twice.rc == 0);
+    CHECK(has(twice, "continuing the run in its micro-batches of 8 x 1 per rank (in place of the plan's 4 x 1): 8 examples a step"));
+    CHECK((weights(root / "twice") - weights(root / "alone")).abs().max().item<double>() <= 1e-12);
     fs::remove_all(root);
   }
 

@@ -258,14 +258,32 @@ static std::string format_double(double d) {
       break;
     }
   }
-  // A whole number that %g wrote with an exponent (3e+02): as the number it is, where that is short.
-  if (s.find_first_of("eE") != std::string::npos && std::fabs(d) >= 1 && std::fabs(d) < 1e15 && d == std::floor(d)) {
-    std::snprintf(buf, sizeof buf, "%.0f", d);
-    s = buf;
-  }
   if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
   return s;
 }
+
+namespace detail {
+std::string escape_controls(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (u < 0x20 || u == 0x7f) {
+      char esc[8];
+      std::snprintf(esc, sizeof esc, "\\u%04X", u);
+      out += esc;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+}  // namespace detail
 
 std::string to_toml(const OptionValue& v) {
   struct Visitor {
@@ -275,27 +293,12 @@ std::string to_toml(const OptionValue& v) {
     std::string operator()(const std::string& s) const {
       // A basic string: quotes, backslashes and control characters escaped (a literal newline, in
       // a data set's document separator say, is no TOML).
-      std::string out = "\"";
+      std::string out;
       for (char c : s) {
-        const auto u = static_cast<unsigned char>(c);
-        if (c == '"' || c == '\\') {
-          out += '\\';
-          out += c;
-        } else if (c == '\n') {
-          out += "\\n";
-        } else if (c == '\t') {
-          out += "\\t";
-        } else if (c == '\r') {
-          out += "\\r";
-        } else if (u < 0x20 || u == 0x7f) {
-          char esc[8];
-          std::snprintf(esc, sizeof esc, "\\u%04X", u);
-          out += esc;
-        } else {
-          out += c;
-        }
+        if (c == '"' || c == '\\') out += '\\';
+        out += c;
       }
-      return out + "\"";
+      return "\"" + detail::escape_controls(out) + "\"";
     }
     std::string operator()(const std::vector<int64_t>& xs) const {
       std::string out = "[";

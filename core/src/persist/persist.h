@@ -124,8 +124,11 @@ void agree_on_identity(World& world, const RunIdentity& identity);
 /// re-derived so that every step ahead takes the examples it takes on the ranks that wrote it
 /// (the checkpoint's micro-batch with another window where the run may accumulate, else its window
 /// with another micro-batch), the windows reshaped and the position converted; refused, naming
-/// why and the world sizes that would go on exactly, when no split does. Nothing on the same world.
-void continue_on_world(Run& run, Checkpoint& checkpoint);
+/// why and the world sizes that would go on exactly, when no split does. On the same world, a
+/// split that differs from the checkpoint's is carried over alike: the recipe's, where a change of
+/// the batch was let through (`split_allowed`: refused when its steps take another number of
+/// examples), else the checkpoint's own (a run that went on from another world size).
+void continue_on_world(Run& run, Checkpoint& checkpoint, bool split_allowed);
 /// The checkpoint "--resume auto" continues: the newest complete one under `output_dir`, none when
 /// there is none; refused when the ranks of a world find different ones.
 std::optional<std::filesystem::path> checkpoint_to_continue(Run& run, const std::filesystem::path& output_dir);
@@ -205,6 +208,7 @@ class RunOutputs {
   bool active_ = false, writes_ = false, resuming_ = false, auto_ = false, overwrite_ = false;
   std::filesystem::path dir_;
   std::string where_;  // the recipe's place that names it (run.output, else run.name)
+  bool named_ = false;  // resumed from a checkpoint folder given by hand (not "latest" or "auto")
   const Recipe& recipe_;
   const ResolvedRecipe& resolved_;
   RunIdentity identity_;

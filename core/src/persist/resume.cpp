@@ -14,6 +14,11 @@ namespace fs = std::filesystem;
 
 namespace tk::detail {
 
+/// `text` with its control characters escaped as to_toml writes them in a string (api/options.cpp).
+/// A run.json of earlier versions holds them raw (a newline in a data set's document separator):
+/// compared escaped, it is the same run.
+std::string escape_controls(const std::string& text);
+
 RunIdentity run_identity(const Run& r) {
   // What may change between a run and its resume without changing what it trains.
   static const std::set<std::string> kMayChange = {
@@ -146,6 +151,7 @@ std::optional<std::set<std::string>> plugins_of(const std::vector<std::pair<std:
   return std::nullopt;
 }
 
+
 /// Compares the checkpoint's run with this one. A key the checkpoint does not record is an option
 /// the trainkit (or plugin) that wrote it did not have yet: left at its default, it trains what that
 /// one trained, and is no difference. The options of a plugin the checkpoint's run did not have are
@@ -187,7 +193,7 @@ Differences differences(const CheckpointRecord& saved, const RunIdentity& now, c
       out.unrecorded_data = true;
     else if (!old && now.defaults.count(k) && !of_added_plugin(k))
       out.defaults.push_back(k + " = " + v);
-    else if (!old || *old != v)
+    else if (!old || escape_controls(*old) != v)
       (is_allowed(k) ? out.allowed : out.refused).push_back(k + ": " + show(old) + " -> " + v);
     if (it != before.end()) before.erase(it);
   }
@@ -253,7 +259,11 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
                      "changes: resume without the ones the error above concerns");
   }
   restore_plugin_states(r, resumed);
-  continue_on_world(r, resumed);
+  // A change of the batch let through: the recipe's split of the step, from the same example on.
+  const bool split_allowed = std::any_of(diff.allowed.begin(), diff.allowed.end(), [](const std::string& d) {
+    return d.rfind("batch.", 0) == 0;
+  });
+  continue_on_world(r, resumed, split_allowed);
   if (resumed.position.counters.total_steps != r.total_steps) {
     // Where the length itself was let through, that is the change; else one that makes an epoch's steps.
     const bool length = changes_length(diff.allowed);

@@ -42,6 +42,7 @@ RunOutputs::RunOutputs(const Run& run, const Recipe& recipe, const TrainerOption
       overwrite_(opts.overwrite),
       recipe_(recipe),
       resolved_(run.resolved) {
+  named_ = resuming_ && *opts.resume != "latest";  // a checkpoint folder given by hand
   dir_ = output_dir_of(run);
   const char* key = run.run.get_string("output").empty() ? "name" : "output";
   where_ = run.run.where(key).str() + ": run." + key;
@@ -157,9 +158,10 @@ void RunOutputs::open(const std::optional<Checkpoint>& resumed) {
       if (counted) last = std::max(last, step->get<int64_t>());
       if (!counted || step->get<int64_t>() <= resumed->position.counters.step) kept += line + "\n";
     }
-    // Resumed from a checkpoint behind a later one (picked by hand): what came after it is trained
-    // again, and its records go. Said, as it drops what the folder held. (Records after the newest
-    // checkpoint, of a run killed between two, go without a word: they are trained again alike.)
+    // Resumed from a checkpoint picked by hand behind a later one: what came after it is trained
+    // again, and its records go. Said, as it drops what the folder held. (Records after the
+    // checkpoint "latest" names, of a run killed between two, go without a word: they are trained
+    // again alike.)
     int64_t later = 0;
     std::error_code ec;
     for (fs::directory_iterator it(dir_ / "checkpoints", ec), end; !ec && it != end; it.increment(ec)) {
@@ -168,7 +170,7 @@ void RunOutputs::open(const std::optional<Checkpoint>& resumed) {
       if (step && name.find_first_not_of("0123456789", 5) == std::string::npos)
         later = std::max<int64_t>(later, std::stoll(name.substr(5)));
     }
-    if (later > resumed->position.counters.step && last > resumed->position.counters.step)
+    if (named_ && later > resumed->position.counters.step && last > resumed->position.counters.step)
       spdlog::warn("{} is at step {}; the run had recorded up to step {}: its records of steps {} to {} are dropped from "
                    "metrics.jsonl, and its later checkpoints replaced as it trains them again",
                    resumed->dir.string(), resumed->position.counters.step, last, resumed->position.counters.step + 1, last);

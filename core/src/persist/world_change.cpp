@@ -230,16 +230,17 @@ std::string regrouping_changes_step(Run& r) {
 
 }  // namespace
 
-void continue_on_world(Run& r, Checkpoint& ck) {
+void continue_on_world(Run& r, Checkpoint& ck, bool split_allowed) {
   TrainingPosition& pos = ck.position;
   const int64_t before = pos.world_size, now = r.plan.world_size;
   if (before <= 0) {  // a checkpoint that does not say: of this world, as before its world was recorded
     pos.world_size = now;
     pos.seen = {pos.counters.samples_seen * now, pos.counters.tokens_seen * now};
   }
-  // The same world split otherwise (the recipe's micro-batch or accumulation changed, let through
-  // with --allow-change): carried over as to another world, the same examples in each step. (A
-  // measured micro-batch is the checkpoint's: Loop::start_from.)
+  // The same world split otherwise: carried over as to another world, the same examples in each
+  // step, in the recipe's split where a change of the batch was let through, else in the
+  // checkpoint's (a run that went on from another world size keeps the split it was carried into).
+  // (A measured micro-batch is the checkpoint's: Loop::start_from.)
   const PlanValues& p = r.plan;
   const bool resplit = before == now && !p.micro_batch_auto && pos.micro_batch > 0 && pos.accumulation > 0 &&
                        (pos.micro_batch != p.micro_batch || pos.accumulation != p.accumulation);
@@ -248,10 +249,10 @@ void continue_on_world(Run& r, Checkpoint& ck) {
   const std::string refused =
       "cannot continue " + dir + ", trained " +
       (resplit ? "in micro-batches of " + std::to_string(pos.micro_batch) + " x " + std::to_string(pos.accumulation) +
-                     " per rank, in micro-batches of " + std::to_string(p.micro_batch) + " x " + std::to_string(p.accumulation)
+                     " per rank, as " + std::to_string(p.micro_batch) + " x " + std::to_string(p.accumulation)
                : "on " + ranks + ", on " + std::to_string(now)) +
       " with the same steps: ";
-  if (resplit && p.micro_batch * p.accumulation != pos.micro_batch * pos.accumulation)
+  if (resplit && split_allowed && p.micro_batch * p.accumulation != pos.micro_batch * pos.accumulation)
     throw RunRefused(refused + "a step of " + std::to_string(pos.micro_batch * pos.accumulation * now) + " examples is not one of " +
                      std::to_string(p.micro_batch * p.accumulation * now) + ": the examples a step takes cannot change on "
                      "a resume, only how they are split into micro-batches");
@@ -259,7 +260,7 @@ void continue_on_world(Run& r, Checkpoint& ck) {
     throw RunRefused(refused + "it was written by a trainkit that did not record its window; resume it on " + ranks);
   if (const std::string why = regrouping_changes_step(r); !why.empty()) throw RunRefused(refused + why);
   const WorldChange change(r, pos);
-  const Fit fit = resplit ? change.with(now, p.micro_batch, p.accumulation) : change.on(now);
+  const Fit fit = resplit && split_allowed ? change.with(now, p.micro_batch, p.accumulation) : change.on(now);
   if (!fit.why.empty()) {
     const std::string fits = resplit ? "" : change.worlds_that_fit();
     throw RunRefused(refused + fit.why +
@@ -273,15 +274,22 @@ void continue_on_world(Run& r, Checkpoint& ck) {
   r.plan.micro_batch = fit.m;
   r.plan.accumulation = fit.k;
   shape_windows(r);
-  if (resplit)
+  if (resplit && (fit.m != pos.micro_batch || fit.k != pos.accumulation))
     spdlog::info("continuing the run in micro-batches of {} x {} per rank (it trained in {} x {}): {} examples a step, "
                  "from the same example on", fit.m, fit.k, pos.micro_batch, pos.accumulation, change.batch());
+  else if (resplit)
+    spdlog::info("continuing the run in its micro-batches of {} x {} per rank{}: {} examples a step", fit.m, fit.k,
+                 planned, change.batch());
   else
     spdlog::info("continuing the run of {} on {}: {} examples a step, micro-batches of {} x {} per rank{}, from the same "
                  "example on", ranks, now, change.batch(), fit.m, fit.k, planned);
   pos.next_batch = fit.next_batch;
   pos.micro_batch = fit.m;
   pos.accumulation = fit.k;
+  if (before == now) {  // the same ranks: their own counts stand
+    pos.counters.batch_in_epoch = std::max<int64_t>(fit.next_batch - 1, 0);
+    return;
+  }
   pos.world_size = now;
   // A rank's counts: its share of the world's (the tokens of one rank's share differ a little).
   pos.counters.samples_seen = pos.seen.samples / now;

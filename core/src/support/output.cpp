@@ -88,7 +88,7 @@ void Progress::update(int64_t step, int64_t epoch, double loss, double lr, doubl
                       double mfu) {
   if (quiet_) return;
   const bool last = step == total_;
-  if (!live_ && step % every_ != 0 && !last && step != 1) return;
+  if (!live_ && step % every_ != 0 && !last && step != first_ + 1) return;
   const double eta = step > first_ ? elapsed / static_cast<double>(step - first_) * static_cast<double>(total_ - step) : 0.0;
   char rate[32] = "";
   if (std::isfinite(mfu)) std::snprintf(rate, sizeof rate, "  mfu %.2f", mfu);
