@@ -1241,8 +1241,12 @@ TEST_SUITE("recompute") {
     // reported (it crashed restoring them).
     auto failed = tk_run(root / "failed", automatic + "[[plugins]]\nname = \"probe\"\nthrow_at_step = 0\n", sets + budget(1e9));
     CHECK(failed.rc != 0);
+    INFO(failed.out);
     CHECK(failed.out.find("plugin 'probe' failed in event backward at step 0") != std::string::npos);
-    CHECK(failed.out.find("signal") == std::string::npos);
+    // No rank crashed. (Both ranks refuse: the one that recorded it first may be stopped by the
+    // launcher, SIGTERM, on its way out once the other has exited; that is no crash.)
+    for (const char* crash : {"signal 11 (", "signal 6 (", "signal 7 (", "signal 4 (", "signal 8 ("})
+      CHECK(failed.out.find(crash) == std::string::npos);
     auto by_hand = tk_run(root / "by-hand", base + plugins + "[[plugins]]\nname = \"recompute\"\nmodules = [" + modules + "]\n",
                           "--nproc 2 --set run.steps=3 --set batch.micro_batch=" + std::to_string(m) + " --set batch.effective_batch=16");
     INFO(by_hand.out);
