@@ -44,8 +44,12 @@ uint64_t data_seed(const Options& o, uint64_t run_seed) {
 void check_positive(const Options& o, std::initializer_list<const char*> keys) {
   for (const char* k : keys)
     if (o.get_int(k) < 1) o.fail(k, "must be >= 1, got " + std::to_string(o.get_int(k)));
+  // One class is every example's target: a cross-entropy over it is 0 whatever the model computes.
+  if (o.has("classes") && o.get_int("classes") == 1)
+    o.fail("classes", "must be >= 2: with one class every target is that class, and a loss over one class "
+                      "is 0 whatever the model predicts (nothing to learn)");
   if (o.has("noise") && !(std::isfinite(o.get_float("noise")) && o.get_float("noise") >= 0))
-    o.fail("noise", "must be a finite number >= 0, got " + std::to_string(o.get_float("noise")));
+    o.fail("noise", "must be a finite number >= 0, got " + c10::str(o.get_float("noise")));
 }
 
 /// Refuses synthetic data whose tensors (`values` numbers per example, float32, a few temporaries

@@ -610,7 +610,7 @@ GptShape gpt_shape_of(const Options& o, const DataInfo& d) {
   if (s.rotary && s.head_dim() % 2 != 0)
     o.fail("position", "rotary positions turn pairs of features, but each head has " + std::to_string(s.head_dim()) +
                            " (width / heads must be even)");
-  if (!(s.rotary_base > 1.0)) o.fail("rotary_base", "must be > 1, got " + std::to_string(s.rotary_base));
+  if (!(s.rotary_base > 1.0)) o.fail("rotary_base", "must be > 1, got " + c10::str(s.rotary_base));
   return s;
 }
 

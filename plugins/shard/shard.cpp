@@ -140,13 +140,16 @@ class Shard final : public tk::Plugin {
       for (const auto& n : notes_) ctx.warn(n);
     if (!sharded_ || ctx.trial()) return;
     const int size = ctx.world_size(), rank = ctx.rank();
+    if (size == 1)
+      return ctx.info("stage " + std::to_string(stage_) + " in a world of one rank: it holds and updates every "
+                      "parameter, nothing is sharded or gathered");
     int64_t total = 0;
     for (int r = 0; r < size; ++r) total += sharded_->owned_bytes(r);
     const auto& owners = sharded_->owners();
     std::ostringstream m;
     m << "stage " << stage_ << ": the optimizer state"
       << (stage_ == 3 ? ", the gradients and the parameters are" : stage_ == 2 ? " and the gradients are" : " is")
-      << " sharded over " << size << " rank" << (size == 1 ? "" : "s") << "; this rank updates "
+      << " sharded over " << size << " ranks; this rank updates "
       << std::count(owners.begin(), owners.end(), rank) << " of " << owners.size() << " tensors ("
       << sharded_->owned_bytes(rank) << " of " << total << " bytes of parameters)";
     if (stage_ >= 2) m << "; gradients summed onto their owners during " << (reduce_ == "window" ? "each window's last backward" : "every backward");

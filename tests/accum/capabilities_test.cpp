@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 
@@ -332,6 +333,19 @@ TEST_SUITE("accumulation capabilities") {
     const Trained by_hand = train({"batch.micro_batch=16"}, with_grad_accum("steps = 4"));
     CHECK(automatic.plan.micro_batch == 16);
     CHECK(torch::equal(automatic.params, by_hand.params));  // the trials left nothing behind
+    // A budget beyond the machine's memory is questioned: the micro-batch it picks may not fit.
+    auto questioned = [](const std::vector<std::string>& warnings) {
+      return std::any_of(warnings.begin(), warnings.end(), [](const std::string& w) {
+        return w.find("memory_budget 64 TiB is more than this machine has (") != std::string::npos;
+      });
+    };
+    CHECK_FALSE(questioned(automatic.warnings));
+    {
+      tk::Trainer t(tkt::recipe({"batch.micro_batch=\"auto\""}, with_grad_accum("effective_batch = 64\nmemory_budget = \"64TiB\"").c_str()),
+                    tkt::quiet());
+      CHECK(seen(t.plan()).micro_batch == 64);
+      CHECK(questioned(t.warnings()));
+    }
 
     // Too small a budget, and no budget on the CPU, are refused with the figures.
     std::string e = plan_error({"batch.micro_batch=\"auto\""}, with_grad_accum("effective_batch = 64\nmemory_budget = \"1kB\""));

@@ -122,6 +122,11 @@ TEST_SUITE("elastic") {
     auto other = tk_run(root / "other", kEffective, one + "--resume auto");
     CHECK(other.rc == 2);
     CHECK(has(other, "--resume auto continues only a run of this same recipe"));
+    // Its own recipe, with what a resume may change changed (run.log_every): the same run, started again.
+    auto own = tk_run(root / "other", kEffective, one + "--set optimizer.lr=0.05 --set run.log_every=3 --resume auto");
+    INFO(own.out);
+    CHECK(own.rc == 0);
+    CHECK(has(own, "holds no checkpoint of this run yet; starting it again from step 0"));
     fs::remove_all(root);
   }
 

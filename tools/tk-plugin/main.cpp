@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
     if (*cmd_check) return nproc > 1 ? check_in_world(file, options, neutral, nproc) : check(file, options, neutral);
     return info(file);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tk-plugin: error: %s\n", e.what());
+    std::fprintf(stderr, "tk-plugin%s%s\n", tk::kErrorMark, e.what());
     return 2;
   }
 }

@@ -54,7 +54,7 @@ struct Worker {
 /// it once: the others say theirs is the same.
 class Output {
  public:
-  explicit Output(const std::string& program) : marker_(program + ": error: ") {}
+  explicit Output(const std::string& program) : marker_(program + kErrorMark) {}
 
   /// Reads what `w` has written; returns false at the end of its output (or on a read error).
   bool drain(int rank, Worker& w) {

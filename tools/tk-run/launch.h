@@ -5,6 +5,10 @@
 
 namespace tk {
 
+/// What follows a worker's program name where it prints an error ("tk-run: error: ..."): the
+/// launcher knows a worker's error by it, to print an error every rank makes once.
+inline constexpr const char* kErrorMark = ": error: ";
+
 struct LaunchOptions {
   int nproc = 1;              ///< workers on this node
   int nnodes = 1;             ///< nodes, each with its own launcher and nproc workers

@@ -33,6 +33,9 @@
 
 namespace {
 
+/// An error for the person who started the run, as the launcher knows one ("tk-run: error: ...").
+void print_error(const char* what) { std::fprintf(stderr, "tk-run%s%s\n", tk::kErrorMark, what); }
+
 volatile std::sig_atomic_t g_stop_signal = 0;
 /// Whether a second stop signal stops at once. Not in a rank of a launch (tk-run --nproc's,
 /// torchrun's; WORLD_SIZE set): a terminal's Ctrl-C reaches the launcher and every rank, and the
@@ -378,9 +381,9 @@ int launch(int argc, char** argv, Cli& c, const tk::Recipe& recipe) {
     const int copies = c.launch.nproc * c.launch.nnodes;
     const std::string flags = "--nproc " + std::to_string(c.launch.nproc) +
                               (c.launch.nnodes > 1 ? " --nnodes " + std::to_string(c.launch.nnodes) : "");
-    std::fprintf(stderr, "tk-run: error: %s: %s needs a plugin that sums the gradients across the processes (%s), "
+    std::fprintf(stderr, "tk-run%s%s: %s needs a plugin that sums the gradients across the processes (%s), "
                  "such as ddp: add [[plugins]] name = \"ddp\" to the recipe; this one would train %d independent "
-                 "copies of the run\n", recipe.source().c_str(), flags.c_str(), tk::cap::kGradsSynced.name().c_str(), copies);
+                 "copies of the run\n", tk::kErrorMark, recipe.source().c_str(), flags.c_str(), tk::cap::kGradsSynced.name().c_str(), copies);
     return kExitUsage;
   }
   // The launchers of several nodes wait for one another as long as the ranks would.
@@ -503,7 +506,7 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     // Rank 0's alone: every rank's is the same run (a launch of 4 printed it 4 times).
     if (tk::launch_rank() == 0) spdlog::info("plan:\n{}", plan);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+    print_error(e.what());
     return failure_kind(e) == "refused" ? kExitUsage : kExitFailed;  // a timed-out rendezvous may pass again
   }
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) std::signal(sig, on_stop_signal);
@@ -512,11 +515,21 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     return report_fit(argc, argv, c, *trainer, trainer->fit());
   } catch (const std::exception& e) {
     if (failure_kind(e) == "refused") {  // a resume's refusal: nothing was trained, nothing changed
-      std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+      // A stop while the world was still meeting (a job stopped as it starts) is a stop, not an error.
+      if (g_stop_signal) {
+        std::fprintf(stderr, "tk-run: %s (signal %d)\n", e.what(), static_cast<int>(g_stop_signal));
+        return 128 + static_cast<int>(g_stop_signal);
+      }
+      print_error(e.what());
       return kExitUsage;
     }
     spdlog::error("{}", e.what());
-    std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in its output folder\n");
+    std::error_code ec;
+    const std::filesystem::path out = trainer->output_dir();
+    if (!out.empty() && std::filesystem::exists(out / "status.json", ec))
+      std::fprintf(stderr, "tk-run: the run failed; what it wrote so far is kept in %s\n", out.c_str());
+    else
+      std::fprintf(stderr, "tk-run: the run failed before it wrote anything\n");
     if (c.report) write_report(*trainer);
     return kExitFailed;
   }
@@ -552,7 +565,7 @@ int main(int argc, char** argv) {
     for (const auto& o : c.overrides) recipe->apply_override(o);
     if (c.launch.nproc > 1 || c.launch.nnodes > 1 || c.launch.max_restarts > 0) return launch(argc, argv, c, *recipe);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tk-run: error: %s\n", e.what());
+    print_error(e.what());
     return kExitUsage;
   }
   return train(argc, argv, c, std::move(*recipe));

@@ -214,6 +214,10 @@ void configure_options(Plugin& p, const std::string& toml);
 /// " (TK_MACHINE_MEMORY)" where that variable sets the machine's memory (machine_memory_bytes), for
 /// the refusals that quote it; else "".
 std::string machine_memory_note();
+/// `text` with its control characters escaped as to_toml writes them in a string (options.cpp). A
+/// run.json of earlier versions holds them raw (a newline in a data set's document separator):
+/// compared escaped, it is the same run.
+std::string escape_controls(const std::string& text);
 /// require_memory's refusal: a RecipeError, told apart where the core adds what it knows of the run.
 class MemoryRefusal : public RecipeError {
  public:

@@ -124,6 +124,7 @@ PluginLoader loader_for(const Recipe& recipe, const TrainerOptions& opts) {
 void assemble(Run& r, const Recipe& recipe, const TrainerOptions& opts) {
   recipe.check_sections(kSections);
   r.may_join_world = opts.join_world;
+  r.stop_requested = opts.stop_requested;
   machine_memory_bytes();  // a bad TK_MACHINE_MEMORY refused here, not by the first component to check its memory
   read_run_section(r, recipe);
   load_standard_libraries(r.registry);

@@ -113,6 +113,9 @@ namespace tk::detail {
 /// keys, in the [data] section, so that `--allow-change data.fingerprint` lets a change of the files
 /// through, and `--allow-change data` any change of the data.
 inline constexpr const char* kDataKey = "data.fingerprint";
+/// Whether recipe `key` ("run.log_every") may change between a run and its resume without changing
+/// what the run trains.
+bool may_change_on_resume(const std::string& key);
 /// What determines `run`: its resolved recipe without the keys that may change on resume, what its
 /// data set's files hold, and its world size.
 RunIdentity run_identity(const Run& run);

@@ -1,6 +1,7 @@
 // What a run is (its identity, as checkpoints record it) and continuing one from a checkpoint:
 // the recorded run compared with this one, then model, optimizer, generators and plugin states.
 #include <algorithm>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <set>
@@ -14,22 +15,20 @@ namespace fs = std::filesystem;
 
 namespace tk::detail {
 
-/// `text` with its control characters escaped as to_toml writes them in a string (api/options.cpp).
-/// A run.json of earlier versions holds them raw (a newline in a data set's document separator):
-/// compared escaped, it is the same run.
-std::string escape_controls(const std::string& text);
-
-RunIdentity run_identity(const Run& r) {
-  // What may change between a run and its resume without changing what it trains.
+bool may_change_on_resume(const std::string& key) {
   static const std::set<std::string> kMayChange = {
       "run.name",         "run.output",      "run.max_time",    "run.log_every",        "run.validate_every",
       "run.trace",        "run.measure_memory", "run.phase_times", "run.peak_gflops",    "run.checkpoint_every",
       "run.checkpoint_keep", "run.prefetch", "run.allocator", "world.backend", "world.timeout_s", "world.rendezvous_timeout_s"};
+  return kMayChange.count(key) > 0;
+}
+
+RunIdentity run_identity(const Run& r) {
   RunIdentity id;
   id.world_size = r.plan.world_size;
   id.retired = r.resolved.retired();
   for (auto& [k, v, is_default, same_on_cpu] : r.resolved.values()) {
-    if (kMayChange.count(k)) continue;
+    if (may_change_on_resume(k)) continue;
     // Values its component declares bit-identical on the CPU (an optimizer's per_tensor and
     // foreach steps) are not part of what a run is there.
     if (same_on_cpu && r.device.is_cpu()) continue;
@@ -210,11 +209,16 @@ std::string length_note(const fs::path& dir) {
          "[model] init = \"" + (dir / "model.pt").string() + "\"";
 }
 
-/// Whether one of these differences (`key: before -> after`) is the run's length itself.
-bool changes_length(const std::vector<std::string>& differences) {
-  return std::any_of(differences.begin(), differences.end(), [](const std::string& d) {
-    return d.rfind("run.steps:", 0) == 0 || d.rfind("run.epochs:", 0) == 0;
+/// Whether one of these differences (`key: before -> after`) begins with one of `prefixes`.
+bool any_starts(const std::vector<std::string>& differences, std::initializer_list<const char*> prefixes) {
+  return std::any_of(differences.begin(), differences.end(), [&](const std::string& d) {
+    return std::any_of(prefixes.begin(), prefixes.end(), [&](const char* p) { return d.rfind(p, 0) == 0; });
   });
+}
+
+/// Whether one of these differences is the run's length itself.
+bool changes_length(const std::vector<std::string>& differences) {
+  return any_starts(differences, {"run.steps:", "run.epochs:"});
 }
 
 /// One item a line, indented, for a message.
@@ -260,10 +264,7 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   }
   restore_plugin_states(r, resumed);
   // A change of the batch let through: the recipe's split of the step, from the same example on.
-  const bool split_allowed = std::any_of(diff.allowed.begin(), diff.allowed.end(), [](const std::string& d) {
-    return d.rfind("batch.", 0) == 0;
-  });
-  continue_on_world(r, resumed, split_allowed);
+  continue_on_world(r, resumed, any_starts(diff.allowed, {"batch."}));
   if (resumed.position.counters.total_steps != r.total_steps) {
     // Where the length itself was let through, that is the change; else one that makes an epoch's steps.
     const bool length = changes_length(diff.allowed);

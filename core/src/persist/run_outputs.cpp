@@ -7,6 +7,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -27,6 +28,22 @@ namespace {
 std::string text_of(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+/// A resolved recipe's text (as to_toml writes it: one `key = value` a line under its section) without
+/// what does not change what the run trains: its first line, which says where the recipe was read
+/// from (another spelling of its path changes it), and the keys a resume may change (run.log_every).
+std::string what_trains(const std::string& resolved) {
+  std::istringstream in(resolved);
+  std::string line, section, out;
+  std::getline(in, line);
+  while (std::getline(in, line)) {
+    if (!line.empty() && line.front() == '[') section = line.substr(1, line.find(']') - 1);
+    const size_t eq = line.find(" = ");
+    if (eq != std::string::npos && may_change_on_resume(section + "." + line.substr(0, eq))) continue;
+    out += line + '\n';
+  }
+  return out;
 }
 
 }  // namespace
@@ -95,11 +112,9 @@ void RunOutputs::clear_for_new_run(bool same_run_may_restart) {
     fs::remove(dir_ / "checkpoints", ec);
     return;
   }
-  // A start of this very recipe that wrote no checkpoint yet: its records are trained again, the same
-  // (the first line says where the recipe was read from, which another spelling of its path changes).
-  auto body = [](const std::string& text) { return text.substr(std::min(text.find('\n'), text.size())); };
-  const bool same_run =
-      same_run_may_restart && body(text_of(dir_ / "recipe.toml")) == body(resolved_.toml(recipe_.source()));
+  // A start of this very recipe that wrote no checkpoint yet: its records are trained again, the same.
+  const bool same_run = same_run_may_restart && what_trains(text_of(dir_ / "recipe.toml")) ==
+                                                    what_trains(resolved_.toml(recipe_.source()));
   if (same_run) refuse_unfinished_checkpoints();
   if (same_run)
     spdlog::info("--resume auto: '{}' holds no checkpoint of this run yet; starting it again from step 0",

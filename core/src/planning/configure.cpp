@@ -71,6 +71,7 @@ void plan_once(Run& r) {
   // that only asks what the plugins provide.
   if (!r.world) r.world = std::make_unique<ProcessWorld>(placement_from_environment());
   r.world->configure(r.world_opts, r.device, r.may_join_world);
+  r.world->stop_waiting_when(r.stop_requested);
   r.plan.world_size = r.world->size();
   r.plan.rank = r.world->rank();
   r.plan.world = r.world.get();

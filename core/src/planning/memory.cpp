@@ -324,21 +324,39 @@ std::string list_peaks(const std::map<int64_t, double>& peaks) {
   return list;
 }
 
+/// The bytes a step of the picked micro-batch may take, and what says so: the recipe's
+/// memory_budget (questioned where it is more than this machine has), else on a GPU its free memory.
+std::pair<double, std::string> step_budget(Run& r) {
+  PlanValues& p = r.plan;
+  if (p.memory_budget <= 0) {
+    if (!r.device.is_cuda())
+      refuse_window(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set [batch] "
+                                        "memory_budget (e.g. \"2GiB\")");
+    // The smallest any rank has: every rank steps with the micro-batch picked.
+    p.memory_budget = -r.world->max(-compat::cuda_free_bytes(r.device));
+    return {p.memory_budget, "free memory of " + r.device.str()};
+  }
+  if (!r.device.is_cuda()) {
+    // Every rank of this machine steps at the same time: a budget beyond its share picks a
+    // micro-batch the machine cannot hold.
+    const int here = local_world_size_from_environment();
+    const double have = machine_memory_bytes();
+    if (p.memory_budget * here > have)
+      r.warn("memory_budget " + format_bytes(p.memory_budget) +
+             (here > 1 ? " for each of " + std::to_string(here) + " ranks" : "") + " is more than this machine has (" +
+             format_bytes(have) + machine_memory_note() + "): the micro-batch picked to fit it may not fit the machine");
+  }
+  return {p.memory_budget, "memory_budget"};
+}
+
 }  // namespace
 
 void pick_micro_batch(Run& r) {
   PlanValues& p = r.plan;
   if (!p.micro_batch_auto || p.micro_batch > 0) return;
-  double budget = p.memory_budget;
-  std::string source = "memory_budget";
-  if (budget <= 0) {
-    if (!r.device.is_cuda())
-      refuse_window(r, "memory_budget", "micro_batch = \"auto\" on the CPU needs a memory budget: set [batch] "
-                                        "memory_budget (e.g. \"2GiB\")");
-    // The smallest any rank has: every rank steps with the micro-batch picked.
-    budget = p.memory_budget = -r.world->max(-compat::cuda_free_bytes(r.device));
-    source = "free memory of " + r.device.str();
-  }
+  const std::pair<double, std::string> given = step_budget(r);
+  const double budget = given.first;
+  const std::string& source = given.second;
   constexpr double kMargin = 0.10;  // the picked step's measured peak is at most 90% of the budget
   BatchSearch search{r, p.effective_batch_goal / p.world_size, {}, [&](double peak) { return peak * (1 + kMargin) <= budget; }, {}};
   for (int64_t d : divisors_of(search.per_rank))

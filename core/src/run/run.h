@@ -42,6 +42,7 @@ struct Run {
   // Before the model and the optimizer, which may hold on to it (a sharded optimizer does).
   std::unique_ptr<ProcessWorld> world;  ///< from the environment at assembly; joined when first needed
   bool may_join_world = true;           ///< false for a dry run, which plans rank 0 alone
+  std::function<bool()> stop_requested;  ///< TrainerOptions' (a signal): also ends a wait for the other ranks
 
   Options run, world_opts, batch_opts, data_opts, model_opts, loss_opts, opt_opts, sched_opts;
   std::string model_name, data_name, loss_name, opt_name, sched_name;

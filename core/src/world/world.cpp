@@ -18,8 +18,10 @@
 #include <algorithm>
 #include <cstring>
 #include <cstdlib>
+#include <future>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -125,7 +127,7 @@ WorldWaits world_waits(const Options& o) {
   for (const char* key : {"timeout_s", "rendezvous_timeout_s"}) {
     const double v = o.get_float(key);
     if (!(v > 0 && v <= kWeek))
-      o.fail(key, "must be > 0 and at most a week (604800 seconds), got " + std::to_string(v));
+      o.fail(key, "must be > 0 and at most a week (604800 seconds), got " + c10::str(v));
   }
   return {o.get_float("timeout_s"), o.get_float("rendezvous_timeout_s")};
 }
@@ -165,9 +167,9 @@ Rendezvous& rendezvous_at(const std::string& where) {
   return (*stores)[where];
 }
 
-}  // namespace
-
-c10::intrusive_ptr<c10d::Store> ProcessWorld::rendezvous() {
+/// This join's store: the process's rendezvous store at MASTER_ADDR:MASTER_PORT (made, and met by
+/// every rank, on the first join) under a prefix that numbers the joins.
+c10::intrusive_ptr<c10d::Store> rendezvous(const Placement& p, std::chrono::milliseconds timeout) {
   // Under torchrun's static rendezvous its agent already serves a store at MASTER_PORT and says so
   // (TORCHELASTIC_USE_AGENT_STORE=True): every rank joins it as a client, under a prefix of this
   // restart's own, as PyTorch's workers do.
@@ -175,57 +177,99 @@ c10::intrusive_ptr<c10d::Store> ProcessWorld::rendezvous() {
   const bool agent_store = agent != nullptr && std::string(agent) == "True";
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const std::string restart = agent_store ? "/worker/attempt_" + std::string(attempt ? attempt : "0") : "";
-  Rendezvous& r = rendezvous_at(p_.addr + ":" + std::to_string(p_.port) + restart + " rank " +
-                                std::to_string(p_.rank) + " of " + std::to_string(p_.size));
+  Rendezvous& r = rendezvous_at(p.addr + ":" + std::to_string(p.port) + restart + " rank " + std::to_string(p.rank) +
+                                " of " + std::to_string(p.size));
   if (!r.store) {
     c10d::TCPStoreOptions so;
-    so.port = static_cast<std::uint16_t>(p_.port);
-    so.isServer = p_.rank == 0 && !agent_store;
-    so.numWorkers = static_cast<std::size_t>(p_.size);
+    so.port = static_cast<std::uint16_t>(p.port);
+    so.isServer = p.rank == 0 && !agent_store;
+    so.numWorkers = static_cast<std::size_t>(p.size);
     so.waitWorkers = true;
-    so.timeout = rendezvous_timeout_;
+    so.timeout = timeout;
     compat::use_classic_tcpstore(so, 0);
-    r.store = c10::make_intrusive<c10d::TCPStore>(p_.addr, so);
+    r.store = c10::make_intrusive<c10d::TCPStore>(p.addr, so);
     if (agent_store) r.store = c10::make_intrusive<c10d::PrefixStore>(restart, r.store);
   }
-  r.store->setTimeout(rendezvous_timeout_);
+  r.store->setTimeout(timeout);
   return c10::make_intrusive<c10d::PrefixStore>("tk/join-" + std::to_string(++r.joins), r.store);
 }
 
+/// A process group of `backend` over `store` for the rank `p` places.
+c10::intrusive_ptr<c10d::ProcessGroup> group_over(const c10::intrusive_ptr<c10d::Store>& store, const Placement& p,
+                                                  const std::string& backend, std::chrono::milliseconds timeout) {
+  if (backend == "gloo") {
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    opts->devices.push_back(gloo_device(p));
+    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, p.rank, p.size, opts);
+    return compat::process_group(gloo, store, p.rank, p.size, false);
+  }
+#ifdef USE_C10D_NCCL
+  if (backend == "nccl") {
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout;
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, p.rank, p.size, opts);
+    return compat::process_group(nccl, store, p.rank, p.size, true);
+  }
+#endif
+  return {};
+}
+
+/// What a join met: the store and the process group, or where and why it failed.
+struct Met {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::string failed_at;  ///< "rendezvous" or "group" when it failed
+  std::string error;
+};
+
+/// The rendezvous and the process group, made with copies of what they need: the thread that
+/// makes them may outlive the world that asked (a run stopped while it waits).
+Met meet(Placement p, std::string backend, std::chrono::milliseconds rendezvous_timeout,
+         std::chrono::milliseconds timeout) {
+  Met m;
+  try {
+    m.store = rendezvous(p, rendezvous_timeout);
+  } catch (const std::exception& err) {
+    return {{}, {}, "rendezvous", err.what()};
+  }
+  try {
+    m.group = group_over(m.store, p, backend, timeout);
+  } catch (const std::exception& err) {
+    return {{}, {}, "group", err.what()};
+  }
+  return m;
+}
+
+}  // namespace
+
 void ProcessWorld::join() {
   if (joined() || !may_join_) return;
-  try {
-    store_ = rendezvous();
-  } catch (const std::exception& err) {
-    throw Error("rendezvous at " + p_.addr + ":" + std::to_string(p_.port) + " failed for rank " +
-                std::to_string(p_.rank) + " of " + std::to_string(p_.size) + ": " + err.what());
-  }
-  try {
-    group_ = make_group(store_);
-  } catch (const std::exception& err) {
-    store_.reset();
-    throw Error("rank " + std::to_string(p_.rank) + " of " + std::to_string(p_.size) + " met the others at " + p_.addr +
-                ":" + std::to_string(p_.port) + " but could not make the " + backend_ + " process group: " + err.what());
-  }
+  // The rendezvous waits for every rank, minutes for one that is slow to start (or never comes):
+  // it runs on a thread of its own, and this one gives up the wait as soon as the run is asked to
+  // stop. The thread is left to end with the process; it holds nothing of this world.
+  std::packaged_task<Met()> task([p = p_, backend = backend_, rt = rendezvous_timeout_, t = timeout_] {
+    return meet(p, backend, rt, t);
+  });
+  std::future<Met> met = task.get_future();
+  std::thread(std::move(task)).detach();
+  const std::string at = p_.addr + ":" + std::to_string(p_.port);
+  const std::string who = "rank " + std::to_string(p_.rank) + " of " + std::to_string(p_.size);
+  while (met.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready)
+    if (stop_ && stop_())
+      throw RunRefused("stopped while waiting for the other ranks at " + at + " (" + who +
+                       "): nothing was trained, nothing written");
+  Met m = met.get();
+  if (m.failed_at == "rendezvous") throw Error("rendezvous at " + at + " failed for " + who + ": " + m.error);
+  if (m.failed_at == "group")
+    throw Error(who + " met the others at " + at + " but could not make the " + backend_ +
+                " process group: " + m.error);
+  store_ = std::move(m.store);
+  group_ = std::move(m.group);
   spdlog::info("world: {} joined", describe());
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> ProcessWorld::make_group(const c10::intrusive_ptr<c10d::Store>& store) {
-  if (backend_ == "gloo") {
-    auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
-    opts->devices.push_back(gloo_device(p_));
-    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, p_.rank, p_.size, opts);
-    return compat::process_group(gloo, store, p_.rank, p_.size, false);
-  }
-#ifdef USE_C10D_NCCL
-  if (backend_ == "nccl") {
-    auto opts = c10d::ProcessGroupNCCL::Options::create();
-    opts->timeout = timeout_;
-    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, p_.rank, p_.size, opts);
-    return compat::process_group(nccl, store, p_.rank, p_.size, true);
-  }
-#endif
-  return {};
+  return group_over(store, p_, backend_, timeout_);
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> ProcessWorld::side_group(const std::string& purpose) {

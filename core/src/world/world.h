@@ -5,6 +5,7 @@
 #include <c10/core/Device.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -54,6 +55,10 @@ class ProcessWorld final : public World {
   /// run. Refuses a backend the device or this LibTorch cannot use, naming the recipe line. With
   /// `may_join` false (a dry run, which plans rank 0 alone) it never joins.
   void configure(const Options& settings, at::Device device, bool may_join);
+  /// While join() waits for the other ranks it asks `stop` ten times a second: true gives up the
+  /// wait at once (a RunRefused: nothing was trained), where the rendezvous would otherwise wait
+  /// out rendezvous_timeout_s for a rank that never comes (a job stopped while it starts).
+  void stop_waiting_when(std::function<bool()> stop) { stop_ = std::move(stop); }
   /// Joins the other ranks, once, when first needed (a collective, the process group): the
   /// rendezvous at MASTER_ADDR:MASTER_PORT within [world] rendezvous_timeout_s, then the process
   /// group. Nothing in a world of one, before configure() or when it may not join.
@@ -66,9 +71,6 @@ class ProcessWorld final : public World {
   std::string describe() const;
 
  private:
-  /// This join's store: the process's rendezvous store at MASTER_ADDR:MASTER_PORT (made, and met by
-  /// every rank, on the first join) under a prefix that numbers the joins.
-  c10::intrusive_ptr<c10d::Store> rendezvous();
   /// A process group of the backend over `store`.
   c10::intrusive_ptr<c10d::ProcessGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store);
 
@@ -76,6 +78,7 @@ class ProcessWorld final : public World {
   std::string backend_ = "none";
   std::chrono::milliseconds timeout_{300000}, rendezvous_timeout_{300000};
   bool may_join_ = false;
+  std::function<bool()> stop_;
   at::Device device_ = at::kCPU;  // where small collectives run (NCCL needs the GPU)
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
