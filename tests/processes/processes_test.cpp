@@ -348,6 +348,11 @@ TEST_SUITE("ddp") {
     CHECK(p.rc == 1);
     CHECK(p.out.find("tk-run: rank 1 failed (was killed by signal 9") != std::string::npos);
     CHECK_FALSE(reports_timeout(p.out));  // the launcher stopped the world, not a collective's timeout
+    // status.json has the cause, which rank 1 could not record, before what rank 0 saw after it.
+    const auto status = nlohmann::json::parse(tkt::read_text(root / "out/status.json"));
+    INFO(status.dump());
+    CHECK(status["status"] == "failed");
+    CHECK(status["detail"].get<std::string>().rfind("rank 1 was killed by signal 9 (Killed); rank 0 then failed: ", 0) == 0);
     fs::remove_all(root);
   }
 

@@ -11,6 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+#include <tk/output.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -161,6 +164,28 @@ bool stopped_on_signal(const Worker& w) {
 /// Whether a worker that ended did so as it should: done, or stopped on a signal.
 bool ended_well(const Worker& w) {
   return !w.running && ((WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0) || stopped_on_signal(w));
+}
+
+/// status.json of a launch whose first failure was a rank killed outright (SIGKILL, the OOM
+/// killer), which could not say so itself: rank 0 recorded what it saw after (a peer gone, "Connection
+/// reset by peer"), or, killed itself, nothing past "running". The cause goes first. Only the file
+/// that `writer` (rank 0's process) wrote, in the folder rank 0 told the launcher (`output`).
+void put_cause_in_status(const std::string& output, pid_t writer, const std::string& cause) {
+  if (output.empty()) return;
+  const std::filesystem::path file = std::filesystem::path(output) / "status.json";
+  std::ifstream in(file);
+  nlohmann::json s = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!s.is_object() || !s.contains("pid") || !s["pid"].is_number_integer() || s["pid"].get<int64_t>() != writer)
+    return;
+  const std::string state = s.contains("status") && s["status"].is_string() ? s["status"].get<std::string>() : "";
+  if (state != "failed" && state != "running") return;
+  const std::string seen = s.contains("detail") && s["detail"].is_string() ? s["detail"].get<std::string>() : "";
+  s["status"] = "failed";
+  s["detail"] = cause + (seen.empty() ? std::string() : "; rank 0 then failed: " + seen);
+  try {
+    write_atomic(file, s.dump() + "\n");
+  } catch (const std::exception&) {  // the launch's own report says it all the same
+  }
 }
 
 /// When rank `r` failed: the time it recorded, or when it ended (killed by a signal, say);
@@ -533,6 +558,10 @@ class Launch {
     const std::vector<int> hung = remote && !remote_timeout ? std::vector<int>{} : hung_ranks(remote_timeout);
     // A worker that refused the run may be stopped on its way out: its record still says so.
     const bool refused = failed_rank_ >= 0 && failure_record(failure_dir_, rank(failed_rank_)).second == "refused";
+    const bool killed_outright = failed_rank_ >= 0 && failure_record(failure_dir_, rank(failed_rank_)).first < 0 &&
+                                 !worker(failed_rank_).running && WIFSIGNALED(worker(failed_rank_).status);
+    std::string output;  // where rank 0 writes status.json, when it is on this node and said so
+    std::getline(std::ifstream(failure_dir_ + "/output"), output);
     std::error_code ec;
     std::filesystem::remove_all(failure_dir_, ec);
     for (int r : hung)
@@ -567,6 +596,9 @@ class Launch {
       std::fprintf(stderr, "%s: rank %d failed (%s)%s. Its last output:\n", opts_.program.c_str(), rank(failed_rank_),
                    how.c_str(), hung.empty() ? "" : ", timed out waiting for the rank that hung");
       for (const auto& line : w.tail) std::fprintf(stderr, "  %s\n", line.c_str());
+      if (killed_outright && base_ == 0)
+        put_cause_in_status(output, worker(0).pid,
+                            "rank " + std::to_string(rank(failed_rank_)) + " " + describe_status(w.status));
       // A worker that refused the run before training (exit 2) makes the launch a refusal too, as
       // the other nodes are told.
       return exited_2 || refused ? 2 : 1;

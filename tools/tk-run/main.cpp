@@ -493,6 +493,15 @@ int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, 
   return r.stopped == "signal" && g_stop_signal ? 128 + static_cast<int>(g_stop_signal) : 0;
 }
 
+/// Rank 0 under tk-run --nproc tells its launcher where status.json is: the launcher puts there the
+/// cause of a failure no rank could record (a rank killed outright).
+void tell_launcher_the_output(const tk::Trainer& trainer) {
+  const char* dir = std::getenv("TK_FAILURE_DIR");
+  if (!dir || tk::launch_rank() != 0 || trainer.output_dir().empty()) return;
+  std::error_code ec;
+  std::ofstream(std::string(dir) + "/output") << std::filesystem::absolute(trainer.output_dir(), ec).string() << "\n";
+}
+
 /// This process trains (or verifies, or plans) the run.
 int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
   record_failures_for_launcher(c.topts);
@@ -505,6 +514,7 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     if (c.dry_run) return print_dry_run(plan);
     // Rank 0's alone: every rank's is the same run (a launch of 4 printed it 4 times).
     if (tk::launch_rank() == 0) spdlog::info("plan:\n{}", plan);
+    tell_launcher_the_output(*trainer);
   } catch (const std::exception& e) {
     print_error(e.what());
     return failure_kind(e) == "refused" ? kExitUsage : kExitFailed;  // a timed-out rendezvous may pass again
