@@ -528,7 +528,9 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
       // A stop while the world was still meeting (a job stopped as it starts) is a stop, not an error.
       if (g_stop_signal) {
         std::fprintf(stderr, "tk-run: %s (signal %d)\n", e.what(), static_cast<int>(g_stop_signal));
-        return 128 + static_cast<int>(g_stop_signal);
+        // Out at once: the rendezvous's thread may still be waiting, and nothing was written to keep.
+        std::fflush(nullptr);
+        std::_Exit(128 + static_cast<int>(g_stop_signal));
       }
       print_error(e.what());
       return kExitUsage;
