@@ -5,6 +5,7 @@
 #include <tk/tensor_io.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 
@@ -43,11 +44,11 @@ uint64_t data_seed(const Options& o, uint64_t run_seed) {
 
 void check_positive(const Options& o, std::initializer_list<const char*> keys) {
   for (const char* k : keys)
-    if (o.get_int(k) < 1) o.fail(k, "must be >= 1, got " + std::to_string(o.get_int(k)));
+    if (o.get_int(k) < 1 && std::strcmp(k, "classes") != 0) o.fail(k, "must be >= 1, got " + std::to_string(o.get_int(k)));
   // One class is every example's target: a cross-entropy over it is 0 whatever the model computes.
-  if (o.has("classes") && o.get_int("classes") == 1)
-    o.fail("classes", "must be >= 2: with one class every target is that class, and a loss over one class "
-                      "is 0 whatever the model predicts (nothing to learn)");
+  if (o.has("classes") && o.get_int("classes") < 2)
+    o.fail("classes", "must be >= 2, got " + std::to_string(o.get_int("classes")) + ": with one class every target "
+                      "is that class, and a loss over one class is 0 whatever the model predicts (nothing to learn)");
   if (o.has("noise") && !(std::isfinite(o.get_float("noise")) && o.get_float("noise") >= 0))
     o.fail("noise", "must be a finite number >= 0, got " + c10::str(o.get_float("noise")));
 }

@@ -71,7 +71,8 @@ class WarmupCosine : public LrSchedule {
 };
 
 void check_lr(const Options& o) {
-  if (!(o.get_float("lr") > 0.0)) o.fail("lr", "must be > 0, got " + to_toml(o.get_float("lr")));
+  const double lr = o.get_float("lr");
+  if (!(lr > 0.0 && std::isfinite(lr))) o.fail("lr", "must be a finite number > 0, got " + to_toml(lr));
 }
 
 std::tuple<double, double> betas_of(const Options& o) {
@@ -198,6 +199,10 @@ void register_optim(Registry& r) {
         opt_float("min_lr", 0.0, "learning rate at the last step")},
        [](const Options& o, double base) -> std::unique_ptr<LrSchedule> {
          if (o.get_int("warmup_steps") < 0) o.fail("warmup_steps", "must be >= 0");
+         const double min_lr = o.get_float("min_lr");
+         if (!(min_lr >= 0.0 && min_lr <= base))  // a negative rate climbs the loss; one above lr is no decay
+           o.fail("min_lr", "must be >= 0 and at most the optimizer's lr (" + to_toml(base) +
+                                "), which the cosine decays from; got " + to_toml(min_lr));
          return std::make_unique<WarmupCosine>(base, o.get_int("warmup_steps"), o.get_float("min_lr"));
        }},
   });

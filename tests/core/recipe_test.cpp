@@ -85,7 +85,7 @@ TEST_SUITE("recipe") {
   }
 
   TEST_CASE("semantic errors point at the offending value") {
-    CHECK(build_error(kMinimal + "lr = -1.0\n") == "test.toml:8:6: optimizer.lr: must be > 0, got -1.0");
+    CHECK(build_error(kMinimal + "lr = -1.0\n") == "test.toml:8:6: optimizer.lr: must be a finite number > 0, got -1.0");
     CHECK(build_error(kMinimal, {"run.epochs=2", "run.steps=5"}).find("run.steps: give either epochs or steps") !=
           std::string::npos);
     CHECK(build_error(kMinimal, {"batch.micro_batch=0"}).find("batch.micro_batch: must be >= 1") != std::string::npos);
@@ -123,12 +123,12 @@ TEST_SUITE("recipe") {
     CHECK(e.find("test.toml:26:1: a [[plugins]] entry needs a name") == 0);
   }
 
-  TEST_CASE("an option LibTorch's optimizer refuses is refused at the recipe's optimizer section") {
+  TEST_CASE("an option LibTorch's optimizer refuses is refused at its key, or at the optimizer section") {
     const std::string text = "[model]\nname = \"mlp\"\n[data]\nname = \"synthetic-classification\"\nsamples = 64\n"
                              "[optimizer]\nname = \"adamw\"\nweight_decay = -0.5\n";
     const std::string e = build_error(text);
     INFO(e);
-    CHECK(e.find("test.toml:6:1: optimizer 'adamw' refused its options: Invalid weight_decay value: -0.5") == 0);
+    CHECK(e.find("test.toml:8:16: optimizer 'adamw' refused its options: Invalid weight_decay value: -0.5") == 0);
   }
 
   TEST_CASE("normalize modes are checked against the loss reduction before training") {

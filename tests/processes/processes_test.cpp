@@ -572,7 +572,7 @@ TEST_SUITE("ddp") {
     fs::remove_all(root);
   }
 
-  TEST_CASE("a stop signal while a rank waits for the others ends the wait at once, nothing trained") {
+  TEST_CASE("a rank that never comes is named within rendezvous_timeout_s, and a stop signal while waiting for it ends the wait at once") {
     const fs::path root = tkt::temp_dir("rendezvous-stop");
     const std::string recipe = std::string(kBase) + "[[plugins]]\nname = \"ddp\"\n[world]\nrendezvous_timeout_s = 120\n";
     const std::string env = "WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
@@ -593,6 +593,15 @@ TEST_SUITE("ddp") {
     REQUIRE(at != std::string::npos);
     CHECK(std::stol(p.out.substr(at + 11)) < 5000);  // the wait was to last 120 s
     CHECK(!fs::exists(root / "out/metrics.jsonl"));
+    // Not stopped: rank 1 is named after rendezvous_timeout_s (3 s), not after the collectives' timeout_s (300 s).
+    auto alone = tkt::shell(env + tkt::tk_run_command(root, recipe, "--set world.rendezvous_timeout_s=3"));
+    INFO(alone.out);
+    CHECK(alone.rc == 1);
+    CHECK(alone.out.find("failed for rank 0 of 2: rank 1 did not join within [world] rendezvous_timeout_s = 3 s") !=
+          std::string::npos);
+    CHECK(alone.out.find("the run failed before it wrote anything") != std::string::npos);
+    CHECK(alone.out.find("Exception raised from") == std::string::npos);
+    CHECK(alone.seconds < 60);
     fs::remove_all(root);
   }
 

@@ -54,6 +54,15 @@ void on_stop_signal(int sig) {
   g_stop_signal = sig;
 }
 
+/// A stop signal while the run is still being set up (plugins loaded, the plan made): nothing
+/// written yet, nothing to keep: out at once, saying so (async-signal-safe).
+void on_early_stop(int sig) {
+  static const char kSaid[] = "tk-run: stopped by a signal before training began: nothing was trained, nothing written\n";
+  if (write(STDERR_FILENO, kSaid, sizeof kSaid - 1) < 0) {
+  }
+  _exit(128 + sig);
+}
+
 constexpr int kExitFailed = 1;  // the run started and failed
 /// Whether this process has gone on to train: a failure before is a refusal (exit 2).
 bool g_fitting = false;
@@ -555,6 +564,7 @@ int main(int argc, char** argv) {
   g_repeat_stops_now = !std::getenv("TK_WORKER") && !std::getenv("WORLD_SIZE") && !std::getenv("TORCHELASTIC_RUN_ID");
   // Slurm's warning may come while the run is still being set up: it stops at the first boundary.
   std::signal(SIGUSR1, on_stop_signal);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_early_stop);
   prefer_passive_openmp(argv);
   keep_freed_memory();
   // Past a file-size limit (ulimit -f) a write fails with EFBIG, which the run reports like a full

@@ -77,10 +77,12 @@ double machine_memory_bytes() {
 }
 
 std::string format_bytes(double b) {
-  char buf[32];
-  if (b >= 1024.0 * 1024 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.3g TiB", b / (1024.0 * 1024 * 1024 * 1024));
-  else if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.3g GiB", b / (1024.0 * 1024 * 1024));
-  else std::snprintf(buf, sizeof buf, "%.3g MiB", b / (1024.0 * 1024));
+  char buf[40];
+  constexpr double kMiB = 1024.0 * 1024;
+  const char* unit = b >= kMiB * 1024 * 1024 ? "TiB" : b >= kMiB * 1024 ? "GiB" : "MiB";
+  const double v = b / (unit[0] == 'T' ? kMiB * 1024 * 1024 : unit[0] == 'G' ? kMiB * 1024 : kMiB);
+  // Three digits, never "1e+03 MiB" for the sizes from 1000 to 1023 of a unit.
+  std::snprintf(buf, sizeof buf, v >= 999.5 && unit[0] != 'T' ? "%.0f %s" : "%.3g %s", v, unit);
   return buf;
 }
 

@@ -284,7 +284,13 @@ auto made_in(const Options& o, const std::string& what, Make&& make) {
   } catch (const std::bad_alloc&) {
     throw RecipeError(o.section_loc(), what + ": out of memory while making it");
   } catch (const std::exception& e) {
-    throw RecipeError(o.section_loc(), what + ": " + message_of(e));
+    // At the option the message names ("Invalid weight_decay value: -1", LibTorch's words), where one
+    // that was set does; else at the section.
+    const std::string said = message_of(e);
+    SourceLoc at = o.section_loc();
+    for (const auto& [name, value] : o.values())
+      if (o.is_set(name) && said.find(name) != std::string::npos) at = o.where(name);
+    throw RecipeError(at, what + ": " + said);
   }
 }
 

@@ -11,6 +11,8 @@
 #include "planning/planning.h"
 #include "tk/abi.h"
 
+#include <spdlog/spdlog.h>
+
 namespace fs = std::filesystem;
 
 namespace tk::detail {
@@ -201,6 +203,23 @@ Differences differences(const CheckpointRecord& saved, const RunIdentity& now, c
   return out;  // another world size is continue_on_world's to judge
 }
 
+/// The --allow-change entries that name no key or section of this run's recipe nor of the
+/// checkpoint's (a misspelt key would let nothing through, silently).
+std::vector<std::string> unknown_allowances(const Run& r, const CheckpointRecord* saved, const std::vector<std::string>& allowed) {
+  std::set<std::string> keys = {kDataKey};
+  for (const auto& [k, v, is_default, same_on_cpu] : r.resolved.values()) keys.insert(k);
+  for (const auto& [old, moved] : r.resolved.retired()) keys.insert(old);
+  if (saved)
+    for (const auto& [k, v] : saved->recipe) keys.insert(k);
+  std::vector<std::string> unknown;
+  for (const auto& a : allowed)
+    if (a != "all" && std::none_of(keys.begin(), keys.end(), [&](const std::string& k) {
+          return k == a || k.rfind(a + ".", 0) == 0;
+        }))
+      unknown.push_back(a);
+  return unknown;
+}
+
 /// Why the run's length cannot change on a resume, and what trains on from checkpoint `dir`.
 std::string length_note(const fs::path& dir) {
   return "the run's length in optimizer steps (run.steps; or run.epochs, with the batch and the data that make an epoch's "
@@ -236,6 +255,10 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   // Checked before anything is loaded: another optimizer's state would not even load.
   Differences diff;
   const auto record = read_checkpoint_record(dir);
+  const auto unknown = unknown_allowances(r, record ? &*record : nullptr, allowed);
+  if (!unknown.empty())
+    throw RunRefused("--allow-change " + unknown.front() + ": neither this recipe nor the checkpoint's has such a key "
+                     "or section (a key as \"optimizer.lr\", a section as \"optimizer\", or \"all\")");
   if (record) {
     diff = differences(*record, identity, allowed);
     const bool length = changes_length(diff.refused);
@@ -243,6 +266,8 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
       throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
                   lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
                   "or allow a change on purpose with --allow-change KEY" + (length ? "; " + length_note(dir) : std::string()));
+    if (!diff.allowed.empty())
+      spdlog::info("resuming with what --allow-change lets through (checkpoint -> now):{}", lines(diff.allowed));
     if (!diff.defaults.empty())
       r.warn(dir.string() + " does not record these options (they are newer than what wrote it); resuming with their "
              "defaults, as the run that wrote it trained:" + lines(diff.defaults));

@@ -22,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include <spdlog/spdlog.h>
 
@@ -224,18 +225,48 @@ struct Met {
 
 /// The rendezvous and the process group, made with copies of what they need: the thread that
 /// makes them may outlive the world that asked (a run stopped while it waits).
+/// The ranks that have not come to this join by `deadline`: every rank says it came, in the join's
+/// store, and waits for the others until then. Rank 0's store server stops waiting for its clients
+/// at the rendezvous's timeout without a word, and the process group would then wait out the
+/// collectives' timeout (minutes) for a rank that never came.
+std::vector<int> missing_ranks(c10d::Store& store, const Placement& p, std::chrono::steady_clock::time_point deadline) {
+  store.set("came/" + std::to_string(p.rank), std::vector<uint8_t>{1});
+  if (store.add("came", 1) == p.size) store.set("all-came", std::vector<uint8_t>{1});
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  try {
+    store.wait({"all-came"}, std::max(left, std::chrono::milliseconds(1)));
+    return {};
+  } catch (const std::exception&) {  // timed out: who is missing
+  }
+  std::vector<int> missing;
+  for (int r = 0; r < p.size; ++r)
+    if (!store.check({"came/" + std::to_string(r)})) missing.push_back(r);
+  return missing;
+}
+
 Met meet(Placement p, std::string backend, std::chrono::milliseconds rendezvous_timeout,
          std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + rendezvous_timeout;
   Met m;
   try {
     m.store = rendezvous(p, rendezvous_timeout);
+    const std::vector<int> missing = missing_ranks(*m.store, p, deadline);
+    if (!missing.empty()) {
+      std::string ranks;
+      for (size_t i = 0; i < missing.size() && i < 8; ++i) ranks += (i ? ", " : "") + std::to_string(missing[i]);
+      if (missing.size() > 8) ranks += " and " + std::to_string(missing.size() - 8) + " more";
+      return {{}, {}, "rendezvous",
+              std::string(missing.size() == 1 ? "rank " : "ranks ") + ranks +
+                  " did not join within [world] rendezvous_timeout_s = " + c10::str(rendezvous_timeout.count() / 1000.0) +
+                  " s (was each started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?)"};
+    }
   } catch (const std::exception& err) {
-    return {{}, {}, "rendezvous", err.what()};
+    return {{}, {}, "rendezvous", message_of(err)};
   }
   try {
     m.group = group_over(m.store, p, backend, timeout);
   } catch (const std::exception& err) {
-    return {{}, {}, "group", err.what()};
+    return {{}, {}, "group", message_of(err)};
   }
   return m;
 }
