@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <toml++/toml.h>
 
@@ -285,7 +286,11 @@ void Recipe::apply_override(const std::string& assignment) {
   toml::table parsed;
   try {
     parsed = toml::parse("value = " + text, origin);
-  } catch (const toml::parse_error&) {
+  } catch (const toml::parse_error& e) {
+    // A number TOML cannot hold (1e400, an integer past 64 bits) is that, not a bare string.
+    static const std::regex number("[+-]?[0-9][0-9_]*(\\.[0-9_]*)?([eE][+-]?[0-9_]+)?");
+    if (std::regex_match(text, number))
+      throw RecipeError({origin}, key + ": " + text + " is not a number TOML can hold (" + std::string(e.description()) + ")");
     parsed = toml::table{};
     parsed.insert("value", text);
   }

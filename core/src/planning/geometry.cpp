@@ -224,7 +224,8 @@ void shape_windows(Run& r) {
                   "an optimizer step of " + std::to_string(r.plan.accumulation) + " micro-batches of " +
                       std::to_string(m) + " (" + std::to_string(r.plan.effective_batch()) +
                       " examples) is more than an epoch holds (" + std::to_string(r.batches_per_epoch) +
-                      " micro-batches, " + std::to_string(n) + " examples" + (r.plan.world_size > 1 ? " per rank" : "") +
+                      std::string(r.batches_per_epoch == 1 ? " micro-batch, " : " micro-batches, ") + std::to_string(n) +
+                      (n == 1 ? " example" : " examples") + (r.plan.world_size > 1 ? " per rank" : "") +
                       "): every step would be cut at the epoch's end; ask for a smaller step, or set [batch] "
                       "last_window = \"carry\" so that a window spans epochs");
   r.windows = std::make_unique<WindowSchedule>(r.batches_per_epoch, r.plan.accumulation, r.plan.last_window,
