@@ -60,7 +60,10 @@ void on_early_stop(int sig) {
   static const char kSaid[] = "tk-run: stopped by a signal before training began: nothing was trained, nothing written\n";
   if (write(STDERR_FILENO, kSaid, sizeof kSaid - 1) < 0) {
   }
-  _exit(128 + sig);
+  // Ended by the signal itself: a launcher tells a stopped worker (exit 128 + signal, a checkpoint
+  // taken) from one a signal ended before it trained.
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
 }
 
 constexpr int kExitFailed = 1;  // the run started and failed
@@ -511,6 +514,14 @@ void tell_launcher_the_output(const tk::Trainer& trainer) {
   std::ofstream(std::string(dir) + "/output") << std::filesystem::absolute(trainer.output_dir(), ec).string() << "\n";
 }
 
+/// A refusal that a stop signal caused (the wait for the other ranks given up): said as a stop, and
+/// out at once, since the rendezvous's thread may still be waiting and nothing was written to keep.
+[[noreturn]] void exit_stopped(const std::exception& e) {
+  std::fprintf(stderr, "tk-run: %s (signal %d)\n", e.what(), static_cast<int>(g_stop_signal));
+  std::fflush(nullptr);
+  std::_Exit(128 + static_cast<int>(g_stop_signal));
+}
+
 /// This process trains (or verifies, or plans) the run.
 int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
   record_failures_for_launcher(c.topts);
@@ -525,6 +536,7 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
     if (tk::launch_rank() == 0) spdlog::info("plan:\n{}", plan);
     tell_launcher_the_output(*trainer);
   } catch (const std::exception& e) {
+    if (g_stop_signal && dynamic_cast<const tk::RunRefused*>(&e)) exit_stopped(e);
     print_error(e.what());
     return failure_kind(e) == "refused" ? kExitUsage : kExitFailed;  // a timed-out rendezvous may pass again
   }
@@ -535,12 +547,7 @@ int train(int argc, char** argv, Cli& c, tk::Recipe recipe) {
   } catch (const std::exception& e) {
     if (failure_kind(e) == "refused") {  // a resume's refusal: nothing was trained, nothing changed
       // A stop while the world was still meeting (a job stopped as it starts) is a stop, not an error.
-      if (g_stop_signal) {
-        std::fprintf(stderr, "tk-run: %s (signal %d)\n", e.what(), static_cast<int>(g_stop_signal));
-        // Out at once: the rendezvous's thread may still be waiting, and nothing was written to keep.
-        std::fflush(nullptr);
-        std::_Exit(128 + static_cast<int>(g_stop_signal));
-      }
+      if (g_stop_signal) exit_stopped(e);
       print_error(e.what());
       return kExitUsage;
     }

@@ -127,15 +127,13 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
   throw wrong();
 }
 
-/// Checks `table` (may be null: all defaults) against `specs`.
 using OverrideLocs = std::map<std::string, SourceLoc>;
 
 /// Where a value was set: its position in the file, or the `--set` that put it there.
 SourceLoc where_set(const toml::node& n, const std::string& dotted, const std::string& file,
                     const OverrideLocs& overrides) {
-  auto it = overrides.find(dotted);
-  if (it != overrides.end()) return it->second;
-  return loc_of(n.source(), file);
+  const auto it = overrides.find(dotted);
+  return it != overrides.end() ? it->second : loc_of(n.source(), file);
 }
 
 /// A relative path made absolute against the folder of what set it: the recipe's, or for a `--set`
@@ -147,6 +145,7 @@ std::string resolve_against(const std::string& p, bool overridden, const std::fi
   return ((overridden ? std::filesystem::current_path() : recipe_dir) / path).lexically_normal().string();
 }
 
+/// Checks `table` (may be null: all defaults) against `specs`.
 Options resolve_table(const toml::table* table, const OptionSpecs& specs, const std::string& context,
                       const SourceLoc& section_loc, const std::vector<std::string>& skip,
                       const std::string& file, const OverrideLocs& overrides = {},
@@ -282,20 +281,16 @@ void Recipe::apply_override(const std::string& assignment) {
     if (part.empty()) throw RecipeError({origin}, "empty component in key '" + key + "'");
     path.push_back(part);
   }
-  // The value in TOML syntax; anything that is not valid TOML is taken as a bare string.
+  // The value in TOML syntax; anything else is a bare string, but for a number TOML cannot hold (1e400).
+  static const std::regex number("[+-]?[0-9][0-9_]*(\\.[0-9_]*)?([eE][+-]?[0-9_]+)?");
   toml::table parsed;
   try {
     parsed = toml::parse("value = " + text, origin);
   } catch (const toml::parse_error& e) {
-    // A number TOML cannot hold (1e400, an integer past 64 bits) is that, not a bare string.
-    static const std::regex number("[+-]?[0-9][0-9_]*(\\.[0-9_]*)?([eE][+-]?[0-9_]+)?");
-    if (std::regex_match(text, number))
-      throw RecipeError({origin}, key + ": " + text + " is not a number TOML can hold (" + std::string(e.description()) + ")");
-    parsed = toml::table{};
-    parsed.insert("value", text);
+    if (!std::regex_match(text, number)) parsed.insert("value", text);
+    else throw RecipeError({origin}, key + ": " + text + " is not a number TOML can hold (" + std::string(e.description()) + ")");
   }
   toml::node* value = parsed.get("value");
-
   toml::table* t = &impl_->root;
   size_t i = 0;
   std::string dotted_prefix;

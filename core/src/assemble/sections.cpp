@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -284,13 +285,17 @@ auto made_in(const Options& o, const std::string& what, Make&& make) {
   } catch (const std::bad_alloc&) {
     throw RecipeError(o.section_loc(), what + ": out of memory while making it");
   } catch (const std::exception& e) {
-    // At the option the message names ("Invalid weight_decay value: -1", LibTorch's words), where one
-    // that was set does; else at the section.
+    // At the option the message names as a word ("Invalid weight_decay value: -1", LibTorch's), where
+    // exactly one set option is named; else at the section.
     const std::string said = message_of(e);
-    SourceLoc at = o.section_loc();
+    static const std::regex word("[A-Za-z0-9_]+");
+    std::set<std::string> words;
+    for (std::sregex_iterator w(said.begin(), said.end(), word), end; w != end; ++w)
+      words.insert(w->str());
+    std::vector<std::string> named;
     for (const auto& [name, value] : o.values())
-      if (o.is_set(name) && said.find(name) != std::string::npos) at = o.where(name);
-    throw RecipeError(at, what + ": " + said);
+      if (o.is_set(name) && words.count(name)) named.push_back(name);
+    throw RecipeError(named.size() == 1 ? o.where(named.front()) : o.section_loc(), what + ": " + said);
   }
 }
 

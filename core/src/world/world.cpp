@@ -161,10 +161,15 @@ struct Rendezvous {
   int64_t joins = 0;
 };
 
+/// Held while a join makes or uses its store: a join given up (a stop) may still be making it on
+/// its thread when the process joins again.
+std::mutex& rendezvous_mutex() {
+  static auto* mutex = new std::mutex();  // never destroyed, as the stores
+  return *mutex;
+}
+
 Rendezvous& rendezvous_at(const std::string& where) {
-  static std::mutex mutex;
   static auto* stores = new std::map<std::string, Rendezvous>();  // never destroyed: servers close at exit
-  std::lock_guard<std::mutex> lock(mutex);
   return (*stores)[where];
 }
 
@@ -178,6 +183,7 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const Placement& p, std::chrono::mill
   const bool agent_store = agent != nullptr && std::string(agent) == "True";
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const std::string restart = agent_store ? "/worker/attempt_" + std::string(attempt ? attempt : "0") : "";
+  std::lock_guard<std::mutex> lock(rendezvous_mutex());
   Rendezvous& r = rendezvous_at(p.addr + ":" + std::to_string(p.port) + restart + " rank " + std::to_string(p.rank) +
                                 " of " + std::to_string(p.size));
   if (!r.store) {
@@ -225,23 +231,36 @@ struct Met {
 
 /// The rendezvous and the process group, made with copies of what they need: the thread that
 /// makes them may outlive the world that asked (a run stopped while it waits).
-/// The ranks that have not come to this join by `deadline`: every rank says it came, in the join's
-/// store, and waits for the others until then. Rank 0's store server stops waiting for its clients
-/// at the rendezvous's timeout without a word, and the process group would then wait out the
-/// collectives' timeout (minutes) for a rank that never came.
-std::vector<int> missing_ranks(c10d::Store& store, const Placement& p, std::chrono::steady_clock::time_point deadline) {
+/// Why this join failed, the same on every rank, or "" when every rank came by `deadline`. Rank 0's
+/// store server stops waiting for its clients at the rendezvous's timeout without a word, and the
+/// process group would then wait out the collectives' timeout (minutes) for a rank that never came.
+/// Each rank adds 1 to a count as it comes; the one that makes it the world's size tells all. A rank
+/// whose wait ends first adds size + 1 (more than any arrival makes it): a rank that comes after
+/// learns that the join was given up, and the rank that gave up reads in the sum (modulo size + 1)
+/// whether the last rank came just before.
+std::string join_failure(c10d::Store& store, const Placement& p, std::chrono::steady_clock::time_point deadline,
+                         std::chrono::milliseconds timeout) {
+  const int64_t n = p.size, gave_up = n + 1;
   store.set("came/" + std::to_string(p.rank), std::vector<uint8_t>{1});
-  if (store.add("came", 1) == p.size) store.set("all-came", std::vector<uint8_t>{1});
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-  try {
-    store.wait({"all-came"}, std::max(left, std::chrono::milliseconds(1)));
-    return {};
-  } catch (const std::exception&) {  // timed out: who is missing
+  const int64_t arrived = store.add("came", 1);
+  if (arrived == n) store.set("all-came", std::vector<uint8_t>{1});
+  const std::string within = "within [world] rendezvous_timeout_s = " + c10::str(timeout.count() / 1000.0) + " s";
+  if (arrived > n) return "the other ranks had given up waiting for it " + within;
+  // Asked, not waited for: a store wait that times out leaves its answer to come on the connection.
+  for (;;) {
+    if (store.check({"all-came"})) return "";
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  std::vector<int> missing;
+  if (store.add("came", gave_up) % gave_up == n) return "";
+  std::string missing;
+  int count = 0;
   for (int r = 0; r < p.size; ++r)
-    if (!store.check({"came/" + std::to_string(r)})) missing.push_back(r);
-  return missing;
+    if (!store.check({"came/" + std::to_string(r)}) && ++count <= 8) missing += (count > 1 ? ", " : "") + std::to_string(r);
+  if (count > 8) missing += " and " + std::to_string(count - 8) + " more";
+  if (count == 0) return "the last rank came only as the wait for it ended, " + within;
+  return (count == 1 ? "rank " : "ranks ") + missing + " did not join " + within +
+         " (was each started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?)";
 }
 
 Met meet(Placement p, std::string backend, std::chrono::milliseconds rendezvous_timeout,
@@ -250,16 +269,8 @@ Met meet(Placement p, std::string backend, std::chrono::milliseconds rendezvous_
   Met m;
   try {
     m.store = rendezvous(p, rendezvous_timeout);
-    const std::vector<int> missing = missing_ranks(*m.store, p, deadline);
-    if (!missing.empty()) {
-      std::string ranks;
-      for (size_t i = 0; i < missing.size() && i < 8; ++i) ranks += (i ? ", " : "") + std::to_string(missing[i]);
-      if (missing.size() > 8) ranks += " and " + std::to_string(missing.size() - 8) + " more";
-      return {{}, {}, "rendezvous",
-              std::string(missing.size() == 1 ? "rank " : "ranks ") + ranks +
-                  " did not join within [world] rendezvous_timeout_s = " + c10::str(rendezvous_timeout.count() / 1000.0) +
-                  " s (was each started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?)"};
-    }
+    const std::string failed = join_failure(*m.store, p, deadline, rendezvous_timeout);
+    if (!failed.empty()) return {{}, {}, "rendezvous", failed};
   } catch (const std::exception& err) {
     return {{}, {}, "rendezvous", message_of(err)};
   }

@@ -43,7 +43,9 @@ struct TrainerOptions {
   /// rank from the ones that fail after losing it.
   std::function<void()> on_failure;
   /// Called after each optimizer step but the last: true stops the run there, with that step kept
-  /// and checkpointed (SIGINT/SIGTERM); FitResult::stopped is then "signal".
+  /// and checkpointed (SIGINT/SIGTERM); FitResult::stopped is then "signal". Also asked ten times a
+  /// second while the run waits for the other ranks of its world to join: true there gives up the
+  /// wait, and the run throws RunRefused (nothing trained, nothing written).
   std::function<bool()> stop_requested;
   /// Continue from a checkpoint: its folder, a checkpoints folder, "latest" (of the run's output),
   /// or "auto": the newest complete checkpoint of the run's output when there is one, else a fresh
