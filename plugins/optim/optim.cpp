@@ -72,7 +72,7 @@ class WarmupCosine : public LrSchedule {
 
 void check_lr(const Options& o) {
   const double lr = o.get_float("lr");
-  if (!(lr > 0.0 && std::isfinite(lr))) o.fail("lr", "must be a finite number > 0, got " + to_toml(lr));
+  if (!(lr > 0.0 && std::isfinite(lr))) o.fail("lr", "must be > 0 and finite, got " + to_toml(lr));
 }
 
 std::tuple<double, double> betas_of(const Options& o) {

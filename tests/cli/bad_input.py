@@ -154,7 +154,7 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
          "is more than an epoch holds (1 micro-batch, 1 example)"),
         ("no class", [quick, "--dry-run", "--set", "data.classes=0"], 2, "data.classes: must be >= 2, got 0"),
         ("a learning rate without end", [quick, "--dry-run", "--set", "optimizer.lr=inf"], 2,
-         "optimizer.lr: must be a finite number > 0, got inf"),
+         "optimizer.lr: must be > 0 and finite, got inf"),
         ("a negative final learning rate", [quick, "--dry-run", "--set", "schedule.min_lr=-1"], 2,
          "schedule.min_lr: must be >= 0 and at most the optimizer's lr (0.003), which the cosine decays from; got -1"),
         ("a rendezvous wait of a year", [quick, "--dry-run", "--set", "world.rendezvous_timeout_s=31536000"], 2,

@@ -85,7 +85,7 @@ TEST_SUITE("recipe") {
   }
 
   TEST_CASE("semantic errors point at the offending value") {
-    CHECK(build_error(kMinimal + "lr = -1.0\n") == "test.toml:8:6: optimizer.lr: must be a finite number > 0, got -1.0");
+    CHECK(build_error(kMinimal + "lr = -1.0\n") == "test.toml:8:6: optimizer.lr: must be > 0 and finite, got -1.0");
     CHECK(build_error(kMinimal, {"run.epochs=2", "run.steps=5"}).find("run.steps: give either epochs or steps") !=
           std::string::npos);
     CHECK(build_error(kMinimal, {"batch.micro_batch=0"}).find("batch.micro_batch: must be >= 1") != std::string::npos);

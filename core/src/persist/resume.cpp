@@ -206,7 +206,7 @@ Differences differences(const CheckpointRecord& saved, const RunIdentity& now, c
 /// The --allow-change entries that name no key or section of this run's recipe nor of the
 /// checkpoint's (a misspelt key would let nothing through, silently).
 std::vector<std::string> unknown_allowances(const Run& r, const CheckpointRecord* saved, const std::vector<std::string>& allowed) {
-  std::set<std::string> keys = {kDataKey};
+  std::set<std::string> keys = {kDataKey, "world_size"};  // what a world change once needed let through
   for (const auto& [k, v, is_default, same_on_cpu] : r.resolved.values()) keys.insert(k);
   for (const auto& [old, moved] : r.resolved.retired()) keys.insert(old);
   if (saved)

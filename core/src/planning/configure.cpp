@@ -65,17 +65,6 @@ void check_normalized(const Run& r) {
                   " means");
 }
 
-/// A schedule whose rate still rises at the run's last step (a warmup longer than the run) never
-/// reaches the optimizer's lr: said, not refused (a run may be meant to go on from its weights).
-void note_rising_schedule(Run& r) {
-  if (!r.schedule || r.total_steps < 2 || r.plan.rank != 0) return;
-  const double last = r.schedule->lr(r.total_steps - 1, r.total_steps);
-  if (!(last > r.schedule->lr(r.total_steps - 2, r.total_steps))) return;
-  r.warn("schedule '" + r.sched_name + "': the learning rate still rises at the run's last step (" + c10::str(last) +
-         " at step " + std::to_string(r.total_steps) + " of " + std::to_string(r.total_steps) +
-         "): it never reaches its peak in this run (a warmup longer than the run?)");
-}
-
 void plan_once(Run& r) {
   r.plan.reset();
   // The world, from the launcher's environment: read when the run is planned, never by a launcher
@@ -106,7 +95,6 @@ void plan_once(Run& r) {
   CpuBlockCache::trim();  // a trial's larger blocks are not training's
   check_normalized(r);
   shape_windows(r);
-  note_rising_schedule(r);
   check_data_and_model(r);
   if (r.plan.accumulation > 1 && has_batchnorm(*r.model))
     r.warn("the model has BatchNorm and accumulates " + std::to_string(r.plan.accumulation) +
