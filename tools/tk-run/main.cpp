@@ -33,10 +33,15 @@
 
 namespace {
 
-/// An error for the person who started the run, as the launcher knows one ("tk-run: error: ...").
-void print_error(const char* what) { std::fprintf(stderr, "tk-run%s%s\n", tk::kErrorMark, what); }
-
 volatile std::sig_atomic_t g_stop_signal = 0;
+/// Set once the process has said why it ends: a stop signal then adds nothing to what it said.
+volatile std::sig_atomic_t g_said_why = 0;
+
+/// An error for the person who started the run, as the launcher knows one ("tk-run: error: ...").
+void print_error(const char* what) {
+  g_said_why = 1;  // a launcher stopping the ranks that refused alike must find their errors alike
+  std::fprintf(stderr, "tk-run%s%s\n", tk::kErrorMark, what);
+}
 /// Whether a second stop signal stops at once. Not in a rank of a launch (tk-run --nproc's,
 /// torchrun's; WORLD_SIZE set): a terminal's Ctrl-C reaches the launcher and every rank, and the
 /// launcher passes the stop on again; the launcher kills its ranks itself when it is to stop at once.
@@ -58,7 +63,7 @@ void on_stop_signal(int sig) {
 /// written yet, nothing to keep: out at once, saying so (async-signal-safe).
 void on_early_stop(int sig) {
   static const char kSaid[] = "tk-run: stopped by a signal before training began: nothing was trained, nothing written\n";
-  if (write(STDERR_FILENO, kSaid, sizeof kSaid - 1) < 0) {
+  if (!g_said_why && write(STDERR_FILENO, kSaid, sizeof kSaid - 1) < 0) {
   }
   // Ended by the signal itself: a launcher tells a stopped worker (exit 128 + signal, a checkpoint
   // taken) from one a signal ended before it trained.
