@@ -226,6 +226,18 @@ TEST_SUITE("reliability") {
     CHECK(has(seed, "this run differs from the one that wrote it"));
     CHECK(has(seed, "run.seed: 9 -> 3"));
     CHECK(has(seed, "optimizer.lr: 0.1 -> 0.2"));
+    // A dry run checks the resume as the run would, reading no tensor.
+    auto dry = tk_run(root, kAccum, sets + "--set run.seed=3 --dry-run --resume latest");
+    CHECK(dry.rc == 2);
+    CHECK(has(dry, "run.seed: 9 -> 3"));
+    auto dry_allowed = tk_run(root, kAccum, sets + "--set optimizer.lr=0.05 --allow-change optimizer.lr --dry-run --resume latest");
+    INFO(dry_allowed.out);
+    CHECK(dry_allowed.rc == 0);
+    CHECK(has(dry_allowed, "resume        from " + (root / "out" / "checkpoints" / "step-").string()));
+    CHECK(has(dry_allowed, "--allow-change lets through (checkpoint -> now):\n  optimizer.lr: 0.1 -> 0.05"));
+    auto dry_auto = tk_run(root / "none-yet", kAccum, sets + "--dry-run --resume auto");
+    CHECK(dry_auto.rc == 0);
+    CHECK(has(dry_auto, "--resume auto: no checkpoint in "));
     auto split = tk_run(root, std::string(kBase) + "[[plugins]]\nname = \"grad_accum\"\nsteps = 6\n",
                         sets + "--set batch.micro_batch=2 --resume latest");
     CHECK(split.rc == 2);

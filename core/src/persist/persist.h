@@ -140,6 +140,10 @@ std::optional<std::filesystem::path> checkpoint_to_continue(Run& run, const std:
 /// `identity` in anything but the keys `allowed` names.
 Checkpoint resume_from(Run& run, const std::string& which, const std::filesystem::path& output_dir,
                        const RunIdentity& identity, const std::vector<std::string>& allowed);
+/// A dry run's line for a resume (`which` as resume_from takes it, or "auto"): the checkpoint it
+/// would continue and what --allow-change lets through; refused as resume_from refuses a run that
+/// differs. Reads the checkpoint's record, no tensor.
+std::string resume_plan(const Run& run, const std::string& which, const std::vector<std::string>& allowed);
 
 // ---- run_outputs.cpp: the output folder -------------------------------------------------------------------
 

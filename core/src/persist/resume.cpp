@@ -153,14 +153,14 @@ std::optional<std::set<std::string>> plugins_of(const std::vector<std::pair<std:
 }
 
 
+/// Whether an --allow-change entry `a` lets `key` through: "all", the key, or a section above it.
+bool covers(const std::string& a, const std::string& key) { return a == "all" || a == key || key.rfind(a + ".", 0) == 0; }
+
 /// Compares the checkpoint's run with this one. A key the checkpoint does not record is an option
 /// the trainkit (or plugin) that wrote it did not have yet: left at its default, it trains what that
 /// one trained, and is no difference. The options of a plugin the checkpoint's run did not have are
 /// part of adding it: differences like the "plugins" entry itself.
 Differences differences(const CheckpointRecord& saved, const RunIdentity& now, const std::vector<std::string>& allowed) {
-  auto covers = [](const std::string& a, const std::string& key) {
-    return a == "all" || a == key || key.rfind(a + ".", 0) == 0;
-  };
   auto is_allowed = [&](const std::string& key) {
     for (const auto& a : allowed) {
       if (covers(a, key)) return true;
@@ -213,9 +213,7 @@ std::vector<std::string> unknown_allowances(const Run& r, const CheckpointRecord
     for (const auto& [k, v] : saved->recipe) keys.insert(k);
   std::vector<std::string> unknown;
   for (const auto& a : allowed)
-    if (a != "all" && std::none_of(keys.begin(), keys.end(), [&](const std::string& k) {
-          return k == a || k.rfind(a + ".", 0) == 0;
-        }))
+    if (a != "all" && std::none_of(keys.begin(), keys.end(), [&](const std::string& k) { return covers(a, k); }))
       unknown.push_back(a);
   return unknown;
 }
@@ -245,27 +243,50 @@ std::string lines(const std::vector<std::string>& items) {
   return "\n  " + join(items.data(), items.data() + items.size(), "\n  ");
 }
 
+/// What a resume from checkpoint `dir` (its `record`) checks before it loads anything (another
+/// optimizer's state would not even load): the --allow-change entries, and how the runs differ.
+Differences compare_runs(const Run& r, const fs::path& dir, const std::optional<CheckpointRecord>& record,
+                         const RunIdentity& identity, const std::vector<std::string>& allowed) {
+  const auto unknown = unknown_allowances(r, record ? &*record : nullptr, allowed);
+  if (!unknown.empty())
+    throw RunRefused("--allow-change " + unknown.front() + ": neither this recipe nor the checkpoint's has such a key "
+                     "or section (a key as \"optimizer.lr\", a section as \"optimizer\", or \"all\")");
+  if (!record) return {};
+  Differences diff = differences(*record, identity, allowed);
+  if (!diff.refused.empty())
+    throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
+                lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
+                "or allow a change on purpose with --allow-change KEY" +
+                (changes_length(diff.refused) ? "; " + length_note(dir) : std::string()));
+  return diff;
+}
+
 }  // namespace
+
+std::string resume_plan(const Run& r, const std::string& which, const std::vector<std::string>& allowed) {
+  const fs::path out = output_dir_of(r);
+  std::string note;
+  std::optional<fs::path> dir;
+  if (which != "auto")
+    dir = resolve_checkpoint(which, out, &note);
+  else if (!(dir = find_checkpoint(out / "checkpoints", &note)))
+    return "--resume auto: no checkpoint in " + (out / "checkpoints").string() + ", so a new run";
+  const auto record = read_checkpoint_record(*dir);
+  const Differences diff = compare_runs(r, *dir, record, run_identity(r), allowed);
+  std::string plan = "from " + dir->string() + (note.empty() ? "" : " (" + note + ")");
+  if (!diff.allowed.empty()) plan += "; --allow-change lets through (checkpoint -> now):" + lines(diff.allowed);
+  if (!record) plan += "; it does not record the recipe it was made with (an older trainkit wrote it)";
+  return plan + "\n              (the recipe compared; its tensors, and another world size, are checked when the run starts)";
+}
 
 Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_dir, const RunIdentity& identity,
                        const std::vector<std::string>& allowed) {
   std::string note;
   const fs::path dir = resolve_checkpoint(which, output_dir, &note);
   if (!note.empty()) r.warn(note);
-  // Checked before anything is loaded: another optimizer's state would not even load.
-  Differences diff;
   const auto record = read_checkpoint_record(dir);
-  const auto unknown = unknown_allowances(r, record ? &*record : nullptr, allowed);
-  if (!unknown.empty())
-    throw RunRefused("--allow-change " + unknown.front() + ": neither this recipe nor the checkpoint's has such a key "
-                     "or section (a key as \"optimizer.lr\", a section as \"optimizer\", or \"all\")");
+  const Differences diff = compare_runs(r, dir, record, identity, allowed);
   if (record) {
-    diff = differences(*record, identity, allowed);
-    const bool length = changes_length(diff.refused);
-    if (!diff.refused.empty())
-      throw RunRefused("cannot resume from " + dir.string() + ": this run differs from the one that wrote it (checkpoint -> now):" +
-                  lines(diff.refused) + "\nresume with the recipe and options it was started with (its output folder's recipe.toml), "
-                  "or allow a change on purpose with --allow-change KEY" + (length ? "; " + length_note(dir) : std::string()));
     if (!diff.allowed.empty())
       spdlog::info("resuming with what --allow-change lets through (checkpoint -> now):{}", lines(diff.allowed));
     if (!diff.defaults.empty())

@@ -6,6 +6,21 @@
 #include "planning/planning.h"
 
 namespace tk::detail {
+namespace {
+
+/// Said of a schedule whose rate still rises at the run's last step: a warmup longer than the run,
+/// whose rate never reaches the optimizer's (in the plan only: a short trial run of a recipe has
+/// one, and says nothing wrong).
+std::string rising_note(const Run& d) {
+  const int64_t n = d.total_steps;
+  if (n < 2 || !d.schedule) return "";
+  const double last = d.schedule->lr(n - 1, n), before = d.schedule->lr(n - 2, n);
+  if (!(last > before)) return "";
+  return "; its rate still rises at the last step (" + to_toml(last) + " of the optimizer's " + to_toml(d.base_lr) +
+         "): a warmup longer than the run's " + std::to_string(n) + " steps";
+}
+
+}  // namespace
 
 std::string describe(Run& d, const Recipe& recipe) {
   plan_run(d);
@@ -28,7 +43,7 @@ std::string describe(Run& d, const Recipe& recipe) {
   out << "\n"
       << "loss          " << d.loss_name << " (reduction " << to_string(p.reduction) << ")\n"
       << "optimizer     " << d.opt_name << " (lr " << to_toml(d.base_lr) << ")\n"
-      << "schedule      " << d.sched_name << ", advanced once per optimizer step\n"
+      << "schedule      " << d.sched_name << ", advanced once per optimizer step" << rising_note(d) << "\n"
       << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " micro-batches per epoch"
       << (p.world_size > 1 ? " (each rank reads " + std::to_string(d.shard_size()) + " examples per epoch)" : "")
       << "\n";

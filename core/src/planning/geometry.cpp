@@ -121,6 +121,19 @@ void read_batch(Run& r) {
   p.ramp = read_ramp(b, effective);
 }
 
+namespace {
+
+/// The data's options the command line set ("; the data as --set data.samples=1 makes it"), for a
+/// refusal located at the batch's line that the data's size caused.
+std::string data_overrides(const Run& r) {
+  std::string set;
+  for (const auto& [k, v] : r.data_opts.values())
+    if (const SourceLoc at = r.data_opts.where(k); at.file.rfind("--set ", 0) == 0) set += (set.empty() ? "" : ", ") + at.file;
+  return set.empty() ? set : "; the data as " + set + " makes it";
+}
+
+}  // namespace
+
 void refuse_window(const Run& r, const std::string& key, const std::string& what) {
   if (const Slot* s = window_plugin(r))  // the shape came from a plugin's options (deprecated): there
     for (const auto& m : kMoved)
@@ -226,8 +239,8 @@ void shape_windows(Run& r) {
                       " examples) is more than an epoch holds (" + std::to_string(r.batches_per_epoch) +
                       std::string(r.batches_per_epoch == 1 ? " micro-batch, " : " micro-batches, ") + std::to_string(n) +
                       (n == 1 ? " example" : " examples") + (r.plan.world_size > 1 ? " per rank" : "") +
-                      "): every step would be cut at the epoch's end; ask for a smaller step, or set [batch] "
-                      "last_window = \"carry\" so that a window spans epochs");
+                      ")" + data_overrides(r) + ": every step would be cut at the epoch's end; ask for a smaller step, "
+                      "or set [batch] last_window = \"carry\" so that a window spans epochs");
   r.windows = std::make_unique<WindowSchedule>(r.batches_per_epoch, r.plan.accumulation, r.plan.last_window,
                                                r.bound.by_steps() ? 0 : r.bound.count);
   if (r.plan.ramp.active()) {

@@ -5,6 +5,7 @@
 
 #include "assemble/assemble.h"
 #include "loop/loop.h"
+#include "persist/persist.h"
 #include "planning/planning.h"
 #include "world/world.h"
 
@@ -107,7 +108,11 @@ void Trainer::add_plugin(std::shared_ptr<Plugin> plugin, const std::string& name
 
 std::string Trainer::describe() {
   try {
-    return detail::describe(impl_->run, impl_->recipe);
+    std::string plan = detail::describe(impl_->run, impl_->recipe);
+    // A dry run (which never resumes) says what the resume would continue, refused as fit() would.
+    if (impl_->options.resume && !impl_->run.may_join_world)
+      plan += "resume        " + detail::resume_plan(impl_->run, *impl_->options.resume, impl_->options.allow_changes) + "\n";
+    return plan;
   } catch (...) {
     fail(impl_->options);
   }
