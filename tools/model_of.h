@@ -51,14 +51,15 @@ inline std::unique_ptr<Trainer> build_model(Recipe recipe, const std::string& de
   }
 }
 
-/// Copies a weights file into the model by name: every parameter must be there, in its shape; a
-/// tensor the model does not have is refused.
+/// Copies weights into the model by name (a .safetensors or .pt file, or a checkpoint: see
+/// load_model_weights): every parameter must be there, in its shape; a tensor the model does not
+/// have is refused.
 inline void load_weights(Model& model, const std::filesystem::path& weights) {
   auto params = model.named_parameters();
   auto buffers = model.named_buffers();
   std::set<std::string> loaded;
   torch::NoGradGuard no_grad;
-  for (const auto& [name, t] : load_safetensors(weights)) {
+  for (const auto& [name, t] : load_model_weights(weights)) {
     at::Tensor* dst = params.find(name) ? params.find(name) : buffers.find(name);
     if (!dst) throw std::runtime_error(weights.string() + " holds '" + name + "', which the run's model does not have");
     if (dst->sizes() != t.sizes())

@@ -616,7 +616,7 @@ GptShape gpt_shape_of(const Options& o, const DataInfo& d) {
 
 /// The shape a published checkpoint states, and the checkpoint itself; shape options the recipe
 /// also sets are refused (the checkpoint's weights fit its own shape only).
-Published pretrained_of(const Options& o, const DataInfo& d) {
+Published pretrained_of(const Options& o) {
   Published p;
   try {
     p = read_published_shape(o.get_path("pretrained"));
@@ -635,6 +635,13 @@ Published pretrained_of(const Options& o, const DataInfo& d) {
                                                           : o.get_string(k) != std::get<std::string>(def);
     if (o.is_set(k) && moved) o.fail(k, "is set by the checkpoint (" + p.source + "): remove it from the recipe");
   }
+  return p;
+}
+
+/// Refuses a published checkpoint the data does not fit: checked once its tensors were read into
+/// the model its configuration describes, so that a configuration the tensors contradict is said
+/// first (a config.json's vocab_size, say), not taken for the data's fault.
+void check_data_fits(const Options& o, const Published& p, const DataInfo& d) {
   if (p.shape.vocab != d.vocab)
     o.fail("pretrained", p.source + " (" + p.format + ") predicts a vocabulary of " + std::to_string(p.shape.vocab) +
                              " tokens, the data's is " + std::to_string(d.vocab) + ": tokenize the data with the "
@@ -643,7 +650,6 @@ Published pretrained_of(const Options& o, const DataInfo& d) {
   if (p.shape.context < d.input_shape[0])
     o.fail("pretrained", p.source + " has a context of " + std::to_string(p.shape.context) + " positions, shorter than "
                              "the data's sequences of " + std::to_string(d.input_shape[0]));
-  return p;
 }
 
 ModelPtr make_gpt(const Options& o, const DataInfo& d) {
@@ -654,11 +660,11 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
                        " classes for a vocabulary of " + std::to_string(d.vocab));
   const bool pretrained = !o.get_path("pretrained").empty();
   std::optional<Published> published;
-  if (pretrained) published = pretrained_of(o, d);
+  if (pretrained) published = pretrained_of(o);
   GptShape s = pretrained ? published->shape : gpt_shape_of(o, d);
   s.dropout = o.get_float("dropout");
   if (s.dropout < 0.0 || s.dropout >= 1.0) o.fail("dropout", "must be in [0, 1)");
-  if (s.context < d.input_shape[0])
+  if (!pretrained && s.context < d.input_shape[0])  // a checkpoint's: once its tensors are read
     o.fail("context", "is " + std::to_string(s.context) + ", shorter than the data's sequences of " +
                           std::to_string(d.input_shape[0]));
   require_parameters_fit(o, pretrained ? "pretrained" : o.get_int("context") > 0 ? "context" : "width", s.parameters());
@@ -683,6 +689,7 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
   } catch (const std::exception& e) {
     o.fail("pretrained", message_of(e));
   }
+  check_data_fits(o, *published, d);
   return model;
 }
 

@@ -62,6 +62,8 @@ struct Problems {
 class Config {
  public:
   explicit Config(const fs::path& file) : file_(file.string()) {
+    if (fs::exists(file) && !fs::is_regular_file(file))  // a folder, or a pipe that could wait for a writer
+      throw Error(file_ + ": not a regular file (a folder, a pipe or a device)");
     std::ifstream in(file);
     if (!in) throw Error(file_ + ": cannot read it");
     try {
@@ -326,6 +328,7 @@ std::vector<fs::path> weight_files(const fs::path& dir) {
     throw Error(dir.string() + ": no model.safetensors or model.safetensors.index.json" +
                 (bin ? " (it has pytorch_model.bin, a Python pickle: the safetensors files of the same model load)" : ""));
   }
+  if (!fs::is_regular_file(index)) throw Error(index.string() + ": not a regular file (a folder, a pipe or a device)");
   json j;
   try {
     j = json::parse(std::ifstream(index));
@@ -674,6 +677,9 @@ void write_llmc(const GptShape& s, const NamedTensors& params, const fs::path& f
   if (!s.tied) why.push_back("an untied head");
   if (s.norm_eps != 1e-5) why.push_back("LayerNorm's epsilon " + std::to_string(s.norm_eps) + " (llm.c's is 1e-5)");
   if (!why.empty()) throw Error("llm.c's .bin holds GPT-2, and this GPT has " + joined(why));
+  // As a Hugging Face folder, never over what is there (a run's own pretrained file, say).
+  if (fs::is_directory(file)) throw Error(file.string() + " is a folder: llm.c's format is one file; give its name");
+  if (fs::exists(file)) throw Error(file.string() + " exists: export into a new file");
   std::map<std::string, at::Tensor> by_name;
   for (const auto& [name, t] : params) by_name[name] = t.detach().cpu().to(at::kFloat).contiguous();
   // A padded table keeps its rows; an unpadded one is padded to a multiple of 128, as llm.c does.
@@ -723,9 +729,18 @@ Published nanogpt_shape(const fs::path& file) {
   const PyValue ckpt = read_torch_save(file);
   const PyValue* model = ckpt.get("model");
   const PyValue* args = ckpt.get("model_args");
-  if (!model || !args || model->kind != PyValue::Kind::Dict || args->kind != PyValue::Kind::Dict)
+  if (!model || !args || model->kind != PyValue::Kind::Dict || args->kind != PyValue::Kind::Dict) {
+    // A bare state dict of nanoGPT's names ("transformer.wte.weight") lacks the shape model_args give.
+    bool nanogpt_names = false;
+    if (ckpt.kind == PyValue::Kind::Dict && ckpt.entries)
+      for (const auto& [key, value] : *ckpt.entries)
+        nanogpt_names = nanogpt_names || (key.kind == PyValue::Kind::String && key.s.find("transformer.wte.") != std::string::npos);
     throw Error(file.string() + ": a torch.save file, but not nanoGPT's checkpoint (a dict with 'model' and 'model_args', "
-                "got a " + ckpt.type_name() + "); a plain dict of tensors by trainkit's names loads with [model] init");
+                "got a " + ckpt.type_name() + ")" +
+                (nanogpt_names ? "; it holds nanoGPT's names without the model_args that give its shape: save train.py's "
+                                 "checkpoint dict ({'model': state_dict, 'model_args': {...}})"
+                               : "; a plain dict of tensors by trainkit's names loads with [model] init"));
+  }
   Problems problems;
   const auto count = [&](const char* key) -> int64_t {
     const PyValue* v = args->get(key);
@@ -759,6 +774,25 @@ Published nanogpt_shape(const fs::path& file) {
   return p;
 }
 
+namespace {
+
+/// What `file` is when it is a file trainkit reads as part of another kind of checkpoint, or in
+/// another format, from its name and first 9 bytes (`magic`); "" when none of those.
+std::string misplaced_kind(const fs::path& file, const unsigned char* magic) {
+  uint64_t header = 0;  // a safetensors file: the JSON header's length, little-endian, then '{'
+  for (int i = 7; i >= 0; --i) header = header << 8 | magic[i];
+  if (file.extension() == ".safetensors" || (magic[8] == '{' && header > 1 && header < (uint64_t{1} << 32)))
+    return "a safetensors file: give the folder that holds it with its config.json (a Hugging Face checkpoint)";
+  if (file.extension() == ".json" || magic[0] == '{')
+    return "a JSON file: give the folder that holds it (a Hugging Face checkpoint: config.json beside model.safetensors)";
+  if (magic[0] == 0x80 && magic[1] >= 2 && magic[1] <= 5)  // a pickle: torch.save before PyTorch 1.6 (_use_new_zipfile_serialization=False)
+    return "a torch.save file in the legacy format (a pickle, not a zip), which trainkit does not read: save it again "
+           "with torch.save of PyTorch 1.6 or later, without _use_new_zipfile_serialization=False";
+  return "";
+}
+
+}  // namespace
+
 Published read_published_shape(const fs::path& where) {
   if (fs::is_directory(where)) {
     Published p = huggingface_shape(where);
@@ -766,8 +800,11 @@ Published read_published_shape(const fs::path& where) {
     return p;
   }
   if (!fs::exists(where)) throw Error(where.string() + ": no such file or folder");
-  char magic[4] = {};
-  std::ifstream(where, std::ios::binary).read(magic, 4);
+  if (!fs::is_regular_file(where))  // a pipe or a device could wait for a writer, or never end
+    throw Error(where.string() + ": not a regular file (a pipe or a device?): a checkpoint is a folder or a file of known size");
+  unsigned char magic[9] = {};
+  std::ifstream(where, std::ios::binary).read(reinterpret_cast<char*>(magic), sizeof magic);
+  if (const std::string kind = misplaced_kind(where, magic); !kind.empty()) throw Error(where.string() + ": " + kind);
   if (std::memcmp(magic, "PK\x03\x04", 4) == 0) {  // a zip: torch.save's format
     Published p = nanogpt_shape(where);
     if (const std::string why = shape_problem(p.shape); !why.empty()) throw Error(where.string() + ": " + why);
@@ -792,7 +829,7 @@ void read_published_tensors(Published& p) {
 
 void load_published(const Published& from, const std::vector<std::pair<std::string, at::Tensor>>& params) {
   std::map<std::string, at::Tensor> given(from.tensors.begin(), from.tensors.end());
-  Problems problems;
+  Problems problems, damaged;
   const auto origin = [&](const std::string& name) {
     auto it = from.origin.find(name);
     return it == from.origin.end() ? std::string() : " (from " + it->second + ")";
@@ -808,6 +845,10 @@ void load_published(const Published& from, const std::vector<std::pair<std::stri
       problems.add("'" + name + "'" + origin(name) + ": " + c10::toString(src.scalar_type()) + ", not floating point");
     else if (src.sizes() != dst.sizes())
       problems.add("'" + name + "'" + origin(name) + ": shape " + c10::str(src.sizes()) + ", the model's is " + c10::str(dst.sizes()));
+    else if (const int64_t bad = src.isfinite().logical_not().sum().item<int64_t>(); bad > 0)
+      // It would surface as a non-finite loss at the first step, blamed on the learning rate.
+      damaged.add("'" + name + "'" + origin(name) + ": " + std::to_string(bad) + " of its " + std::to_string(src.numel()) +
+                  " values are NaN or infinite");
     else {
       torch::NoGradGuard no_grad;
       at::Tensor target = dst;
@@ -817,6 +858,7 @@ void load_published(const Published& from, const std::vector<std::pair<std::stri
   }
   for (const auto& [name, t] : given) problems.add("'" + name + "'" + origin(name) + ": the model has no such parameter");
   problems.raise(from.source + " (" + from.format + ") does not fit the model its configuration describes:");
+  damaged.raise(from.source + " (" + from.format + ") holds values that are not finite (a damaged or diverged checkpoint):");
 }
 
 std::vector<std::string> published_formats() { return {"huggingface", "llmc"}; }

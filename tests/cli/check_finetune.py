@@ -118,6 +118,15 @@ print(f"frozen: wte.weight and wpe.weight as published; the other {len(changed)}
 text = run(tk_sample, fine, "--prompt", "The", "--tokens", "20", "--seed", "1")
 assert text.startswith("The") and len(text) > 3, text
 print(f"tk-sample: {text.strip()!r}")
+# Shards with no tokenizer beside them: the one in the pretrained checkpoint's folder decodes.
+bare = work / "bare-shards"
+bare.mkdir()
+for f in shards.glob("*.bin"):
+    shutil.copy(f, bare / f.name)
+moved = work / "moved.toml"
+moved.write_text((fine / "recipe.toml").read_text().replace(str(shards), str(bare)))
+again = run(tk_sample, moved, "--weights", fine / "weights.safetensors", "--prompt", "The", "--tokens", "20", "--seed", "1")
+assert again == text, f"with the checkpoint folder's tokenizer: {again!r}, beside the shards: {text!r}"
 
 ids = "5 17 300 42 7 99"
 run(tk_sample, fine, "--ids", ids, "--logits", work / "run-logits.safetensors")

@@ -114,7 +114,7 @@ def tk_logits(recipe_path, ids):
 
 def tk_refuses(recipe_path, *expected):
     r = subprocess.run([TK_SAMPLE, str(recipe_path), "--ids", "1 2", "--logits", str(recipe_path.parent / "x")],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, timeout=120)  # a pipe read as a checkpoint would wait forever
     said = r.stdout + r.stderr
     assert r.returncode != 0, f"accepted {recipe_path}:\n{said}"
     for e in expected:
@@ -375,6 +375,8 @@ agree("nanoGPT's ckpt.pt (bias = False)", tk_logits(recipe(nano, nano / "ckpt.pt
       gpt2_reference(unbiased, ids, L, H, 1e-5, False, V))
 torch.save({"wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"]}, WORK / "plain.pt")
 tk_refuses(recipe(WORK / "plain", WORK / "plain.pt", V, T), "not nanoGPT's checkpoint", "[model] init")
+torch.save({"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"]}, WORK / "bare.pt")
+tk_refuses(recipe(WORK / "bare", WORK / "bare.pt", V, T), "it holds nanoGPT's names without the model_args")
 
 # ---------------------------------------------------------------- a few accumulated steps
 
@@ -543,6 +545,23 @@ write_safetensors(folder / "model.safetensors", swapped)
 tk_refuses(recipe(folder, folder, V, T), "'model.layers.0.self_attn.q_proj.weight': shape [16, 32]",
            "a piece of 'blocks.0.attn.qkv.weight' is [32, 32]")
 tk_refuses(variant("heads-5", sd, config | {"n_head": 5}), "config.json: width 32 is not divisible by 5 heads")
+tk_refuses(variant("nan", sd | {"ln_f.bias": torch.full((C,), float("nan"))}),
+           "holds values that are not finite", "'ln_f.bias' (from model.safetensors 'ln_f.bias'): 32 of its 32 values")
+# A configuration its tensors contradict is said as such, before the data is compared with it.
+tk_refuses(variant("config-vocab", sd, config | {"vocab_size": 512}), f"the model's is [512, {C}]")
+tk_refuses(recipe(WORK / "data-vocab", gpt2, V + 1, T), f"predicts a vocabulary of {V} tokens, the data's is {V + 1}")
+# Files of another kind, or that are no file, given as the checkpoint: said as such, at once.
+os.mkfifo(WORK / "pipe.bin")
+tk_refuses(recipe(WORK / "pipe", WORK / "pipe.bin", V, T), "pipe.bin: not a regular file (a pipe or a device?)")
+folder = WORK / "config-folder"
+(folder / "config.json").mkdir(parents=True)
+write_safetensors(folder / "model.safetensors", sd)
+tk_refuses(recipe(folder, folder, V, T), "config.json: not a regular file (a folder, a pipe or a device)")
+tk_refuses(recipe(WORK / "one-file", gpt2 / "model.safetensors", V, T),
+           "model.safetensors: a safetensors file: give the folder that holds it with its config.json")
+tk_refuses(recipe(WORK / "json-file", gpt2 / "config.json", V, T), "config.json: a JSON file: give the folder that holds it")
+torch.save(sd, WORK / "legacy.pt", _use_new_zipfile_serialization=False)
+tk_refuses(recipe(WORK / "legacy", WORK / "legacy.pt", V, T), "a torch.save file in the legacy format (a pickle, not a zip)")
 short = WORK / "short.bin"
 short.write_bytes((llmc / "gpt2.bin").read_bytes()[:-4])
 tk_refuses(recipe(WORK / "short-bin", short, V, T), "bytes, but a 2-layer GPT-2")
@@ -552,4 +571,10 @@ assert r.returncode == 1 and "llm.c's .bin holds GPT-2, and this GPT has rotary 
 r = subprocess.run([TK_EXPORT, str(gpt2 / "recipe.toml"), "--format", "huggingface", "--out", str(WORK / "gpt2-out")],
                    capture_output=True, text=True)
 assert r.returncode == 1 and "exists and is not an empty folder" in r.stderr, r.stderr
+# llm.c's one file, never over one that is there (the run's own pretrained .bin here) or a folder.
+before = (llmc / "gpt2.bin").read_bytes()
+for out, said in ((llmc / "gpt2.bin", "gpt2.bin exists: export into a new file"), (WORK, "is a folder: llm.c's format is one file")):
+    r = subprocess.run([TK_EXPORT, str(llmc / "recipe.toml"), "--format", "llmc", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 1 and said in r.stderr, r.stderr
+assert (llmc / "gpt2.bin").read_bytes() == before, "tk-export wrote over the .bin the run was read from"
 print("published checkpoints: all agree, all refusals name what is wrong, every export reads back the same")

@@ -877,6 +877,14 @@ TEST_SUITE("zero") {
       REQUIRE(merged.count(name) == 1);
       CHECK(torch::equal(merged.at(name), t));
     }
+    // tk::load_model_weights (tk-sample's and tk-export's --weights) merges the folder the same.
+    const auto consolidated = tk::load_model_weights(last);
+    CHECK(consolidated.size() == merged.size());
+    for (const auto& [name, t] : consolidated) {
+      CAPTURE(name);
+      REQUIRE(merged.count(name) == 1);
+      CHECK(torch::equal(merged.at(name), t));
+    }
     auto init = tk_run(root / "init", deep, "--set run.steps=1 --set model.init='\"" + (step2 / "model.pt").string() + "\"'");
     INFO(init.out);
     CHECK(init.rc == 0);

@@ -55,7 +55,9 @@ int main(int argc, char** argv) {
   app.add_option("-f,--format", o.format, "huggingface: a folder of config.json and safetensors (GPT-2 or Llama, by "
                                           "the model's shape); llmc: llm.c's GPT-2 .bin")->required();
   app.add_option("-o,--out", o.out, "the folder (huggingface) or file (llmc) to write")->required();
-  app.add_option("--weights", o.weights, "weights to load (default: RUN/weights.safetensors)");
+  app.add_option("--weights", o.weights,
+                 "weights to load: a .safetensors or .pt file, or a checkpoint (its folder or model.pt; a sharded "
+                 "run's shares merged) (default: RUN/weights.safetensors)");
   app.add_option("--max-shard-size", o.max_shard_bytes,
                  "largest safetensors file (\"5GB\", \"200MB\", bytes); a larger model is sharded, with an index")
       ->transform(CLI::AsSizeValue(false))

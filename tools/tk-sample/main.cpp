@@ -102,11 +102,13 @@ class Tokenizer {
 /// The recipe's [data] values tk-sample reads ("" when unset), from one parse of its file.
 struct DataKeys {
   std::string name, level, train, validation;
+  std::string pretrained;  // [model]'s: a published checkpoint's folder may hold its tokenizer
 };
 DataKeys data_keys(const tk::Recipe& recipe) {
   const auto table = toml::parse_file(recipe.source());
   const auto value = [&](const char* key) { return std::string(table["data"][key].value_or("")); };
-  return {value("name"), value("level"), value("train"), value("validation")};
+  return {value("name"), value("level"), value("train"), value("validation"),
+          std::string(table["model"]["pretrained"].value_or(""))};
 }
 
 /// The files each pattern of a [data] file option (a file, a glob, or a list of them) names, in
@@ -130,16 +132,25 @@ std::string find_tokenizer(const Options& o, const tk::Recipe& recipe, int64_t v
     throw std::runtime_error("the run reads characters (data.level = \"char\"), whose numbering tk-sample does not "
                              "rebuild; give --tokenizer");
   if (data.name == "tokens") {
-    const auto shards = files_named(recipe, data.train);
-    const fs::path dir = shards.empty() ? fs::path() : fs::path(shards.front()).parent_path();
     // What tk-tokenize writes beside the shards: a SentencePiece model, or GPT-2's byte-level BPE
-    // (tokenizer.json, or vocab.json and merges.txt: the folder is the model).
-    if (!shards.empty() && fs::exists(dir / "tokenizer.model")) return (dir / "tokenizer.model").string();
-    if (!shards.empty() && fs::exists(dir / "tokenizer.json")) return (dir / "tokenizer.json").string();
-    if (!shards.empty() && fs::exists(dir / "vocab.json") && fs::exists(dir / "merges.txt")) return dir.string();
+    // (tokenizer.json, or vocab.json and merges.txt: the folder is the model); else what a
+    // published checkpoint's folder holds beside its weights.
+    const auto in = [](const fs::path& dir) -> std::string {
+      if (dir.empty()) return "";
+      if (fs::exists(dir / "tokenizer.model")) return (dir / "tokenizer.model").string();
+      if (fs::exists(dir / "tokenizer.json")) return (dir / "tokenizer.json").string();
+      if (fs::exists(dir / "vocab.json") && fs::exists(dir / "merges.txt")) return dir.string();
+      return "";
+    };
+    const auto shards = files_named(recipe, data.train);
+    if (const std::string t = in(shards.empty() ? fs::path() : fs::path(shards.front()).parent_path()); !t.empty()) return t;
+    const fs::path published = data.pretrained.empty() ? fs::path() : fs::path(recipe.resolve_path(data.pretrained));
+    if (std::error_code ec; fs::is_directory(published, ec))
+      if (const std::string t = in(published); !t.empty()) return t;
     if (vocab > 256)
-      throw std::runtime_error("no tokenizer beside the run's shards (tokenizer.model, tokenizer.json, or vocab.json "
-                               "and merges.txt): give --tokenizer");
+      throw std::runtime_error("no tokenizer beside the run's shards" +
+                               std::string(data.pretrained.empty() ? "" : " or in its pretrained checkpoint's folder") +
+                               " (tokenizer.model, tokenizer.json, or vocab.json and merges.txt): give --tokenizer");
   }
   return "";
 }
@@ -353,7 +364,9 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer", o.tokenizer,
                  "a SentencePiece .model, GPT-2's byte-level BPE (a folder with vocab.json and merges.txt, or a "
                  "tokenizer.json), or \"bytes\" (default: the run's)");
-  app.add_option("--weights", o.weights, "weights to load (default: RUN/weights.safetensors)");
+  app.add_option("--weights", o.weights,
+                 "weights to load: a .safetensors or .pt file, or a checkpoint (its folder or model.pt; a sharded "
+                 "run's shares merged) (default: RUN/weights.safetensors)");
   app.add_option("--device", o.device, "where the model runs: cpu, cuda, cuda:N");
   if (auto rc = tk::parse_command_line(app, argc, argv, "tk-sample")) return *rc;
   try {

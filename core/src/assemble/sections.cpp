@@ -107,8 +107,9 @@ OptionSpecs loader_specs() {
 }
 
 OptionSpecs model_specs() {
-  return {opt_path("init", "", "start from these weights, by parameter and buffer name: a .safetensors file, or a "
-                               "dict of tensors saved by torch.save (\"\": the model's own initialization)"),
+  return {opt_path("init", "", "start from these weights, by parameter and buffer name: a .safetensors file, a "
+                               "dict of tensors saved by torch.save, or a checkpoint folder (\"\": the model's own "
+                               "initialization)"),
           opt_bool("init_partial", false,
                    "let init lack some of the model's tensors, hold others, or hold them in other shapes: those keep "
                    "the model's initialization, and the log lists them"),
@@ -161,12 +162,7 @@ void load_init(Run& r) {
   const std::filesystem::path path(file);
   NamedTensors saved;
   try {
-    if (path.extension() == ".safetensors") {
-      saved = load_safetensors(file);
-    } else {  // a checkpoint's model.pt comes with the shares of the parameters its record names
-      const auto record = path.filename() == "model.pt" ? detail::read_checkpoint_record(path.parent_path()) : std::nullopt;
-      saved = detail::load_model_file(file, record ? record->model_shares : 0);
-    }
+    saved = load_model_weights(path);
   } catch (const std::exception& e) {
     r.model_opts.fail("init", message_of(e));
   }

@@ -68,6 +68,9 @@ struct PhaseTimes {
 
 /// A model's name for messages: "model 'gpt'", with the file it was read from when it has one.
 std::string model_label(const Run& run);
+/// The files the model was read from (its Path options that the recipe set: a published
+/// checkpoint, a TorchScript module), ", "-joined; "" when none.
+std::string model_files(const Run& run);
 
 /// The state the plugins' Context shows, for a planned run before its first event.
 LoopState loop_state(Run& run);

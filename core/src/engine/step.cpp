@@ -31,14 +31,18 @@ void PhaseTimes::record(StepRecord& line) const {
     if (p != kValidation || ms[p] > 0.0) line.add(kKeys[p], ms[p]);
 }
 
-std::string model_label(const Run& r) {
-  // The files the model was read from: its Path options that the recipe set.
+std::string model_files(const Run& r) {
   std::string files;
   for (const auto& c : r.registry.models())
     if (c.name == r.model_name)
       for (const auto& spec : c.specs)
         if (spec.type == OptionType::Path && r.model_opts.has(spec.name) && !r.model_opts.get_path(spec.name).empty())
           files += (files.empty() ? "" : ", ") + r.model_opts.get_path(spec.name);
+  return files;
+}
+
+std::string model_label(const Run& r) {
+  const std::string files = model_files(r);
   return "model '" + r.model_name + "'" + (files.empty() ? "" : " (" + files + ")");
 }
 

@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "assemble/assemble.h"
+#include "engine/engine.h"
 #include "planning/planning.h"
 
 namespace tk::detail {
@@ -34,7 +35,8 @@ std::string describe(Run& d, const Recipe& recipe) {
   out << "recipe        " << recipe.source() << "\n"
       << "model         " << d.model_name << " (" << params << " parameters"
       << (trainable != params ? ", " + std::to_string(trainable) + " trainable" : "") << ", "
-      << d.run.get_string("dtype") << ", on " << d.device.str() << ")\n"
+      << d.run.get_string("dtype") << ", on " << d.device.str() << ")"
+      << (model_files(d).empty() ? "" : ", read from " + model_files(d)) << "\n"
       << "data          " << d.data_name << ": " << d.data.train->size() << " training examples";
   if (d.data.validation) out << ", " << d.data.validation->size() << " validation";
   out << "; " << d.data.info.describe();

@@ -40,6 +40,13 @@ Metadata load_safetensors_metadata(const std::filesystem::path& file);
 /// an unknown dtype, and data offsets that do not match the shape or lie outside the file.
 NamedTensors load_safetensors(const std::filesystem::path& file);
 
+/// A model's weights by name, as `[model] init` reads them, from `path`: a .safetensors file; a
+/// tensor dict (weights.pt); a checkpoint's model.pt, or the checkpoint folder that holds it, with
+/// the shares of the parameters that the ranks of a sharded run wrote beside it (its run.json's
+/// `model_shares`): the whole model, read without a world. Refuses (RunRefused) a share missing,
+/// a name two files hold, and a folder that holds no model.pt.
+NamedTensors load_model_weights(const std::filesystem::path& path);
+
 }  // namespace tk
 
 #pragma GCC visibility pop
