@@ -1,7 +1,9 @@
 #pragma once
 // What the tools that use a trained model share (tk-sample, tk-export): a run's output folder or a
 // recipe, its model built as it was trained, and its weights loaded by name.
+#include <toml++/toml.h>
 #include <torch/torch.h>
+#include <tk/data.h>
 #include <tk/recipe.h>
 #include <tk/tensor_io.h>
 #include <tk/trainer.h>
@@ -11,6 +13,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace tk {
 
@@ -30,6 +33,52 @@ struct RunOrRecipe {
   Recipe recipe;
   std::filesystem::path weights;  // "" for a recipe given without --weights
 };
+
+/// The recipe's [data] values the tools read ("" when unset), from one parse of its file.
+struct DataKeys {
+  std::string name, level, train, validation;
+  std::string pretrained;  // [model]'s: a published checkpoint's folder may hold its tokenizer
+};
+inline DataKeys data_keys(const Recipe& recipe) {
+  const auto table = toml::parse_file(recipe.source());
+  const auto value = [&](const char* key) { return std::string(table["data"][key].value_or("")); };
+  return {value("name"), value("level"), value("train"), value("validation"),
+          std::string(table["model"]["pretrained"].value_or(""))};
+}
+
+/// The files each pattern of a [data] file option (a file, a glob, or a list of them) names, in
+/// order; a pattern that names none gives no file, and `all_found` false.
+inline std::vector<std::string> files_named(const Recipe& recipe, const std::string& spec, bool* all_found = nullptr) {
+  std::vector<std::string> out;
+  if (all_found) *all_found = true;
+  for (const auto& m : files_matching(spec, [&](const std::string& p) { return recipe.resolve_path(p); })) {
+    for (const auto& f : m.files) out.push_back(f.string());
+    if (m.files.empty() && all_found) *all_found = false;
+  }
+  return out;
+}
+
+/// The tokenizer of a run whose data is token shards, as files: what tk-tokenize wrote beside its
+/// shards, else what its pretrained checkpoint's folder holds: a SentencePiece tokenizer.model,
+/// a tokenizer.json, or a BPE's vocab.json and merges.txt (in that order of preference); none
+/// when neither place has one.
+inline std::vector<std::filesystem::path> tokenizer_files(const Recipe& recipe) {
+  namespace fs = std::filesystem;
+  const auto in = [](const fs::path& dir) -> std::vector<fs::path> {
+    std::error_code ec;
+    if (dir.empty() || !fs::is_directory(dir, ec)) return {};
+    for (const char* one : {"tokenizer.model", "tokenizer.json"})
+      if (fs::is_regular_file(dir / one, ec)) return {dir / one};
+    if (fs::is_regular_file(dir / "vocab.json", ec) && fs::is_regular_file(dir / "merges.txt", ec))
+      return {dir / "vocab.json", dir / "merges.txt"};
+    return {};
+  };
+  const DataKeys data = data_keys(recipe);
+  if (data.name != "tokens") return {};
+  const auto shards = files_named(recipe, data.train);
+  if (auto beside = in(shards.empty() ? fs::path() : fs::path(shards.front()).parent_path()); !beside.empty()) return beside;
+  return data.pretrained.empty() ? std::vector<fs::path>() : in(recipe.resolve_path(data.pretrained));
+}
 
 /// A run's model built from its recipe (and run.device = `device`), planned as it was trained.
 inline std::unique_ptr<Trainer> build_model(Recipe recipe, const std::string& device) {

@@ -85,8 +85,8 @@ lr = 0.01
 run(tk_run, pre)
 published = work / "published"
 run(tk_export, work / "pre", "--format", "huggingface", "--out", published)
-for name in ("vocab.json", "merges.txt"):
-    shutil.copy(tok / name, published / name)
+for name in ("vocab.json", "merges.txt"):  # the run's tokenizer, beside the weights
+    assert (published / name).read_bytes() == (tok / name).read_bytes(), f"{name} not exported with the weights"
 config = json.loads((published / "config.json").read_text())
 assert config["model_type"] == "gpt2" and config["activation_function"] == "gelu_new", config
 

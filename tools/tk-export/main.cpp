@@ -1,7 +1,8 @@
 // tk-export: a model's weights in other programs' formats. Rebuilds a run's model from the
 // recipe.toml its output folder holds and loads its weights.safetensors (or builds a recipe's model
 // with the weights it starts from), then writes them as the model's export says: for the built-in
-// GPT, a Hugging Face folder (GPT-2 or Llama, by its shape) or llm.c's GPT-2 .bin.
+// GPT, a Hugging Face folder (GPT-2 or Llama, by its shape; with the run's tokenizer files) or
+// llm.c's GPT-2 .bin.
 #include <spdlog/spdlog.h>
 #include <tk/export.h>
 
@@ -40,8 +41,14 @@ int export_model(const Options& o) {
     // Said again here: the exception's type lives in the plugin library, unloaded with the model.
     throw std::runtime_error(tk::message_of(e));
   }
-  std::printf("tk-export: %s -> %s (%s)\n", (given.weights.empty() ? given.recipe.source() : given.weights.string()).c_str(),
-              o.out.c_str(), o.format.c_str());
+  std::string with;
+  if (o.format == "huggingface")  // the run's tokenizer beside the weights: a folder that loads alone
+    for (const auto& file : tk::tokenizer_files(given.recipe)) {
+      std::filesystem::copy_file(file, std::filesystem::path(o.out) / file.filename());
+      with += (with.empty() ? " with its tokenizer: " : ", ") + file.filename().string();
+    }
+  std::printf("tk-export: %s -> %s (%s)%s\n", (given.weights.empty() ? given.recipe.source() : given.weights.string()).c_str(),
+              o.out.c_str(), o.format.c_str(), with.c_str());
   return 0;
 }
 
@@ -53,7 +60,8 @@ int main(int argc, char** argv) {
   app.add_option("run", o.run, "the run's output folder (recipe.toml, weights.safetensors), or a recipe: its model "
                                "with the weights it starts from")->required()->check(CLI::ExistingPath);
   app.add_option("-f,--format", o.format, "huggingface: a folder of config.json and safetensors (GPT-2 or Llama, by "
-                                          "the model's shape); llmc: llm.c's GPT-2 .bin")->required();
+                                          "the model's shape), with the run's tokenizer files; llmc: llm.c's GPT-2 "
+                                          ".bin")->required();
   app.add_option("-o,--out", o.out, "the folder (huggingface) or file (llmc) to write")->required();
   app.add_option("--weights", o.weights,
                  "weights to load: a .safetensors or .pt file, or a checkpoint (its folder or model.pt; a sharded "

@@ -99,59 +99,23 @@ class Tokenizer {
   std::vector<int64_t> start_;
 };
 
-/// The recipe's [data] values tk-sample reads ("" when unset), from one parse of its file.
-struct DataKeys {
-  std::string name, level, train, validation;
-  std::string pretrained;  // [model]'s: a published checkpoint's folder may hold its tokenizer
-};
-DataKeys data_keys(const tk::Recipe& recipe) {
-  const auto table = toml::parse_file(recipe.source());
-  const auto value = [&](const char* key) { return std::string(table["data"][key].value_or("")); };
-  return {value("name"), value("level"), value("train"), value("validation"),
-          std::string(table["model"]["pretrained"].value_or(""))};
-}
-
-/// The files each pattern of a [data] file option (a file, a glob, or a list of them) names, in
-/// order; a pattern that names none gives no file, and `all_found` false.
-std::vector<std::string> files_named(const tk::Recipe& recipe, const std::string& spec, bool* all_found = nullptr) {
-  std::vector<std::string> out;
-  if (all_found) *all_found = true;
-  for (const auto& m : tk::files_matching(spec, [&](const std::string& p) { return recipe.resolve_path(p); })) {
-    for (const auto& f : m.files) out.push_back(f.string());
-    if (m.files.empty() && all_found) *all_found = false;
-  }
-  return out;
-}
 
 /// The tokenizer of the run: the one given, else the data set's (text at byte level: bytes; token
 /// shards: the tokenizer tk-tokenize wrote beside them, or bytes for a vocabulary of 256).
 std::string find_tokenizer(const Options& o, const tk::Recipe& recipe, int64_t vocab) {
   if (!o.tokenizer.empty()) return o.tokenizer == "bytes" ? "" : o.tokenizer;
-  const DataKeys data = data_keys(recipe);
+  const tk::DataKeys data = tk::data_keys(recipe);
   if (data.name == "text" && data.level == "char")
     throw std::runtime_error("the run reads characters (data.level = \"char\"), whose numbering tk-sample does not "
                              "rebuild; give --tokenizer");
-  if (data.name == "tokens") {
-    // What tk-tokenize writes beside the shards: a SentencePiece model, or GPT-2's byte-level BPE
-    // (tokenizer.json, or vocab.json and merges.txt: the folder is the model); else what a
-    // published checkpoint's folder holds beside its weights.
-    const auto in = [](const fs::path& dir) -> std::string {
-      if (dir.empty()) return "";
-      if (fs::exists(dir / "tokenizer.model")) return (dir / "tokenizer.model").string();
-      if (fs::exists(dir / "tokenizer.json")) return (dir / "tokenizer.json").string();
-      if (fs::exists(dir / "vocab.json") && fs::exists(dir / "merges.txt")) return dir.string();
-      return "";
-    };
-    const auto shards = files_named(recipe, data.train);
-    if (const std::string t = in(shards.empty() ? fs::path() : fs::path(shards.front()).parent_path()); !t.empty()) return t;
-    const fs::path published = data.pretrained.empty() ? fs::path() : fs::path(recipe.resolve_path(data.pretrained));
-    if (std::error_code ec; fs::is_directory(published, ec))
-      if (const std::string t = in(published); !t.empty()) return t;
-    if (vocab > 256)
-      throw std::runtime_error("no tokenizer beside the run's shards" +
-                               std::string(data.pretrained.empty() ? "" : " or in its pretrained checkpoint's folder") +
-                               " (tokenizer.model, tokenizer.json, or vocab.json and merges.txt): give --tokenizer");
-  }
+  if (data.name != "tokens") return "";
+  // A BPE's vocab.json and merges.txt: their folder is the model.
+  const auto files = tk::tokenizer_files(recipe);
+  if (!files.empty()) return (files.size() == 1 ? files.front() : files.front().parent_path()).string();
+  if (vocab > 256)
+    throw std::runtime_error("no tokenizer beside the run's shards" +
+                             std::string(data.pretrained.empty() ? "" : " or in its pretrained checkpoint's folder") +
+                             " (tokenizer.model, tokenizer.json, or vocab.json and merges.txt): give --tokenizer");
   return "";
 }
 
@@ -224,11 +188,11 @@ class StandInShard {
 /// stand-in shard its model is built from, with the vocabulary and context its weights file
 /// records; null for other runs. `why` is what making the data set said.
 std::unique_ptr<StandInShard> stand_in_for(const tk::Recipe& recipe, const fs::path& weights, const std::string& why) {
-  const DataKeys data = data_keys(recipe);
+  const tk::DataKeys data = tk::data_keys(recipe);
   if (data.name != "tokens") return nullptr;
   bool train = false, validation = false;
-  files_named(recipe, data.train, &train);
-  files_named(recipe, data.validation, &validation);
+  tk::files_named(recipe, data.train, &train);
+  tk::files_named(recipe, data.validation, &validation);
   if (train && validation) return nullptr;  // the shards are there: what failed is something else
   const auto unknown = [&](const std::string& what) {
     return std::runtime_error(why + "\n" + weights.string() + " " + what + ": put the run's shards back where its "
