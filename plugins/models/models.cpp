@@ -638,18 +638,19 @@ Published pretrained_of(const Options& o) {
   return p;
 }
 
-/// Refuses a published checkpoint the data does not fit: checked once its tensors were read into
-/// the model its configuration describes, so that a configuration the tensors contradict is said
-/// first (a config.json's vocab_size, say), not taken for the data's fault.
+/// Refuses a published checkpoint the data does not fit, before its tensors are read (a large
+/// checkpoint is refused unread): by the shape its configuration states, which its tensors are
+/// then held to.
 void check_data_fits(const Options& o, const Published& p, const DataInfo& d) {
   if (p.shape.vocab != d.vocab)
     o.fail("pretrained", p.source + " (" + p.format + ") predicts a vocabulary of " + std::to_string(p.shape.vocab) +
-                             " tokens, the data's is " + std::to_string(d.vocab) + ": tokenize the data with the "
-                             "checkpoint's tokenizer (tk-tokenize --model) and give data.vocab = " +
-                             std::to_string(p.shape.vocab));
+                             " tokens by its configuration, the data's is " + std::to_string(d.vocab) +
+                             ": tokenize the data with the checkpoint's tokenizer (tk-tokenize --model) and give "
+                             "data.vocab = " + std::to_string(p.shape.vocab) + " (or mend its configuration, if its "
+                             "token table has other rows)");
   if (p.shape.context < d.input_shape[0])
-    o.fail("pretrained", p.source + " has a context of " + std::to_string(p.shape.context) + " positions, shorter than "
-                             "the data's sequences of " + std::to_string(d.input_shape[0]));
+    o.fail("pretrained", p.source + " has a context of " + std::to_string(p.shape.context) + " positions by its "
+                             "configuration, shorter than the data's sequences of " + std::to_string(d.input_shape[0]));
 }
 
 ModelPtr make_gpt(const Options& o, const DataInfo& d) {
@@ -660,11 +661,14 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
                        " classes for a vocabulary of " + std::to_string(d.vocab));
   const bool pretrained = !o.get_path("pretrained").empty();
   std::optional<Published> published;
-  if (pretrained) published = pretrained_of(o);
+  if (pretrained) {
+    published = pretrained_of(o);
+    check_data_fits(o, *published, d);
+  }
   GptShape s = pretrained ? published->shape : gpt_shape_of(o, d);
   s.dropout = o.get_float("dropout");
   if (s.dropout < 0.0 || s.dropout >= 1.0) o.fail("dropout", "must be in [0, 1)");
-  if (!pretrained && s.context < d.input_shape[0])  // a checkpoint's: once its tensors are read
+  if (!pretrained && s.context < d.input_shape[0])  // a checkpoint's: check_data_fits
     o.fail("context", "is " + std::to_string(s.context) + ", shorter than the data's sequences of " +
                           std::to_string(d.input_shape[0]));
   require_parameters_fit(o, pretrained ? "pretrained" : o.get_int("context") > 0 ? "context" : "width", s.parameters());
@@ -689,7 +693,6 @@ ModelPtr make_gpt(const Options& o, const DataInfo& d) {
   } catch (const std::exception& e) {
     o.fail("pretrained", message_of(e));
   }
-  check_data_fits(o, *published, d);
   return model;
 }
 

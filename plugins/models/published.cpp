@@ -731,15 +731,21 @@ Published nanogpt_shape(const fs::path& file) {
   const PyValue* args = ckpt.get("model_args");
   if (!model || !args || model->kind != PyValue::Kind::Dict || args->kind != PyValue::Kind::Dict) {
     // A bare state dict of nanoGPT's names ("transformer.wte.weight") lacks the shape model_args give.
-    bool nanogpt_names = false;
+    // (Hugging Face's pytorch_model.bin has them too, with its attention's masked_bias buffers.)
+    bool gpt_names = false, hugging_face = file.filename() == "pytorch_model.bin";
     if (ckpt.kind == PyValue::Kind::Dict && ckpt.entries)
-      for (const auto& [key, value] : *ckpt.entries)
-        nanogpt_names = nanogpt_names || (key.kind == PyValue::Kind::String && key.s.find("transformer.wte.") != std::string::npos);
+      for (const auto& [key, value] : *ckpt.entries) {
+        if (key.kind != PyValue::Kind::String) continue;
+        gpt_names = gpt_names || key.s.find("transformer.wte.") != std::string::npos;
+        hugging_face = hugging_face || key.s.find(".attn.masked_bias") != std::string::npos;
+      }
+    const char* hint = hugging_face ? "; it is a Hugging Face model's pickle: give the folder of its config.json and "
+                                      "model.safetensors (the same weights as safetensors)"
+                       : gpt_names  ? "; it holds nanoGPT's names without the model_args that give its shape: save "
+                                      "train.py's checkpoint dict ({'model': state_dict, 'model_args': {...}})"
+                                    : "; a plain dict of tensors by trainkit's names loads with [model] init";
     throw Error(file.string() + ": a torch.save file, but not nanoGPT's checkpoint (a dict with 'model' and 'model_args', "
-                "got a " + ckpt.type_name() + ")" +
-                (nanogpt_names ? "; it holds nanoGPT's names without the model_args that give its shape: save train.py's "
-                                 "checkpoint dict ({'model': state_dict, 'model_args': {...}})"
-                               : "; a plain dict of tensors by trainkit's names loads with [model] init"));
+                "got a " + ckpt.type_name() + ")" + hint);
   }
   Problems problems;
   const auto count = [&](const char* key) -> int64_t {
@@ -845,7 +851,7 @@ void load_published(const Published& from, const std::vector<std::pair<std::stri
       problems.add("'" + name + "'" + origin(name) + ": " + c10::toString(src.scalar_type()) + ", not floating point");
     else if (src.sizes() != dst.sizes())
       problems.add("'" + name + "'" + origin(name) + ": shape " + c10::str(src.sizes()) + ", the model's is " + c10::str(dst.sizes()));
-    else if (const int64_t bad = src.isfinite().logical_not().sum().item<int64_t>(); bad > 0)
+    else if (const int64_t bad = nonfinite_count(src); bad > 0)
       // It would surface as a non-finite loss at the first step, blamed on the learning rate.
       damaged.add("'" + name + "'" + origin(name) + ": " + std::to_string(bad) + " of its " + std::to_string(src.numel()) +
                   " values are NaN or infinite");

@@ -125,6 +125,7 @@ for f in shards.glob("*.bin"):
     shutil.copy(f, bare / f.name)
 moved = work / "moved.toml"
 moved.write_text((fine / "recipe.toml").read_text().replace(str(shards), str(bare)))
+assert str(bare) in moved.read_text() and str(shards) + "/" not in moved.read_text(), moved.read_text()
 again = run(tk_sample, moved, "--weights", fine / "weights.safetensors", "--prompt", "The", "--tokens", "20", "--seed", "1")
 assert again == text, f"with the checkpoint folder's tokenizer: {again!r}, beside the shards: {text!r}"
 

@@ -547,9 +547,10 @@ tk_refuses(recipe(folder, folder, V, T), "'model.layers.0.self_attn.q_proj.weigh
 tk_refuses(variant("heads-5", sd, config | {"n_head": 5}), "config.json: width 32 is not divisible by 5 heads")
 tk_refuses(variant("nan", sd | {"ln_f.bias": torch.full((C,), float("nan"))}),
            "holds values that are not finite", "'ln_f.bias' (from model.safetensors 'ln_f.bias'): 32 of its 32 values")
-# A configuration its tensors contradict is said as such, before the data is compared with it.
-tk_refuses(variant("config-vocab", sd, config | {"vocab_size": 512}), f"the model's is [512, {C}]")
-tk_refuses(recipe(WORK / "data-vocab", gpt2, V + 1, T), f"predicts a vocabulary of {V} tokens, the data's is {V + 1}")
+# The data against the shape the configuration states (before any tensor is read), which the tensors are held to.
+tk_refuses(variant("config-vocab", sd, config | {"vocab_size": 512}),
+           f"predicts a vocabulary of 512 tokens by its configuration, the data's is {V}", "or mend its configuration")
+tk_refuses(recipe(WORK / "data-vocab", gpt2, V + 1, T), f"predicts a vocabulary of {V} tokens by its configuration, the data's is {V + 1}")
 # Files of another kind, or that are no file, given as the checkpoint: said as such, at once.
 os.mkfifo(WORK / "pipe.bin")
 tk_refuses(recipe(WORK / "pipe", WORK / "pipe.bin", V, T), "pipe.bin: not a regular file (a pipe or a device?)")

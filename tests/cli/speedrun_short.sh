@@ -17,14 +17,15 @@ grep -q "unigram baseline" "$work.run.log" || { cat "$work.run.log"; echo "no va
 /usr/bin/python3 "$src/tests/cli/check_gpt_python.py" "$work/run" "$work/data/val_000.bin" "$src"
 text=$("$sample" "$work/run" --prompt "The" --tokens 10 --seed 1)
 [ "${text:0:3}" = "The" ] || { echo "tk-sample wrote: $text"; exit 1; }
-# The checkpoint at the last step holds the weights the run ended with: its folder, its model.pt
-# and the run's weights.pt sample the same text.
-for w in "$work/run/checkpoints/step-00000003" "$work/run/checkpoints/step-00000003/model.pt" "$work/run/weights.pt"; do
+# The checkpoint at the last step holds the weights the run ended with: its folder, its model.pt,
+# the checkpoints folder (its latest) and the run's weights.pt sample the same text.
+for w in "$work/run/checkpoints/step-00000003" "$work/run/checkpoints/step-00000003/model.pt" "$work/run/checkpoints" \
+         "$work/run/weights.pt"; do
   again=$("$sample" "$work/run" --weights "$w" --prompt "The" --tokens 10 --seed 1)
   [ "$again" = "$text" ] || { echo "tk-sample --weights $w wrote: $again (from weights.safetensors: $text)"; exit 1; }
 done
 if "$sample" "$work/run" --weights "$work/run" --prompt "The" --tokens 2 > "$work.folder.log" 2>&1; then
   echo "tk-sample took a folder without model.pt as weights"; exit 1
 fi
-grep -q "is a folder without a checkpoint's model.pt" "$work.folder.log" || { cat "$work.folder.log"; exit 1; }
+grep -q "holds no complete checkpoint" "$work.folder.log" || { cat "$work.folder.log"; exit 1; }
 echo "speedrun recipe: 3 steps validated; sample: $text"

@@ -235,6 +235,12 @@ TEST_SUITE("reliability") {
     CHECK(dry_allowed.rc == 0);
     CHECK(has(dry_allowed, "resume        from " + (root / "out" / "checkpoints" / "step-").string()));
     CHECK(has(dry_allowed, "--allow-change lets through (checkpoint -> now):\n  optimizer.lr: 0.1 -> 0.05"));
+    CHECK(has(dry_allowed, " of 12; --allow-change"));
+    // The run's length, as the run would refuse it: compared with the checkpoint's position.
+    auto dry_longer = tk_run(root, kAccum, "--set run.steps=24 --set run.checkpoint_every=4 --allow-change run.steps "
+                                           "--dry-run --resume latest");
+    CHECK(dry_longer.rc == 2);
+    CHECK(has(dry_longer, "the checkpoint is of a run of 12 steps, this one has 24"));
     auto dry_auto = tk_run(root / "none-yet", kAccum, sets + "--dry-run --resume auto");
     CHECK(dry_auto.rc == 0);
     CHECK(has(dry_auto, "--resume auto: no checkpoint in "));

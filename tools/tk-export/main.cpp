@@ -42,9 +42,13 @@ int export_model(const Options& o) {
     throw std::runtime_error(tk::message_of(e));
   }
   std::string with;
-  if (o.format == "huggingface")  // the run's tokenizer beside the weights: a folder that loads alone
+  if (o.format == "huggingface")  // the run's tokenizer beside the weights
     for (const auto& file : tk::tokenizer_files(given.recipe)) {
-      std::filesystem::copy_file(file, std::filesystem::path(o.out) / file.filename());
+      std::error_code ec;
+      std::filesystem::copy_file(file, std::filesystem::path(o.out) / file.filename(), ec);
+      if (ec)
+        throw std::runtime_error("the weights are in " + o.out + ", but the tokenizer's " + file.string() +
+                                 " could not be copied beside them: " + ec.message());
       with += (with.empty() ? " with its tokenizer: " : ", ") + file.filename().string();
     }
   std::printf("tk-export: %s -> %s (%s)%s\n", (given.weights.empty() ? given.recipe.source() : given.weights.string()).c_str(),

@@ -176,9 +176,8 @@ void load_init(Run& r) {
       misshapen.push_back("'" + name + "' (" + c10::str(it->second.sizes()) + " there, " + c10::str(dst.sizes()) + " here)");
     } else {
       // A NaN or an infinity would surface as a non-finite loss, blamed on the learning rate.
-      if (it->second.is_floating_point() && !it->second.isfinite().all().item<bool>())
-        r.model_opts.fail("init", file + ": tensor '" + name + "' holds NaN or infinite values (" +
-                                      std::to_string(it->second.isfinite().logical_not().sum().item<int64_t>()) +
+      if (const int64_t bad = nonfinite_count(it->second); bad > 0)
+        r.model_opts.fail("init", file + ": tensor '" + name + "' holds NaN or infinite values (" + std::to_string(bad) +
                                       " of " + std::to_string(it->second.numel()) + "): a damaged or diverged checkpoint");
       dst.copy_(it->second);
     }

@@ -38,6 +38,9 @@ std::string model_files(const Run& r) {
       for (const auto& spec : c.specs)
         if (spec.type == OptionType::Path && r.model_opts.has(spec.name) && !r.model_opts.get_path(spec.name).empty())
           files += (files.empty() ? "" : ", ") + r.model_opts.get_path(spec.name);
+  // Every model's `init`, whose weights replace its own.
+  if (r.model_opts.has("init") && !r.model_opts.get_path("init").empty())
+    files += (files.empty() ? "" : ", ") + r.model_opts.get_path("init");
   return files;
 }
 

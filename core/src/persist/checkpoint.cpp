@@ -310,6 +310,32 @@ std::optional<fs::path> find_checkpoint(const fs::path& root, std::string* note)
   return all.back();
 }
 
+TrainingPosition checkpoint_position(const fs::path& dir, const std::optional<detail::CheckpointRecord>& record) {
+  for (auto& [k, t] : load_tensor_dict(dir / "trainer.pt"))
+    if (k == "position") return position_from(t, record ? record->world_size : 0);
+  throw RunRefused((dir / "trainer.pt").string() + " holds no position: it is damaged");
+}
+
+NamedTensors load_model_weights(const fs::path& path) {
+  std::error_code ec;
+  fs::path file = path;
+  if (fs::is_directory(path, ec)) {  // a checkpoint, or a checkpoints folder's latest (as --resume takes them)
+    const auto found = find_checkpoint(path);
+    if (!found)
+      throw RunRefused(path.string() + " holds no complete checkpoint (a folder with model.pt, optimizer.pt and "
+                       "trainer.pt, or a checkpoints folder of step-<N> ones): give one, its model.pt, a weights.pt or a "
+                       ".safetensors file");
+    file = *found / "model.pt";
+  } else if (file.parent_path().extension() == ".tmp") {
+    throw RunRefused(file.string() + " is in a checkpoint that was never completed (the run stopped while writing it): "
+                     "give a complete one");
+  }
+  if (file.extension() == ".safetensors") return load_safetensors(file);
+  // A checkpoint's model.pt comes with the shares of the parameters its record names.
+  const auto record = file.filename() == "model.pt" ? detail::read_checkpoint_record(file.parent_path()) : std::nullopt;
+  return detail::load_model_file(file, record ? record->model_shares : 0);
+}
+
 fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, std::string* note) {
   const fs::path root = arg == "latest" ? output_dir / "checkpoints" : fs::path(arg);
   if (auto found = find_checkpoint(root, note)) return *found;

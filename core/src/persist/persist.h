@@ -90,6 +90,9 @@ void check_folder_shared(const std::filesystem::path& root, World& world);
 /// says so. None when there is no complete checkpoint there.
 std::optional<std::filesystem::path> find_checkpoint(const std::filesystem::path& root, std::string* note = nullptr);
 
+/// Where checkpoint `dir` stands (its trainer.pt's position), without loading anything else.
+TrainingPosition checkpoint_position(const std::filesystem::path& dir, const std::optional<detail::CheckpointRecord>& record);
+
 /// The checkpoint folder `arg` names: a checkpoint folder, a checkpoints root (its latest), or
 /// "latest" (the latest under `output_dir`/checkpoints). When a root's `latest` file is missing or
 /// names no complete checkpoint, the newest complete `step-<N>` is taken and `note` says so. The

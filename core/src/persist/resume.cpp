@@ -261,6 +261,21 @@ Differences compare_runs(const Run& r, const fs::path& dir, const std::optional<
   return diff;
 }
 
+/// Refuses a resume from `dir` whose run is of another length than the checkpoint's (`saved`
+/// optimizer steps), naming a change let through that makes it (`diff`).
+void check_length(const Run& r, const fs::path& dir, int64_t saved, const Differences& diff) {
+  if (saved == r.total_steps) return;
+  // Where the length itself was let through, that is the change; else one that makes an epoch's steps.
+  const bool length = changes_length(diff.allowed);
+  const std::string cause = length || diff.allowed.empty()
+                                ? "resume with the recipe it was made with"
+                                : "what --allow-change let through changes how many optimizer steps its epochs take:" +
+                                      lines(diff.allowed) + "\n";
+  throw RunRefused(dir.string() + ": the checkpoint is of a run of " + std::to_string(saved) + " steps, this one has " +
+                   std::to_string(r.total_steps) + ": " + cause + (length || diff.allowed.empty() ? "; " : "") +
+                   length_note(dir));
+}
+
 }  // namespace
 
 std::string resume_plan(const Run& r, const std::string& which, const std::vector<std::string>& allowed) {
@@ -273,10 +288,21 @@ std::string resume_plan(const Run& r, const std::string& which, const std::vecto
     return "--resume auto: no checkpoint in " + (out / "checkpoints").string() + ", so a new run";
   const auto record = read_checkpoint_record(*dir);
   const Differences diff = compare_runs(r, *dir, record, run_identity(r), allowed);
-  std::string plan = "from " + dir->string() + (note.empty() ? "" : " (" + note + ")");
+  const TrainingPosition at = checkpoint_position(*dir, record);
+  // On the same world and split the run's length compares as it is; else once the step is carried over.
+  const bool carried = (at.world_size > 0 && at.world_size != r.plan.world_size) ||
+                       (at.micro_batch > 0 && at.micro_batch != r.plan.micro_batch) ||
+                       (at.accumulation > 0 && at.accumulation != r.plan.accumulation) || any_starts(diff.allowed, {"batch."});
+  if (!carried) check_length(r, *dir, at.counters.total_steps, diff);
+  std::string plan = "from " + dir->string() + (note.empty() ? "" : " (" + note + ")") + ", at step " +
+                     std::to_string(at.counters.step) + " of " + std::to_string(at.counters.total_steps) +
+                     (at.counters.step == at.counters.total_steps ? " (complete: it would train nothing)" : "");
   if (!diff.allowed.empty()) plan += "; --allow-change lets through (checkpoint -> now):" + lines(diff.allowed);
-  if (!record) plan += "; it does not record the recipe it was made with (an older trainkit wrote it)";
-  return plan + "\n              (the recipe compared; its tensors, and another world size, are checked when the run starts)";
+  if (!diff.defaults.empty()) plan += "\n              options it does not record, at their defaults:" + lines(diff.defaults);
+  if (!record) plan += "\n              it does not record the recipe it was made with (an older trainkit wrote it)";
+  return plan + "\n              (compared without loading it: its tensors" +
+         (carried ? ", and how its step goes on across " + std::to_string(r.plan.world_size) + " ranks," : "") +
+         " are checked when the run starts)";
 }
 
 Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_dir, const RunIdentity& identity,
@@ -311,18 +337,7 @@ Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_
   restore_plugin_states(r, resumed);
   // A change of the batch let through: the recipe's split of the step, from the same example on.
   continue_on_world(r, resumed, any_starts(diff.allowed, {"batch."}));
-  if (resumed.position.counters.total_steps != r.total_steps) {
-    // Where the length itself was let through, that is the change; else one that makes an epoch's steps.
-    const bool length = changes_length(diff.allowed);
-    const std::string cause = length || diff.allowed.empty()
-                                  ? "resume with the recipe it was made with"
-                                  : "what --allow-change let through changes how many optimizer steps its epochs take:" +
-                                        lines(diff.allowed) + "\n";
-    throw RunRefused(resumed.dir.string() + ": the checkpoint is of a run of " +
-                     std::to_string(resumed.position.counters.total_steps) + " steps, this one has " +
-                     std::to_string(r.total_steps) + ": " + cause + (length || diff.allowed.empty() ? "; " : "") +
-                     length_note(resumed.dir));
-  }
+  check_length(r, resumed.dir, resumed.position.counters.total_steps, diff);
   return resumed;
 }
 

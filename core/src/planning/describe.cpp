@@ -9,16 +9,16 @@
 namespace tk::detail {
 namespace {
 
-/// Said of a schedule whose rate still rises at the run's last step: a warmup longer than the run,
-/// whose rate never reaches the optimizer's (in the plan only: a short trial run of a recipe has
-/// one, and says nothing wrong).
+/// Said of a schedule whose rate still rises at the run's last step, short of the optimizer's: a
+/// warmup longer than the run, most likely (in the plan only: a short trial run of a recipe has
+/// one, and does nothing wrong).
 std::string rising_note(const Run& d) {
   const int64_t n = d.total_steps;
   if (n < 2 || !d.schedule) return "";
   const double last = d.schedule->lr(n - 1, n), before = d.schedule->lr(n - 2, n);
-  if (!(last > before)) return "";
-  return "; its rate still rises at the last step (" + to_toml(last) + " of the optimizer's " + to_toml(d.base_lr) +
-         "): a warmup longer than the run's " + std::to_string(n) + " steps";
+  if (!(last > before && last < d.base_lr)) return "";
+  return "; its rate still rises at the last step, to " + to_toml(last) + " of the optimizer's " + to_toml(d.base_lr) +
+         " (a warmup longer than the run's " + std::to_string(n) + " steps?)";
 }
 
 }  // namespace

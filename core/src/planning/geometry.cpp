@@ -123,13 +123,14 @@ void read_batch(Run& r) {
 
 namespace {
 
-/// The data's options the command line set ("; the data as --set data.samples=1 makes it"), for a
-/// refusal located at the batch's line that the data's size caused.
+/// The data's options the command line set ("; the command line sets --set data.samples=1"), for
+/// a refusal of the step against the epoch, located at the batch's line: what else changed the
+/// epoch's size, the recipe file not saying so.
 std::string data_overrides(const Run& r) {
   std::string set;
   for (const auto& [k, v] : r.data_opts.values())
     if (const SourceLoc at = r.data_opts.where(k); at.file.rfind("--set ", 0) == 0) set += (set.empty() ? "" : ", ") + at.file;
-  return set.empty() ? set : "; the data as " + set + " makes it";
+  return set.empty() ? set : "; the command line sets " + set;
 }
 
 }  // namespace

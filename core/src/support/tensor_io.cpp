@@ -319,20 +319,9 @@ NamedTensors load_model_file(const std::filesystem::path& file, int64_t shares) 
 
 namespace tk {
 
-NamedTensors load_model_weights(const std::filesystem::path& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::path file = path;
-  if (fs::is_directory(path, ec)) {
-    file = path / "model.pt";
-    if (!fs::is_regular_file(file, ec))
-      throw RunRefused(path.string() + " is a folder without a checkpoint's model.pt: give a checkpoint folder "
-                       "(checkpoints/step-<N>), its model.pt, a weights.pt or a .safetensors file");
-  }
-  if (file.extension() == ".safetensors") return load_safetensors(file);
-  // A checkpoint's model.pt comes with the shares of the parameters its record names.
-  const auto record = file.filename() == "model.pt" ? detail::read_checkpoint_record(file.parent_path()) : std::nullopt;
-  return detail::load_model_file(file, record ? record->model_shares : 0);
+int64_t nonfinite_count(const torch::Tensor& t) {
+  if (!t.is_floating_point()) return 0;
+  return t.isfinite().logical_not().sum().item<int64_t>();
 }
 
 }  // namespace tk

@@ -143,7 +143,9 @@ class Trainer {
   /// used only when the plugin is not prepared yet).
   void add_plugin(std::shared_ptr<Plugin> plugin, const std::string& name, const std::string& options, uint32_t hooks);
 
-  /// The resolved plan as text: what `tk-run --dry-run` prints.
+  /// The resolved plan as text: what `tk-run --dry-run` prints. With `resume` set and
+  /// `join_world` false (a dry run), also the checkpoint the resume would continue, compared with
+  /// this run as fit() compares it (a refusal is thrown as fit() would throw it), its tensors unread.
   std::string describe();
   /// Compares, on the run's model and data, the first optimizer step's gradient accumulated over
   /// its micro-batches with the gradient of one batch of the same examples, in float64 on the

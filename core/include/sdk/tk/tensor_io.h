@@ -41,11 +41,16 @@ Metadata load_safetensors_metadata(const std::filesystem::path& file);
 NamedTensors load_safetensors(const std::filesystem::path& file);
 
 /// A model's weights by name, as `[model] init` reads them, from `path`: a .safetensors file; a
-/// tensor dict (weights.pt); a checkpoint's model.pt, or the checkpoint folder that holds it, with
-/// the shares of the parameters that the ranks of a sharded run wrote beside it (its run.json's
-/// `model_shares`): the whole model, read without a world. Refuses (RunRefused) a share missing,
-/// a name two files hold, and a folder that holds no model.pt.
+/// tensor dict (weights.pt); a checkpoint's model.pt, its folder, or a checkpoints folder (its
+/// latest complete checkpoint, as --resume takes it), with the shares of the parameters that the
+/// ranks of a sharded run wrote beside model.pt (its run.json's `model_shares`): the whole model,
+/// read without a world. Refuses (RunRefused) a share missing, a name two files hold, a folder
+/// with no complete checkpoint and a checkpoint never completed.
 NamedTensors load_model_weights(const std::filesystem::path& path);
+
+/// How many of `t`'s values are NaN or infinite (0 for a tensor that is not floating point): what
+/// refuses weights that would surface as a non-finite loss, blamed on the learning rate.
+int64_t nonfinite_count(const torch::Tensor& t);
 
 }  // namespace tk
 
