@@ -18,6 +18,9 @@ namespace {
 
 /// Gradients summed together (as PyTorch DDP's bucket_cap_mb).
 constexpr int64_t kBucketBytes = int64_t{25} << 20;
+/// A bucket of a block's gradients smaller than this takes the next block's too (as DDP's first
+/// bucket_cap_mb): a reduce of a few KiB costs about as much as one of a MiB.
+constexpr int64_t kMergeBytes = int64_t{1} << 20;
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
@@ -48,13 +51,19 @@ GradientShards::GradientShards(std::vector<at::Tensor> params, std::vector<std::
   if (world.size() > 1) group_ = world.process_group();
   for (size_t k = params_.size(); k-- > 0;) {
     const at::Tensor& p = params_[k];
-    const bool fits = !buckets_.empty() && buckets_.back().owner == owners[k] &&
-                      (groups.empty() || groups[buckets_.back().params.front()] == groups[k]) &&
-                      params_[buckets_.back().params.front()].options().type_equal(p.options()) &&
-                      (buckets_.back().numel + p.numel()) * p.element_size() <= kBucketBytes;
-    if (!fits) buckets_.push_back(Bucket{owners[k], {}, 0, 0, groups.empty() ? -1 : groups[k]});
+    const int64_t group = groups.empty() ? -1 : groups[k];
+    Bucket* last = buckets_.empty() ? nullptr : &buckets_.back();
+    // Another group joins a small bucket when both are blocks: the bucket is then of the earlier
+    // block (backward reaches it last), sent once backward has gone through both.
+    const bool joins = last && (last->group == group ||
+                                (last->group >= 0 && group >= 0 && last->numel * p.element_size() < kMergeBytes));
+    const bool fits = joins && last->owner == owners[k] &&
+                      params_[last->params.front()].options().type_equal(p.options()) &&
+                      (last->numel + p.numel()) * p.element_size() <= kBucketBytes;
+    if (!fits) buckets_.push_back(Bucket{owners[k], {}, 0, 0, group});
     buckets_.back().params.push_back(k);
     buckets_.back().numel += p.numel();
+    buckets_.back().group = std::min(buckets_.back().group, group);
     bucket_of_[k] = buckets_.size() - 1;
   }
   for (size_t i = 0; i < params_.size(); ++i) {

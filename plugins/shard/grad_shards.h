@@ -29,7 +29,8 @@ std::vector<int64_t> block_groups(const std::vector<at::Tensor>& params, const t
 /// The gradients of `params` (every trainable parameter, in model order) split by `owners` (the
 /// rank that updates each) over `world`'s ranks. Buckets of up to 25 MiB hold the parameters of
 /// one owner and one dtype, in the reverse of model order (about the order backward makes their
-/// gradients). In a backward that is armed, a bucket is sent as soon as its gradients are all
+/// gradients); with groups, of one group, but a bucket of blocks under 1 MiB takes the next
+/// block's parameters too (its group is then the earliest block's). In a backward that is armed, a bucket is sent as soon as its gradients are all
 /// accumulated and every earlier bucket was sent: flattened, summed onto its owner (a c10d
 /// `reduce`), and its gradients released. So every rank sends the same buckets in the same order
 /// whatever its branches took; what backward left without a gradient here is sent, as zeros, when
@@ -38,7 +39,7 @@ std::vector<int64_t> block_groups(const std::vector<at::Tensor>& params, const t
 class GradientShards {
  public:
   /// `names`: each parameter's, for errors. Refuses parameters on more than one device. With
-  /// `groups` (one per parameter), a bucket holds parameters of one group only.
+  /// `groups` (one per parameter), a bucket holds parameters of one group only (small blocks merged, above).
   GradientShards(std::vector<at::Tensor> params, std::vector<std::string> names, const std::vector<int>& owners,
                  tk::World& world, const std::vector<int64_t>& groups = {});
   ~GradientShards();
@@ -74,7 +75,7 @@ class GradientShards {
     std::vector<size_t> params;  // indices into params_
     int64_t numel = 0;
     int64_t waiting = 0;         // gradients not yet accumulated in this backward
-    int64_t group = -1;          // its parameters' group (first block), when given groups
+    int64_t group = -1;          // its parameters' group (the earliest of its blocks), when given groups
   };
   /// Parameter i's gradient is accumulated (from its grad accumulator's hook).
   void ready(size_t i);

@@ -780,6 +780,15 @@ TEST_SUITE("zero") {
     }
     // Experts the ranks do not all use in a window: a gradient a rank lacks adds zeros to its owner's sum.
     zero_equals_ddp(root / "experts", experts_recipe(true), kAccumulate2, 2, "", kStage2, 1e-12);
+    // Six blocks of a few hundred bytes: an owner's neighbouring small blocks share a bucket, one
+    // reduce (a bucket per block would be 6, and the head's a 7th).
+    std::string deep = base_with(kAdamW);
+    deep.replace(deep.find("hidden = [16]"), 13, "hidden = [8, 8, 8, 8, 8, 8]");
+    zero_equals_ddp(root / "small-blocks", deep, "", 2, "", kStage2, 1e-12);
+    const auto reduces = tkt::metric(root / "small-blocks/zero/out/metrics.jsonl", "shard_grad_reduces");
+    REQUIRE(!reduces.empty());
+    CHECK(reduces.back() >= 2);  // two owners
+    CHECK(reduces.back() <= 4);  // each owner's blocks in one bucket, the head's (of no block) apart
     fs::remove_all(root);
   }
 

@@ -389,6 +389,19 @@ TEST_SUITE("reliability") {
     CHECK(has(resumed, "optimizer.nesterov = false"));
     CHECK(has(resumed, "plugins.grad_accum.normalize = \"mean\""));
     check_same_run(run, reference);
+    // A record that cannot be read is refused alike by a dry run and a run (exit 2: read again,
+    // it is as damaged), naming the file.
+    fs::path last;
+    for (const auto& ck : fs::directory_iterator(run / "out/checkpoints"))
+      if (fs::exists(ck.path() / "run.json") && (last.empty() || ck.path() > last)) last = ck.path();
+    REQUIRE(!last.empty());
+    std::ofstream(last / "run.json") << "{\"format\": 2, \"world";
+    for (const std::string dry : {"--dry-run ", ""}) {
+      auto damaged = tk_run(run, kAccum, sets + dry + "--resume latest");
+      INFO(damaged.out);
+      CHECK(damaged.rc == 2);
+      CHECK(has(damaged, (last / "run.json").string() + ": damaged ("));
+    }
     fs::remove_all(root);
   }
 

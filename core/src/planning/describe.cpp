@@ -32,11 +32,12 @@ std::string describe(Run& d, const Recipe& recipe) {
     if (p.requires_grad()) trainable += p.numel();
   }
   const auto& p = d.plan;
+  const std::string files = model_files(d);
   out << "recipe        " << recipe.source() << "\n"
       << "model         " << d.model_name << " (" << params << " parameters"
       << (trainable != params ? ", " + std::to_string(trainable) + " trainable" : "") << ", "
       << d.run.get_string("dtype") << ", on " << d.device.str() << ")"
-      << (model_files(d).empty() ? "" : ", read from " + model_files(d)) << "\n"
+      << (files.empty() ? "" : ", read from " + files) << "\n"
       << "data          " << d.data_name << ": " << d.data.train->size() << " training examples";
   if (d.data.validation) out << ", " << d.data.validation->size() << " validation";
   out << "; " << d.data.info.describe();

@@ -222,7 +222,7 @@ struct CheckpointRecord {
 /// Writes `record` as `dir`/run.json, atomically.
 void write_checkpoint_record(const std::filesystem::path& dir, const CheckpointRecord& record);
 /// `dir`'s run.json; nullopt where there is none (a checkpoint of an older trainkit). A format newer
-/// than this trainkit reads is refused (RunRefused), a damaged file is an Error naming it.
+/// than this trainkit reads and a damaged file are refused (RunRefused: no retry reads more), naming it.
 std::optional<CheckpointRecord> read_checkpoint_record(const std::filesystem::path& dir);
 /// The file in which rank `r` writes the parameters it keeps (tk::ParameterKeepers) into a
 /// checkpoint, beside rank 0's model.pt.

@@ -291,7 +291,7 @@ std::optional<CheckpointRecord> read_checkpoint_record(const std::filesystem::pa
     for (const auto& [k, v] : info.at("recipe").items()) record.recipe.emplace_back(k, v.get<std::string>());
     return record;
   } catch (const nlohmann::json::exception& e) {
-    throw Error(file + ": damaged (" + e.what() + ")");
+    throw RunRefused(file + ": damaged (" + e.what() + ")");  // read again, it is as damaged
   }
 }
 
