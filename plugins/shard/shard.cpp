@@ -64,13 +64,13 @@ class Shard final : public tk::Plugin {
       fail_option(stage_, "must be 0, 1, 2 or 3 (1 shards the optimizer state, 2 the gradients too, 3 the "
                           "parameters too), got " + std::to_string(stage_));
     notes_.clear();
+    const std::string is = " (stage is " + std::to_string(stage_) + ")";
     if (option_given(reduce_) && stage_ < 2)
-      notes_.push_back("reduce = \"" + reduce_ + "\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is " +
-                       std::to_string(stage_) + ")");
+      notes_.push_back(at("reduce") + "reduce = \"" + reduce_ + "\" is ignored: only stages 2 and 3 sum the gradients themselves" + is);
     if (option_given(prefetch_) && stage_ < 3)
-      notes_.push_back("prefetch is ignored: only stage 3 gathers parameters (stage is " + std::to_string(stage_) + ")");
+      notes_.push_back(at("prefetch") + "prefetch is ignored: only stage 3 gathers parameters" + is);
     if (option_given(gather_dtype_) && stage_ < 3)
-      notes_.push_back("gather_dtype is ignored: only stage 3 gathers parameters (stage is " + std::to_string(stage_) + ")");
+      notes_.push_back(at("gather_dtype") + "gather_dtype is ignored: only stage 3 gathers parameters" + is);
   }
 
   tk::Contract contract() const override {
@@ -95,6 +95,9 @@ class Shard final : public tk::Plugin {
 
   /// From stage 1 on, the run's optimizer is the recipe's over this rank's share only.
   void setup(tk::SetupContext& setup) override {
+    // Said once, as the run is planned (a dry run too).
+    if (setup.world().rank() == 0)
+      for (const auto& n : notes_) setup.warn(n);
     if (stage_ == 0) return;
     tk::World* world = &setup.world();
     setup.wrap_optimizer([this, world](std::vector<at::Tensor> trainable, const tk::OptimizerFactory& inner)
@@ -136,8 +139,6 @@ class Shard final : public tk::Plugin {
         params_->on_block_done([grads = grads_.get()](size_t b) { grads->settle(static_cast<int64_t>(b)); });
       }
     }
-    if (!ctx.trial())
-      for (const auto& n : notes_) ctx.warn(n);
     if (!sharded_ || ctx.trial()) return;
     const int size = ctx.world_size(), rank = ctx.rank();
     if (size == 1)
@@ -156,7 +157,7 @@ class Shard final : public tk::Plugin {
     if (stage_ == 3) {
       m << "; parameters gathered "
         << (params_->narrows() ? "in " + tk::shard::dtype_word(gather_dtype_) + " " : std::string());
-      if (!blocks_)
+      if (!blocks_ || blocks_->empty())
         m << "whole for each micro-batch (the model lists no blocks, tk/blocks.h)";
       else
         m << (blocks_->size() == 1 ? std::string("for the model's block")
@@ -260,6 +261,12 @@ class Shard final : public tk::Plugin {
     });
   }
 
+  /// "FILE:LINE: " where option `key` was set (a --set's own words), or "".
+  std::string at(const std::string& key) const {
+    const std::string where = options().where(key).str();
+    return where.empty() ? "" : where + ": ";
+  }
+
   /// gather_dtype_, where it is not the parameters' own.
   std::optional<at::ScalarType> narrow() const {
     if (gather_dtype_ == at::ScalarType::Undefined) return std::nullopt;
@@ -270,7 +277,7 @@ class Shard final : public tk::Plugin {
   at::ScalarType gather_dtype_ = at::ScalarType::Undefined;
   std::string reduce_ = "micro_batch";
   bool prefetch_ = true;
-  std::vector<std::string> notes_;  // options given that this stage ignores
+  std::vector<std::string> notes_;  // options given that this stage ignores, where they were given
   tk::shard::ShardedOptimizer* made_ = nullptr;    // the optimizer this plugin made last
   tk::shard::ShardedOptimizer* sharded_ = nullptr;  // the run's, from on_fit_start to on_fit_end
   std::unique_ptr<tk::shard::GradientShards> grads_;  // stage 2, as long as sharded_

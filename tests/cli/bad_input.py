@@ -126,6 +126,8 @@ torch.save({"inputs": big, "targets": torch.zeros(1000016, dtype=torch.long)}, d
         ("a folder as recipe", [work, "--dry-run"], 2, "is a folder"),
         ("a huge recipe", [write("huge.toml", "[model]\nhidden = [" + "1, " * 600000 + "1]\n"), "--dry-run"], 2, "at most 1 MiB"),
         ("threads without bound", [quick, "--dry-run", "--set", "run.threads=100000"], 2, "run.threads: is 100000"),
+        ("an unknown component by --set", [quick, "--dry-run", "--set", "optimizer.name=lbfgs"], 2,
+         "--set optimizer.name=lbfgs: unknown optimizer 'lbfgs'; known: "),
         ("epochs beyond any machine", [quick, "--dry-run", "--set", "run.epochs=288230376151711745"], 2, "run.epochs: is 288230376151711745, beyond"),
         ("epochs that overflow", [quick, "--dry-run", "--set", "run.epochs=1099511627776"], 2, "beyond what any machine can train"),
         ("accumulation that overflows", [quick, "--dry-run", "--set", "batch.accumulation=9223372036854775807"], 2, "effective batch"),

@@ -241,21 +241,31 @@ TEST_SUITE("plan") {
     CHECK(tk::detail::sharding_advice(s, 17 * kMB, 15 * kMB, 1).find("by these figures stage 1 would fit (over 2 ranks, tk-run "
                                                                    "--nproc 2 with ddp; the stage set by a plugin") !=
           std::string::npos);
-    // A step at stage 2 that measured 14 MiB: only the stages above it are named.
+    // A step at stage 2 that measured 14 MiB: only it and the stages above it are named.
     s.stage = 2;
     advice = tk::detail::sharding_advice(s, 14 * kMB, 14 * kMB, 2);
-    CHECK(advice.find("stage 3 would fit") != std::string::npos);
-    CHECK(advice.find("stage 2 would fit") == std::string::npos);
+    CHECK(advice.find("would take about 14 MiB at stage 2 and 13.5 MiB at stage 3: by these figures stage 3 would fit") !=
+          std::string::npos);
+    CHECK(advice.find("at stage 0") == std::string::npos);
+    // A stage-2 step that measured less than its state and buffers are reckoned (a small model's
+    // buffers overcounted): its own figure is what it measured, stage 3's less by what their
+    // reckoned states and buffers differ.
+    advice = tk::detail::sharding_advice(s, 12 * kMB, 10 * kMB, 2);
+    CHECK(advice.find("about 12 MiB at stage 2 and 11.5 MiB at stage 3") != std::string::npos);
     // A step at stage 3 that measured 13.5 MiB on 2 ranks: the same 1 MiB beside its state.
     s.stage = 3;
     advice = tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2);
-    CHECK(advice.find("17 MiB at stage 0, 15 MiB at stage 1, 14 MiB at stage 2 and 13.5 MiB at stage 3: none fits; by these "
-                      "figures stage 3 would over 4 ranks (about 9.5 MiB each)") != std::string::npos);
-    // A stage-3 step that measured less than its state and buffers are reckoned (a small model's
-    // buffers overcounted): its own figure is what it measured, and stage 0's is no less than the
-    // unsharded state.
-    advice = tk::detail::sharding_advice(s, 12 * kMB, 10 * kMB, 2);
-    CHECK(advice.find("16 MiB at stage 0, 13.5 MiB at stage 1, 12.5 MiB at stage 2 and 12 MiB at stage 3") != std::string::npos);
+    CHECK(advice.find("would take about 13.5 MiB at stage 3: none fits; by these figures stage 3 would over 4 ranks "
+                      "(about 9.5 MiB each)") != std::string::npos);
+    CHECK(advice.find("at stage 1") == std::string::npos);
+    // Only a number of ranks the effective batch divides over: 6 of 6 (4 and 5 do not divide it),
+    // 5 of 10, none of 3.
+    CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 6).find("stage 3 would over 6 ranks (about ") != std::string::npos);
+    CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 10).find("stage 3 would over 5 ranks (about ") != std::string::npos);
+    CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 8).find("stage 3 would over 4 ranks (about 9.5 MiB each)") != std::string::npos);
+    CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 3).find(": by these figures stage 3 would fit over no number of "
+                                                                        "ranks that the effective batch of 3 divides over") !=
+          std::string::npos);
     // An optimizer that does not report its state's size.
     s.optimizer_known = false;
     CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2).find("the optimizer's state not reported by it, counted as none") !=

@@ -154,6 +154,15 @@ TEST_SUITE("elastic") {
     CHECK(five.rc == 2);
     CHECK(has(five, "on 5 with the same steps: its 12 examples a step do not divide over 5 ranks; it continues "
                     "exactly on 1, 2, 3, 4, 6 ranks"));
+    // A dry run refuses it alike; one that goes on says nothing is left to check but the tensors.
+    auto five_dry = tk_run(root / "five", kPerRank, "--nproc 5 --dry-run --resume " + (per_rank / "out/checkpoints").string());
+    INFO(five_dry.out);
+    CHECK(five_dry.rc == 2);
+    CHECK(has(five_dry, "do not divide over 5 ranks; it continues exactly on 1, 2, 3, 4, 6 ranks"));
+    auto three_dry = tk_run(root / "five", kPerRank, "--nproc 3 --dry-run --resume " + (per_rank / "out/checkpoints").string());
+    INFO(three_dry.out);
+    CHECK(three_dry.rc == 0);
+    CHECK(has(three_dry, "(compared without loading it: its tensors are checked when the run starts)"));
     // 22 examples in micro-batches of 3, 6 a step: alone, step 4 is micro-batches of 3 and 1 (a mean loss weighs
     // the last example 1/2), on 2 ranks one of 2 and 2 (1/4 each): the same examples, another step.
     const std::string ragged = "--set data.samples=22 --set batch.micro_batch=3 --set batch.effective_batch=6 "

@@ -1128,6 +1128,13 @@ TEST_SUITE("zero") {
                              "one per rank of an optimizer sharded over the ranks; this run's optimizer is not "
                              "sharded") != std::string::npos);
     CHECK(unsharded.out.find("  plugins.shard.stage: 1 -> 0") != std::string::npos);
+    // A dry run refuses it alike, by the files (nothing loaded).
+    auto unsharded_dry = tk_run(root / "unsharded", recipe,
+                                "--nproc 2 --set plugins.shard.stage=0 --allow-change plugins.shard.stage " + sets +
+                                    "--dry-run --resume " + (root / "sharded/out/checkpoints/step-00000016").string());
+    INFO(unsharded_dry.out);
+    CHECK(unsharded_dry.rc == 2);
+    CHECK(unsharded_dry.out.find("optimizer.pt: the optimizer state was saved in 2 shares") != std::string::npos);
     // A checkpoint of a run without the shard plugin goes on sharded once the plugin list may change:
     // the plugin's options come with it (no "newer options" warning), and stage 1 steps as ddp did.
     const std::string plain_recipe = recipe.substr(0, recipe.rfind("[[plugins]]\nname = \"shard\"\n"));
@@ -1218,6 +1225,13 @@ TEST_SUITE("zero") {
     CHECK(ignored.out.find("reduce = \"window\" is ignored: only stages 2 and 3 sum the gradients themselves (stage is 1)") !=
           std::string::npos);
     CHECK(ignored.out.find("prefetch is ignored: only stage 3 gathers parameters (stage is 1)") != std::string::npos);
+    // At the line that sets it; a dry run says it too.
+    CHECK(std::regex_search(ignored.out, std::regex("recipe\\.toml:[0-9]+(:[0-9]+)?: prefetch is ignored")));
+    auto dry = tk_run(root / "ignored-dry", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n"
+                                                              "stage = 1\ngather_dtype = \"bf16\"\n", "--dry-run");
+    CHECK(dry.rc == 0);
+    CHECK(std::regex_search(dry.out, std::regex("recipe\\.toml:[0-9]+(:[0-9]+)?: gather_dtype is ignored: only stage 3 "
+                                                "gathers parameters \\(stage is 1\\)")));
     auto early = tk_run(root / "early", base_with(kAdamW) + "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\n"
                                                             "stage = 2\nprefetch = false\n", "");
     CHECK(early.rc == 0);

@@ -475,8 +475,10 @@ std::string same_world(const Cli& c) {
 int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, const tk::FitResult& r) {
   const std::string files = r.files.empty() ? "" : tk::join(r.files.data(), r.files.data() + r.files.size(), ",");
   if (r.already_complete) {
-    std::printf("the run in %s is already complete (step %lld, checkpoint %s); nothing was trained\n",
-                r.output_dir.c_str(), static_cast<long long>(r.steps), r.checkpoint.c_str());
+    // A rank but 0 writes no outputs: its folder is rank 0's.
+    const std::string where = r.output_dir.empty() ? "" : " in " + r.output_dir.string();
+    std::printf("the run%s is already complete (step %lld, checkpoint %s); nothing was trained\n", where.c_str(),
+                static_cast<long long>(r.steps), r.checkpoint.c_str());
     if (!files.empty()) std::printf("wrote again what was missing: %s/{%s}\n", r.output_dir.c_str(), files.c_str());
     if (c.report) write_report(trainer);
     return 0;

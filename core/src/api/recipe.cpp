@@ -367,7 +367,7 @@ std::string Recipe::component(const std::string& section, const std::string& fal
                       : t ? "[" + section + "] needs a name; one of: " + list(known)
                           : "missing section [" + section + "] (its name is one of: " + list(known) + ")");
   }
-  SourceLoc where = loc_of(n->source(), impl_->source);
+  SourceLoc where = where_set(*n, section + ".name", impl_->source, impl_->overrides);
   auto s = n->value<std::string>();
   if (!s) throw RecipeError(where, section + ".name: expected string, got " + type_name(*n));
   if (std::find(known.begin(), known.end(), *s) == known.end())

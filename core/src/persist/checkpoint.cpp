@@ -345,6 +345,24 @@ fs::path resolve_checkpoint(const std::string& arg, const fs::path& output_dir, 
 
 namespace {
 
+/// Refuses a state saved in `count` shares for an optimizer that is not sharded.
+void check_sharded(const std::string& file, int64_t count, const torch::optim::Optimizer& optimizer) {
+  if (!dynamic_cast<const ShardedState*>(&optimizer))
+    throw RunRefused(file + ": the optimizer state was saved in " + std::to_string(count) +
+                     " shares (optimizer-share-<rank>.pt), one per rank of an optimizer sharded over the ranks; this "
+                     "run's optimizer is not sharded, and cannot read them");
+}
+
+}  // namespace
+
+void check_optimizer_kind(const fs::path& dir, const torch::optim::Optimizer& optimizer) {
+  int64_t count = 0;
+  while (fs::exists(dir / share_file(count))) ++count;
+  if (count > 0) check_sharded((dir / "optimizer.pt").string(), count, optimizer);
+}
+
+namespace {
+
 /// optimizer.pt: the optimizer's state, or the number of shares the ranks of a sharded optimizer
 /// wrote beside it.
 void load_optimizer(const fs::path& dir, torch::optim::Optimizer& optimizer) {
@@ -358,11 +376,8 @@ void load_optimizer(const fs::path& dir, torch::optim::Optimizer& optimizer) {
     throw RunRefused(file + ": damaged, or saved for another optimizer: " + message_of(e));
   }
   const int64_t count = shares.item<int64_t>();
+  check_sharded(file, count, optimizer);
   auto* sharded = dynamic_cast<ShardedState*>(&optimizer);
-  if (!sharded)
-    throw RunRefused(file + ": the optimizer state was saved in " + std::to_string(count) +
-                     " shares (optimizer-share-<rank>.pt), one per rank of an optimizer sharded over the ranks; this "
-                     "run's optimizer is not sharded, and cannot read them");
   // Every rank looks for every share, though it may read only its own: a share missing is refused
   // on every rank alike, before any rank waits on another.
   for (int64_t r = 0; r < count; ++r)

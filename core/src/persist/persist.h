@@ -105,6 +105,9 @@ std::filesystem::path resolve_checkpoint(const std::string& arg, const std::file
 /// (detail::read_checkpoint_record), none for a checkpoint written before trainkit recorded it.
 Checkpoint load_checkpoint(const std::filesystem::path& dir, const std::optional<detail::CheckpointRecord>& record,
                            Model& model, torch::optim::Optimizer& optimizer);
+/// Refuses (RunRefused) `dir`'s optimizer state where it was saved in shares and `optimizer` is
+/// not sharded, as loading it would: by the files, nothing read.
+void check_optimizer_kind(const std::filesystem::path& dir, const torch::optim::Optimizer& optimizer);
 
 }  // namespace tk
 
@@ -135,6 +138,9 @@ void agree_on_identity(World& world, const RunIdentity& identity);
 /// the batch was let through (`split_allowed`: refused when its steps take another number of
 /// examples), else the checkpoint's own (a run that went on from another world size).
 void continue_on_world(Run& run, Checkpoint& checkpoint, bool split_allowed);
+/// What continue_on_world refuses of a checkpoint at `position` (in `dir`), without changing the
+/// run: a dry run's check.
+void check_continuation(const Run& run, const TrainingPosition& position, const std::filesystem::path& dir, bool split_allowed);
 /// The checkpoint "--resume auto" continues: the newest complete one under `output_dir`, none when
 /// there is none; refused when the ranks of a world find different ones.
 std::optional<std::filesystem::path> checkpoint_to_continue(Run& run, const std::filesystem::path& output_dir);

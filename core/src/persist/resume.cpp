@@ -294,15 +294,15 @@ std::string resume_plan(const Run& r, const std::string& which, const std::vecto
                        (at.micro_batch > 0 && at.micro_batch != r.plan.micro_batch) ||
                        (at.accumulation > 0 && at.accumulation != r.plan.accumulation) || any_starts(diff.allowed, {"batch."});
   if (!carried) check_length(r, *dir, at.counters.total_steps, diff);
+  check_continuation(r, at, *dir, any_starts(diff.allowed, {"batch."}));
+  if (r.optimizer) check_optimizer_kind(*dir, *r.optimizer);
   std::string plan = "from " + dir->string() + (note.empty() ? "" : " (" + note + ")") + ", at step " +
                      std::to_string(at.counters.step) + " of " + std::to_string(at.counters.total_steps) +
                      (at.counters.step == at.counters.total_steps ? " (complete: it would train nothing)" : "");
   if (!diff.allowed.empty()) plan += "; --allow-change lets through (checkpoint -> now):" + lines(diff.allowed);
   if (!diff.defaults.empty()) plan += "\n              options it does not record, at their defaults:" + lines(diff.defaults);
   if (!record) plan += "\n              it does not record the recipe it was made with (an older trainkit wrote it)";
-  return plan + "\n              (compared without loading it: its tensors" +
-         (carried ? ", and how its step goes on across " + std::to_string(r.plan.world_size) + " ranks," : "") +
-         " are checked when the run starts)";
+  return plan + "\n              (compared without loading it: its tensors are checked when the run starts)";
 }
 
 Checkpoint resume_from(Run& r, const std::string& which, const fs::path& output_dir, const RunIdentity& identity,

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 
 #include "persist/persist.h"
 #include "planning/planning.h"
@@ -217,7 +218,7 @@ class WorldChange {
 /// Why the micro-batches of another world would change the step whatever their sizes, or "": they
 /// are regrouped (a rank of 2 holds examples 0, 2, ..., one process 0, 1, ...), which BatchNorm's
 /// statistics and a mean over items that do not all count (padding) depend on.
-std::string regrouping_changes_step(Run& r) {
+std::string regrouping_changes_step(const Run& r) {
   if (has_batchnorm(*r.model)) return "the model has BatchNorm, whose statistics are of each micro-batch's examples";
   const auto& info = r.data.info;
   if (r.plan.reduction != Reduction::Mean || !info.ignore_index) return "";
@@ -230,13 +231,19 @@ std::string regrouping_changes_step(Run& r) {
 
 }  // namespace
 
-void continue_on_world(Run& r, Checkpoint& ck, bool split_allowed) {
-  TrainingPosition& pos = ck.position;
+namespace {
+
+/// How a checkpoint at `pos` goes on in this run: its split of the step and how it fits.
+struct Carry {
+  bool resplit = false;  // on the same world, in another split
+  Fit fit;
+  int64_t batch = 0;     // examples a step
+};
+
+/// How `pos` (of checkpoint `dir`) is carried over to this run's world and split; nothing where it
+/// goes on as it is. Refused (RunRefused) where the same steps cannot go on.
+std::optional<Carry> carry_of(const Run& r, const TrainingPosition& pos, const std::string& dir, bool split_allowed) {
   const int64_t before = pos.world_size, now = r.plan.world_size;
-  if (before <= 0) {  // a checkpoint that does not say: of this world, as before its world was recorded
-    pos.world_size = now;
-    pos.seen = {pos.counters.samples_seen * now, pos.counters.tokens_seen * now};
-  }
   // The same world split otherwise: carried over as to another world, the same examples in each
   // step, in the recipe's split where a change of the batch was let through, else in the
   // checkpoint's (a run that went on from another world size keeps the split it was carried into).
@@ -244,8 +251,8 @@ void continue_on_world(Run& r, Checkpoint& ck, bool split_allowed) {
   const PlanValues& p = r.plan;
   const bool resplit = before == now && !p.micro_batch_auto && pos.micro_batch > 0 && pos.accumulation > 0 &&
                        (pos.micro_batch != p.micro_batch || pos.accumulation != p.accumulation);
-  if (before <= 0 || (before == now && !resplit) || pos.counters.step >= pos.counters.total_steps) return;
-  const std::string dir = ck.dir.string(), ranks = std::to_string(before) + (before == 1 ? " rank" : " ranks");
+  if (before <= 0 || (before == now && !resplit) || pos.counters.step >= pos.counters.total_steps) return std::nullopt;
+  const std::string ranks = std::to_string(before) + (before == 1 ? " rank" : " ranks");
   const std::string refused =
       "cannot continue " + dir + ", trained " +
       (resplit ? "in micro-batches of " + std::to_string(pos.micro_batch) + " x " + std::to_string(pos.accumulation) +
@@ -260,12 +267,34 @@ void continue_on_world(Run& r, Checkpoint& ck, bool split_allowed) {
     throw RunRefused(refused + "it was written by a trainkit that did not record its window; resume it on " + ranks);
   if (const std::string why = regrouping_changes_step(r); !why.empty()) throw RunRefused(refused + why);
   const WorldChange change(r, pos);
-  const Fit fit = resplit && split_allowed ? change.with(now, p.micro_batch, p.accumulation) : change.on(now);
+  Fit fit = resplit && split_allowed ? change.with(now, p.micro_batch, p.accumulation) : change.on(now);
   if (!fit.why.empty()) {
     const std::string fits = resplit ? "" : change.worlds_that_fit();
     throw RunRefused(refused + fit.why +
                      (fits.empty() ? "" : "; it continues exactly on " + fits + (fits == "1" ? " rank" : " ranks")));
   }
+  return Carry{resplit, std::move(fit), change.batch()};
+}
+
+}  // namespace
+
+void check_continuation(const Run& r, const TrainingPosition& pos, const std::filesystem::path& dir, bool split_allowed) {
+  carry_of(r, pos, dir.string(), split_allowed);
+}
+
+void continue_on_world(Run& r, Checkpoint& ck, bool split_allowed) {
+  TrainingPosition& pos = ck.position;
+  const int64_t before = pos.world_size, now = r.plan.world_size;
+  if (before <= 0) {  // a checkpoint that does not say: of this world, as before its world was recorded
+    pos.world_size = now;
+    pos.seen = {pos.counters.samples_seen * now, pos.counters.tokens_seen * now};
+    return;
+  }
+  const auto carry = carry_of(r, pos, ck.dir.string(), split_allowed);
+  if (!carry) return;
+  const Fit& fit = carry->fit;
+  const bool resplit = carry->resplit;
+  const std::string ranks = std::to_string(before) + (before == 1 ? " rank" : " ranks");
   // The plan printed before the resume is the recipe's on this world: said when the run's differs.
   const std::string planned = fit.m == r.plan.micro_batch && fit.k == r.plan.accumulation
                                   ? ""
@@ -276,13 +305,13 @@ void continue_on_world(Run& r, Checkpoint& ck, bool split_allowed) {
   shape_windows(r);
   if (resplit && (fit.m != pos.micro_batch || fit.k != pos.accumulation))
     spdlog::info("continuing the run in micro-batches of {} x {} per rank (it trained in {} x {}): {} examples a step, "
-                 "from the same example on", fit.m, fit.k, pos.micro_batch, pos.accumulation, change.batch());
+                 "from the same example on", fit.m, fit.k, pos.micro_batch, pos.accumulation, carry->batch);
   else if (resplit)
     spdlog::info("continuing the run in its micro-batches of {} x {} per rank{}: {} examples a step", fit.m, fit.k,
-                 planned, change.batch());
+                 planned, carry->batch);
   else
     spdlog::info("continuing the run of {} on {}: {} examples a step, micro-batches of {} x {} per rank{}, from the same "
-                 "example on", ranks, now, change.batch(), fit.m, fit.k, planned);
+                 "example on", ranks, now, carry->batch, fit.m, fit.k, planned);
   pos.next_batch = fit.next_batch;
   pos.micro_batch = fit.m;
   pos.accumulation = fit.k;

@@ -390,7 +390,8 @@ void pick_micro_batch(Run& r) {
     const int64_t m = search.candidates.front();
     const int64_t at = lever ? l.levels : 0;
     // The last trial was this one: its training state.
-    const std::string advice = sharding_advice(search.last.state, peaks[at][m], budget / (1 + kMargin), p.world_size);
+    const std::string advice = sharding_advice(search.last.state, peaks[at][m], budget / (1 + kMargin), p.world_size,
+                                                p.effective_batch_goal);
     refuse_window(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(m) +
                                           (lever ? " with " + std::to_string(at) + " " + l.what + " (the most plugin '" +
                                                        r.memory_lever.first + "' offers)"

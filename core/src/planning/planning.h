@@ -149,8 +149,10 @@ struct TrainingState {
 };
 /// The training state of a step whose `peak` does not fit `limit` bytes, and which ZeRO stage over
 /// the world (over 2 ranks on one) would make it fit: the measured step with each stage's state in
-/// place of its own. The tail of the memory planner's refusal.
-std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size);
+/// place of its own, from the stage measured up. The tail of the memory planner's refusal. The
+/// fewest ranks it names are a number `batch` (the effective batch, where the recipe sets one;
+/// else 0) divides by.
+std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size, int64_t batch = 0);
 /// Before any step: why a run whose training state is `s` (its optimizer's state as a step will
 /// make it), at its stage over `world_size` ranks of which `local` share this machine's `have`
 /// bytes (`have_note`: where that figure comes from, after it), cannot fit them, and where it

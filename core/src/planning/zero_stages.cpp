@@ -14,10 +14,11 @@ namespace {
 /// A bucket of gradients summed together at most (as PyTorch DDP's bucket_cap_mb).
 constexpr double kBucketBytes = 25.0 * 1024 * 1024;
 
-std::string stage_list(const std::vector<double>& at) {
+/// "X at stage `first`, ... and Z at stage 3".
+std::string stage_list(const std::vector<double>& at, size_t first) {
   std::string out;
-  for (size_t s = 0; s < at.size(); ++s)
-    out += (s == 0 ? "" : s + 1 == at.size() ? " and " : ", ") + format_bytes(at[s]) + " at stage " + std::to_string(s);
+  for (size_t s = first; s < at.size(); ++s)
+    out += (s == first ? "" : s + 1 == at.size() ? " and " : ", ") + format_bytes(at[s]) + " at stage " + std::to_string(s);
   return out;
 }
 
@@ -68,7 +69,7 @@ double TrainingState::most(size_t st, int64_t n, int64_t here) const {
   return st == 3 ? std::max(held, whole_weights(n, here)) : held;
 }
 
-std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size) {
+std::string sharding_advice(const TrainingState& s, double peak, double limit, int64_t world_size, int64_t batch) {
   const int64_t n = std::max<int64_t>(world_size, 2);
   const bool alone = world_size < 2;  // one rank: nothing sharded whatever the stage
   const std::vector<double> here = s.per_rank(std::max<int64_t>(world_size, 1)), there = s.per_rank(n);
@@ -88,9 +89,10 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
   for (size_t stage = 0; stage < there.size(); ++stage)
     step.push_back(!alone && stage == static_cast<size_t>(s.stage) ? peak
                                                                    : std::max(rest + there[stage], bare[stage]));
+  // From the stage measured (a lower one holds more, and its figure would be a guess).
   out += std::string(alone ? ". On one rank nothing is sharded; over 2 ranks" : ". Over its " + std::to_string(n) + " ranks") +
          ", with the optimizer state sharded from stage 1, the gradients from 2 and the parameters from 3, the step "
-         "would take about " + stage_list(step);
+         "would take about " + stage_list(step, alone ? 0 : static_cast<size_t>(s.stage));
   // The stages above this one; on one rank, any that shards (over 2 ranks, each stage is new).
   for (size_t stage = alone ? 1 : static_cast<size_t>(s.stage) + 1; stage < step.size(); ++stage)
     if (step[stage] <= limit)
@@ -107,9 +109,14 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
     return out + ": by these figures none fits, over any number of ranks: the rest of the step (activations, the "
                  "parameters gathered) and the least share of the state a rank can hold take " +
            format_bytes(fixed + least) + " on each (estimates: a stage the recipe sets is measured)";
-  // Some k <= tensors fits (the least share does): from the even split's count up.
+  // Some k <= tensors fits (the least share does): from the even split's count up, among the
+  // world sizes the effective batch divides over (`batch`, when the recipe sets one).
   auto k = std::max(static_cast<int64_t>(std::ceil(sharded / room)), n + 1);
-  while (sharded * s.share(k) > room) ++k;
+  const auto divides = [batch](int64_t ranks) { return batch <= 0 || batch % ranks == 0; };
+  while ((sharded * s.share(k) > room || !divides(k)) && (batch <= 0 || k <= batch)) ++k;
+  if (batch > 0 && k > batch)
+    return out + ": by these figures stage 3 would fit over no number of ranks that the effective batch of " +
+           std::to_string(batch) + " divides over";
   return out + ": none fits; by these figures stage 3 would over " + std::to_string(k) + " ranks (about " +
          format_bytes(fixed + sharded * s.share(k)) + " each)";
 }
