@@ -18,8 +18,8 @@ namespace {
 
 /// Gradients summed together (as PyTorch DDP's bucket_cap_mb).
 constexpr int64_t kBucketBytes = int64_t{25} << 20;
-/// A bucket of a block's gradients smaller than this takes the next block's too (as DDP's first
-/// bucket_cap_mb): a reduce of a few KiB costs about as much as one of a MiB.
+/// A bucket of blocks' gradients takes the next block's too while together they stay within this
+/// (as DDP's first bucket_cap_mb): a reduce of a few KiB costs about as much as one of a MiB.
 constexpr int64_t kMergeBytes = int64_t{1} << 20;
 
 using Clock = std::chrono::steady_clock;
@@ -49,14 +49,17 @@ GradientShards::GradientShards(std::vector<at::Tensor> params, std::vector<std::
       throw Error("stage 2 sums the gradients of a model on one device: '" + names_[0] + "' is on " +
                   params_[0].device().str() + ", '" + names_[i] + "' on " + params_[i].device().str());
   if (world.size() > 1) group_ = world.process_group();
+  std::map<int64_t, int64_t> group_bytes;  // each block's bytes (all its parameters, whoever owns them)
+  for (size_t k = 0; k < groups.size(); ++k) group_bytes[groups[k]] += params_[k].numel() * params_[k].element_size();
   for (size_t k = params_.size(); k-- > 0;) {
     const at::Tensor& p = params_[k];
     const int64_t group = groups.empty() ? -1 : groups[k];
     Bucket* last = buckets_.empty() ? nullptr : &buckets_.back();
-    // Another group joins a small bucket when both are blocks: the bucket is then of the earlier
-    // block (backward reaches it last), sent once backward has gone through both.
+    // Another block joins a bucket of blocks that it leaves within kMergeBytes: the bucket is then
+    // of the earlier block (backward reaches it last), sent once backward has gone through both.
     const bool joins = last && (last->group == group ||
-                                (last->group >= 0 && group >= 0 && last->numel * p.element_size() < kMergeBytes));
+                                (last->group >= 0 && group >= 0 &&
+                                 last->numel * p.element_size() + group_bytes[group] <= kMergeBytes));
     const bool fits = joins && last->owner == owners[k] &&
                       params_[last->params.front()].options().type_equal(p.options()) &&
                       (last->numel + p.numel()) * p.element_size() <= kBucketBytes;

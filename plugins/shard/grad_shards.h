@@ -29,8 +29,8 @@ std::vector<int64_t> block_groups(const std::vector<at::Tensor>& params, const t
 /// The gradients of `params` (every trainable parameter, in model order) split by `owners` (the
 /// rank that updates each) over `world`'s ranks. Buckets of up to 25 MiB hold the parameters of
 /// one owner and one dtype, in the reverse of model order (about the order backward makes their
-/// gradients); with groups, of one group, but a bucket of blocks under 1 MiB takes the next
-/// block's parameters too (its group is then the earliest block's). In a backward that is armed, a bucket is sent as soon as its gradients are all
+/// gradients); with groups, of one group, but a bucket of blocks takes the next block's
+/// parameters too while together they stay within 1 MiB (its group is then the earliest block's). In a backward that is armed, a bucket is sent as soon as its gradients are all
 /// accumulated and every earlier bucket was sent: flattened, summed onto its owner (a c10d
 /// `reduce`), and its gradients released. So every rank sends the same buckets in the same order
 /// whatever its branches took; what backward left without a gradient here is sent, as zeros, when

@@ -263,9 +263,22 @@ TEST_SUITE("plan") {
     CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 6).find("stage 3 would over 6 ranks (about ") != std::string::npos);
     CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 10).find("stage 3 would over 5 ranks (about ") != std::string::npos);
     CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 8).find("stage 3 would over 4 ranks (about 9.5 MiB each)") != std::string::npos);
-    CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 3).find(": by these figures stage 3 would fit over no number of "
-                                                                        "ranks that the effective batch of 3 divides over") !=
+    CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2, 3).find(
+              ": none fits; by these figures stage 3 would fit over no number of ranks above 2 and up to one per "
+              "trainable tensor (" + std::to_string(s.tensors) + ") that the effective batch of 3 divides over") !=
           std::string::npos);
+    // At most one rank per tensor: 6 tensors, 5 ranks needed, 5 and 6 do not divide 14.
+    tk::detail::TrainingState six = s;
+    six.tensors = 6;
+    CHECK(tk::detail::sharding_advice(six, 13.5 * kMB, 9 * kMB, 2, 14).find("stage 3 would fit over no number of ranks above 2 "
+                                                                          "and up to one per trainable tensor (6) that the "
+                                                                          "effective batch of 14 divides over") !=
+          std::string::npos);
+    // On one rank, over 2 ranks only where the effective batch divides over them.
+    s.stage = 0;
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 15 * kMB, 1, 4).find("stage 1 would fit (over 2 ranks") != std::string::npos);
+    CHECK(tk::detail::sharding_advice(s, 17 * kMB, 15 * kMB, 1, 9).find("would fit (over 2 ranks") == std::string::npos);
+    s.stage = 3;
     // An optimizer that does not report its state's size.
     s.optimizer_known = false;
     CHECK(tk::detail::sharding_advice(s, 13.5 * kMB, 10 * kMB, 2).find("the optimizer's state not reported by it, counted as none") !=

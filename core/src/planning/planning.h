@@ -126,6 +126,9 @@ struct TrainingState {
   double trainable = 0, frozen = 0;  ///< the model's parameters, whole
   double optimizer_whole = 0;        ///< every rank's optimizer state together (a sharded one's shares)
   double largest_block = 0, loose = 0;  ///< trainable bytes of the largest block, of those in no block
+  /// Trainable bytes of the largest run of neighbouring blocks whose gradients stages 2 and 3 sum
+  /// in one bucket (small blocks together); 0: the largest block's.
+  double largest_bucket = 0;
   double largest_tensor = 0;         ///< the largest trainable tensor's bytes: a rank's share is never less
   int64_t tensors = 0;               ///< trainable tensors: shards of whole tensors need as many for as many ranks
   int stage = 0;                     ///< the ZeRO stage the step is at (from the plugins' capabilities)

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <optional>
 #include <set>
+#include <tuple>
 
 #include "planning/planning.h"
 #include "tk/blocks.h"
@@ -25,21 +26,28 @@ double held_bytes(const at::Tensor& t) {
   return static_cast<double>(std::min<size_t>(t.nbytes(), t.storage().nbytes()));
 }
 
-/// The trainable parameters' bytes of the largest block, and of the parameters in no block (all
-/// of them for a model without blocks).
-std::pair<double, double> block_sizes(Model& model, double trainable) {
+/// Blocks whose gradients the shard plugin's buckets hold together, while within this many bytes
+/// (plugins/shard/grad_shards.cpp).
+constexpr double kMergedBlocks = 1024.0 * 1024.0;
+
+/// The trainable parameters' bytes of the largest block, of the largest run of neighbouring
+/// blocks within kMergedBlocks (a bucket of gradients), and of the parameters in no block (all of
+/// them for a model without blocks).
+std::tuple<double, double, double> block_sizes(Model& model, double trainable) {
   Blocks* blocks = blocks_of(model);
-  if (!blocks || blocks->empty()) return {0.0, trainable};
+  if (!blocks || blocks->empty()) return {0.0, 0.0, trainable};
   std::set<const c10::TensorImpl*> in_block;
-  double largest = 0, listed = 0;
-  for (size_t b = 0; b < blocks->size(); ++b) {
+  double largest = 0, listed = 0, run = 0, largest_run = 0;
+  for (size_t b = blocks->size(); b-- > 0;) {  // as backward reaches them
     double size = 0;
     for (const auto& p : blocks->parameters(b))
       if (p.requires_grad() && in_block.insert(p.unsafeGetTensorImpl()).second) size += static_cast<double>(p.nbytes());
     largest = std::max(largest, size);
     listed += size;
+    run = run + size <= kMergedBlocks ? run + size : size;
+    largest_run = std::max(largest_run, run);
   }
-  return {largest, trainable - listed};
+  return {largest, largest_run, trainable - listed};
 }
 
 /// Bytes of state the recipe's optimizer keeps per byte of a parameter, from one step on a probe,
@@ -160,7 +168,7 @@ TrainingState measure_training_state(Run& r, bool local) {
       s.optimizer_whole = s.optimizer * world.size();
     }
   }
-  std::tie(s.largest_block, s.loose) = block_sizes(*r.model, s.trainable);
+  std::tie(s.largest_block, s.largest_bucket, s.loose) = block_sizes(*r.model, s.trainable);
   // Which of ZeRO's stages this step is at, from what its plugins provide and what it holds.
   const bool params_sharded = s.params < s.trainable + s.frozen;
   s.stage = r.plan.has(cap::kGradsSharded) ? (params_sharded ? 3 : 2) : r.plan.has(cap::kOptimizerSharded) ? 1 : 0;

@@ -38,6 +38,7 @@ std::vector<double> TrainingState::per_rank(int64_t n) const { return on_machine
 
 std::vector<double> TrainingState::on_machine(int64_t n, int64_t here) const {
   const double P = trainable, G = trainable, O = optimizer_whole, L = largest_block;
+  const double B = std::max(L, largest_bucket);  // the gradients of the largest bucket of blocks
   // `here` ranks' parts of a sharded state: each at most the share f, together at most the whole
   // (where one tensor is most of the state, the shares are uneven: one rank holds it, the others
   // little).
@@ -46,16 +47,17 @@ std::vector<double> TrainingState::on_machine(int64_t n, int64_t here) const {
   // Beside the state's share (ZeRO's arithmetic, each rank's part at most f), the buffers its
   // sharding needs: the updated parameters broadcast by their owners (stages 1 and 2: a part of
   // them, as the state's); the gradients held whole until their bucket is summed onto its owner,
-  // a block's (a bucket's of at most 25 MiB without blocks), and that bucket's copy (2); at stage 3
+  // a block's or small neighbouring blocks' (a bucket's of at most 25 MiB without blocks), and
+  // that bucket's copy (2); at stage 3
   // three blocks gathered (the one computing, the next, and in backward the one just done) and the
   // parameters of no block, their gradients whole until backward ends, a block's gradients and
   // their copy, and the copy of the block its owners send (one block's for all the ranks
   // together: each owner sends its part of it).
-  const double bucket = std::min(kBucketBytes, L > 0 ? L : P);
+  const double bucket = std::min(kBucketBytes, B > 0 ? B : P);
   return {h * (frozen + P + G + O),
           h * (frozen + P + G) + (O + P) * parts,
           h * (frozen + P + 2 * bucket) + (G + O + P) * parts,
-          h * (frozen + std::min(P, loose + 3 * L) + loose + std::min(kBucketBytes, loose) + 2 * std::min(kBucketBytes, L)) +
+          h * (frozen + std::min(P, loose + 3 * L) + loose + std::min(kBucketBytes, loose) + 2 * std::min(kBucketBytes, B)) +
               (P + G + O) * parts + L};
 }
 
@@ -94,8 +96,9 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
          ", with the optimizer state sharded from stage 1, the gradients from 2 and the parameters from 3, the step "
          "would take about " + stage_list(step, alone ? 0 : static_cast<size_t>(s.stage));
   // The stages above this one; on one rank, any that shards (over 2 ranks, each stage is new).
+  const auto divides = [batch](int64_t ranks) { return batch <= 0 || batch % ranks == 0; };
   for (size_t stage = alone ? 1 : static_cast<size_t>(s.stage) + 1; stage < step.size(); ++stage)
-    if (step[stage] <= limit)
+    if (step[stage] <= limit && divides(n))
       return out + ": by these figures stage " + std::to_string(stage) + " would fit (" +
              (alone ? "over 2 ranks, tk-run --nproc 2 with ddp; the stage " : "") + "set by a plugin that provides " +
              cap::kOptimizerSharded.name() + "; tk-run --list shows the plugins)";
@@ -109,14 +112,15 @@ std::string sharding_advice(const TrainingState& s, double peak, double limit, i
     return out + ": by these figures none fits, over any number of ranks: the rest of the step (activations, the "
                  "parameters gathered) and the least share of the state a rank can hold take " +
            format_bytes(fixed + least) + " on each (estimates: a stage the recipe sets is measured)";
-  // Some k <= tensors fits (the least share does): from the even split's count up, among the
-  // world sizes the effective batch divides over (`batch`, when the recipe sets one).
+  // The least share fits: the fewest ranks from the even split's count up, at most one per
+  // tensor, and a number the effective batch divides over (`batch`, where the recipe sets one).
+  const int64_t most = std::max<int64_t>(s.tensors, 1);
   auto k = std::max(static_cast<int64_t>(std::ceil(sharded / room)), n + 1);
-  const auto divides = [batch](int64_t ranks) { return batch <= 0 || batch % ranks == 0; };
-  while ((sharded * s.share(k) > room || !divides(k)) && (batch <= 0 || k <= batch)) ++k;
-  if (batch > 0 && k > batch)
-    return out + ": by these figures stage 3 would fit over no number of ranks that the effective batch of " +
-           std::to_string(batch) + " divides over";
+  while (k <= most && (sharded * s.share(k) > room || !divides(k))) ++k;
+  if (k > most)
+    return out + ": none fits; by these figures stage 3 would fit over no number of ranks above " + std::to_string(n) +
+           " and up to one per trainable tensor (" + std::to_string(most) + ")" +
+           (batch > 0 ? " that the effective batch of " + std::to_string(batch) + " divides over" : "");
   return out + ": none fits; by these figures stage 3 would over " + std::to_string(k) + " ranks (about " +
          format_bytes(fixed + sharded * s.share(k)) + " each)";
 }
