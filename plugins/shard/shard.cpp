@@ -263,8 +263,8 @@ class Shard final : public tk::Plugin {
 
   /// "FILE:LINE: " where option `key` was set (a --set's own words), or "".
   std::string at(const std::string& key) const {
-    const std::string where = options().where(key).str();
-    return where.empty() ? "" : where + ": ";
+    const tk::SourceLoc where = options().where(key);
+    return where.file.empty() ? "" : where.str() + ": ";
   }
 
   /// gather_dtype_, where it is not the parameters' own.
