@@ -30,7 +30,8 @@ std::vector<int64_t> block_groups(const std::vector<at::Tensor>& params, const t
 /// rank that updates each) over `world`'s ranks. Buckets of up to 25 MiB hold the parameters of
 /// one owner and one dtype, in the reverse of model order (about the order backward makes their
 /// gradients); with groups, of one group, but a bucket of blocks takes the next block's
-/// parameters too while together they stay within 1 MiB (its group is then the earliest block's). In a backward that is armed, a bucket is sent as soon as its gradients are all
+/// parameters too while together they stay within 1 MiB (its group is then the earliest
+/// block's). In a backward that is armed, a bucket is sent as soon as its gradients are all
 /// accumulated and every earlier bucket was sent: flattened, summed onto its owner (a c10d
 /// `reduce`), and its gradients released. So every rank sends the same buckets in the same order
 /// whatever its branches took; what backward left without a gradient here is sent, as zeros, when
@@ -39,7 +40,8 @@ std::vector<int64_t> block_groups(const std::vector<at::Tensor>& params, const t
 class GradientShards {
  public:
   /// `names`: each parameter's, for errors. Refuses parameters on more than one device. With
-  /// `groups` (one per parameter), a bucket holds parameters of one group only (small blocks merged, above).
+  /// `groups` (one per parameter), a bucket holds parameters of one group only (small blocks
+  /// merged, above).
   GradientShards(std::vector<at::Tensor> params, std::vector<std::string> names, const std::vector<int>& owners,
                  tk::World& world, const std::vector<int64_t>& groups = {});
   ~GradientShards();

@@ -290,11 +290,12 @@ std::string resume_plan(const Run& r, const std::string& which, const std::vecto
   const Differences diff = compare_runs(r, *dir, record, run_identity(r), allowed);
   const TrainingPosition at = checkpoint_position(*dir, record);
   // On the same world and split the run's length compares as it is; else once the step is carried over.
+  const bool split_allowed = any_starts(diff.allowed, {"batch."});
   const bool carried = (at.world_size > 0 && at.world_size != r.plan.world_size) ||
                        (at.micro_batch > 0 && at.micro_batch != r.plan.micro_batch) ||
-                       (at.accumulation > 0 && at.accumulation != r.plan.accumulation) || any_starts(diff.allowed, {"batch."});
+                       (at.accumulation > 0 && at.accumulation != r.plan.accumulation) || split_allowed;
   if (!carried) check_length(r, *dir, at.counters.total_steps, diff);
-  check_continuation(r, at, *dir, any_starts(diff.allowed, {"batch."}));
+  check_continuation(r, at, *dir, split_allowed);
   if (r.optimizer) check_optimizer_kind(*dir, *r.optimizer);
   std::string plan = "from " + dir->string() + (note.empty() ? "" : " (" + note + ")") + ", at step " +
                      std::to_string(at.counters.step) + " of " + std::to_string(at.counters.total_steps) +

@@ -233,6 +233,8 @@ std::string regrouping_changes_step(const Run& r) {
 
 namespace {
 
+std::string ranks_word(int64_t n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
+
 /// How a checkpoint at `pos` goes on in this run: its split of the step and how it fits.
 struct Carry {
   bool resplit = false;  // on the same world, in another split
@@ -252,7 +254,7 @@ std::optional<Carry> carry_of(const Run& r, const TrainingPosition& pos, const s
   const bool resplit = before == now && !p.micro_batch_auto && pos.micro_batch > 0 && pos.accumulation > 0 &&
                        (pos.micro_batch != p.micro_batch || pos.accumulation != p.accumulation);
   if (before <= 0 || (before == now && !resplit) || pos.counters.step >= pos.counters.total_steps) return std::nullopt;
-  const std::string ranks = std::to_string(before) + (before == 1 ? " rank" : " ranks");
+  const std::string ranks = ranks_word(before);
   const std::string refused =
       "cannot continue " + dir + ", trained " +
       (resplit ? "in micro-batches of " + std::to_string(pos.micro_batch) + " x " + std::to_string(pos.accumulation) +
@@ -294,7 +296,7 @@ void continue_on_world(Run& r, Checkpoint& ck, bool split_allowed) {
   if (!carry) return;
   const Fit& fit = carry->fit;
   const bool resplit = carry->resplit;
-  const std::string ranks = std::to_string(before) + (before == 1 ? " rank" : " ranks");
+  const std::string ranks = ranks_word(before);
   // The plan printed before the resume is the recipe's on this world: said when the run's differs.
   const std::string planned = fit.m == r.plan.micro_batch && fit.k == r.plan.accumulation
                                   ? ""
