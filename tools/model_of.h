@@ -20,14 +20,38 @@ namespace tk {
 /// A run's output folder (its recipe.toml and weights.safetensors), or a recipe file, whose model
 /// starts from the weights the recipe names ([model] pretrained or init): no file to load.
 struct RunOrRecipe {
-  /// `path` as given on the command line; `weights`: the file to load instead ("": the run's).
+  /// `path` as given on the command line; `weights`: the file to load instead ("": the run's). A
+  /// checkpoints folder's `latest` file stands for the checkpoint it names (as --resume latest).
   RunOrRecipe(const std::filesystem::path& path, const std::string& weights_given)
       : from_recipe(std::filesystem::is_regular_file(path)),
         dir(from_recipe ? path.parent_path() : path),
         recipe(Recipe::from_file(from_recipe ? path : dir / "recipe.toml")),
         weights(!weights_given.empty() ? std::filesystem::path(weights_given)
                 : from_recipe          ? std::filesystem::path()
-                                       : dir / "weights.safetensors") {}
+                                       : dir / "weights.safetensors") {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (!weights_given.empty() && weights.filename() == "latest" && fs::is_regular_file(weights, ec))
+      weights = weights.parent_path();  // load_model_weights takes a checkpoints folder's latest
+    if (weights_given.empty() && !from_recipe && !fs::exists(weights, ec) && fs::is_directory(dir / "checkpoints", ec))
+      throw std::runtime_error(dir.string() + " has no weights.safetensors yet (a run writes it as it completes); its "
+                               "checkpoints have weights: --weights " + (dir / "checkpoints").string() + " takes the latest");
+  }
+  /// What the model's weights are, where they are not a file: its recipe's pretrained checkpoint or
+  /// init, or "" where it names neither (the model as initialized, untrained).
+  std::string starts_from() const {
+    const auto table = toml::parse_file(recipe.source());
+    for (const char* key : {"pretrained", "init"})
+      if (const std::string file(table["model"][key].value_or("")); !file.empty())
+        return std::string("[model] ") + key + " = \"" + file + "\"";
+    return "";
+  }
+  /// A line for standard error where the model is untrained (a recipe that names no weights), or "".
+  std::string untrained_note(const char* tool) const {
+    if (!weights.empty() || !starts_from().empty()) return "";
+    return std::string(tool) + ": note: " + recipe.source() + " names no weights ([model] pretrained or init; or "
+           "--weights): its model is as initialized, untrained. A run's output folder holds its trained weights.\n";
+  }
   bool from_recipe;
   std::filesystem::path dir;
   Recipe recipe;

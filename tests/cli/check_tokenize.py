@@ -10,6 +10,7 @@ the bytes, that bad input is refused, that a long line is encoded in bounded mem
 the tokens of the whole line, that tk-run trains the GPT on the shards, and that tk-sample writes
 the same text for the same seed from that run, decoded with the run's tokenizer.
 """
+import array
 import io
 import math
 import pathlib
@@ -106,7 +107,7 @@ mine = work / "mine"
 mine.mkdir()
 (mine / "tokenizer.model").write_text("the user's")
 (mine / "train_000.bin").write_text("the user's too")
-p = run(corpus, "--bytes", "--out", mine, ok=False)
+p = run(corpus, "--bytes", "--validation", 0, "--out", mine, ok=False)
 assert "holds files tk-tokenize did not write (tokenizer.model, train_000.bin)" in p.stderr, p.stderr
 assert files_of(mine) == ["tokenizer.model", "train_000.bin"]
 assert (mine / "tokenizer.model").read_text() == "the user's"
@@ -144,18 +145,26 @@ assert files_of(work / "bytes") == ["tokenize.json", "train_000.bin"], files_of(
 
 # Text with no line SentencePiece can train on is told so, in tk-tokenize's words.
 (work / "long.txt").write_text(("word " * 1000 + "\n") * 20)
-p = run(work / "long.txt", "--vocab", 50, "--out", work / "long", ok=False)
+p = run(work / "long.txt", "--vocab", 50, "--validation", 0, "--out", work / "long", ok=False)
 assert "no line of the inputs is shorter than 4192 bytes" in p.stderr, p.stderr
 # A vocabulary the text cannot fill, or one smaller than its characters: told with SentencePiece's
 # numbers in tk-tokenize's words, its trainer's command line and options left out.
 (work / "small.txt").write_text("ab ab\nab ab ab\n")
-p = run(work / "small.txt", "--vocab", 50, "--out", work / "small", ok=False)
+p = run(work / "small.txt", "--vocab", 50, "--validation", 0, "--out", work / "small", ok=False)
 assert "--vocab 50 is more pieces than the inputs hold: at most 9 for this text" in p.stderr, p.stderr
 assert "Running command" not in p.stderr and "sentencepiece" not in p.stderr.lower(), p.stderr
 (work / "chars.txt").write_text("".join(chr(0x4e00 + i) + " ab\n" for i in range(40)))
-p = run(work / "chars.txt", "--vocab", 20, "--out", work / "chars", ok=False)
+p = run(work / "chars.txt", "--vocab", 20, "--validation", 0, "--out", work / "chars", ok=False)
 assert "--vocab 20 is fewer pieces than the inputs need: at least" in p.stderr, p.stderr
 assert "character_coverage" not in p.stderr, p.stderr
+# A tokenization that fails in a folder it made leaves no folder (nor a temporary file in one).
+assert not (work / "small").exists() and not (work / "chars").exists()
+# One document, the default tenth held out: refused before any folder is made or model trained,
+# saying what would do.
+p = run(work / "small.txt", "--vocab", 9, "--out", work / "one", ok=False)
+assert "--validation 0.1 holds out no document of 1 (the inputs are one document: --separator splits them" in p.stderr, \
+    p.stderr
+assert "--validation 0 for no validation shards" in p.stderr and not (work / "one").exists(), p.stderr
 
 # A document longer than 64 KiB is encoded in pieces of about 64 KiB cut at whitespace, not at once
 # (SentencePiece takes about 100 bytes of memory for each byte it encodes): a line of 1 MB fits in
@@ -283,6 +292,21 @@ assert greedy == sample("--prompt", "You will", "--tokens", 20, "--temperature",
 # The run's tokenizer was found beside its shards: the continuation is the text of its pieces,
 # which Python's SentencePiece encodes back into ids of that model.
 assert all(0 <= i < 500 for i in sp.encode(a)), a
+# It is the text of the whole sequence less the prompt's: a piece that starts a word keeps its space
+# right after the prompt (decoded alone, SentencePiece drops a text's leading space). The greedy
+# pieces, one at a time from the prompt's logits (read from the safetensors file by hand).
+ids = sp.encode("You will")
+for _ in range(4):
+    sample("--ids", " ".join(map(str, ids)), "--logits", work / "logits.safetensors")
+    raw = (work / "logits.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    entry = json.loads(raw[8:8 + n])["logits"]
+    assert entry["dtype"] == "F32" and entry["shape"] == [len(ids), 500], entry
+    first, end = entry["data_offsets"]
+    row = array.array("f", raw[8 + n + first:8 + n + end])[-500:]
+    ids.append(max(range(500), key=row.__getitem__))
+want = "You will" + sp.decode(ids)[len(sp.decode(sp.encode("You will"))):] + "\n"
+assert sample("--prompt", "You will", "--tokens", 4, "--temperature", 0).stdout == want, want
 p = sample("--tokenizer", work / "absent.model", ok=False)
 assert "absent.model" in p.stderr, p.stderr
 # With the shards moved away (their tokenizer.model with them), the model is built from what the

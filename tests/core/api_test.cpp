@@ -66,16 +66,23 @@ struct DerivedCounts final : BaseCounts {
 class Gives final : public tk::Plugin {
  public:
   void bind(tk::OptionBinder& o) override {
-    o.add("what", what_, "what to give", {"core_key", "empty_tensor", "two_elements", "fit_end_throws", "fit_end"});
+    o.add("what", what_, "what to give",
+          {"core_key", "empty_tensor", "two_elements", "fit_end_throws", "fit_end", "norm", "norm_tensor", "state_throws"});
   }
   void on_boundary(tk::BoundaryContext& ctx) override {
     if (what_ == "core_key") ctx.metric("loss", 1.0);
+    if (what_ == "norm") ctx.metric("norm", 1.0);
+    if (what_ == "norm_tensor") ctx.metric("norm", torch::ones({}));
     if (what_ == "empty_tensor") ctx.metric("x", torch::zeros({0}));
     if (what_ == "two_elements") ctx.veto_step_if(torch::zeros({2}), "no");
   }
   void on_fit_end(tk::FitEndContext&) override {
     ++fit_ends;
     if (what_ == "fit_end_throws") throw std::runtime_error("cleanup failed");
+  }
+  tk::StateDict state() const override {
+    if (what_ == "state_throws") throw std::runtime_error("no state");
+    return {};
   }
   int fit_ends = 0;
 
@@ -336,12 +343,41 @@ TEST_SUITE("plugin API") {
     }
   }
 
+  TEST_CASE("two plugins may not report one metric: a record holds one value a key") {
+    for (const std::string second : {"norm", "norm_tensor"}) {
+      CAPTURE(second);
+      tk::Trainer t(tkt::recipe(), tkt::quiet());
+      t.add_plugin(std::make_shared<Gives>(), "a", "what = \"norm\"");
+      t.add_plugin(std::make_shared<Gives>(), "b", "what = \"" + second + "\"");
+      CHECK(fit_error(t).find("plugin 'b' (in-process) failed in event boundary in step 1: plugins 'a' and 'b' both "
+                              "report metric 'norm'; a record holds one value a key") == 0);
+    }
+    // One plugin reporting it again in a step replaces its value.
+    tk::Trainer t(tkt::recipe(), tkt::quiet());
+    t.add_plugin(std::make_shared<Gives>(), "a", "what = \"norm\"");
+    const auto r = t.fit();
+    REQUIRE(r.step_metrics.size() == 6);
+    CHECK(r.step_metrics.back().at("norm") == 1.0);
+  }
+
+  TEST_CASE("a plugin whose state() throws as a checkpoint is written is named, with the checkpoint's step") {
+    const fs::path out = tkt::temp_dir("state-throws");
+    tk::Trainer t(tkt::recipe({"run.output=\"" + out.string() + "\"", "run.checkpoint_every=2"}), [] {
+      auto o = tkt::quiet();
+      o.write_outputs = true;
+      return o;
+    }());
+    t.add_plugin(std::make_shared<Gives>(), "keeps", "what = \"state_throws\"");
+    CHECK(fit_error(t).find("plugin 'keeps' (in-process) failed in state, for the checkpoint of step 2: no state") == 0);
+    fs::remove_all(out);
+  }
+
   TEST_CASE("every plugin's on_fit_end runs when another's fails, and the first failure is the run's") {
     auto first = std::make_shared<Gives>(), second = std::make_shared<Gives>();
     tk::Trainer t(tkt::recipe(), tkt::quiet());
     t.add_plugin(first, "first", "what = \"fit_end_throws\"");
     t.add_plugin(second, "second");
-    CHECK(fit_error(t).find("plugin 'first' failed in event fit_end at step 6: cleanup failed") == 0);
+    CHECK(fit_error(t).find("plugin 'first' (in-process) failed in event fit_end after step 6: cleanup failed") == 0);
     CHECK(first->fit_ends == 1);
     CHECK(second->fit_ends == 1);
     // A plugin whose on_fit_start was never reached (an earlier one threw there) gets no on_fit_end.
@@ -357,7 +393,7 @@ TEST_SUITE("plugin API") {
     tk::Trainer t2(tkt::recipe(), tkt::quiet());
     t2.add_plugin(std::make_shared<StartThrows>(), "start_throws");
     t2.add_plugin(later, "later");
-    CHECK(fit_error(t2).find("plugin 'start_throws' failed in event fit_start") == 0);
+    CHECK(fit_error(t2).find("plugin 'start_throws' (in-process) failed in event fit_start before the first step") == 0);
     CHECK(later->starts == 0);
     CHECK(later->ends == 0);
   }

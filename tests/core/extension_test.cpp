@@ -377,7 +377,7 @@ TEST_SUITE("extension") {
     auto checks = std::make_shared<Checks>();
     tk::Trainer t(tkt::recipe({"data.validation_samples=16"}), tkt::quiet());
     t.add_plugin(checks, "checks");
-    CHECK_THROWS_WITH(t.fit(), doctest::Contains("plugin 'checks' failed in event fit_end"));
+    CHECK_THROWS_WITH(t.fit(), doctest::Contains("plugin 'checks' (in-process) failed in event fit_end after step "));
     CHECK(checks->seen == std::vector<bool>{true, true});
     CHECK(checks->fit_ends == 1);
   }

@@ -117,11 +117,25 @@ name = "fake_sync"
     auto opts = tkt::quiet();
     opts.write_outputs = true;
     tk::Trainer t(r, opts);
-    CHECK_THROWS_WITH_AS(t.fit(), "plugin 'probe' failed in event backward at step 2 (micro-batch 3): injected failure",
+    // Its file named, the step numbered as the records number it (the third), the micro-batch in it.
+    CHECK_THROWS_WITH_AS(t.fit(),
+                         doctest::Contains("tk_probe.so) failed in event backward in step 3, micro-batch 1 of 1: injected failure"),
                          tk::PluginRuntimeError);
     CHECK(lines_of(out / "metrics.jsonl").size() == 2);
     CHECK(fs::exists(out / "recipe.toml"));
     fs::remove_all(out);
+    // Each event's place: step_end comes once its step is counted (the probe's 0-based step 2 is
+    // then the end of the second step).
+    for (const auto& [event, where] : std::vector<std::pair<std::string, std::string>>{
+             {"micro_batch", "in step 3, micro-batch 1 of 1"}, {"loss", "in step 3, micro-batch 1 of 1"},
+             {"boundary", "in step 3"}, {"step_end", "in step 2"}}) {
+      CAPTURE(event);
+      tk::Trainer each(tkt::recipe({}, with_plugins("[[plugins]]\nname = \"probe\"\nthrow_at_step = 2\nthrow_in = \"" +
+                                                    event + "\"\n").c_str()),
+                       tkt::quiet());
+      CHECK_THROWS_WITH_AS(each.fit(), doctest::Contains((") failed in event " + event + " " + where + ": injected failure").c_str()),
+                           tk::PluginRuntimeError);
+    }
   }
 
   TEST_CASE("on_failure is told once, however the failure leaves the Trainer: in training, or planning from plan() and fit()") {
@@ -168,6 +182,18 @@ name = "fake_sync"
     tk::Trainer t1(r1, tkt::quiet());
     t1.describe();
     CHECK(t1.warnings().empty());
+  }
+
+  TEST_CASE("a micro-batch larger than the data set is said to be all of it") {
+    tk::Trainer t(tkt::recipe({"batch.micro_batch=300"}), tkt::quiet());
+    t.describe();
+    REQUIRE(t.warnings().size() == 1);
+    CHECK(t.warnings()[0] == "micro_batch 300 is more than the data set's 256 examples: each micro-batch is all of "
+                             "them, 256 examples, not the 300 the plan counts");
+    CHECK(t.fit().micro_steps == 6);  // one a step, of all 256 examples
+    tk::Trainer whole(tkt::recipe({"batch.micro_batch=256"}), tkt::quiet());
+    whole.describe();
+    CHECK(whole.warnings().empty());
   }
 
   TEST_CASE("a run writes its resolved recipe, one metrics record per step, weights and trace") {

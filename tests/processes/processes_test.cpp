@@ -314,7 +314,8 @@ TEST_SUITE("ddp") {
                     "--nproc 2");
     CHECK(p.rc == 1);
     CHECK(p.out.find("[rank 1] ") != std::string::npos);
-    CHECK(p.out.find("plugin 'probe' failed in event backward at step 2 (micro-batch 3): injected failure") !=
+    CHECK(p.out.find("plugin 'probe' (") != std::string::npos);
+    CHECK(p.out.find("tk_probe.so) failed in event backward in step 3, micro-batch 1 of 1: injected failure") !=
           std::string::npos);
     CHECK(p.out.find("tk-run: rank 1 failed (exited with code 1)") != std::string::npos);
     CHECK_FALSE(reports_timeout(p.out));  // the launcher stopped the world, not a collective's timeout
@@ -1313,7 +1314,7 @@ TEST_SUITE("recompute") {
     auto failed = tk_run(root / "failed", automatic + "[[plugins]]\nname = \"probe\"\nthrow_at_step = 0\n", sets + budget(1e9));
     CHECK(failed.rc != 0);
     INFO(failed.out);
-    CHECK(failed.out.find("plugin 'probe' failed in event backward at step 0") != std::string::npos);
+    CHECK(failed.out.find("tk_probe.so) failed in event backward in step 1, micro-batch 1 of ") != std::string::npos);
     // No rank crashed. (Both ranks refuse: the one that recorded it first may be stopped by the
     // launcher, SIGTERM, on its way out once the other has exited; that is no crash.)
     for (const char* crash : {"signal 11 (", "signal 6 (", "signal 7 (", "signal 4 (", "signal 8 ("})

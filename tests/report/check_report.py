@@ -138,6 +138,9 @@ def check_pages(a):
            "a damaged line is not reported with its file and line:\n" + p.stderr)
     p = r.report([os.path.join(a.work, "nowhere")], os.path.join(a.work, "x.html"), expect_rc=2)
     expect("nowhere: no such folder" in p.stderr, "a missing folder: " + p.stderr)
+    # Its default page would go into it: the folder is named as no run, not as no place for the page.
+    p = subprocess.run([a.tk_report, os.path.join(a.work, "nowhere")], capture_output=True, text=True, timeout=120)
+    expect(p.returncode == 2 and "nowhere: no such folder" in p.stderr, "a missing folder, no -o: " + p.stderr)
     p = r.report([a.work], os.path.join(a.work, "x.html"), expect_rc=2)
     expect("not a run's output folder" in p.stderr, "a folder that is not a run: " + p.stderr)
     check_outputs_refused(r, accum)

@@ -21,6 +21,7 @@ struct Options {
 
 int export_model(const Options& o) {
   const tk::RunOrRecipe given(o.run, o.weights);
+  std::fputs(given.untrained_note("tk-export").c_str(), stderr);
   spdlog::set_level(spdlog::level::warn);
   auto trainer = tk::build_model(given.recipe, "cpu");
   tk::Model& model = trainer->model();

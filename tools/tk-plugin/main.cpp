@@ -1,9 +1,11 @@
 // tk-plugin: write, check and describe trainkit plugins.
 //
-//   tk-plugin new NAME [DIR]                      scaffold a plugin project that builds and passes its tests
-//   tk-plugin check LIB.so [--options TOML] [--neutral TOML|none] [--nproc N]   run the plugin contract
-//   tk-plugin info LIB.so                         name, versions, ABI, options, contract, components
+//   tk-plugin new NAME [DIR]    scaffold a plugin project that builds and passes its tests
+//   tk-plugin check LIB.so [--options TOML] [--neutral TOML|none] [--nproc N] [--verbose]
+//                               run the plugin contract
+//   tk-plugin info LIB.so       name, versions, ABI, options, contract, components
 #include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
 
 #include "../cli_parse.h"
 #include <tk/abi.h>
@@ -73,10 +75,12 @@ int info(const std::string& file) {
 
 /// --nproc N: the contract in a world of N processes on this machine, each checking the plugin as
 /// one rank (tk-plugin check again, as torchrun's workers would run it).
-int check_in_world(const std::string& file, const std::string& options, const std::string& neutral, int nproc) {
+int check_in_world(const std::string& file, const std::string& options, const std::string& neutral, int nproc,
+                   bool verbose) {
   std::vector<std::string> worker = {"tk-plugin", "check", file};
   if (!options.empty()) worker.insert(worker.end(), {"--options", options});
   if (!neutral.empty()) worker.insert(worker.end(), {"--neutral", neutral});
+  if (verbose) worker.emplace_back("--verbose");
   tk::LaunchOptions launch;
   launch.nproc = nproc;
   launch.stop_grace_s = 30.0;
@@ -88,6 +92,15 @@ int check(const std::string& file, const std::string& options, const std::string
   // A file that is no plugin library of this trainkit gets one line that says why, not a contract.
   const tk::PluginLoader loader({});
   loader.load_plugin(file);
+  // Options the plugin refuses are the command line's mistake, said once, not a check failed.
+  for (const auto& [flag, toml] : {std::pair{"--options", options}, std::pair{"--neutral", neutral}}) {
+    if (toml.empty() || toml == "none") continue;
+    try {
+      tk::testing::load_plugin(file, toml);
+    } catch (const std::exception& e) {
+      throw tk::Error(std::string(flag) + " '" + toml + "': " + e.what());
+    }
+  }
   tk::testing::ContractOptions c;
   c.options = options;
   c.neutral = neutral == "none" ? "" : neutral;
@@ -116,6 +129,7 @@ int main(int argc, char** argv) {
 
   std::string name, dir, file, options, neutral;
   int nproc = 1;
+  bool verbose = false;
   auto* cmd_new = app.add_subcommand("new", "scaffold a plugin project: sources, a test, a recipe, a README");
   cmd_new->add_option("name", name, "the plugin's name (letters, digits, _)")->required();
   cmd_new->add_option("dir", dir, "the project folder (default: ./NAME)");
@@ -129,13 +143,19 @@ int main(int argc, char** argv) {
                         "check it in a world of N processes on this machine, as each of its ranks (for a plugin "
                         "that sums the gradients across the world, such as ddp); under torchrun, leave it out")
       ->check(CLI::Range(1, 64));
+  cmd_check->add_flag("--verbose", verbose,
+                      "print the log of the checks' runs (the plugin's own info lines among them); without it, "
+                      "their warnings and errors only");
   auto* cmd_info = app.add_subcommand("info", "describe a library: versions, ABI, options, contract, components");
   cmd_info->add_option("library", file, "the plugin library (tk_NAME.so)")->required()->check(CLI::ExistingFile);
   if (const auto rc = tk::parse_command_line(app, argc, argv, "tk-plugin")) return *rc;
 
   try {
     if (*cmd_new) return tk::scaffold(name, dir.empty() ? name : dir);
-    if (*cmd_check) return nproc > 1 ? check_in_world(file, options, neutral, nproc) : check(file, options, neutral);
+    if (*cmd_check) {
+      if (!verbose) spdlog::set_level(spdlog::level::warn);
+      return nproc > 1 ? check_in_world(file, options, neutral, nproc, verbose) : check(file, options, neutral);
+    }
     return info(file);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tk-plugin%s%s\n", tk::kErrorMark, e.what());

@@ -156,6 +156,7 @@ samples = 2048
 
 [batch]
 micro_batch = 32
+accumulation = 4   # micro-batches a step, normalized by the grad_accum plugin
 
 [optimizer]
 name = "adamw"
@@ -163,7 +164,6 @@ lr = 0.003
 
 [[plugins]]
 name = "grad_accum"
-steps = 4
 
 [[plugins]]
 path = "build/tk_@NAME@.so"   # relative to this recipe

@@ -286,8 +286,9 @@ void check_replaceable(const fs::path& out) {
 
 Written write(const std::vector<fs::path>& runs, const fs::path& out) {
   Written w{out, {}};
+  const std::string page = render(runs, w.warnings);  // a run that is not one is said first
   check_replaceable(out);
-  write_atomic(out, render(runs, w.warnings));
+  write_atomic(out, page);
   return w;
 }
 

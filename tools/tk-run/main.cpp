@@ -227,10 +227,23 @@ void write_report(const tk::Trainer& trainer) {
 /// cores: measured on 2 cores, a GPT step took 10x longer under LibTorch 2.6 and a CNN step 1.4x
 /// under 1.13 (docs/benchmarks.md). libgomp reads OMP_WAIT_POLICY when it is loaded, before main,
 /// so tk-run sets it to PASSIVE and runs itself again, once; a value the user set is kept.
+/// The stop signals, as a set.
+sigset_t stop_signals() {
+  sigset_t s;
+  sigemptyset(&s);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) sigaddset(&s, sig);
+  return s;
+}
+
 void prefer_passive_openmp(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
   setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  // A stop that comes while the program starts again (its libraries load for a second or so)
+  // waits, blocked, for main's handlers: an exec would otherwise let it kill the process unsaid.
+  const sigset_t stops = stop_signals();
+  sigprocmask(SIG_BLOCK, &stops, nullptr);
   execv("/proc/self/exe", argv);  // returns only on failure: then run with what we have
+  sigprocmask(SIG_UNBLOCK, &stops, nullptr);
 }
 
 /// glibc gives a freed block above its mmap threshold back to the kernel (the threshold starts at
@@ -579,6 +592,8 @@ int main(int argc, char** argv) {
   // Slurm's warning may come while the run is still being set up: it stops at the first boundary.
   std::signal(SIGUSR1, on_stop_signal);
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_early_stop);
+  const sigset_t stops = stop_signals();
+  sigprocmask(SIG_UNBLOCK, &stops, nullptr);  // one held across the exec below comes now
   prefer_passive_openmp(argv);
   keep_freed_memory();
   // Past a file-size limit (ulimit -f) a write fails with EFBIG, which the run reports like a full

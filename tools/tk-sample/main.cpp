@@ -14,6 +14,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -75,7 +76,11 @@ class Tokenizer {
     start_ = ids(output_of(shell_quote(tool_) + " --model " + shell_quote(model_) + " --encode ''"));  // loads the model
   }
   std::vector<int64_t> encode(const std::string& text) const {
-    if (model_.empty()) return std::vector<int64_t>(text.begin(), text.end());
+    if (model_.empty()) {  // bytes as 0-255 (a char may be signed)
+      std::vector<int64_t> out;
+      for (unsigned char c : text) out.push_back(c);
+      return out;
+    }
     return ids(output_of(shell_quote(tool_) + " --model " + shell_quote(model_) + " --encode " + shell_quote(text)));
   }
   std::string decode(const std::vector<int64_t>& ids) const {
@@ -132,9 +137,10 @@ int64_t next_token(at::Tensor logits, const Options& o, at::Generator& gen) {
   return at::multinomial(logits.softmax(0), 1, false, gen).item<int64_t>();
 }
 
-/// A one-sequence token shard in its own temporary folder, removed with it: what a run of data
-/// 'tokens' whose shards are gone is built from (its model needs the vocabulary and the context,
-/// not the examples).
+/// A token shard of the same sequence many times, in its own temporary folder, removed with it:
+/// what a run of data 'tokens' whose shards are gone is built from (its model needs the vocabulary
+/// and the context, not the examples; its plan, an epoch that holds a step: up to 4096 sequences,
+/// 16M tokens at most).
 class StandInShard {
  public:
   StandInShard(int64_t vocab, int64_t seq_len) : vocab_(vocab) {
@@ -167,16 +173,21 @@ class StandInShard {
  private:
   void write(int64_t seq_len) const {
     const int32_t version = vocab_ > 65536 ? 2 : 1;
+    const int64_t width = version == 1 ? 2 : 4, copies = std::clamp<int64_t>((int64_t{16} << 20) / seq_len, 1, 4096);
+    std::string sequence;
+    for (int64_t i = 0; i < seq_len; ++i) {
+      const uint32_t id = static_cast<uint32_t>(i % vocab_);
+      sequence.append(reinterpret_cast<const char*>(&id), static_cast<size_t>(width));  // little-endian (the shards' order)
+    }
     std::vector<int32_t> header(256, 0);
     header[0] = 20240520;
     header[1] = version;
-    header[2] = static_cast<int32_t>(seq_len + 1);
+    header[2] = static_cast<int32_t>(seq_len * copies + 1);
     std::ofstream out(file(), std::ios::binary);
     out.write(reinterpret_cast<const char*>(header.data()), 1024);
-    for (int64_t i = 0; i <= seq_len; ++i) {
-      const uint32_t id = static_cast<uint32_t>(i % vocab_);
-      out.write(reinterpret_cast<const char*>(&id), version == 1 ? 2 : 4);  // little-endian (the shards' order)
-    }
+    for (int64_t c = 0; c < copies; ++c) out.write(sequence.data(), static_cast<std::streamsize>(sequence.size()));
+    const uint32_t last = 0;
+    out.write(reinterpret_cast<const char*>(&last), static_cast<std::streamsize>(width));  // the last target
     if (!out.flush()) throw std::runtime_error("cannot write " + file().string());
   }
 
@@ -247,12 +258,24 @@ std::vector<int64_t> prompt_ids(const Options& o, const Tokenizer& tok, int64_t 
   return ids;
 }
 
+/// The text of ids[given:] as it follows ids[:given]: the whole sequence decoded, less the prompt's
+/// text. (A SentencePiece piece that starts a word carries its space, which decoding drops at the
+/// start of a text: decoded alone, the first piece after the prompt would lose it.)
+std::string continuation(const Tokenizer& tok, const std::vector<int64_t>& ids, size_t given) {
+  const std::vector<int64_t> after(ids.begin() + static_cast<std::ptrdiff_t>(given), ids.end());
+  if (tok.bytes() || after.empty()) return tok.decode(after);
+  const std::string whole = tok.decode(ids), head = tok.decode(std::vector<int64_t>(ids.begin(), ids.begin() +
+                                                                                   static_cast<std::ptrdiff_t>(given)));
+  return whole.compare(0, head.size(), head) == 0 ? whole.substr(head.size()) : tok.decode(after);
+}
+
 int sample(const Options& o) {
   // A run's output folder (its recipe.toml and weights), or a recipe (the weights it starts from).
   const tk::RunOrRecipe source(o.run, o.weights);
   const fs::path& dir = source.dir;
   const tk::Recipe& recipe = source.recipe;
   const fs::path& weights = source.weights;
+  std::fputs(source.untrained_note("tk-sample").c_str(), stderr);
   spdlog::set_level(spdlog::level::warn);
   std::unique_ptr<tk::Trainer> built;
   std::unique_ptr<StandInShard> stand_in;
@@ -274,8 +297,12 @@ int sample(const Options& o) {
   const int64_t vocab = trainer.data().info.vocab;
   // Logits of given ids need no tokenizer; a sample is decoded with the run's.
   const Tokenizer tok(o.ids.empty() || o.logits.empty() ? find_tokenizer(o, recipe, vocab) : std::string());
-  if (tok.bytes() && vocab < 256 && o.logits.empty())
-    throw std::runtime_error("the model's vocabulary is " + std::to_string(vocab) + " tokens, fewer than the 256 bytes");
+  // A model of bytes may know fewer than 256 (the largest its text held, plus one): it writes none
+  // beyond them, and a prompt's byte beyond them is refused. One of more tokens is not of bytes.
+  if (tok.bytes() && vocab > 256 && o.logits.empty())
+    throw std::runtime_error("the model's vocabulary is " + std::to_string(vocab) + " tokens, more than the 256 " +
+                             (o.tokenizer == "bytes" ? "bytes --tokenizer bytes gives" : "bytes the run's data reads") +
+                             ": give --tokenizer, the tokenizer of its data");
   const auto& shape = trainer.data().info.input_shape;
   const int64_t context = shape.empty() ? 1024 : shape.front();
   std::vector<int64_t> ids = prompt_ids(o, tok, vocab);
@@ -296,8 +323,7 @@ int sample(const Options& o) {
                                  torch::kLong).unsqueeze(0).to(device);
     ids.push_back(next_token(model.forward(x).select(0, 0).select(0, -1), o, gen));
   }
-  const std::string text = tok.decode(std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(given), ids.end()));
-  std::printf("%s%s\n", o.prompt.c_str(), text.c_str());
+  std::printf("%s%s\n", o.prompt.c_str(), continuation(tok, ids, given).c_str());
   return 0;
 }
 

@@ -508,12 +508,28 @@ struct Tokens {
   }
 };
 
+std::string fmt_fraction(double f) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", f);
+  return text;
+}
+
+/// The documents --validation holds out of `n`: refused where that is none (the default 0.1 of
+/// fewer than 10 documents).
+size_t held_out(const Options& o, size_t n) {
+  const auto held = static_cast<size_t>(std::floor(o.validation * static_cast<double>(n)));
+  if (o.validation > 0.0 && held == 0)
+    throw Failure("--validation " + fmt_fraction(o.validation) + " holds out no document of " + std::to_string(n) +
+                  (n == 1 ? " (the inputs are one document: --separator splits them into documents)" : "") +
+                  ": give a larger fraction, or --validation 0 for no validation shards");
+  return held;
+}
+
 /// The shards of the documents, a fraction held out for validation, and a summary.
 void write_shards(const Options& o, OutputFolder& out, const Documents& input, const Tokens& tokens) {
   const auto& docs = input.docs;
   const int width = tokens.vocab <= 65536 ? 2 : 4;
-  const size_t n_val = static_cast<size_t>(std::floor(o.validation * static_cast<double>(docs.size())));
-  if (o.validation > 0.0 && n_val == 0) throw Failure("--validation holds out no document of " + std::to_string(docs.size()));
+  const size_t n_val = held_out(o, docs.size());
   ShardWriter train(out, o.prefix + "train", o.shard_tokens, width), val(out, o.prefix + "val", o.shard_tokens, width);
   for (size_t i = 0; i < docs.size(); ++i) {
     // Held out evenly through the documents (every 1/fraction-th), not from the end, which for
@@ -545,12 +561,13 @@ int run(Options& o) {
   if (!(o.validation >= 0.0 && o.validation < 1.0)) throw Failure("--validation must be in [0, 1)");
   if (o.shard_tokens < 1 || o.shard_tokens > INT32_MAX) throw Failure("--shard-tokens must be in [1, 2^31)");
   if (const auto why = OutputFolder::prefix_error(o.prefix); !why.empty()) throw Failure("--prefix '" + o.prefix + "' " + why);
+  const Documents input = documents(o);
+  held_out(o, input.docs.size());  // refused before the folder is made
   OutputFolder out(o.out);
   std::optional<ByteLevelBpe> bpe;
   if (!o.model.empty() && ByteLevelBpe::names_one(o.model)) bpe.emplace(o.model);
   const ModelFiles files = bpe ? bpe->files() : o.model.empty() ? ModelFiles{} : ModelFiles{{"tokenizer.model", o.model}};
   const std::set<std::string> kept = check_inputs(out, o, files);
-  const Documents input = documents(o);
   std::optional<Encoder> encoder;
   Tokens tokens;
   if (bpe) {

@@ -76,6 +76,7 @@ OutputFolder::OutputFolder(fs::path dir) : dir_(std::move(dir)) {
   if (!fs::exists(st)) {
     fs::create_directories(dir_, ec);
     if (ec) throw Failure("--out " + dir_.string() + ": cannot create it: " + ec.message());
+    made_ = true;
   }
   const Manifest m = read_manifest(dir_);
   listed_ = m.files;
@@ -92,6 +93,32 @@ OutputFolder::OutputFolder(fs::path dir) : dir_(std::move(dir)) {
     throw Failure("--out " + dir_.string() + " holds files tk-tokenize did not write (" + quoted_list(foreign) +
                   "): it never writes over them nor deletes them; give --out a new or empty folder, or one that "
                   "an earlier tk-tokenize wrote (its " + kManifest + " lists its files)");
+}
+
+OutputFolder::~OutputFolder() {
+  if (committed_) return;
+  std::error_code ec;
+  bool dropped = false;
+  for (auto it = listed_.begin(); it != listed_.end();) {
+    const std::string& name = *it;
+    const bool staged_here = name.size() > 5 && name.front() == '.' && name.compare(name.size() - 4, 4, ".tmp") == 0;
+    if (!staged_here) {
+      ++it;
+      continue;
+    }
+    fs::remove(dir_ / name, ec);
+    it = listed_.erase(it);
+    dropped = true;
+  }
+  try {
+    if (made_ && listed_.empty()) {
+      fs::remove(dir_ / kManifest, ec);
+      fs::remove(dir_, ec);  // only if empty
+    } else if (dropped) {
+      save(complete_);
+    }
+  } catch (...) {  // a destructor: what it could not tidy stays listed, to be tidied by the next run
+  }
 }
 
 bool OutputFolder::holds(const fs::path& file) const {
@@ -125,6 +152,7 @@ void OutputFolder::commit() {
   listed_ = now;
   complete_ = true;
   save(complete_);
+  committed_ = true;
 }
 
 void OutputFolder::save(bool complete) const {

@@ -27,6 +27,11 @@ class OutputFolder {
   /// Creates `dir` or takes it over from an earlier tokenization; throws Failure naming the files
   /// that are not tk-tokenize's.
   explicit OutputFolder(std::filesystem::path dir);
+  /// Without commit(): deletes what this tokenization staged (the earlier one stays whole), and
+  /// the folder itself where this one made it and nothing else is in it.
+  ~OutputFolder();
+  OutputFolder(const OutputFolder&) = delete;
+  OutputFolder& operator=(const OutputFolder&) = delete;
 
   const std::filesystem::path& dir() const noexcept { return dir_; }
   /// Whether `file` (any path) is a file of this folder's earlier tokenization.
@@ -53,6 +58,8 @@ class OutputFolder {
   std::set<std::string> listed_;    // what tokenize.json lists: earlier files and temporary ones
   std::vector<std::string> files_;  // this tokenization's files, in the order written
   bool complete_ = true;             // the files in place are one whole tokenization
+  bool made_ = false;                // this run created the folder
+  bool committed_ = false;
 };
 
 /// Reads tokenize.json in `dir`: whether it is there, and then the files it lists and whether the

@@ -84,6 +84,7 @@ struct StepVotes {
     bool veto = false, advance_schedule = false;
   };
   std::vector<std::pair<std::string, double>> metrics;
+  std::vector<std::pair<std::string, std::string>> writers;  // each metric's plugin, this step
   std::vector<Deferred> deferred;
   std::vector<std::string> flagged;  // plugins whose veto flag of this step was set
   std::string veto_reason, vetoed_by;
@@ -92,6 +93,14 @@ struct StepVotes {
   void clear();
   /// Adds or replaces a metric.
   void set_metric(const std::string& name, double value);
+  /// Notes that `plugin` writes metric `name` this step; refuses a name another plugin wrote (a
+  /// record holds one value a key: one of them would be lost).
+  void claim_metric(const std::string& name, const std::string& plugin);
+  /// Forgets the step's metrics (validation's record holds its own).
+  void clear_metrics() {
+    metrics.clear();
+    writers.clear();
+  }
   /// A host veto; the first one wins.
   void veto(const std::string& reason, const std::string& plugin, bool advance_schedule);
 };

@@ -37,8 +37,19 @@ void Dispatch::require_hook(const char* call, const char* h) const {
               (hook ? hook : "no hook (outside any call of the core)") + "; it belongs to " + h);
 }
 
+void StepVotes::claim_metric(const std::string& name, const std::string& plugin) {
+  for (const auto& [k, by] : writers)
+    if (k == name) {
+      if (by != plugin)
+        throw Error("plugins '" + by + "' and '" + plugin + "' both report metric '" + name + "'; a record holds one "
+                    "value a key, and one would be lost: name each after its plugin (\"" + plugin + "_" + name + "\")");
+      return;
+    }
+  writers.emplace_back(name, plugin);
+}
+
 void StepVotes::clear() {
-  metrics.clear();
+  clear_metrics();
   deferred.clear();
   flagged.clear();
   veto_reason.clear();
@@ -185,12 +196,14 @@ void check_one_element(const detail::Dispatch& d, const char* call, const at::Te
 
 void Context::metric(const std::string& name, double value) {
   check_metric_name(s_->d, name);
+  s_->step.claim_metric(name, s_->d.plugin);
   s_->step.set_metric(name, value);
 }
 
 void Context::metric(const std::string& name, const at::Tensor& value) {
   check_metric_name(s_->d, name);
   check_one_element(s_->d, "ctx.metric(name, tensor)", value);
+  s_->step.claim_metric(name, s_->d.plugin);
   s_->step.deferred.push_back({name, value.detach(), s_->d.plugin, false, false});
 }
 

@@ -12,12 +12,11 @@
 namespace tk {
 namespace {
 
+/// Where `r` is; a --set named whole (a line and column in it would read as part of its value).
 SourceLoc loc_of(const toml::source_region& r, const std::string& fallback_file) {
-  SourceLoc l;
-  l.file = r.path ? *r.path : fallback_file;
-  l.line = static_cast<int>(r.begin.line);
-  l.column = static_cast<int>(r.begin.column);
-  return l;
+  const std::string file = r.path ? *r.path : fallback_file;
+  if (file.rfind("--set ", 0) == 0) return SourceLoc{file, 0, 0};
+  return SourceLoc{file, static_cast<int>(r.begin.line), static_cast<int>(r.begin.column)};
 }
 
 const char* type_name(const toml::node& n) {
@@ -341,7 +340,8 @@ void Recipe::apply_override(const std::string& assignment) {
 void Recipe::check_sections(const std::vector<std::string>& known) const {
   for (const auto& [k, node] : impl_->root) {
     std::string key(k.str());
-    SourceLoc where = loc_of(k.source(), impl_->source);
+    const auto set = impl_->overrides.find(key);  // `--set model=3` put it there
+    const SourceLoc where = set != impl_->overrides.end() ? set->second : loc_of(k.source(), impl_->source);
     if (std::find(known.begin(), known.end(), key) == known.end())
       throw RecipeError(where, "unknown section [" + key + "]; known sections: " + list(known));
     if (key == "plugins") {

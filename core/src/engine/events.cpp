@@ -2,6 +2,32 @@
 #include "engine/engine.h"
 
 namespace tk::detail {
+namespace {
+
+/// Where in the run event `e` came, in the records' terms (steps counted from 1): "in step 3,
+/// micro-batch 2 of 4"; "in step 3" at its boundary and end (the step the records number 3);
+/// "after step 2" (or "before the first step") for the events between steps.
+std::string position(Event e, const LoopState& s) {
+  const Counters& c = s.counters;
+  const std::string next = std::to_string(c.step + 1);
+  switch (e) {
+    case Event::MicroBatch:
+    case Event::Loss:
+    case Event::Backward:
+      return "in step " + next + ", micro-batch " + std::to_string(s.window.index + 1) + " of " +
+             std::to_string(s.window.size);
+    case Event::Boundary: return "in step " + next;
+    case Event::StepEnd: return "in step " + std::to_string(c.step);
+    default: return c.step == 0 ? "before the first step" : "after step " + std::to_string(c.step);
+  }
+}
+
+/// "plugin 'x' (its file) failed in event e <position>: <what>".
+std::string failed_in(const Slot& s, Event e, const LoopState& state, const std::string& what) {
+  return s.label() + " failed in event " + to_string(e) + " " + position(e, state) + ": " + what;
+}
+
+}  // namespace
 
 Events::Events(Run& run, LoopState& state, std::vector<TraceEntry>& trace)
     : r_(run), s_(state), trace_(trace) {
@@ -28,9 +54,7 @@ void Events::emit(Event e) {
     s_.d.enter(s.name, hook_name(e), e);
     auto failure = [&](const std::string& what) {
       s_.d.leave();
-      return PluginRuntimeError("plugin '" + s.name + "' failed in event " + to_string(e) + " at step " +
-                                std::to_string(s_.counters.step) + " (micro-batch " +
-                                std::to_string(s_.counters.micro_step) + "): " + what);
+      return PluginRuntimeError(failed_in(s, e, s_, what));
     };
     try {
       dispatch(*s.plugin, e, s_);
@@ -55,12 +79,10 @@ void Events::fit_end() {
       dispatch(*s->plugin, Event::FitEnd, s_);
     } catch (const std::exception& err) {
       if (!first)
-        first = std::make_exception_ptr(PluginRuntimeError("plugin '" + s->name + "' failed in event fit_end at step " +
-                                                           std::to_string(s_.counters.step) + ": " + message_of(err)));
+        first = std::make_exception_ptr(PluginRuntimeError(failed_in(*s, Event::FitEnd, s_, message_of(err))));
     } catch (...) {
       if (!first)
-        first = std::make_exception_ptr(PluginRuntimeError("plugin '" + s->name +
-                                                           "' failed in event fit_end: an unknown exception"));
+        first = std::make_exception_ptr(PluginRuntimeError(failed_in(*s, Event::FitEnd, s_, "an unknown exception")));
     }
     if (r_.tracing) trace_.push_back({s->name, Event::FitEnd, s_.counters.step, s_.counters.micro_step});
   }

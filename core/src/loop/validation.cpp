@@ -33,7 +33,7 @@ std::pair<double, double> Validator::validate() {
 }
 
 void Validator::record(StepRecord& line, Progress& progress, std::vector<double>& losses) {
-  s_.step.metrics.clear();  // the step's own are in its record already
+  s_.step.clear_metrics();  // the step's own are in its record already
   auto [vloss, acc] = validate();
   losses.push_back(vloss);
   line.add(metric::kValidationLoss, vloss);

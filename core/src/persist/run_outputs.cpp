@@ -209,8 +209,9 @@ fs::path RunOutputs::checkpoint(Run& run, const Counters& counters, const WorldS
     pos.next_batch = 0;
   }
   std::vector<std::pair<std::string, StateDict>> states;
+  const std::string hook = "state, for the checkpoint of step " + std::to_string(counters.step);
   for (const auto& slot : run.slots)
-    if (slot.plugin) states.emplace_back(slot.name, slot.plugin->state());
+    if (slot.plugin) run.call_plugin(slot, hook.c_str(), [&] { states.emplace_back(slot.name, slot.plugin->state()); });
   // A failure here with an optimizer sharded over the ranks is the checkpoint's: the other ranks
   // are writing their shares of it, and learn of it there rather than wait.
   std::string failed;

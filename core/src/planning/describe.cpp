@@ -17,7 +17,7 @@ std::string rising_note(const Run& d) {
   if (n < 2 || !d.schedule) return "";
   const double last = d.schedule->lr(n - 1, n), before = d.schedule->lr(n - 2, n);
   if (!(last > before && last < d.base_lr)) return "";
-  return "; its rate still rises at the last step, to " + to_toml(last) + " of the optimizer's " + to_toml(d.base_lr) +
+  return "; its rate still rises at the last step, to " + fmt_loss(last) + " of the optimizer's " + to_toml(d.base_lr) +
          " (a warmup longer than the run's " + std::to_string(n) + " steps?)";
 }
 
@@ -47,7 +47,8 @@ std::string describe(Run& d, const Recipe& recipe) {
       << "loss          " << d.loss_name << " (reduction " << to_string(p.reduction) << ")\n"
       << "optimizer     " << d.opt_name << " (lr " << to_toml(d.base_lr) << ")\n"
       << "schedule      " << d.sched_name << ", advanced once per optimizer step" << rising_note(d) << "\n"
-      << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch << " micro-batches per epoch"
+      << "micro-batch   " << p.micro_batch << " examples per rank, " << d.batches_per_epoch
+      << (d.batches_per_epoch == 1 ? " micro-batch per epoch" : " micro-batches per epoch")
       << (p.world_size > 1 ? " (each rank reads " + std::to_string(d.shard_size()) + " examples per epoch)" : "")
       << "\n";
   if (p.micro_batch_auto) {
@@ -62,7 +63,8 @@ std::string describe(Run& d, const Recipe& recipe) {
       out << "              (measured by this rank alone, without the other ranks' collectives: the run itself "
              "measures with every rank and may pick less)\n";
   }
-  out << "accumulation  " << p.accumulation << " micro-batches per step (last window: " << to_string(p.last_window)
+  out << "accumulation  " << p.accumulation << (p.accumulation == 1 ? " micro-batch" : " micro-batches")
+      << " per step (last window: " << to_string(p.last_window)
       << (p.window_owner.empty() ? "" : ", set by plugin " + p.window_owner + " (deprecated: [batch])") << ")"
       << (p.accumulation > d.batches_per_epoch ? "; a window spans epochs (" + std::to_string(d.batches_per_epoch) +
                                                      " micro-batches per epoch)"

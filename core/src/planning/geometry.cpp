@@ -6,6 +6,8 @@
 // micro-batch the memory planner picked, a back-off after running out of memory.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "assemble/assemble.h"
 #include "planning/planning.h"
 
@@ -226,6 +228,13 @@ void shape_windows(Run& r) {
     refuse_window(r, "micro_batch", "is larger than the " + std::string(r.plan.world_size > 1 ? "rank's share of the " : "") +
                                         "data set (" + std::to_string(n) + " examples) and drop_last is on: an epoch "
                                         "has no micro-batch");
+  if (m > n && !r.plan.micro_batch_auto && !r.data_opts.get_bool("drop_last")) {  // one micro-batch of them all
+    const std::string said = "micro_batch " + std::to_string(m) + " is more than the " +
+                             (r.plan.world_size > 1 ? "rank's share of the " : "") + "data set's " + std::to_string(n) +
+                             " examples: each micro-batch is all of them, " + std::to_string(n) + " examples, not the " +
+                             std::to_string(m) + " the plan counts";
+    if (std::find(r.warnings.begin(), r.warnings.end(), said) == r.warnings.end()) r.warn(said);
+  }
   int64_t micro_batches = 0;
   if (!r.bound.by_steps() && (__builtin_mul_overflow(r.bound.count, r.batches_per_epoch, &micro_batches) ||
                               micro_batches > kMaxCount))

@@ -20,15 +20,14 @@ void Run::call_plugin(const Slot& slot, const char* hook, const std::function<vo
     ~Entered() { d.leave(); }
   } entered{dispatch};
   dispatch.enter(slot.name, hook);
-  const std::string from = slot.file.empty() || slot.file.front() == '(' ? slot.file : "(" + slot.file + ")";
   try {
     fn();
   } catch (const RecipeError&) {
     throw;
   } catch (const std::exception& err) {
-    throw Error("plugin '" + slot.name + "' " + from + " failed in " + hook + ": " + message_of(err));
+    throw Error(slot.label() + " failed in " + hook + ": " + message_of(err));
   } catch (...) {
-    throw Error("plugin '" + slot.name + "' " + from + " failed in " + hook + ": an unknown exception");
+    throw Error(slot.label() + " failed in " + hook + ": an unknown exception");
   }
 }
 

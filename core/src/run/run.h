@@ -29,6 +29,10 @@ constexpr int64_t kMaxCount = int64_t{1} << 40;
 struct Slot {
   std::shared_ptr<Plugin> plugin;
   std::string name, version, file;
+  /// "plugin 'name' (its file)", as errors name it.
+  std::string label() const {
+    return "plugin '" + name + "'" + (file.empty() ? "" : file.front() == '(' ? " " + file : " (" + file + ")");
+  }
 };
 
 /// Everything a run is made of. assemble() fills the components from a recipe; plan_run() settles

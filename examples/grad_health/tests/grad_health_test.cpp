@@ -225,7 +225,7 @@ TEST_CASE("max_consecutive = 2 stops a run at its second non-finite step in a ro
   opts.libraries = {{TK_PLUGIN_FILE, "max_consecutive = 2"}};
   opts.plugins = {{std::make_shared<Inject>(std::set<int64_t>{2, 3}, NAN), "inject"}};
   CHECK_THROWS_WITH_AS(tk::testing::run(tk::testing::kTinyRecipe, opts),
-                       doctest::Contains("plugin 'grad_health' failed in event boundary at step 3"),
+                       doctest::Contains("tk_grad_health.so) failed in event boundary in step 4: "),
                        tk::PluginRuntimeError);
 
   opts.plugins = {{std::make_shared<Inject>(std::set<int64_t>{1, 3}, NAN), "inject"}};  // not in a row
