@@ -32,25 +32,35 @@ struct RunOrRecipe {
     namespace fs = std::filesystem;
     std::error_code ec;
     if (!weights_given.empty() && weights.filename() == "latest" && fs::is_regular_file(weights, ec))
-      weights = weights.parent_path();  // load_model_weights takes a checkpoints folder's latest
-    if (weights_given.empty() && !from_recipe && !fs::exists(weights, ec) && fs::is_directory(dir / "checkpoints", ec))
-      throw std::runtime_error(dir.string() + " has no weights.safetensors yet (a run writes it as it completes); its "
-                               "checkpoints have weights: --weights " + (dir / "checkpoints").string() + " takes the latest");
+      weights = weights.has_parent_path() ? weights.parent_path() : fs::path(".");  // a checkpoints folder's latest
+    if (weights_given.empty() && !from_recipe && !fs::exists(weights, ec) && fs::exists(dir / "recipe.toml", ec))
+      throw std::runtime_error(
+          dir.string() + " has no weights.safetensors (a run writes it as it completes)" +
+          (fs::is_regular_file(dir / "checkpoints" / "latest", ec)
+               ? "; its checkpoints have weights: --weights " + (dir / "checkpoints").string() + " takes the latest"
+               : ", nor a checkpoint"));
   }
-  /// What the model's weights are, where they are not a file: its recipe's pretrained checkpoint or
-  /// init, or "" where it names neither (the model as initialized, untrained).
+  /// Where the model's weights come from, where they are not a file given: a file its recipe's
+  /// [model] names (pretrained, init, a TorchScript module, ...), or "" where it names none (the
+  /// model as initialized, untrained).
   std::string starts_from() const {
     const auto table = toml::parse_file(recipe.source());
-    for (const char* key : {"pretrained", "init"})
-      if (const std::string file(table["model"][key].value_or("")); !file.empty())
-        return std::string("[model] ") + key + " = \"" + file + "\"";
+    if (const toml::table* model = table["model"].as_table())
+      for (const auto& [key, value] : *model)
+        if (const auto file = value.value<std::string>(); file && !file->empty()) {
+          std::error_code ec;
+          if (std::filesystem::is_regular_file(recipe.resolve_path(*file), ec) ||
+              std::filesystem::is_directory(recipe.resolve_path(*file), ec))
+            return "[model] " + std::string(key.str()) + " = \"" + *file + "\"";
+        }
     return "";
   }
   /// A line for standard error where the model is untrained (a recipe that names no weights), or "".
   std::string untrained_note(const char* tool) const {
     if (!weights.empty() || !starts_from().empty()) return "";
-    return std::string(tool) + ": note: " + recipe.source() + " names no weights ([model] pretrained or init; or "
-           "--weights): its model is as initialized, untrained. A run's output folder holds its trained weights.\n";
+    return std::string(tool) + ": note: " + recipe.source() + " names no weights (no file in [model]: pretrained, "
+           "init, ...; nor --weights): its model is as initialized, untrained. A run's output folder holds its "
+           "trained weights.\n";
   }
   bool from_recipe;
   std::filesystem::path dir;

@@ -150,21 +150,22 @@ assert "no line of the inputs is shorter than 4192 bytes" in p.stderr, p.stderr
 # A vocabulary the text cannot fill, or one smaller than its characters: told with SentencePiece's
 # numbers in tk-tokenize's words, its trainer's command line and options left out.
 (work / "small.txt").write_text("ab ab\nab ab ab\n")
-p = run(work / "small.txt", "--vocab", 50, "--validation", 0, "--out", work / "small", ok=False)
+p = run(work / "small.txt", "--vocab", 50, "--validation", 0, "--out", work / "deep/small", ok=False)
 assert "--vocab 50 is more pieces than the inputs hold: at most 9 for this text" in p.stderr, p.stderr
 assert "Running command" not in p.stderr and "sentencepiece" not in p.stderr.lower(), p.stderr
 (work / "chars.txt").write_text("".join(chr(0x4e00 + i) + " ab\n" for i in range(40)))
 p = run(work / "chars.txt", "--vocab", 20, "--validation", 0, "--out", work / "chars", ok=False)
 assert "--vocab 20 is fewer pieces than the inputs need: at least" in p.stderr, p.stderr
 assert "character_coverage" not in p.stderr, p.stderr
-# A tokenization that fails in a folder it made leaves no folder (nor a temporary file in one).
-assert not (work / "small").exists() and not (work / "chars").exists()
+# A tokenization that fails in a folder it made leaves no folder (nor a temporary file in one), nor
+# the folders it made to hold it.
+assert not (work / "deep").exists() and not (work / "chars").exists()
 # One document, the default tenth held out: refused before any folder is made or model trained,
 # saying what would do.
-p = run(work / "small.txt", "--vocab", 9, "--out", work / "one", ok=False)
-assert "--validation 0.1 holds out no document of 1 (the inputs are one document: --separator splits them" in p.stderr, \
-    p.stderr
-assert "--validation 0 for no validation shards" in p.stderr and not (work / "one").exists(), p.stderr
+p = run(work / "small.txt", "--vocab", 9, "--out", work / "new/one", ok=False)
+assert "--validation 0.1 holds out no document of 1 (the inputs are one document): split them into documents with " \
+    "--separator, or give --validation 0" in p.stderr, p.stderr
+assert "--validation 0 for no validation shards" in p.stderr and not (work / "new").exists(), p.stderr
 
 # A document longer than 64 KiB is encoded in pieces of about 64 KiB cut at whitespace, not at once
 # (SentencePiece takes about 100 bytes of memory for each byte it encodes): a line of 1 MB fits in
@@ -307,6 +308,11 @@ for _ in range(4):
     ids.append(max(range(500), key=row.__getitem__))
 want = "You will" + sp.decode(ids)[len(sp.decode(sp.encode("You will"))):] + "\n"
 assert sample("--prompt", "You will", "--tokens", 4, "--temperature", 0).stdout == want, want
+# Decoded alone, a first piece that starts a word would lose its space: no sample could then read
+# "You will " and a word. Among ten seeds' first pieces (most of this model's pieces start a word)
+# some do.
+firsts = [sample("--prompt", "You will", "--tokens", 1, "--seed", s, "--top-k", 50).stdout for s in range(10)]
+assert any(f.startswith("You will ") and len(f.strip()) > len("You will") for f in firsts), firsts
 p = sample("--tokenizer", work / "absent.model", ok=False)
 assert "absent.model" in p.stderr, p.stderr
 # With the shards moved away (their tokenizer.model with them), the model is built from what the

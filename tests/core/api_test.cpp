@@ -67,7 +67,8 @@ class Gives final : public tk::Plugin {
  public:
   void bind(tk::OptionBinder& o) override {
     o.add("what", what_, "what to give",
-          {"core_key", "empty_tensor", "two_elements", "fit_end_throws", "fit_end", "norm", "norm_tensor", "state_throws"});
+          {"core_key", "empty_tensor", "two_elements", "fit_end_throws", "fit_end", "norm", "norm_tensor", "state_throws",
+           "validation_norm"});
   }
   void on_boundary(tk::BoundaryContext& ctx) override {
     if (what_ == "core_key") ctx.metric("loss", 1.0);
@@ -75,6 +76,9 @@ class Gives final : public tk::Plugin {
     if (what_ == "norm_tensor") ctx.metric("norm", torch::ones({}));
     if (what_ == "empty_tensor") ctx.metric("x", torch::zeros({0}));
     if (what_ == "two_elements") ctx.veto_step_if(torch::zeros({2}), "no");
+  }
+  void on_validation_end(tk::ValidationEndContext& ctx) override {
+    if (what_ == "validation_norm") ctx.metric("norm", 2.0);
   }
   void on_fit_end(tk::FitEndContext&) override {
     ++fit_ends;
@@ -352,6 +356,12 @@ TEST_SUITE("plugin API") {
       CHECK(fit_error(t).find("plugin 'b' (in-process) failed in event boundary in step 1: plugins 'a' and 'b' both "
                               "report metric 'norm'; a record holds one value a key") == 0);
     }
+    // Validation's metrics go into the record of the step validated: not under a key it holds.
+    tk::Trainer v(tkt::recipe({"data.validation_samples=16"}), tkt::quiet());
+    v.add_plugin(std::make_shared<Gives>(), "a", "what = \"norm\"");
+    v.add_plugin(std::make_shared<Gives>(), "b", "what = \"validation_norm\"");
+    CHECK(fit_error(v).find("plugin 'b' reports metric 'norm' at validation, which the record of step 6 holds already "
+                            "(plugin 'a' reported it in the step)") == 0);
     // One plugin reporting it again in a step replaces its value.
     tk::Trainer t(tkt::recipe(), tkt::quiet());
     t.add_plugin(std::make_shared<Gives>(), "a", "what = \"norm\"");

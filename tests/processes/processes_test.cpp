@@ -1314,7 +1314,8 @@ TEST_SUITE("recompute") {
     auto failed = tk_run(root / "failed", automatic + "[[plugins]]\nname = \"probe\"\nthrow_at_step = 0\n", sets + budget(1e9));
     CHECK(failed.rc != 0);
     INFO(failed.out);
-    CHECK(failed.out.find("tk_probe.so) failed in event backward in step 1, micro-batch 1 of ") != std::string::npos);
+    CHECK(failed.out.find("tk_probe.so) failed in event backward in a trial step before training, micro-batch 1 of ") !=
+          std::string::npos);
     // No rank crashed. (Both ranks refuse: the one that recorded it first may be stopped by the
     // launcher, SIGTERM, on its way out once the other has exited; that is no crash.)
     for (const char* crash : {"signal 11 (", "signal 6 (", "signal 7 (", "signal 4 (", "signal 8 ("})

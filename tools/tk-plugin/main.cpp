@@ -88,11 +88,11 @@ int check_in_world(const std::string& file, const std::string& options, const st
   return tk::launch_workers(worker, launch);
 }
 
-int check(const std::string& file, const std::string& options, const std::string& neutral) {
-  // A file that is no plugin library of this trainkit gets one line that says why, not a contract.
+/// Refuses, in one line, a file that is no plugin library of this trainkit and options the plugin
+/// refuses: the command line's mistakes, not checks failed (before any world is started).
+void check_command_line(const std::string& file, const std::string& options, const std::string& neutral) {
   const tk::PluginLoader loader({});
   loader.load_plugin(file);
-  // Options the plugin refuses are the command line's mistake, said once, not a check failed.
   for (const auto& [flag, toml] : {std::pair{"--options", options}, std::pair{"--neutral", neutral}}) {
     if (toml.empty() || toml == "none") continue;
     try {
@@ -101,6 +101,9 @@ int check(const std::string& file, const std::string& options, const std::string
       throw tk::Error(std::string(flag) + " '" + toml + "': " + e.what());
     }
   }
+}
+
+int check(const std::string& file, const std::string& options, const std::string& neutral) {
   tk::testing::ContractOptions c;
   c.options = options;
   c.neutral = neutral == "none" ? "" : neutral;
@@ -154,6 +157,7 @@ int main(int argc, char** argv) {
     if (*cmd_new) return tk::scaffold(name, dir.empty() ? name : dir);
     if (*cmd_check) {
       if (!verbose) spdlog::set_level(spdlog::level::warn);
+      check_command_line(file, options, neutral);
       return nproc > 1 ? check_in_world(file, options, neutral, nproc, verbose) : check(file, options, neutral);
     }
     return info(file);

@@ -223,10 +223,6 @@ void write_report(const tk::Trainer& trainer) {
   }
 }
 
-/// OpenMP worker threads that spin after each parallel region fight OpenBLAS's own threads for the
-/// cores: measured on 2 cores, a GPT step took 10x longer under LibTorch 2.6 and a CNN step 1.4x
-/// under 1.13 (docs/benchmarks.md). libgomp reads OMP_WAIT_POLICY when it is loaded, before main,
-/// so tk-run sets it to PASSIVE and runs itself again, once; a value the user set is kept.
 /// The stop signals, as a set.
 sigset_t stop_signals() {
   sigset_t s;
@@ -235,6 +231,10 @@ sigset_t stop_signals() {
   return s;
 }
 
+/// OpenMP worker threads that spin after each parallel region fight OpenBLAS's own threads for the
+/// cores: measured on 2 cores, a GPT step took 10x longer under LibTorch 2.6 and a CNN step 1.4x
+/// under 1.13 (docs/benchmarks.md). libgomp reads OMP_WAIT_POLICY when it is loaded, before main,
+/// so tk-run sets it to PASSIVE and runs itself again, once; a value the user set is kept.
 void prefer_passive_openmp(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
   setenv("OMP_WAIT_POLICY", "PASSIVE", 1);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -117,10 +118,17 @@ std::string find_tokenizer(const Options& o, const tk::Recipe& recipe, int64_t v
   // A BPE's vocab.json and merges.txt: their folder is the model.
   const auto files = tk::tokenizer_files(recipe);
   if (!files.empty()) return (files.size() == 1 ? files.front() : files.front().parent_path()).string();
-  if (vocab > 256)
+  // Bytes: a vocabulary of 256, or shards tk-tokenize wrote with no model beside them (--bytes);
+  // shards of fewer tokens from elsewhere, or moved away, may be of a small model's ids.
+  const auto shards = tk::files_named(recipe, data.train);
+  std::error_code ec;
+  const bool of_bytes = vocab == 256 || (vocab < 256 && !shards.empty() &&
+                                         fs::is_regular_file(fs::path(shards.front()).parent_path() / "tokenize.json", ec));
+  if (!of_bytes)
     throw std::runtime_error("no tokenizer beside the run's shards" +
                              std::string(data.pretrained.empty() ? "" : " or in its pretrained checkpoint's folder") +
-                             " (tokenizer.model, tokenizer.json, or vocab.json and merges.txt): give --tokenizer");
+                             " (tokenizer.model, tokenizer.json, or vocab.json and merges.txt): give --tokenizer" +
+                             (vocab < 256 ? " (--tokenizer bytes for shards of bytes)" : ""));
   return "";
 }
 
@@ -139,8 +147,7 @@ int64_t next_token(at::Tensor logits, const Options& o, at::Generator& gen) {
 
 /// A token shard of the same sequence many times, in its own temporary folder, removed with it:
 /// what a run of data 'tokens' whose shards are gone is built from (its model needs the vocabulary
-/// and the context, not the examples; its plan, an epoch that holds a step: up to 4096 sequences,
-/// 16M tokens at most).
+/// and the context, not the examples; its plan, an epoch that holds a step: 16M tokens of them).
 class StandInShard {
  public:
   StandInShard(int64_t vocab, int64_t seq_len) : vocab_(vocab) {
@@ -173,7 +180,7 @@ class StandInShard {
  private:
   void write(int64_t seq_len) const {
     const int32_t version = vocab_ > 65536 ? 2 : 1;
-    const int64_t width = version == 1 ? 2 : 4, copies = std::clamp<int64_t>((int64_t{16} << 20) / seq_len, 1, 4096);
+    const int64_t width = version == 1 ? 2 : 4, copies = std::max<int64_t>((int64_t{16} << 20) / seq_len, 1);
     std::string sequence;
     for (int64_t i = 0; i < seq_len; ++i) {
       const uint32_t id = static_cast<uint32_t>(i % vocab_);
@@ -323,7 +330,11 @@ int sample(const Options& o) {
                                  torch::kLong).unsqueeze(0).to(device);
     ids.push_back(next_token(model.forward(x).select(0, 0).select(0, -1), o, gen));
   }
-  std::printf("%s%s\n", o.prompt.c_str(), continuation(tok, ids, given).c_str());
+  std::string text = continuation(tok, ids, given);
+  // A prompt's trailing space the tokenizer dropped comes back as the next piece's: said once.
+  if (!o.prompt.empty() && std::isspace(static_cast<unsigned char>(o.prompt.back())) && !text.empty() && text.front() == ' ')
+    text.erase(0, 1);
+  std::printf("%s%s\n", o.prompt.c_str(), text.c_str());
   return 0;
 }
 

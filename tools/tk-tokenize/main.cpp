@@ -520,8 +520,9 @@ size_t held_out(const Options& o, size_t n) {
   const auto held = static_cast<size_t>(std::floor(o.validation * static_cast<double>(n)));
   if (o.validation > 0.0 && held == 0)
     throw Failure("--validation " + fmt_fraction(o.validation) + " holds out no document of " + std::to_string(n) +
-                  (n == 1 ? " (the inputs are one document: --separator splits them into documents)" : "") +
-                  ": give a larger fraction, or --validation 0 for no validation shards");
+                  (n == 1 ? " (the inputs are one document): split them into documents with --separator, or give"
+                          : ": give a larger fraction, or") +
+                  " --validation 0 for no validation shards");
   return held;
 }
 

@@ -74,9 +74,10 @@ OutputFolder::OutputFolder(fs::path dir) : dir_(std::move(dir)) {
   const auto st = fs::status(dir_, ec);
   if (fs::exists(st) && !fs::is_directory(st)) throw Failure("--out " + dir_.string() + " is not a folder");
   if (!fs::exists(st)) {
+    made_ = dir_;
+    for (fs::path up = dir_.parent_path(); !up.empty() && !fs::exists(up, ec); up = up.parent_path()) made_ = up;
     fs::create_directories(dir_, ec);
     if (ec) throw Failure("--out " + dir_.string() + ": cannot create it: " + ec.message());
-    made_ = true;
   }
   const Manifest m = read_manifest(dir_);
   listed_ = m.files;
@@ -111,9 +112,10 @@ OutputFolder::~OutputFolder() {
     dropped = true;
   }
   try {
-    if (made_ && listed_.empty()) {
+    if (!made_.empty() && listed_.empty()) {
       fs::remove(dir_ / kManifest, ec);
-      fs::remove(dir_, ec);  // only if empty
+      fs::path d = dir_;
+      while (fs::remove(d, ec) && d != made_) d = d.parent_path();  // each only if empty, up to the one made
     } else if (dropped) {
       save(complete_);
     }

@@ -27,8 +27,9 @@ class OutputFolder {
   /// Creates `dir` or takes it over from an earlier tokenization; throws Failure naming the files
   /// that are not tk-tokenize's.
   explicit OutputFolder(std::filesystem::path dir);
-  /// Without commit(): deletes what this tokenization staged (the earlier one stays whole), and
-  /// the folder itself where this one made it and nothing else is in it.
+  /// Without commit(): deletes what this tokenization staged, and the folders this one made where
+  /// nothing else is in them. (A commit() that failed halfway leaves tokenize.json saying the
+  /// folder is incomplete.)
   ~OutputFolder();
   OutputFolder(const OutputFolder&) = delete;
   OutputFolder& operator=(const OutputFolder&) = delete;
@@ -58,7 +59,7 @@ class OutputFolder {
   std::set<std::string> listed_;    // what tokenize.json lists: earlier files and temporary ones
   std::vector<std::string> files_;  // this tokenization's files, in the order written
   bool complete_ = true;             // the files in place are one whole tokenization
-  bool made_ = false;                // this run created the folder
+  std::filesystem::path made_;       // the outermost folder this run created ("" for none)
   bool committed_ = false;
 };
 

@@ -6,18 +6,19 @@ namespace {
 
 /// Where in the run event `e` came, in the records' terms (steps counted from 1): "in step 3,
 /// micro-batch 2 of 4"; "in step 3" at its boundary and end (the step the records number 3);
-/// "after step 2" (or "before the first step") for the events between steps.
+/// "after step 2" (or "before the first step") for the events between steps. A trial step (the
+/// plan's measure of memory, the accumulation check) is no step of the records: said so.
 std::string position(Event e, const LoopState& s) {
   const Counters& c = s.counters;
-  const std::string next = std::to_string(c.step + 1);
+  const std::string next = s.trial ? std::string("a trial step before training") : "step " + std::to_string(c.step + 1);
   switch (e) {
     case Event::MicroBatch:
     case Event::Loss:
     case Event::Backward:
-      return "in step " + next + ", micro-batch " + std::to_string(s.window.index + 1) + " of " +
+      return "in " + next + ", micro-batch " + std::to_string(s.window.index + 1) + " of " +
              std::to_string(s.window.size);
-    case Event::Boundary: return "in step " + next;
-    case Event::StepEnd: return "in step " + std::to_string(c.step);
+    case Event::Boundary: return "in " + next;
+    case Event::StepEnd: return s.trial ? "in " + next : "in step " + std::to_string(c.step);
     default: return c.step == 0 ? "before the first step" : "after step " + std::to_string(c.step);
   }
 }

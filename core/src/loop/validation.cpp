@@ -33,7 +33,8 @@ std::pair<double, double> Validator::validate() {
 }
 
 void Validator::record(StepRecord& line, Progress& progress, std::vector<double>& losses) {
-  s_.step.clear_metrics();  // the step's own are in its record already
+  const auto in_record = s_.step.writers;  // the step's metrics, in its record already, and their plugins
+  s_.step.clear_metrics();
   auto [vloss, acc] = validate();
   losses.push_back(vloss);
   line.add(metric::kValidationLoss, vloss);
@@ -49,7 +50,18 @@ void Validator::record(StepRecord& line, Progress& progress, std::vector<double>
   } else if (!std::isnan(acc)) {
     note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
   }
-  for (const auto& [k, v] : s_.step.metrics) line.add_plugin_metric(k, v);
+  const auto reporter = [](const std::vector<std::pair<std::string, std::string>>& writers, const std::string& k) {
+    for (const auto& [name, plugin] : writers)
+      if (name == k) return plugin;
+    return std::string();
+  };
+  for (const auto& [k, v] : s_.step.metrics) {
+    if (const std::string by = reporter(in_record, k); !by.empty())  // a record holds one value a key
+      throw Error("plugin '" + reporter(s_.step.writers, k) + "' reports metric '" + k + "' at validation, which the " +
+                  "record of step " + std::to_string(s_.counters.step) + " holds already (plugin '" + by +
+                  "' reported it in the step); name them apart");
+    line.add_plugin_metric(k, v);
+  }
   progress.note(note);
   last_step_ = s_.counters.step;
 }

@@ -17,7 +17,8 @@ std::string rising_note(const Run& d) {
   if (n < 2 || !d.schedule) return "";
   const double last = d.schedule->lr(n - 1, n), before = d.schedule->lr(n - 2, n);
   if (!(last > before && last < d.base_lr)) return "";
-  return "; its rate still rises at the last step, to " + fmt_loss(last) + " of the optimizer's " + to_toml(d.base_lr) +
+  const std::string to = fmt_loss(last) != fmt_loss(d.base_lr) ? fmt_loss(last) : to_toml(last);  // never "to 0.003 of 0.003"
+  return "; its rate still rises at the last step, to " + to + " of the optimizer's " + to_toml(d.base_lr) +
          " (a warmup longer than the run's " + std::to_string(n) + " steps?)";
 }
 
