@@ -14,7 +14,7 @@ inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** arg
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);
-    std::fprintf(stderr, "%s: %s\nRun with --help for more information.\n", tool, e.what());
+    std::fprintf(stderr, "%s: error: %s\nRun with --help for more information.\n", tool, e.what());
     return 2;
   }
   return std::nullopt;

@@ -1,6 +1,7 @@
 #pragma once
 // What the tools that use a trained model share (tk-sample, tk-export): a run's output folder or a
 // recipe, its model built as it was trained, and its weights loaded by name.
+#include <spdlog/spdlog.h>
 #include <toml++/toml.h>
 #include <torch/torch.h>
 #include <tk/data.h>
@@ -46,8 +47,8 @@ struct RunOrRecipe {
   std::string starts_from() const {
     const auto table = toml::parse_file(recipe.source());
     if (const toml::table* model = table["model"].as_table())
-      for (const auto& [key, value] : *model)
-        if (const auto file = value.value<std::string>(); file && !file->empty()) {
+      for (const auto& [key, value] : *model)  // its name names a model kind, never a file
+        if (const auto file = value.value<std::string>(); file && !file->empty() && key.str() != "name") {
           std::error_code ec;
           if (std::filesystem::is_regular_file(recipe.resolve_path(*file), ec) ||
               std::filesystem::is_directory(recipe.resolve_path(*file), ec))
@@ -123,7 +124,20 @@ inline std::unique_ptr<Trainer> build_model(Recipe recipe, const std::string& de
   topts.progress = ProgressMode::None;
   try {
     auto trainer = std::make_unique<Trainer>(recipe, topts);
-    trainer->describe();  // builds and plans the run: the model as trained, after every plugin's setup
+    // Builds and plans the run: the model as trained, after every plugin's setup. The plan's advice
+    // is for training (bf16 on this CPU, the batch's shape), not for this tool: only what concerns
+    // the weights is said.
+    const auto level = spdlog::get_level();
+    spdlog::set_level(spdlog::level::err);
+    try {
+      trainer->describe();
+    } catch (...) {
+      spdlog::set_level(level);
+      throw;
+    }
+    spdlog::set_level(level);
+    for (const auto& w : trainer->warnings())
+      if (w.rfind("init: ", 0) == 0) spdlog::warn("{}", w);
     return trainer;
   } catch (const std::exception& e) {
     // The device is this tool's --device, not a --set the user typed.

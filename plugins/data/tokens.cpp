@@ -281,9 +281,11 @@ Split open_split(const Options& o, const std::string& key, int64_t t, std::vecto
   std::vector<std::string> names;
   for (const auto& f : files_of(o, key)) {
     auto s = std::make_unique<Shard>(f, o, key);
-    if (s->count() < t + 1)  // the recipe's seq_len blamed where it sets one (a shard too short or it too long)
-      o.fail(o.where("seq_len").file.empty() ? key : "seq_len", f.string() + ": " + std::to_string(s->count()) + " tokens, fewer than one sequence of seq_len " +
-                      std::to_string(t) + " needs (" + std::to_string(t + 1) + ")");
+    // The recipe's seq_len blamed where it sets one (a shard too short, or it too long).
+    if (s->count() < t + 1)
+      o.fail(o.where("seq_len").file.empty() ? key : "seq_len",
+             f.string() + ": " + std::to_string(s->count()) + " tokens, fewer than one sequence of seq_len " +
+                 std::to_string(t) + " needs (" + std::to_string(t + 1) + ")");
     largest.push_back(scan(*s, counts, o, key));
     shards.push_back(std::move(s));
     names.push_back(f.string());

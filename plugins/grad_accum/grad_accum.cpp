@@ -61,7 +61,9 @@ class GradAccum final : public tk::Plugin {
     const tk::Reduction want = normalize_ == Normalize::Mean ? tk::Reduction::Mean : tk::Reduction::Sum;
     if (plan.reduction() != want)
       fail_option(normalize_, "\"" + what(normalize_) + "\" needs a loss with reduction = \"" + tk::to_string(want) +
-                                  "\", but the recipe's loss uses \"" + tk::to_string(plan.reduction()) + "\"");
+                                  "\", but the loss's reduction is \"" + tk::to_string(plan.reduction()) + "\": set [loss] " +
+                                  "reduction = \"" + tk::to_string(want) + "\", or normalize = \"" +
+                                  (want == tk::Reduction::Mean ? "samples\" (or \"tokens\", for sequences)" : "mean\""));
     if (!shapes_window()) return;  // the batch's shape is [batch]'s
     if (budget_ > 0 && !plan.micro_batch_auto())
       fail_option(memory_budget_, "applies to a micro-batch picked by memory: set [batch] micro_batch = \"auto\"");

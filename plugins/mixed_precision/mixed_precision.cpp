@@ -121,7 +121,18 @@ class MixedPrecision final : public tk::Plugin {
     return c;
   }
 
-  void on_fit_start(tk::FitStartContext& ctx) override { start(ctx); }
+  // Checked and said as the run is planned (so by --dry-run too), once.
+  void setup(tk::SetupContext& ctx) override {
+    for (const auto& p : ctx.model().parameters())
+      if (p.scalar_type() != at::kFloat)
+        fail_option(dtype_, "autocast needs float32 parameters, and the model's are " +
+                                (p.scalar_type() == at::kDouble ? std::string("float64")
+                                                                : std::string(c10::toString(p.scalar_type()))) +
+                                ": set run.dtype = \"float32\"");
+    for (const auto& n : notes_) ctx.warn(n);
+    notes_.clear();
+    if (device_ == at::kCPU && !fp16_) say_bf16(ctx);
+  }
   void on_micro_batch(tk::MicroBatchContext&) override { enter(); }
   void on_loss(tk::LossContext& ctx) override {
     leave();
@@ -162,22 +173,9 @@ class MixedPrecision final : public tk::Plugin {
   }
 
  private:
-  void start(tk::FitStartContext& ctx) {
-    // Trial steps (the memory planner's; the verifier's, in float64, which autocast leaves alone)
-    // neither say nor check what training will.
-    if (ctx.trial()) return;
-    for (const auto& n : notes_) ctx.warn(n);
-    notes_.clear();
-    if (device_ == at::kCPU && !fp16_) say_bf16(ctx);
-    for (const auto& p : ctx.model().parameters())
-      if (p.scalar_type() != at::kFloat)
-        throw std::runtime_error("autocast needs float32 parameters, found " + std::string(c10::toString(p.scalar_type())) +
-                                 " (set run.dtype = \"float32\")");
-  }
-
   /// Whether bf16 pays on this CPU: with native bf16 instructions LibTorch's bf16 matrix products
   /// are faster than float32; without them they are emulated, and can be many times slower.
-  static void say_bf16(tk::Context& ctx) {
+  static void say_bf16(const tk::PluginLog& ctx) {
     const Bf16Support cpu = native_bf16();
     if (!cpu.listed)
       ctx.info("bf16 autocast on the CPU; " + cpu.file + " does not say which bf16 instructions it has: measure with "

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +51,7 @@ class Profiler final : public tk::Plugin {
     if (trial_) return;
     t0_ = now_us();
     last_ = t0_;
+    say_untraced(ctx);
     maybe_begin(ctx.counters().step + 1);
   }
   void on_micro_batch(tk::MicroBatchContext&) override {
@@ -107,6 +109,26 @@ class Profiler final : public tk::Plugin {
   }
 
  private:
+  /// Warns of chosen steps this run never takes: beyond its last, or before the step it resumes at.
+  void say_untraced(tk::FitStartContext& ctx) const {
+    const tk::Counters& c = ctx.counters();
+    std::vector<int64_t> beyond, before;
+    for (int64_t s : std::set<int64_t>(steps_.begin(), steps_.end())) {
+      if (s > c.total_steps) beyond.push_back(s);
+      else if (s <= c.step) before.push_back(s);
+    }
+    auto said = [](const std::vector<int64_t>& v) {
+      std::string l = v.size() == 1 ? "step " : "steps ";
+      for (size_t i = 0; i < v.size(); ++i) l += (i ? ", " : "") + std::to_string(v[i]);
+      return l + (v.size() == 1 ? " is" : " are");
+    };
+    if (!beyond.empty())
+      ctx.warn(said(beyond) + " beyond the run's " + std::to_string(c.total_steps) + " steps: not traced (" +
+               options().where("steps").str() + ")");
+    if (!before.empty())
+      ctx.warn(said(before) + " of the run before it resumed (after step " + std::to_string(c.step) + "): not traced");
+  }
+
   /// Starts tracing when `step` is one of the chosen ones.
   void maybe_begin(int64_t step) {
     if (std::find(steps_.begin(), steps_.end(), step) == steps_.end()) return;

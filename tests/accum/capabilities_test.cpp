@@ -5,10 +5,12 @@
 // hand, or a formula written out here.
 #include <c10/util/Exception.h>
 #include <torch/optim/sgd.h>
+#include <torch/utils.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 #include "recipe.h"
 #include "support.h"
@@ -124,7 +126,7 @@ double budget_between(const PlanSeen& measured, int64_t lo) {
 /// The plan of an auto micro-batch run of effective batch 64 under `budget` bytes.
 PlanSeen auto_plan(double budget, const std::vector<std::string>& sets = {}) {
   tk::Trainer t(tkt::recipe(sets + std::vector<std::string>{"batch.micro_batch=\"auto\""},
-                            with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\"").c_str()),
+                            with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "B\"").c_str()),
                 tkt::quiet());
   return seen(t.plan());
 }
@@ -329,7 +331,7 @@ TEST_SUITE("accumulation capabilities") {
     CHECK(picked.micro_batch == 16);
     CHECK(picked.accumulation == 4);
     const Trained automatic = train({"batch.micro_batch=\"auto\""},
-                                    with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\""));
+                                    with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "B\""));
     const Trained by_hand = train({"batch.micro_batch=16"}, with_grad_accum("steps = 4"));
     CHECK(automatic.plan.micro_batch == 16);
     CHECK(torch::equal(automatic.params, by_hand.params));  // the trials left nothing behind
@@ -365,7 +367,7 @@ TEST_SUITE("accumulation capabilities") {
   TEST_CASE("an out-of-memory error halves the micro-batch and redoes the window" * doctest::skip()) {
     REQUIRE(std::string(std::getenv("TK_FAULT") ? std::getenv("TK_FAULT") : "") == "oom:3");
     const double budget = budget_between(auto_plan(1e9), 16);
-    const std::string accum = with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "\"");
+    const std::string accum = with_grad_accum("effective_batch = 64\nmemory_budget = \"" + std::to_string(int64_t(budget)) + "B\"");
     auto opts = tkt::quiet();
     opts.write_outputs = true;
     const fs::path dir = tkt::temp_dir("backoff");
@@ -510,5 +512,32 @@ TEST_SUITE("accumulation capabilities") {
     CHECK_FALSE(uneven.exact());
     REQUIRE(uneven.findings.size() == 1);
     CHECK(uneven.findings[0].find("use reduction = \"sum\" with normalization by the window's tokens") != std::string::npos);
+  }
+
+  TEST_CASE("the verifier names dropout a model draws as a function (the GPT's), and leaves the generators as found") {
+    const fs::path dir = tkt::temp_dir("verify-dropout");
+    fs::create_directories(dir);
+    std::ofstream corpus(dir / "corpus.txt");
+    for (int i = 0; i < 40; ++i) corpus << "the quick brown fox jumps over the lazy dog " << i << "\n";
+    corpus.close();
+    const std::string text = "[run]\nseed = 1\nsteps = 2\ndtype = \"float64\"\n[model]\nname = \"gpt\"\nlayers = 1\n"
+                             "heads = 2\nwidth = 16\n[data]\nname = \"text\"\npath = \"" + (dir / "corpus.txt").string() +
+                             "\"\nseq_len = 8\n[batch]\nmicro_batch = 4\naccumulation = 4\n[loss]\nreduction = \"sum\"\n"
+                             "[optimizer]\nname = \"sgd\"\nlr = 0.1\n[[plugins]]\nname = \"grad_accum\"\n"
+                             "normalize = \"tokens\"\n";  // exact whatever the sequences' lengths
+    tk::Trainer plain(tkt::recipe({}, text.c_str()), tkt::quiet());
+    CHECK(plain.verify_accumulation().exact());
+    tk::Trainer drop(tkt::recipe({"model.dropout=0.2"}, text.c_str()), tkt::quiet());
+    drop.plan();  // planned before the generator is seeded: what is compared is the verifier's draws
+    torch::manual_seed(5);
+    const tk::AccumulationCheck found = drop.verify_accumulation();
+    const Tensor after = torch::rand({4});
+    torch::manual_seed(5);
+    CHECK(torch::equal(after, torch::rand({4})));  // the verifier's draws are undone
+    CHECK_FALSE(found.exact());
+    REQUIRE(found.findings.size() == 1);
+    CHECK(found.findings[0].find("the model's forward draws random numbers in training mode (two forwards of one "
+                                 "micro-batch under other seeds differ: dropout, say)") == 0);
+    fs::remove_all(dir);
   }
 }

@@ -326,6 +326,18 @@ assert p.stdout == a, (p.stdout, a)
 assert "the run's data cannot be read" in p.stderr and "a vocabulary of 500 tokens and a context of 32" in p.stderr, \
     p.stderr
 (work / "bpe-moved").rename(work / "bpe")
+# A vocabulary padded beyond the tokenizer's 500 ids: nothing decodes ids 500-799, and they are
+# never sampled (untrained after 2 steps, each is about as likely as any other id: a hot sample of
+# 300 tokens would draw some), with a note.
+size = subprocess.run([tokenize, "--model", str(work / "bpe/tokenizer.model"), "--size"], capture_output=True, text=True)
+assert size.returncode == 0 and size.stdout == "500\n", (size.stdout, size.stderr)
+p = subprocess.run([tk_run, str(recipe), "--progress", "none", "--set", f'run.output="{work}/padded"', "--set",
+                    "data.vocab=800", "--set", "run.steps=2"], capture_output=True, text=True)
+assert p.returncode == 0, p.stdout + p.stderr
+p = subprocess.run([tk_sample, str(work / "padded"), "--prompt", "You will", "--tokens", "300", "--temperature", "3",
+                    "--seed", "1"], capture_output=True, text=True)
+assert p.returncode == 0, p.stderr
+assert "the tokenizer has 500 ids, the model's vocabulary 800: ids from 500 up are never sampled" in p.stderr, p.stderr
 # Bad options say what is wrong in tk-sample's words.
 p = sample("--temperature", "nan", ok=False)
 assert p.returncode == 2 and "--temperature: is nan, not a number in [0, 100]" in p.stderr, p.stderr

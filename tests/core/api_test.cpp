@@ -68,17 +68,20 @@ class Gives final : public tk::Plugin {
   void bind(tk::OptionBinder& o) override {
     o.add("what", what_, "what to give",
           {"core_key", "empty_tensor", "two_elements", "fit_end_throws", "fit_end", "norm", "norm_tensor", "state_throws",
-           "validation_norm"});
+           "validation_norm", "norm_first", "norm_later", "norm_everywhere"});
   }
   void on_boundary(tk::BoundaryContext& ctx) override {
     if (what_ == "core_key") ctx.metric("loss", 1.0);
-    if (what_ == "norm") ctx.metric("norm", 1.0);
+    ++boundaries_;
+    if (what_ == "norm" || what_ == "norm_everywhere") ctx.metric("norm", 1.0);
+    if ((what_ == "norm_first" && boundaries_ == 1) || (what_ == "norm_later" && boundaries_ > 1))
+      ctx.metric("norm", 1.0);
     if (what_ == "norm_tensor") ctx.metric("norm", torch::ones({}));
     if (what_ == "empty_tensor") ctx.metric("x", torch::zeros({0}));
     if (what_ == "two_elements") ctx.veto_step_if(torch::zeros({2}), "no");
   }
   void on_validation_end(tk::ValidationEndContext& ctx) override {
-    if (what_ == "validation_norm") ctx.metric("norm", 2.0);
+    if (what_ == "validation_norm" || what_ == "norm_everywhere") ctx.metric("norm", 2.0);
   }
   void on_fit_end(tk::FitEndContext&) override {
     ++fit_ends;
@@ -92,6 +95,7 @@ class Gives final : public tk::Plugin {
 
  private:
   std::string what_ = "fit_end";
+  int boundaries_ = 0;
 };
 
 /// Options bound to members, with where each was set.
@@ -356,11 +360,23 @@ TEST_SUITE("plugin API") {
       CHECK(fit_error(t).find("plugin 'b' (in-process) failed in event boundary in step 1: plugins 'a' and 'b' both "
                               "report metric 'norm'; a record holds one value a key") == 0);
     }
-    // Validation's metrics go into the record of the step validated: not under a key it holds.
+    // Nor in different steps: the records' column would hold both plugins' values.
+    tk::Trainer later(tkt::recipe(), tkt::quiet());
+    later.add_plugin(std::make_shared<Gives>(), "a", "what = \"norm_first\"");
+    later.add_plugin(std::make_shared<Gives>(), "b", "what = \"norm_later\"");
+    CHECK(fit_error(later).find("plugin 'b' (in-process) failed in event boundary in step 2: plugins 'a' and 'b' both "
+                                "report metric 'norm', 'a' earlier in the run: the records' column 'norm' would hold "
+                                "the values of both") == 0);
+    // Validation's metrics go into the record of the step validated: not another plugin's key,
     tk::Trainer v(tkt::recipe({"data.validation_samples=16"}), tkt::quiet());
     v.add_plugin(std::make_shared<Gives>(), "a", "what = \"norm\"");
     v.add_plugin(std::make_shared<Gives>(), "b", "what = \"validation_norm\"");
-    CHECK(fit_error(v).find("plugin 'b' reports metric 'norm' at validation, which the record of step 6 holds already "
+    CHECK(fit_error(v).find("plugin 'b' (in-process) failed in event validation_end after step 6: plugins 'a' and 'b' "
+                            "both report metric 'norm', 'a' earlier in the run") == 0);
+    // nor a key the step's record holds (one value a key).
+    tk::Trainer w(tkt::recipe({"data.validation_samples=16"}), tkt::quiet());
+    w.add_plugin(std::make_shared<Gives>(), "a", "what = \"norm_everywhere\"");
+    CHECK(fit_error(w).find("plugin 'a' reports metric 'norm' at validation, which the record of step 6 holds already "
                             "(plugin 'a' reported it in the step)") == 0);
     // One plugin reporting it again in a step replaces its value.
     tk::Trainer t(tkt::recipe(), tkt::quiet());

@@ -134,8 +134,8 @@ TEST_SUITE("recipe") {
   TEST_CASE("normalize modes are checked against the loss reduction before training") {
     auto text = std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"grad_accum\"\nnormalize = \"tokens\"\n";
     std::string e = build_error(text);
-    CHECK(e.find("test.toml:28:13: plugins.grad_accum.normalize: \"tokens\" needs a loss with reduction = \"sum\", but the recipe's "
-                 "loss uses \"mean\"") == 0);
+    CHECK(e.find("test.toml:28:13: plugins.grad_accum.normalize: \"tokens\" needs a loss with reduction = \"sum\", but the loss's "
+                 "reduction is \"mean\": set [loss] reduction = \"sum\", or normalize = \"mean\"") == 0);
   }
 
   TEST_CASE("option values print back as TOML") {

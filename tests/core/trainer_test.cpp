@@ -184,6 +184,28 @@ name = "fake_sync"
     CHECK(t1.warnings().empty());
   }
 
+  TEST_CASE("an epoch that ends in a short micro-batch, which a window of several holds under a mean loss, is warned of") {
+    // 250 examples in micro-batches of 8: 31 of 8 and one of 2, the 32nd.
+    const std::string accum = with_plugins("[[plugins]]\nname = \"grad_accum\"\n");
+    auto warned = [&](std::vector<std::string> sets) {
+      sets.push_back("data.samples=250");
+      tk::Trainer t(tkt::recipe(sets, accum.c_str()), tkt::quiet());
+      t.describe();
+      for (const auto& w : t.warnings())
+        if (w.rfind("each epoch ends in a micro-batch of 2 examples, not 8, and a mean loss", 0) == 0) return true;
+      return false;
+    };
+    CHECK(warned({"batch.accumulation=4", "run.steps=8"}));  // the last window: 3 of 8 and the one of 2
+    CHECK(warned({"batch.accumulation=3", "run.steps=11"}));  // the last window, 2 micro-batches, taken as a step
+    CHECK(warned({"batch.accumulation=3", "run.steps=11", "batch.last_window=\"carry\""}));
+    CHECK_FALSE(warned({"batch.accumulation=3", "run.steps=11", "batch.last_window=\"drop\""}));  // that window is dropped
+    CHECK_FALSE(warned({"batch.accumulation=4", "run.steps=8", "data.drop_last=true"}));
+    CHECK_FALSE(warned({"batch.accumulation=4", "run.steps=7"}));  // the run ends before the epoch does
+    CHECK_FALSE(warned({"batch.accumulation=1", "run.steps=40"}));  // a step of it alone is its own mean
+    CHECK_FALSE(warned({"batch.accumulation=4", "run.steps=8", "loss.reduction=\"sum\"",
+                        "plugins.0.normalize=\"samples\""}));
+  }
+
   TEST_CASE("a micro-batch larger than the data set is said to be all of it") {
     tk::Trainer t(tkt::recipe({"batch.micro_batch=300"}), tkt::quiet());
     t.describe();
@@ -378,6 +400,22 @@ name = "fake_sync"
     CHECK(torch::equal(tkt::flat_params(second.model()), tkt::flat_params(one.model())));
     fs::remove_all(dir);
     fs::remove_all(one_dir);
+  }
+
+  TEST_CASE("a resume refused for want of a checkpoint leaves no folder it made; one that was there stays") {
+    auto opts = tkt::quiet();
+    opts.write_outputs = true;
+    opts.resume = "latest";
+    const fs::path base = tkt::temp_dir("resume-none"), dir = base / "runs" / "x";
+    const auto recipe = tkt::recipe({"run.output=\"" + dir.string() + "\""});
+    tk::Trainer t(recipe, opts);
+    CHECK_THROWS_WITH(t.fit(), doctest::Contains("no checkpoint at"));
+    CHECK_FALSE(fs::exists(base));
+    fs::create_directories(dir);
+    tk::Trainer there(recipe, opts);
+    CHECK_THROWS_WITH(there.fit(), doctest::Contains("no checkpoint at"));
+    CHECK(fs::exists(dir / ".tk-lock"));
+    fs::remove_all(base);
   }
 
   TEST_CASE("a run resumed from a checkpoint is bit-identical to an uninterrupted one") {

@@ -1167,7 +1167,7 @@ TEST_SUITE("zero") {
     recipe.replace(recipe.find("hidden = [16]"), 13, "hidden = [256, 256, 256, 256, 256, 256, 256, 256]");
     const std::string ddp = recipe + "[[plugins]]\nname = \"ddp\"\n", stage3 = ddp + "[[plugins]]\nname = \"shard\"\nstage = 3\n";
     const std::string sets = "--nproc 2 --set run.steps=3 --set batch.micro_batch='\"auto\"' --set batch.effective_batch=2 ";
-    auto budget = [](double bytes) { return "--set batch.memory_budget='\"" + std::to_string(static_cast<int64_t>(bytes)) + "\"' "; };
+    auto budget = [](double bytes) { return "--set batch.memory_budget='\"" + std::to_string(static_cast<int64_t>(bytes)) + "B\"' "; };
     constexpr double kMiB = 1024.0 * 1024.0;
     // What a step at stage 3 takes, measured by the planner given room.
     auto roomy = tk_run(root / "roomy", stage3, sets + budget(1e9));
@@ -1282,7 +1282,7 @@ TEST_SUITE("recompute") {
     base.replace(base.find("steps = 2\n"), 10, "");
     const std::string plugins = "[[plugins]]\nname = \"ddp\"\n[[plugins]]\nname = \"shard\"\nstage = 3\n";
     const std::string sets = "--nproc 2 --set run.steps=3 --set batch.micro_batch='\"auto\"' --set batch.effective_batch=16 ";
-    auto budget = [](double bytes) { return "--set batch.memory_budget='\"" + std::to_string(static_cast<int64_t>(bytes)) + "\"' "; };
+    auto budget = [](double bytes) { return "--set batch.memory_budget='\"" + std::to_string(static_cast<int64_t>(bytes)) + "B\"' "; };
     const std::string automatic = base + plugins + "[[plugins]]\nname = \"recompute\"\nmodules = \"auto\"\n";
     // Given room, the largest micro-batch (8 a rank) without recomputation; its step measured.
     auto roomy = tk_run(root / "roomy", automatic, sets + budget(1e9));

@@ -203,7 +203,13 @@ TEST_SUITE("profiler") {
     const auto t2 = nlohmann::json::parse(in2);
     for (const auto& e : t2["traceEvents"]) CHECK(e.value("cat", "") != "operator");
     CHECK_THROWS_WITH(run("[[plugins]]\nname = \"profiler\"\nsteps = [0]\n"), doctest::Contains("steps count from 1"));
-    for (const auto& d : {plain.dir, traced.dir, phases.dir}) fs::remove_all(d);
+    // Steps the run never takes are said, not silently left out.
+    const Result beyond = run("[[plugins]]\nname = \"profiler\"\nsteps = [1, 99, 100]\noperators = false\n", {}, {},
+                              "beyond");
+    REQUIRE(beyond.warnings.size() == 1);
+    CHECK(beyond.warnings[0].find("profiler: steps 99, 100 are beyond the run's " +
+                                  std::to_string(beyond.fit.steps) + " steps: not traced (test.toml:") == 0);
+    for (const auto& d : {plain.dir, traced.dir, phases.dir, beyond.dir}) fs::remove_all(d);
   }
 }
 
@@ -333,10 +339,24 @@ TEST_SUITE("mixed precision") {
     fs::remove_all(b.dir);
   }
 
+  TEST_CASE("autocast over parameters that are not float32 is refused as the run is planned: a dry run too") {
+    const std::string text = std::string(tkt::kTinyRecipe) + "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\n";
+    tk::Trainer t(tkt::recipe({"run.dtype=\"float64\""}, text.c_str()), tkt::quiet());
+    CHECK_THROWS_WITH(t.describe(), doctest::Contains("plugins.mixed_precision.dtype: autocast needs float32 parameters, "
+                                                      "and the model's are float64: set run.dtype = \"float32\""));
+  }
+
   TEST_CASE("bf16 says so when a loss scaler is configured for it") {
     const fs::path cpuinfo = tkt::temp_dir("cpuinfo-bf16");
     std::ofstream(cpuinfo) << "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n";
     tkt::EnvGuard env("TK_CPUINFO", cpuinfo.string());  // a CPU with native bf16: no note about it
+    // Said as the run is planned: by a dry run too.
+    const std::string text = std::string(kRecipe) + "[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\n"
+                                                    "init_scale = 128.0\n";
+    tk::Trainer planned(tkt::recipe({"run.steps=1"}, text.c_str()), tkt::quiet());
+    planned.describe();
+    REQUIRE(planned.warnings().size() == 1);
+    CHECK(planned.warnings()[0].find("mixed_precision: dtype = \"bf16\" needs no loss scaler; ignoring init_scale") == 0);
     auto r = run("[[plugins]]\nname = \"mixed_precision\"\ndtype = \"bf16\"\ninit_scale = 128.0\n", {"run.steps=1"}, {},
                  "bf16-note");
     REQUIRE(r.warnings.size() == 1);

@@ -336,7 +336,7 @@ void add_options(CLI::App& app, Cli& c) {
 }
 
 int die_usage(const std::string& msg) {
-  std::fprintf(stderr, "tk-run: %s\nRun with --help for more information.\n", msg.c_str());
+  std::fprintf(stderr, "tk-run: error: %s\nRun with --help for more information.\n", msg.c_str());
   return kExitUsage;
 }
 
@@ -351,6 +351,14 @@ int restart_count() {
 /// The options that only make sense together, checked; "" when they do.
 std::string check_combination(Cli& c) {
   if (c.recipe_path.empty()) return "no recipe given";
+  // What trains nothing takes no option of a run that trains: each would be ignored.
+  for (const auto& [given, name] : {std::pair{c.verify, "--verify-accumulation"}, std::pair{c.dry_run, "--dry-run"}}) {
+    if (!given) continue;
+    for (const auto& [other, what] : {std::pair{c.verify && c.dry_run, "--dry-run"}, std::pair{c.report, "--report"},
+                                      std::pair{c.topts.overwrite, "--overwrite"},
+                                      std::pair{c.verify && !c.resume.empty(), "--resume"}})
+      if (other) return std::string(name) + " trains nothing: " + what + " would be ignored";
+  }
   // A restart of the job (torchrun's, or tk-run --max-restarts') continues what the first start wrote.
   if (const int restart = restart_count(); restart > 0 && (c.resume.empty() || c.resume == "latest")) {
     c.topts.overwrite = false;  // it applied to the first start; this one continues it
@@ -497,16 +505,17 @@ int report_fit(int argc, char** argv, const Cli& c, const tk::Trainer& trainer, 
     return 0;
   }
   // What this process trained, in the time it took; a resumed run says from where.
-  std::printf("trained %lld optimizer steps (%lld micro-batches) in %s", static_cast<long long>(r.steps - r.resumed_at_step),
-              static_cast<long long>(r.micro_steps - r.resumed_at_micro_step), tk::format_duration(r.seconds).c_str());
+  const long long steps = r.steps - r.resumed_at_step, micro = r.micro_steps - r.resumed_at_micro_step;
+  std::printf("trained %lld optimizer step%s (%lld micro-batch%s) in %s", steps, steps == 1 ? "" : "s", micro,
+              micro == 1 ? "" : "es", tk::format_duration(r.seconds).c_str());
   if (r.resumed_at_step > 0 && r.steps > r.resumed_at_step)
     std::printf(", steps %lld to %lld of the run", static_cast<long long>(r.resumed_at_step + 1),
                 static_cast<long long>(r.steps));
   if (!r.window_losses.empty()) std::printf("; loss %.4f -> %.4f", r.window_losses.front(), r.window_losses.back());
   if (!r.validation_losses.empty()) std::printf("; validation loss %.4f", r.validation_losses.back());
-  if (r.skipped_steps > r.resumed_skipped_steps)
-    std::printf("; %lld steps skipped", static_cast<long long>(r.skipped_steps - r.resumed_skipped_steps));
-  std::printf("; peak memory %.0f MiB\n", r.peak_rss_mib);
+  if (const long long skipped = r.skipped_steps - r.resumed_skipped_steps; skipped > 0)
+    std::printf("; %lld step%s skipped", skipped, skipped == 1 ? "" : "s");
+  std::printf("; peak resident memory %.0f MiB (the process)\n", r.peak_rss_mib);
   if (!r.output_dir.empty() && !files.empty()) std::printf("wrote %s/{%s}\n", r.output_dir.c_str(), files.c_str());
   if (c.report) write_report(trainer);
   if (r.stopped.empty()) return 0;

@@ -91,6 +91,16 @@ class Tokenizer {
     return output_of(shell_quote(tool_) + " --model " + shell_quote(model_) + " --decode", list + "\n");
   }
   bool bytes() const noexcept { return model_.empty(); }
+  /// How many ids it decodes: 0 to size() - 1 (asked of tk-tokenize when first needed).
+  int64_t size() const {
+    if (model_.empty()) return 256;
+    if (size_ == 0) {
+      const auto said = ids(output_of(shell_quote(tool_) + " --model " + shell_quote(model_) + " --size"));
+      if (said.size() != 1 || said.front() < 1) throw std::runtime_error(tool_ + " --size: no count of ids for " + model_);
+      size_ = said.front();
+    }
+    return size_;
+  }
   /// What a new document follows: a newline, or the model's end-of-document id.
   std::vector<int64_t> start() const { return model_.empty() ? std::vector<int64_t>{'\n'} : start_; }
 
@@ -103,6 +113,7 @@ class Tokenizer {
   }
   std::string model_, tool_;
   std::vector<int64_t> start_;
+  mutable int64_t size_ = 0;
 };
 
 
@@ -132,10 +143,11 @@ std::string find_tokenizer(const Options& o, const tk::Recipe& recipe, int64_t v
   return "";
 }
 
-/// The next token after `logits` (the last position's): argmax at temperature 0, else sampled
-/// from the softmax of logits / temperature over the top_k largest (all when 0).
-int64_t next_token(at::Tensor logits, const Options& o, at::Generator& gen) {
-  logits = logits.to(at::kDouble).cpu();
+/// The next token after `logits` (the last position's), one of the first `ids`: argmax at
+/// temperature 0, else sampled from the softmax of logits / temperature over the top_k largest
+/// (all when 0).
+int64_t next_token(at::Tensor logits, int64_t ids, const Options& o, at::Generator& gen) {
+  logits = logits.narrow(0, 0, std::min(ids, logits.size(0))).to(at::kDouble).cpu();
   if (o.temperature == 0.0) return logits.argmax().item<int64_t>();
   logits = logits / o.temperature;
   if (o.top_k > 0 && o.top_k < logits.numel()) {
@@ -312,6 +324,13 @@ int sample(const Options& o) {
                              ": give --tokenizer, the tokenizer of its data");
   const auto& shape = trainer.data().info.input_shape;
   const int64_t context = shape.empty() ? 1024 : shape.front();
+  // A vocabulary padded beyond the tokenizer's ids (GPT-2's 50257 to 50304) has ids nothing decodes:
+  // never sampled.
+  const int64_t decodable = o.logits.empty() ? std::min(vocab, tok.size()) : vocab;
+  if (decodable < vocab && vocab - decodable > 128)
+    std::fprintf(stderr, "tk-sample: note: the tokenizer has %lld ids, the model's vocabulary %lld: ids from %lld up "
+                 "are never sampled (is it the tokenizer of the run's data?)\n", static_cast<long long>(decodable),
+                 static_cast<long long>(vocab), static_cast<long long>(decodable));
   std::vector<int64_t> ids = prompt_ids(o, tok, vocab);
   const size_t given = ids.size();
   at::Generator gen = at::detail::createCPUGenerator(o.seed);
@@ -328,7 +347,7 @@ int sample(const Options& o) {
     const size_t from = ids.size() > static_cast<size_t>(context) ? ids.size() - static_cast<size_t>(context) : 0;
     const auto x = torch::tensor(std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(from), ids.end()),
                                  torch::kLong).unsqueeze(0).to(device);
-    ids.push_back(next_token(model.forward(x).select(0, 0).select(0, -1), o, gen));
+    ids.push_back(next_token(model.forward(x).select(0, 0).select(0, -1), decodable, o, gen));
   }
   std::string text = continuation(tok, ids, given);
   // A prompt's trailing space the tokenizer dropped comes back as the next piece's: said once.

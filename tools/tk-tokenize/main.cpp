@@ -40,7 +40,7 @@ using tk::tokenize::OutputFolder;
 struct Options {
   std::vector<std::string> inputs;
   std::string out, model, type = "bpe", separator, prefix, encode;
-  bool encoding = false, decode = false, pieces = false;
+  bool encoding = false, decode = false, pieces = false, size = false;
   int vocab = 0;
   bool bytes = false;
   double validation = 0.1;
@@ -402,9 +402,13 @@ void print_ids(const std::vector<int>& ids) {
   std::printf("%s\n", line.c_str());
 }
 
-/// --encode, --decode and --pieces with a byte-level BPE (GPT-2's).
+/// --encode, --decode, --pieces and --size with a byte-level BPE (GPT-2's).
 int translate_bpe(const Options& o) {
   const ByteLevelBpe bpe(o.model);
+  if (o.size) {
+    std::printf("%d\n", bpe.size());
+    return 0;
+  }
   if (o.pieces) {
     const std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
     nlohmann::json list = nlohmann::json::array();
@@ -423,12 +427,16 @@ int translate_bpe(const Options& o) {
 }
 
 int translate(const Options& o) {
-  if (o.model.empty()) throw Failure("--encode, --decode and --pieces need --model FILE");
+  if (o.model.empty()) throw Failure("--encode, --decode, --pieces and --size need --model FILE");
   if (ByteLevelBpe::names_one(o.model)) return translate_bpe(o);
   if (o.pieces) throw Failure("--pieces shows how GPT-2's pattern cuts a text: it needs a byte-level BPE (--model)");
   sentencepiece::SentencePieceProcessor sp;
   if (const auto status = sp.Load(o.model); !status.ok())
     throw Failure(o.model + ": not a SentencePiece model: " + status.ToString());
+  if (o.size) {
+    std::printf("%d\n", sp.GetPieceSize());
+    return 0;
+  }
   if (o.decode) {
     std::fputs(sp.DecodeIds(read_ids(sp.GetPieceSize())).c_str(), stdout);
     return 0;
@@ -526,11 +534,10 @@ size_t held_out(const Options& o, size_t n) {
   return held;
 }
 
-/// The shards of the documents, a fraction held out for validation, and a summary.
-void write_shards(const Options& o, OutputFolder& out, const Documents& input, const Tokens& tokens) {
+/// The shards of the documents, `n_val` of them (held_out) held out for validation, and a summary.
+void write_shards(const Options& o, OutputFolder& out, const Documents& input, const Tokens& tokens, size_t n_val) {
   const auto& docs = input.docs;
   const int width = tokens.vocab <= 65536 ? 2 : 4;
-  const size_t n_val = held_out(o, docs.size());
   ShardWriter train(out, o.prefix + "train", o.shard_tokens, width), val(out, o.prefix + "val", o.shard_tokens, width);
   for (size_t i = 0; i < docs.size(); ++i) {
     // Held out evenly through the documents (every 1/fraction-th), not from the end, which for
@@ -555,7 +562,7 @@ void write_shards(const Options& o, OutputFolder& out, const Documents& input, c
 }
 
 int run(Options& o) {
-  if (o.encoding || o.decode || o.pieces) return translate(o);
+  if (o.encoding || o.decode || o.pieces || o.size) return translate(o);
   if (o.inputs.empty() || o.out.empty()) throw Failure("give the text files and --out FOLDER");
   if (o.bytes == (!o.model.empty() || o.vocab > 0))
     throw Failure("give one of --bytes, --model FILE or --vocab N (train a model)");
@@ -563,7 +570,7 @@ int run(Options& o) {
   if (o.shard_tokens < 1 || o.shard_tokens > INT32_MAX) throw Failure("--shard-tokens must be in [1, 2^31)");
   if (const auto why = OutputFolder::prefix_error(o.prefix); !why.empty()) throw Failure("--prefix '" + o.prefix + "' " + why);
   const Documents input = documents(o);
-  held_out(o, input.docs.size());  // refused before the folder is made
+  const size_t n_val = held_out(o, input.docs.size());  // refused before the folder is made
   OutputFolder out(o.out);
   std::optional<ByteLevelBpe> bpe;
   if (!o.model.empty() && ByteLevelBpe::names_one(o.model)) bpe.emplace(o.model);
@@ -585,7 +592,7 @@ int run(Options& o) {
     open_sentencepiece(o, out, kept, input, encoder);
     tokens = {&*encoder, nullptr, encoder->processor().GetPieceSize(), encoder->processor().eos_id()};
   }
-  write_shards(o, out, input, tokens);
+  write_shards(o, out, input, tokens, n_val);
   return 0;
 }
 
@@ -599,6 +606,7 @@ int main(int argc, char** argv) {
   app.add_option("-o,--out", o.out, "folder of the shards (and of tokenizer.model when one is trained)");
   app.add_option("--encode", o.encode, "print the ids of this text (with --model) and exit; of \"\": the end-of-document id");
   app.add_flag("--decode", o.decode, "print the text of the ids read from stdin (with --model) and exit");
+  app.add_flag("--size", o.size, "print how many ids --model has (its pieces) and exit");
   app.add_flag("--pieces", o.pieces,
                "print, as a JSON list, the pieces GPT-2's pattern cuts the text read from stdin into (with a "
                "byte-level BPE --model), before any merge, and exit");

@@ -102,8 +102,7 @@ OutputFolder::~OutputFolder() {
   bool dropped = false;
   for (auto it = listed_.begin(); it != listed_.end();) {
     const std::string& name = *it;
-    const bool staged_here = name.size() > 5 && name.front() == '.' && name.compare(name.size() - 4, 4, ".tmp") == 0;
-    if (!staged_here) {
+    if (!is_temporary(name)) {
       ++it;
       continue;
     }

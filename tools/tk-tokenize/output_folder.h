@@ -49,6 +49,10 @@ class OutputFolder {
 
   /// The temporary name of `name`.
   static std::string temporary(const std::string& name) { return "." + name + ".tmp"; }
+  /// Whether `name` is a temporary name (of some file).
+  static bool is_temporary(const std::string& name) {
+    return name.size() > 5 && name.front() == '.' && name.compare(name.size() - 4, 4, ".tmp") == 0;
+  }
   /// Why `prefix` cannot start a file name in the folder (a '/', a leading dot, ...), or "".
   static std::string prefix_error(const std::string& prefix);
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -85,6 +86,7 @@ struct StepVotes {
   };
   std::vector<std::pair<std::string, double>> metrics;
   std::vector<std::pair<std::string, std::string>> writers;  // each metric's plugin, this step
+  std::map<std::string, std::string> owners;  // each metric's plugin, for the run: a column means one thing
   std::vector<Deferred> deferred;
   std::vector<std::string> flagged;  // plugins whose veto flag of this step was set
   std::string veto_reason, vetoed_by;
@@ -93,9 +95,12 @@ struct StepVotes {
   void clear();
   /// Adds or replaces a metric.
   void set_metric(const std::string& name, double value);
-  /// Notes that `plugin` writes metric `name` this step; refuses a name another plugin wrote (a
-  /// record holds one value a key: one of them would be lost).
+  /// Notes that `plugin` writes metric `name` this step; refuses a name another plugin wrote, in
+  /// this step (a record holds one value a key: one of them would be lost) or an earlier one (the
+  /// records' column would hold two plugins' values under one name).
   void claim_metric(const std::string& name, const std::string& plugin);
+  /// The plugin that wrote metric `name` this step, or "".
+  std::string writer_of(const std::string& name) const;
   /// Forgets the step's metrics (validation's record holds its own).
   void clear_metrics() {
     metrics.clear();

@@ -38,14 +38,21 @@ void Dispatch::require_hook(const char* call, const char* h) const {
 }
 
 void StepVotes::claim_metric(const std::string& name, const std::string& plugin) {
+  const auto [it, first] = owners.emplace(name, plugin);
+  const bool this_step = !writer_of(name).empty();
+  if (!first && it->second != plugin)
+    throw Error("plugins '" + it->second + "' and '" + plugin + "' both report metric '" + name + "'" +
+                (this_step ? "; a record holds one value a key, and one would be lost"
+                           : ", '" + it->second + "' earlier in the run: the records' column '" + name +
+                                 "' would hold the values of both") +
+                ": name each after its plugin (\"" + plugin + "_" + name + "\")");
+  if (!this_step) writers.emplace_back(name, plugin);
+}
+
+std::string StepVotes::writer_of(const std::string& name) const {
   for (const auto& [k, by] : writers)
-    if (k == name) {
-      if (by != plugin)
-        throw Error("plugins '" + by + "' and '" + plugin + "' both report metric '" + name + "'; a record holds one "
-                    "value a key, and one would be lost: name each after its plugin (\"" + plugin + "_" + name + "\")");
-      return;
-    }
-  writers.emplace_back(name, plugin);
+    if (k == name) return by;
+  return {};
 }
 
 void StepVotes::clear() {

@@ -64,10 +64,11 @@ std::vector<T> list_of(const toml::node& n, const OptionSpec& spec, const std::s
 }
 
 /// Converts one TOML value to the spec's type, or explains what was expected.
-OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::string& key,
-                    const SourceLoc& where) {
-  auto wrong = [&]() -> RecipeError {
-    return RecipeError(where, key + ": expected " + to_string(spec.type) + ", got " + type_name(n));
+OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::string& key, const SourceLoc& where) {
+  auto wrong = [&]() -> RecipeError {  // an integer option may also take words (micro_batch = "auto")
+    const bool words = spec.type == OptionType::Int && !spec.choices.empty();
+    return RecipeError(where, key + ": expected " + (words ? "an integer or one of " + list(spec.choices)
+                                                           : std::string(to_string(spec.type))) + ", got " + type_name(n));
   };
   auto text = [&](const toml::value<std::string>* v) {
     if (!v) throw wrong();
@@ -80,7 +81,6 @@ OptionValue convert(const toml::node& n, const OptionSpec& spec, const std::stri
       throw wrong();
     case OptionType::Int:
       if (auto v = n.as_integer()) return v->get();
-      // An integer option may also take one of its words (micro_batch = "auto").
       if (auto v = n.as_string(); v && !spec.choices.empty()) {
         if (std::find(spec.choices.begin(), spec.choices.end(), v->get()) != spec.choices.end()) return v->get();
         throw RecipeError(where, key + ": expected an integer or one of " + list(spec.choices) + ", got \"" + v->get() + "\"");

@@ -1,5 +1,6 @@
 // A validation pass and its record (loop.h).
 #include <cmath>
+#include <cstdio>
 
 #include "loop/loop.h"
 
@@ -33,7 +34,8 @@ std::pair<double, double> Validator::validate() {
 }
 
 void Validator::record(StepRecord& line, Progress& progress, std::vector<double>& losses) {
-  const auto in_record = s_.step.writers;  // the step's metrics, in its record already, and their plugins
+  StepVotes in_record;  // the step's metrics, in its record already, and their plugins
+  in_record.writers = s_.step.writers;
   s_.step.clear_metrics();
   auto [vloss, acc] = validate();
   losses.push_back(vloss);
@@ -48,18 +50,15 @@ void Validator::record(StepRecord& line, Progress& progress, std::vector<double>
     if (!info.baseline_name.empty())
       note += "  (" + info.baseline_name + " baseline loss " + fmt_loss(info.baseline_loss) + ")";
   } else if (!std::isnan(acc)) {
-    note += "  accuracy " + std::to_string(acc * 100.0).substr(0, 5) + "%";
+    char pct[32];
+    std::snprintf(pct, sizeof pct, "%.2f%%", acc * 100.0);  // rounded as tk-report rounds it
+    note += "  accuracy " + std::string(pct);
   }
-  const auto reporter = [](const std::vector<std::pair<std::string, std::string>>& writers, const std::string& k) {
-    for (const auto& [name, plugin] : writers)
-      if (name == k) return plugin;
-    return std::string();
-  };
   for (const auto& [k, v] : s_.step.metrics) {
-    if (const std::string by = reporter(in_record, k); !by.empty())  // a record holds one value a key
-      throw Error("plugin '" + reporter(s_.step.writers, k) + "' reports metric '" + k + "' at validation, which the " +
+    if (const std::string by = in_record.writer_of(k); !by.empty())  // a record holds one value a key
+      throw Error("plugin '" + s_.step.writer_of(k) + "' reports metric '" + k + "' at validation, which the " +
                   "record of step " + std::to_string(s_.counters.step) + " holds already (plugin '" + by +
-                  "' reported it in the step); name them apart");
+                  "' reported it in the step): a record holds one value a key; give validation's its own name");
     line.add_plugin_metric(k, v);
   }
   progress.note(note);

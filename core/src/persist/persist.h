@@ -162,6 +162,10 @@ std::string resume_plan(const Run& run, const std::string& which, const std::vec
 class RunOutputs {
  public:
   RunOutputs(const Run& run, const Recipe& recipe, const TrainerOptions& opts);
+  /// A run refused before it wrote anything leaves no folder that claim() made (nor its lock file).
+  ~RunOutputs();
+  RunOutputs(const RunOutputs&) = delete;
+  RunOutputs& operator=(const RunOutputs&) = delete;
   /// Whether this process writes the run's files (rank 0, outputs on).
   bool active() const noexcept { return active_; }
   /// Whether the run writes files at all (on some rank): checkpoints are then taken.
@@ -223,6 +227,7 @@ class RunOutputs {
 
   bool active_ = false, writes_ = false, resuming_ = false, auto_ = false, overwrite_ = false;
   std::filesystem::path dir_;
+  std::filesystem::path made_;  // the outermost folder claim() created ("" when dir_ was there)
   std::string where_;  // the recipe's place that names it (run.output, else run.name)
   bool named_ = false;  // resumed from a checkpoint folder given by hand (not "latest" or "auto")
   const Recipe& recipe_;

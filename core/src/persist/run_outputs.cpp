@@ -24,6 +24,12 @@ namespace fs = std::filesystem;
 namespace tk::detail {
 namespace {
 
+/// `dir` as its parents are walked up from: "runs/x/" is "runs/x" (whose parent is "runs").
+fs::path without_trailing_slash(const fs::path& dir) {
+  fs::path p = dir.lexically_normal();
+  return p.has_filename() || !p.has_parent_path() ? p : p.parent_path();
+}
+
 /// The whole text of `file` ("" when it cannot be read).
 std::string text_of(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
@@ -68,9 +74,23 @@ RunOutputs::RunOutputs(const Run& run, const Recipe& recipe, const TrainerOption
   identity_ = run_identity(run);
 }
 
+RunOutputs::~RunOutputs() {
+  if (made_.empty()) return;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().filename() != ".tk-lock") return;  // the run wrote something: it stays
+  if (ec) return;
+  // Unlinked while held: a run that opened it finds it taken, a later one makes its own.
+  fs::remove(dir_ / ".tk-lock", ec);
+  lock_.release();
+  for (fs::path p = without_trailing_slash(dir_); fs::remove(p, ec) && p != made_; p = p.parent_path()) {
+  }
+}
+
 void RunOutputs::claim() {
   if (!active_) return;
   std::error_code ec;
+  for (fs::path p = without_trailing_slash(dir_); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) made_ = p;
   fs::create_directories(dir_, ec);
   // Refused before anything is written: no folder, nothing of the run in it.
   if (ec) throw RunRefused(where_ + ": cannot create the output folder '" + dir_.string() + "': " + ec.message());

@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cctype>
 
 #include "assemble/assemble.h"
 #include "planning/planning.h"
@@ -73,7 +74,7 @@ void take_plugin_request(Run& r) {
   auto line = [&](const std::string& l) { lines += (lines.empty() ? "" : ", ") + l; };
   if (w.steps > 0) line("accumulation = " + std::to_string(w.steps));
   if (w.effective_batch > 0) line("effective_batch = " + std::to_string(w.effective_batch));
-  if (w.memory_budget > 0) line("memory_budget = \"" + std::to_string(static_cast<int64_t>(w.memory_budget)) + "\"");
+  if (w.memory_budget > 0) line("memory_budget = \"" + std::to_string(static_cast<int64_t>(w.memory_budget)) + "B\"");
   if (w.last_window != LastWindow::Step) line(std::string("last_window = \"") + to_string(w.last_window) + "\"");
   if (w.ramp.active())
     line("ramp_from = " + std::to_string(w.ramp.from) + ", " + (w.ramp.by_samples ? "ramp_samples = " : "ramp_steps = ") +
@@ -114,6 +115,11 @@ void read_batch(Run& r) {
   if (!budget.empty()) {
     const auto bytes = parse_bytes(budget);
     if (!bytes) b.fail("memory_budget", bytes_expected(budget));
+    // "512" would be bytes, surely not what was meant: a unit is asked for.
+    const size_t last = budget.find_last_not_of(' ');
+    if (last != std::string::npos && (std::isdigit(static_cast<unsigned char>(budget[last])) || budget[last] == '.'))
+      b.fail("memory_budget", "\"" + budget + "\" has no unit: write \"" + budget + "MiB\", \"" + budget +
+                                  "GiB\" or, for bytes, \"" + budget + "B\"");
     if (!p.micro_batch_auto)
       b.fail("memory_budget", "applies to a micro-batch picked by memory: set [batch] micro_batch = \"auto\"");
     p.memory_budget = *bytes;
@@ -216,6 +222,30 @@ void settle_window(Run& r) {
   }
 }
 
+namespace {
+
+/// Warns where each epoch the run reaches ends in a short micro-batch that a window of several
+/// holds, under a mean loss: the window's mean of means weighs its few examples as much as a full
+/// micro-batch's.
+void warn_short_micro_batch(Run& r, int64_t n, int64_t m) {
+  const PlanValues& p = r.plan;
+  const int64_t k = p.accumulation, rest = n % m, last = r.batches_per_epoch % std::max<int64_t>(k, 1);
+  if (rest == 0 || m > n || k <= 1 || r.data_opts.get_bool("drop_last") || p.reduction != Reduction::Mean ||
+      r.total_steps * k < r.batches_per_epoch)
+    return;
+  // A window cut short at the epoch's end: dropped, or one of that micro-batch alone.
+  if ((p.last_window == LastWindow::Drop && last != 0) || (p.last_window == LastWindow::Step && last == 1)) return;
+  const bool sequences = r.data.info.ignore_index.has_value();
+  r.warn_once("each epoch ends in a micro-batch of " + std::to_string(rest) + " examples, not " + std::to_string(m) +
+              ", and a mean loss: the step that holds it averages the micro-batches' means, weighing its " +
+              std::to_string(rest) + " examples as much as a full micro-batch's " + std::to_string(m) +
+              ", unlike one batch; [data] drop_last = true, or a loss with reduction = \"sum\" divided by the "
+              "window's " + (sequences ? "counted tokens" : "examples") + " (as the window plugin's normalize does), "
+              "makes every step exact");
+}
+
+}  // namespace
+
 void shape_windows(Run& r) {
   const int64_t n = r.shard_size(), m = r.plan.micro_batch;
   r.batches_per_epoch = r.data_opts.get_bool("drop_last") ? n / m : (n + m - 1) / m;
@@ -229,11 +259,10 @@ void shape_windows(Run& r) {
                                         "data set (" + std::to_string(n) + " examples) and drop_last is on: an epoch "
                                         "has no micro-batch");
   if (m > n && !r.plan.micro_batch_auto && !r.data_opts.get_bool("drop_last")) {  // one micro-batch of them all
-    const std::string said = "micro_batch " + std::to_string(m) + " is more than the " +
-                             (r.plan.world_size > 1 ? "rank's share of the " : "") + "data set's " + std::to_string(n) +
-                             " examples: each micro-batch is all of them, " + std::to_string(n) + " examples, not the " +
-                             std::to_string(m) + " the plan counts";
-    if (std::find(r.warnings.begin(), r.warnings.end(), said) == r.warnings.end()) r.warn(said);
+    r.warn_once("micro_batch " + std::to_string(m) + " is more than the " +
+                (r.plan.world_size > 1 ? "rank's share of the " : "") + "data set's " + std::to_string(n) +
+                " examples: each micro-batch is all of them, " + std::to_string(n) + " examples, not the " +
+                std::to_string(m) + " the plan counts");
   }
   int64_t micro_batches = 0;
   if (!r.bound.by_steps() && (__builtin_mul_overflow(r.bound.count, r.batches_per_epoch, &micro_batches) ||
@@ -267,6 +296,7 @@ void shape_windows(Run& r) {
                       ", longer than the run's " + std::to_string(r.total_steps) + " optimizer steps" +
                       (ramp.by_samples ? " take" : "") + ": the run would end before its effective batch of " +
                       std::to_string(r.plan.effective_batch()) + "; shorten the ramp or lengthen the run");
+  warn_short_micro_batch(r, n, m);
 }
 
 void rebatch(Run& r, int64_t m) {

@@ -393,8 +393,8 @@ void pick_micro_batch(Run& r) {
     const std::string advice = sharding_advice(search.last.state, peaks[at][m], budget / (1 + kMargin), p.world_size,
                                                 p.effective_batch_goal);
     refuse_window(r, "memory_budget", "a training step of one micro-batch of " + std::to_string(m) +
-                                          (lever ? " with " + std::to_string(at) + " " + l.what + " (the most plugin '" +
-                                                       r.memory_lever.first + "' offers)"
+                                          (lever ? " with the most " + l.what + " plugin '" + r.memory_lever.first +
+                                                       "' offers (" + std::to_string(at) + ")"
                                                  : std::string()) +
                                           " takes " + format_bytes(peaks[at][m]) + "; with a " +
                                           std::to_string(int(kMargin * 100)) + "% margin that is more than the budget of " +
@@ -413,7 +413,8 @@ void pick_micro_batch(Run& r) {
     with = " with " + std::to_string(level) + " of " + std::to_string(l.levels) + " " + l.what + " (plugin '" +
            r.memory_lever.first + "')";
     for (const auto& [lv, at] : peaks)
-      if (lv != level) others += "; at " + std::to_string(lv) + " " + l.what + ": " + list_peaks(at);
+      if (lv != level)
+        others += "; with " + std::to_string(lv) + " of " + std::to_string(l.levels) + " " + l.what + ": " + list_peaks(at);
   }
   spdlog::info("micro-batch {} picked by memory{}: a step's peak {} of a {} budget ({}; {}% margin); measured {}{}", chosen,
                with, format_bytes(peaks[level][chosen]), format_bytes(budget), source, int(kMargin * 100),

@@ -3,7 +3,9 @@
 // dependence (BatchNorm, dropout, a loss that averages unequal counts) can make a difference.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <set>
 #include <tuple>
 
@@ -30,9 +32,32 @@ std::string owner_of(const std::string& param) {
   return dot == std::string::npos ? "(the model itself)" : param.substr(0, dot);
 }
 
+/// Whether the model's forward in training mode draws random numbers (dropout written as a
+/// function, not a module): two forwards of the micro-batch `idx` under other seeds differ.
+bool draws_random(Run& r, const at::Tensor& idx) {
+  TrialGuard guard(r);  // the generators and everything else come back
+  const at::NoGradGuard no_grad;
+  const Batch b = r.fetch(*r.data.train, idx);
+  auto forward = [&](uint64_t seed) {
+    for (auto& [key, g] : generators()) {
+      const std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_current_seed(seed);
+    }
+    return r.model->forward(b.input);
+  };
+  // The same seed twice first: a forward that differs run to run without chance (a GPU's atomic
+  // sums, a NaN) says nothing of random numbers.
+  const at::Tensor once = forward(1);
+  const bool differ = once.equal(forward(1)) && !once.equal(forward(2));
+  guard.restore();
+  return differ;
+}
+
 /// What explains a difference: the modules known to depend on the batch or on chance in
-/// training mode, a mean over unequal token counts, else the modules whose gradients differ.
-void explain(const Run& r, AccumulationCheck& check, int64_t used, const std::set<std::string>& differing) {
+/// training mode, a forward that draws random numbers, a mean over unequal token counts, else the
+/// modules whose gradients differ.
+void explain(Run& r, AccumulationCheck& check, int64_t used, const at::Tensor& first, bool unequal_counts,
+             const std::set<std::string>& differing) {
   bool explained = false;
   for (const auto& item : r.model->named_modules("model")) {
     const auto& mod = item.value();
@@ -49,7 +74,13 @@ void explain(const Run& r, AccumulationCheck& check, int64_t used, const std::se
       explained = true;
     }
   }
-  if (r.loss->reduction() == Reduction::Mean && r.data.info.ignore_index) {
+  if (!explained && draws_random(r, first)) {
+    check.findings.push_back("the model's forward draws random numbers in training mode (two forwards of one "
+                             "micro-batch under other seeds differ: dropout, say): the micro-batches draw other masks "
+                             "than one batch does; accumulation is then exact in expectation only");
+    explained = true;
+  }
+  if (r.loss->reduction() == Reduction::Mean && r.data.info.ignore_index && unequal_counts) {
     check.findings.push_back("the loss is a mean over counted tokens, and micro-batches count different numbers of "
                              "them: a mean of their means is not the window's mean; use reduction = \"sum\" with "
                              "normalization by the window's tokens (by a plugin that provides grads.normalized)");
@@ -89,6 +120,7 @@ AccumulationCheck verify_accumulation(Run& r) {
 
   TrialGuard guard(r);  // parameters, buffers, generators, the optimizer and plugin states come back afterwards
   std::vector<at::Tensor> accumulated, whole;
+  std::vector<int64_t> counted;  // each micro-batch's counted targets
   std::vector<std::string> names;
   {
     const at::ScalarType dtype = r.dtype;
@@ -118,6 +150,7 @@ AccumulationCheck verify_accumulation(Run& r) {
     };
     std::vector<at::Tensor> pieces;
     for (int64_t start = 0; start < used; start += m) pieces.push_back(order.slice(0, start, std::min(used, start + m)));
+    for (const auto& idx : pieces) counted.push_back(r.fetch(*r.data.train, idx).tokens);
     accumulated = side(pieces);
     whole = side({order.slice(0, 0, used)});
   }
@@ -132,7 +165,8 @@ AccumulationCheck verify_accumulation(Run& r) {
     check.max_difference = std::max(check.max_difference, rel);
     if (rel > check.tolerance) differing.insert(owner_of(names[i]));
   }
-  if (!check.exact()) explain(r, check, used, differing);
+  const bool unequal = std::adjacent_find(counted.begin(), counted.end(), std::not_equal_to<>()) != counted.end();
+  if (!check.exact()) explain(r, check, used, order.slice(0, 0, std::min(used, m)), unequal, differing);
   return check;
 }
 

@@ -2,6 +2,8 @@
 // named, the rank's examples of an epoch, a batch on the run's device.
 #include "run/run.h"
 
+#include <algorithm>
+
 #include <spdlog/spdlog.h>
 
 namespace tk::detail {
@@ -29,6 +31,10 @@ void Run::call_plugin(const Slot& slot, const char* hook, const std::function<vo
   } catch (...) {
     throw Error(slot.label() + " failed in " + hook + ": an unknown exception");
   }
+}
+
+void Run::warn_once(const std::string& msg) {
+  if (std::find(warnings.begin(), warnings.end(), msg) == warnings.end()) warn(msg);
 }
 
 void Run::warn(const std::string& msg) {

@@ -79,6 +79,8 @@ struct Run {
 
   Run();
   void warn(const std::string& msg);
+  /// warn, unless said already this run: what planning again (a trial step, a back-off) finds again.
+  void warn_once(const std::string& msg);
   /// Examples this rank sees per epoch: all of them alone; with several ranks, an equal share
   /// (the remainder of the division, under world_size examples, is left out of that epoch).
   int64_t shard_size() const { return data.train->size() / plan.world_size; }

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -120,10 +121,24 @@ FolderLock::~FolderLock() { release(); }
 void FolderLock::acquire(const fs::path& dir) {
   release();
   const fs::path file = dir / ".tk-lock";
-  const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) fail("open the lock file", file, errno);
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
+  int fd = -1, err = 0;
+  // A run that gave up a folder it made unlinks the lock file while holding it: a lock taken on
+  // that file is on no file of the folder's, and is taken again on the one there now.
+  for (int tries = 0;; ++tries) {
+    fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) fail("open the lock file", file, errno);
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      err = errno;
+      break;
+    }
+    struct stat held {}, there {};
+    if (::fstat(fd, &held) == 0 && ::stat(file.c_str(), &there) == 0 && held.st_ino == there.st_ino &&
+        held.st_dev == there.st_dev)
+      break;
+    ::close(fd);
+    if (tries == 100) fail("lock", file, ESTALE);
+  }
+  if (err != 0) {
     ::close(fd);
     if (err != EWOULDBLOCK) fail("lock", file, err);
     std::string holder;
