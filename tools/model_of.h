@@ -125,8 +125,8 @@ inline std::unique_ptr<Trainer> build_model(Recipe recipe, const std::string& de
   try {
     auto trainer = std::make_unique<Trainer>(recipe, topts);
     // Builds and plans the run: the model as trained, after every plugin's setup. The plan's advice
-    // is for training (bf16 on this CPU, the batch's shape), not for this tool: only what concerns
-    // the weights is said.
+    // is for training (bf16 on this CPU, the batch's shape), not for this tool; what concerns the
+    // weights (init's) was said as the Trainer was made.
     const auto level = spdlog::get_level();
     spdlog::set_level(spdlog::level::err);
     try {
@@ -136,8 +136,6 @@ inline std::unique_ptr<Trainer> build_model(Recipe recipe, const std::string& de
       throw;
     }
     spdlog::set_level(level);
-    for (const auto& w : trainer->warnings())
-      if (w.rfind("init: ", 0) == 0) spdlog::warn("{}", w);
     return trainer;
   } catch (const std::exception& e) {
     // The device is this tool's --device, not a --set the user typed.

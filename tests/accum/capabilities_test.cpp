@@ -511,7 +511,7 @@ TEST_SUITE("accumulation capabilities") {
     const tk::AccumulationCheck uneven = seq.verify_accumulation();
     CHECK_FALSE(uneven.exact());
     REQUIRE(uneven.findings.size() == 1);
-    CHECK(uneven.findings[0].find("use reduction = \"sum\" with normalization by the window's tokens") != std::string::npos);
+    CHECK(uneven.findings[0].find("use reduction = \"sum\" with normalization by the window's counted tokens") != std::string::npos);
   }
 
   TEST_CASE("the verifier names dropout a model draws as a function (the GPT's), and leaves the generators as found") {

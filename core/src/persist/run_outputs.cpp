@@ -90,11 +90,23 @@ RunOutputs::~RunOutputs() {
 void RunOutputs::claim() {
   if (!active_) return;
   std::error_code ec;
-  for (fs::path p = without_trailing_slash(dir_); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) made_ = p;
-  fs::create_directories(dir_, ec);
-  // Refused before anything is written: no folder, nothing of the run in it.
-  if (ec) throw RunRefused(where_ + ": cannot create the output folder '" + dir_.string() + "': " + ec.message());
-  lock_.acquire(dir_);
+  fs::path made;
+  for (int tries = 0;; ++tries) {
+    made.clear();
+    for (fs::path p = without_trailing_slash(dir_); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) made = p;
+    fs::create_directories(dir_, ec);
+    // Refused before anything is written: no folder, nothing of the run in it.
+    if (ec) throw RunRefused(where_ + ": cannot create the output folder '" + dir_.string() + "': " + ec.message());
+    try {
+      lock_.acquire(dir_);
+      break;
+    } catch (const RunRefused&) {
+      throw;  // in use: what this run made is another's now
+    } catch (const Error&) {
+      if (tries == 3 || fs::exists(dir_, ec)) throw;  // not a folder a refused run just gave up
+    }
+  }
+  made_ = made;  // given up again by the destructor only once this run holds it
   if (!resuming_ && !auto_) clear_for_new_run(false);
 }
 

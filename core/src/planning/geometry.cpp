@@ -230,18 +230,21 @@ namespace {
 void warn_short_micro_batch(Run& r, int64_t n, int64_t m) {
   const PlanValues& p = r.plan;
   const int64_t k = p.accumulation, rest = n % m, last = r.batches_per_epoch % std::max<int64_t>(k, 1);
-  if (rest == 0 || m > n || k <= 1 || r.data_opts.get_bool("drop_last") || p.reduction != Reduction::Mean ||
-      r.total_steps * k < r.batches_per_epoch)
+  // (Under a ramp the windows of the first epochs are smaller: not reckoned here.)
+  if (rest == 0 || m > n || k <= 1 || p.ramp.active() || r.data_opts.get_bool("drop_last") ||
+      p.reduction != Reduction::Mean || r.total_steps < (r.batches_per_epoch + k - 1) / k)
     return;
   // A window cut short at the epoch's end: dropped, or one of that micro-batch alone.
   if ((p.last_window == LastWindow::Drop && last != 0) || (p.last_window == LastWindow::Step && last == 1)) return;
+  // Sequences padded to a length count their tokens, not their examples: only a sum over them is exact.
   const bool sequences = r.data.info.ignore_index.has_value();
   r.warn_once("each epoch ends in a micro-batch of " + std::to_string(rest) + " examples, not " + std::to_string(m) +
               ", and a mean loss: the step that holds it averages the micro-batches' means, weighing its " +
               std::to_string(rest) + " examples as much as a full micro-batch's " + std::to_string(m) +
-              ", unlike one batch; [data] drop_last = true, or a loss with reduction = \"sum\" divided by the "
-              "window's " + (sequences ? "counted tokens" : "examples") + " (as the window plugin's normalize does), "
-              "makes every step exact");
+              ", unlike one batch; " + (sequences ? "" : "[data] drop_last = true, or ") +
+              "a loss with reduction = \"sum\" and the window's gradient divided by its " +
+              (sequences ? "counted tokens" : "examples") + " (the normalize option of the plugin that "
+              "normalizes it), makes every step exact");
 }
 
 }  // namespace

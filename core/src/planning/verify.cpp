@@ -80,10 +80,11 @@ void explain(Run& r, AccumulationCheck& check, int64_t used, const at::Tensor& f
                              "than one batch does; accumulation is then exact in expectation only");
     explained = true;
   }
-  if (r.loss->reduction() == Reduction::Mean && r.data.info.ignore_index && unequal_counts) {
-    check.findings.push_back("the loss is a mean over counted tokens, and micro-batches count different numbers of "
+  if (r.loss->reduction() == Reduction::Mean && unequal_counts) {
+    const std::string items = r.data.info.ignore_index ? "counted tokens" : "examples";
+    check.findings.push_back("the loss is a mean over " + items + ", and micro-batches count different numbers of "
                              "them: a mean of their means is not the window's mean; use reduction = \"sum\" with "
-                             "normalization by the window's tokens (by a plugin that provides grads.normalized)");
+                             "normalization by the window's " + items + " (by a plugin that provides grads.normalized)");
   } else if (!explained) {
     std::string list;
     for (const auto& d : differing) list += (list.empty() ? "" : ", ") + d;
@@ -150,7 +151,7 @@ AccumulationCheck verify_accumulation(Run& r) {
     };
     std::vector<at::Tensor> pieces;
     for (int64_t start = 0; start < used; start += m) pieces.push_back(order.slice(0, start, std::min(used, start + m)));
-    for (const auto& idx : pieces) counted.push_back(r.fetch(*r.data.train, idx).tokens);
+    for (const auto& idx : pieces) counted.push_back(r.data.train->get(idx).tokens);
     accumulated = side(pieces);
     whole = side({order.slice(0, 0, used)});
   }
